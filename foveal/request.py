@@ -1,0 +1,215 @@
+"""Per-request data: what a caller asks for (SamplingParams) and what the engine tracks (Request).
+
+One request_id follows a request from the API to the logs. This module owns validation of sampling
+values: a bad value raises ValueError with a message naming the field, before anything is admitted.
+It must not import torch or anything model-specific.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request. Every row of a batch keeps its own copy.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch those filters off.
+    logprobs=None returns no logprobs; logprobs=k (0..20) returns the sampled token's logprob plus the
+    k most likely tokens (from the raw model distribution, before penalties and temperature).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad field."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be an integer; 0 or -1 disables it")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not _is_num(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not _is_num(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                    bad("logit_bias", f"token id {tok!r} is not in the vocabulary")
+                if not _is_num(bias) or not -100.0 <= bias <= 100.0:
+                    bad("logit_bias", f"bias {bias!r} for token {tok} must be in [-100, 100]")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if t >= vocab_size:
+                    bad("stop_token_ids", f"token id {t} is not in the vocabulary ({vocab_size})")
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # a failure that belongs to this request
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+_ids = itertools.count()
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{next(_ids)}"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Engine-side state of one sequence. Owned by the engine thread; nobody else mutates it.
+
+    all_token_ids = prompt + output. num_computed_tokens counts positions whose K/V sit in the cache;
+    after preemption it drops to 0 and the whole sequence is recomputed (prompt and output alike).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival: int = 0  # monotonically increasing admission order (FCFS)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # A cache of prompt+output, appended in place, so the runner never re-concatenates lists.
+    all_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+
+@dataclass(slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-k alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[Logprob]
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """What one engine step produced for one request: new tokens, new text, maybe the end."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
