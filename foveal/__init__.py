@@ -1,0 +1,16 @@
+"""Foveal: a fast, compact serving engine for vision-language and text models."""
+
+from foveal.request import FinishReason, SamplingParams, TokenDelta
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # keep `import foveal` light: torch loads only when the engine is used
+    if name == "LLM":
+        from foveal.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "FinishReason", "SamplingParams", "TokenDelta", "__version__"]

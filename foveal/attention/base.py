@@ -1,0 +1,41 @@
+"""The attention-backend protocol. A backend owns how K/V are written into the paged cache and how
+attention reads them; models only call `forward`. `plan` runs once per step, `forward` once per layer.
+
+Token order within a step (set by the runner): all decode rows (one query token each) first, then
+prefill chunks, each a contiguous run of tokens of one sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """What the runner tells a backend about one step (plain data; the backend builds its metadata)."""
+
+    query_lens: list[int]  # new tokens per sequence this step
+    context_lens: list[int]  # tokens of each sequence already in the cache before this step
+    block_tables: list[list[int]]  # per sequence, the physical blocks holding its tokens in order
+    num_decodes: int  # the first num_decodes sequences have query_len == 1
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token (block * block_size + offset)
+    block_size: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, batch: AttentionBatch, device: torch.device) -> Any: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
+        meta: Any,
+        scale: float,
+    ) -> torch.Tensor: ...  # [T, num_heads, head_dim]

@@ -1,0 +1,92 @@
+"""Command line: `foveal generate --prompt ...` (offline generation with streaming output)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from foveal.config import ENV_LOG_LEVEL
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file, HF folder or Hub repo id (default: embedded SmolLM2)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--attention-backend", default="auto")
+    g.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "INFO"))
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+        kv_cache_memory=a.kv_cache_memory, block_size=a.block_size,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+        attention_backend=a.attention_backend,
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from foveal.engine.llm import LLM
+    from foveal.loader import ModelLoadError
+    from foveal.request import SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed,
+            stop=a.stop or [],
+        )
+        llm = LLM(progress=True, **_engine_kwargs(a))
+        ids = (
+            llm.engine.apply_chat_template([{"role": "user", "content": a.prompt}])
+            if not a.raw else llm.engine.tokenize(a.prompt)
+        )
+        t0 = time.perf_counter()
+        n = 0
+        last = None
+        for d in llm.stream(ids, params):
+            sys.stdout.write(d.text)
+            sys.stdout.flush()
+            n += len(d.token_ids)
+            last = d
+        dt = time.perf_counter() - t0
+        sys.stdout.write("\n")
+        if last is not None and last.error:
+            print(f"error: {last.error}", file=sys.stderr)
+            return 1
+        print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s, finish: {last.finish_reason.value}]", file=sys.stderr)
+        return 0
+    except (ValueError, ModelLoadError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="foveal", description="Foveal serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text offline for one prompt")
+    _engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append")
+    g.set_defaults(func=cmd_generate)
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The one configuration tree: frozen dataclasses built once (from CLI flags or keyword arguments).
+
+Environment variables are declared here and only here; they are read when a config is built, never
+deep inside the engine. Nothing in this module imports torch at module load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+# Environment variables Foveal reads (all optional).
+ENV_CACHE_DIR = "FOVEAL_CACHE_DIR"  # where converted tokenizers etc. are cached (default ~/.cache/foveal)
+ENV_LOG_LEVEL = "FOVEAL_LOG_LEVEL"
+
+
+def cache_dir() -> str:
+    return os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "foveal")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, fp32 on CPU)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # default: the model's context length
+    seed: int = 0  # for unseeded sampling
+    revision: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; default: 1 GiB on CPU, a fraction of free memory on CUDA
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # override (tests); wins over kv_cache_memory
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # the per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str = "auto"  # auto | torch
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Build the tree from flat keyword arguments (the CLI and LLM(...) use this).
+
+        Unknown keys raise TypeError naming them, so a typo never silently does nothing.
+        """
+        parts = {}
+        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            names = {f.name for f in dataclasses.fields(sub)}
+            parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        top = {f.name for f in dataclasses.fields(cls)} - set(parts)
+        extra = {k: kwargs.pop(k) for k in list(kwargs) if k in top}
+        if kwargs:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
+        cfg = cls(**parts, **extra)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        s, c = self.scheduler, self.cache
+        if s.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if s.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if c.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if c.num_blocks is not None and c.num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2")
+        if c.kv_cache_memory is not None and c.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if not 0.0 < c.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(f"unknown dtype {self.model.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.model.max_model_len is not None and self.model.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")

@@ -1,0 +1,279 @@
+"""The engine: one object that owns the model, the KV pool, the scheduler and every request's state,
+and advances them all by one `step()`. It is single-threaded by design; the server's EngineLoop (a
+later layer) owns the thread that calls it.
+
+A failure that belongs to one request (detokenizer, stop matching) finishes that request with an
+error delta; a failed forward pass aborts only the requests in that batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from foveal.cache.kv_cache_manager import KVCacheManager
+from foveal.config import EngineConfig
+from foveal.engine.detokenizer import IncrementalDetokenizer
+from foveal.request import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprobs,
+    new_request_id,
+)
+from foveal.sched.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class _Tracked:
+    req: Request
+    detok: IncrementalDetokenizer
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model = None
+        self.tokenizer = None
+        self.scheduler: Scheduler | None = None
+        self.runner = None
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending: list[TokenDelta] = []  # deltas produced outside step() (aborts)
+        self._arrivals = 0
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def start(self, progress: bool = False) -> Engine:
+        from foveal.attention import get_backend
+        from foveal.loader import load_checkpoint
+        from foveal.models import build_model, max_context
+        from foveal.worker.model_runner import ModelRunner
+
+        cfg = self.config
+        device = resolve_device(cfg.model.device)
+        dtype = resolve_dtype(cfg.model.dtype, device)
+        if cfg.model.seed is not None:
+            torch.manual_seed(cfg.model.seed)
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(cfg.model.model, dtype=dtype, device=device, progress=progress,
+                               revision=cfg.model.revision)
+        hf = ckpt.hf_config
+        max_len = cfg.model.max_model_len or max_context(hf)
+        backend = get_backend(cfg.attention_backend, device)
+        self.model = build_model(hf, backend, max_positions=max(max_len, 1), dtype=dtype, device=device,
+                                 weights=ckpt.weights)
+        self.tokenizer = ckpt.tokenizer
+        self.model_name = ckpt.name
+        self.hf_config = hf
+        load_s = time.perf_counter() - t0
+
+        layers, kv_heads, head_dim = self.model.kv_shape
+        bs = cfg.cache.block_size
+        elem = torch.empty((), dtype=dtype).element_size()
+        block_bytes = layers * 2 * bs * kv_heads * head_dim * elem
+        num_blocks = cfg.cache.num_blocks or self._num_blocks(block_bytes, device)
+        kv_caches = [
+            torch.zeros(2, num_blocks * bs, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)
+        ]
+        kv = KVCacheManager(num_blocks, bs)
+        if max_len > kv.capacity_tokens:
+            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", max_len, kv.capacity_tokens)
+            max_len = kv.capacity_tokens
+        self.max_model_len = max_len
+        self.scheduler = Scheduler(cfg.scheduler, kv, max_len)
+        vocab = hf.vocab_size
+        self.runner = ModelRunner(self.model, kv_caches, backend, bs, device, vocab)
+        self.eos_token_ids = self._eos_ids()
+        self.device, self.dtype = device, dtype
+        log.info(
+            "loaded %s (%s, %s) on %s in %.2f s; KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d",
+            ckpt.name, ckpt.format, str(dtype).removeprefix("torch."), device, load_s, num_blocks, bs,
+            num_blocks * block_bytes / 2**20, max_len,
+        )
+        return self
+
+    def _num_blocks(self, block_bytes: int, device: torch.device) -> int:
+        budget = self.config.cache.kv_cache_memory
+        if budget is None:
+            if device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(device)
+                budget = int(free - (1.0 - self.config.cache.gpu_memory_utilization) * total)
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        n = budget // block_bytes
+        if n < 2:
+            raise ValueError(f"KV cache memory budget {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes")
+        return int(n)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], **template_kwargs) -> list[int]:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use a plain prompt")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+        return self.tokenize(text, add_special_tokens=False)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Validate and queue one sequence; raises ValueError with the reason on bad input."""
+        params = params or SamplingParams()
+        params.validate(self.hf_config.vocab_size)
+        if params.n != 1:
+            raise ValueError("the engine takes one sequence per request; expand n > 1 before add_request")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                "(prompt plus at least one generated token must fit)"
+            )
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.max_model_len} tokens"
+            )
+        rid = request_id or new_request_id()
+        if rid in self._tracked:
+            raise ValueError(f"request id {rid!r} is already in use")
+        self._arrivals += 1
+        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, arrival=self._arrivals)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self._tracked[rid] = _Tracked(req, detok)
+        self.scheduler.add(req)
+        log.debug("%s added: %d prompt tokens", rid, len(ids))
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; idempotent. Its blocks are free at once; a final delta comes from step()."""
+        t = self._tracked.get(request_id)
+        if t is None or t.req.is_finished:
+            return False
+        self.scheduler.finish(t.req, FinishReason.ABORT)
+        self._pending.append(self._final_delta(t, [], "", None))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.num_unfinished > 0
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.scheduler.kv
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        deltas, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return deltas
+        try:
+            out = self.runner.execute(batch)
+        except Exception as e:  # a failed forward pass aborts only this batch's requests
+            log.exception("forward pass failed; aborting %d request(s)", len(batch.seqs))
+            for s in batch.seqs:
+                t = self._tracked[s.request.request_id]
+                t.error = f"forward pass failed: {type(e).__name__}: {e}"
+                self.scheduler.finish(t.req, FinishReason.ERROR)
+                deltas.append(self._final_delta(t, [], "", None))
+            return deltas
+        self.scheduler.update(batch, out.sampled)
+        for s in batch.seqs:
+            if s.sample and s.request.request_id in out.sampled:
+                deltas.append(self._emit(s.request, out.sampled[s.request.request_id],
+                                         out.logprobs.get(s.request.request_id)))
+        return deltas
+
+    def _emit(self, req: Request, tok: int, lp: TokenLogprobs | None) -> TokenDelta:
+        t = self._tracked[req.request_id]
+        stop_reason: str | int | None = None
+        try:
+            text = t.detok.add([tok])
+            if t.detok.stop_matched is not None:
+                self.scheduler.finish(req, FinishReason.STOP)
+                req.finish_reason = FinishReason.STOP  # a stop string wins over a length stop in the same step
+            if req.is_finished:
+                if t.detok.stop_matched is not None:
+                    stop_reason = t.detok.stop_matched
+                else:
+                    text += t.detok.flush()
+                    if tok in req.params.stop_token_ids:
+                        stop_reason = tok
+        except Exception as e:  # this request's failure only
+            log.exception("%s: detokenization failed", req.request_id)
+            t.error = f"detokenization failed: {type(e).__name__}: {e}"
+            self.scheduler.finish(req, FinishReason.ERROR)
+            text = ""
+        if not req.is_finished:
+            return TokenDelta(req.request_id, [tok], text, [lp] if lp else None)
+        if req.finish_reason is FinishReason.ERROR and t.error is None:
+            t.error = "request failed"
+        return self._final_delta(t, [tok], text, [lp] if lp else None, stop_reason)
+
+    def _final_delta(self, t: _Tracked, toks, text, lps, stop_reason=None) -> TokenDelta:
+        req = t.req
+        self._tracked.pop(req.request_id, None)
+        if req.status is not RequestStatus.FINISHED:  # defensive: never leave a request half-done
+            self.scheduler.finish(req, FinishReason.ERROR)
+        return TokenDelta(
+            req.request_id, toks, text, lps, finish_reason=req.finish_reason, stop_reason=stop_reason,
+            error=t.error, num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+        )

@@ -1,0 +1,116 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, `LLM.chat(messages)` and
+`LLM.stream(...)`. A thin driver over Engine.step(); no scheduling logic of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from foveal.config import EngineConfig
+from foveal.engine.engine import Engine
+from foveal.request import FinishReason, SamplingParams, TokenDelta, TokenLogprobs, new_request_id
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+PromptLike = str | list[int]
+
+
+class LLM:
+    """Offline generation. Keyword arguments are engine options (see foveal.config), e.g.
+    `LLM(dtype="bfloat16", max_num_seqs=64, kv_cache_memory=2**30)`."""
+
+    def __init__(self, model: str | None = None, *, progress: bool = False, **engine_options):
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_options)).start(progress=progress)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self, prompts: PromptLike | list[PromptLike], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        prompts = self._as_list(prompts)
+        return self._run([self._ids(p) for p in prompts], params)
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        kw = chat_template_kwargs or {}
+        return self._run([self.engine.apply_chat_template(c, **kw) for c in convs], params)
+
+    def stream(self, prompt: PromptLike, params: SamplingParams | None = None) -> Iterator[TokenDelta]:
+        """Yield each step's delta for one prompt (n must be 1) until it finishes."""
+        rid = self.engine.add_request(self._ids(prompt), dataclasses.replace(params or SamplingParams()))
+        try:
+            while True:
+                for d in self.engine.step():
+                    if d.request_id == rid:
+                        yield d
+                        if d.finished:
+                            return
+        finally:
+            self.engine.abort(rid)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    @staticmethod
+    def _as_list(prompts) -> list[PromptLike]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    def _ids(self, prompt: PromptLike) -> list[int]:
+        return self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _run(self, prompt_ids: list[list[int]], params) -> list[RequestOutput]:
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_ids)
+        if len(plist) != len(prompt_ids):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_ids)} prompts")
+        results: list[RequestOutput] = []
+        where: dict[str, CompletionOutput] = {}
+        try:
+            for ids, p in zip(prompt_ids, plist):
+                ro = RequestOutput(new_request_id("gen"), ids, [])
+                for i in range(p.n):
+                    # each choice is its own sequence; seeded choices get distinct, reproducible seeds
+                    sub = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                    co = CompletionOutput(i, logprobs=[] if p.logprobs is not None else None)
+                    where[self.engine.add_request(ids, sub)] = co
+                    ro.outputs.append(co)
+                results.append(ro)
+            while self.engine.has_unfinished():
+                for d in self.engine.step():
+                    co = where.get(d.request_id)
+                    if co is None:
+                        continue
+                    co.text += d.text
+                    co.token_ids.extend(d.token_ids)
+                    if d.logprobs and co.logprobs is not None:
+                        co.logprobs.extend(d.logprobs)
+                    if d.finished:
+                        co.finish_reason, co.stop_reason, co.error = d.finish_reason, d.stop_reason, d.error
+        finally:
+            for rid, co in where.items():
+                if co.finish_reason is None:
+                    self.engine.abort(rid)
+        return results

@@ -1,0 +1,56 @@
+"""Model registry: `config.architectures[0]` -> implementation, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": "foveal.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "foveal.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "foveal.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "foveal.models.llama:Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(config):
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs:
+        raise ValueError(
+            f"the model config names no architecture; supported: {', '.join(supported_architectures())}"
+        )
+    arch = archs[0]
+    if arch not in _MODELS:
+        raise ValueError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}"
+        )
+    module, cls = _MODELS[arch].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def max_context(config) -> int:
+    """The longest context the native model computes exactly (sliding windows are not implemented yet,
+    so a model with an active window is capped to it)."""
+    limit = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limit = min(limit, int(window))
+    return limit
+
+
+def build_model(config, backend, *, max_positions: int, dtype, device, weights):
+    """Instantiate the native model without random init (meta device), then fill it from `weights`."""
+    import torch
+
+    from foveal.layers.rotary import RotaryEmbedding
+
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config, backend, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = RotaryEmbedding(config, model.spec.head_dim, max_positions).to(device)
+    model.load_weights(weights)
+    return model.eval()

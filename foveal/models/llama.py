@@ -1,0 +1,201 @@
+"""Decoder-only Llama-family models on the paged KV cache: Llama 2/3.x, SmolLM2, Mistral (no sliding
+window), Qwen2/Qwen2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm). The differences are config
+switches, not copies.
+
+Tokens of all sequences in a step are flattened to [T]; the attention backend knows which token
+belongs to which sequence. q/k/v and gate/up projections are fused into one matmul each.
+Models never look at requests: they see token ids, positions and attention metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foveal.layers.norm import RMSNorm
+from foveal.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class DecoderSpec:
+    """The architecture switches of one family, read from a transformers config."""
+
+    def __init__(self, config, *, family_qkv_bias: bool, qk_norm: bool):
+        self.hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.num_heads
+        self.intermediate = config.intermediate_size
+        self.num_layers = config.num_hidden_layers
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_bias = family_qkv_bias or attention_bias  # Qwen2 always has q/k/v bias, never o bias
+        self.o_bias = attention_bias and not family_qkv_bias
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qk_norm = qk_norm
+        self.tie_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, backend):
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+        h, hd = spec.num_heads, spec.head_dim
+        self.q_size, self.kv_size = h * hd, spec.num_kv_heads * hd
+        self.qkv_proj = nn.Linear(spec.hidden, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, spec.eps)
+            self.k_norm = RMSNorm(hd, spec.eps)
+        self.scale = hd**-0.5
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        s = self.spec
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.inter = spec.intermediate
+        self.gate_up_proj = nn.Linear(spec.hidden, 2 * spec.intermediate, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate, spec.hidden, bias=spec.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, backend):
+        super().__init__()
+        self.self_attn = Attention(spec, backend)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
+
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_residual(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        return self.mlp(h), residual
+
+
+# HF checkpoint names that we store fused: (our parameter suffix, shard index within it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config, backend, max_positions: int):
+        super().__init__()
+        self.config = config
+        spec = self.spec = self._spec(config)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden, spec.eps)
+        self.rotary = RotaryEmbedding(config, spec.head_dim, max_positions)
+        self.lm_head = None if spec.tie_embeddings else nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+
+    def _spec(self, config) -> DecoderSpec:
+        return DecoderSpec(config, family_qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim): what the KV pool must hold per token."""
+        return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, cache, meta)
+        x, _ = self.norm.forward_residual(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (partly fused) parameters; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            target, offset, rows = self._map_name(name)
+            if target is None:
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            p = params[target]
+            with torch.no_grad():
+                if rows is None:
+                    if p.shape != tensor.shape:
+                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
+                    p.copy_(tensor)
+                else:
+                    p[offset : offset + rows].copy_(tensor)
+            filled[target] = filled.get(target, 0) + (p.shape[0] if rows is None else rows)
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+    def _map_name(self, name: str):
+        """HF name -> (our name, row offset, row count) ; row info only for fused shards."""
+        if name.startswith("lm_head.") and self.lm_head is None:
+            return None, 0, None  # tied: the embedding serves as the head
+        name = name.removeprefix("model.")
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[0] == "layers" and parts[3] in _FUSED:
+            fused, idx = _FUSED[parts[3]]
+            s = self.spec
+            if fused == "qkv_proj":
+                sizes = [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+            else:
+                sizes = [s.intermediate, s.intermediate]
+            return ".".join(parts[:3] + [fused] + parts[4:]), sum(sizes[:idx]), sizes[idx]
+        return name, 0, None
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

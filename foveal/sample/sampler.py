@@ -1,0 +1,253 @@
+"""Token sampling for one engine step: a [B, V_model] logits matrix in, one token per row out.
+
+Owns the per-row sampling pipeline, in this order: min_tokens masking of EOS/stop ids, logit_bias,
+repetition penalty (prompt + output), frequency/presence penalties (output), temperature (0 = greedy),
+then min_p -> top_k -> top_p, then the draw; plus logprobs taken from the raw logits. Every row uses its
+own SamplingParams, packed into per-row tensors once per call: nothing is inherited from another row.
+Seeded rows draw from a generator seeded only by (seed, draw index), so their tokens do not depend on
+the batch they happen to share. Columns past vocab_size (padding of the LM head) are never sampled.
+
+It must not know about requests, schedulers or models: callers hand it SamplingRow values and logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from foveal.request import Logprob, SamplingParams, TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of the logits matrix and what the sampler needs to know about its request."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far; len() is the index of the draw being made
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # one per row; None where params.logprobs is None
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """A 63-bit generator seed that depends only on (request seed, draw index): splitmix64 of both."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _min_tokens_active(row: SamplingRow) -> bool:
+    return len(row.output_token_ids) < row.params.min_tokens
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    p = row.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and not p.needs_penalties
+        and not _min_tokens_active(row)
+    )
+
+
+class Sampler:
+    """Stateless apart from a cached torch.Generator per device (reseeded for every seeded row)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        V = self.vocab_size
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < V:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows x vocab {V}")
+        raw = logits[:, :V]  # dropping the padding columns is the same as masking them to -inf
+        if all(_plain_greedy(r) for r in rows):
+            return SamplerOutput(raw.argmax(-1).tolist(), [None] * len(rows))
+
+        x = self.process_logits(logits, rows)
+        ng = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(ng) == len(rows):
+            tokens = self._draw(self._filter(x, [r.params for r in rows]).softmax(-1), rows)
+        else:
+            tokens = x.argmax(-1)
+            if ng:
+                idx = torch.tensor(ng, dtype=torch.long, device=x.device)
+                sub = [rows[i] for i in ng]
+                tokens[idx] = self._draw(self._filter(x[idx], [r.params for r in sub]).softmax(-1), sub)
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(raw, rows, tokens, token_ids))
+
+    # ---- steps 1-4: masking, bias, penalties -------------------------------------------------------
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """float32 [B, vocab_size] logits after min_tokens masking, logit_bias and penalties."""
+        V = self.vocab_size
+        x = logits[:, :V].to(torch.float32, copy=True)
+        mask_r: list[int] = []
+        mask_t: list[int] = []
+        bias_r: list[int] = []
+        bias_t: list[int] = []
+        bias_v: list[float] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            if _min_tokens_active(r):
+                # ignore_eos: the engine will not stop on EOS, so only stop ids need holding back
+                ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | r.eos_token_ids
+                ids = [t for t in ids if 0 <= t < V]
+                mask_r += [i] * len(ids)
+                mask_t += ids
+            if p.logit_bias:
+                for t, b in p.logit_bias.items():
+                    if 0 <= t < V:
+                        bias_r.append(i)
+                        bias_t.append(t)
+                        bias_v.append(float(b))
+        dev = x.device
+        if mask_t:
+            x[_long(mask_r, dev), _long(mask_t, dev)] = float("-inf")
+        if bias_t:
+            vals = torch.tensor(bias_v, dtype=torch.float32, device=dev)
+            x.index_put_((_long(bias_r, dev), _long(bias_t, dev)), vals, accumulate=True)
+        pen = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+        if pen:
+            self._apply_penalties(x, rows, pen)
+        return x
+
+    def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow], pen: list[int]) -> None:
+        dev = x.device
+        ps = [rows[i].params for i in pen]
+        vals = torch.tensor(
+            [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in ps],
+            dtype=torch.float32,
+            device=dev,
+        )
+        idx = _long(pen, dev)
+        sel = x[idx]
+        out_counts = self._counts([rows[i].output_token_ids for i in pen], dev)
+        if any(p.repetition_penalty != 1.0 for p in ps):
+            # only rows with a repetition penalty pay for scanning their prompt
+            prompts = [rows[i].prompt_token_ids if p.repetition_penalty != 1.0 else [] for i, p in zip(pen, ps)]
+            seen = (self._counts(prompts, dev) > 0) | (out_counts > 0)
+            rep = vals[:, 0:1]
+            sel = torch.where(seen, torch.where(sel > 0, sel / rep, sel / rep), sel)
+        cnt = out_counts.to(torch.float32)
+        sel = sel - (vals[:, 1:2] * cnt + vals[:, 2:3] * (cnt > 0))
+        x[idx] = sel
+
+    def _counts(self, token_lists: list[list[int]], dev: torch.device) -> torch.Tensor:
+        """int32 [n, vocab_size] occurrence counts, one scatter for all rows."""
+        V, n = self.vocab_size, len(token_lists)
+        counts = torch.zeros(n, V + 1, dtype=torch.int32, device=dev)
+        total = sum(len(t) for t in token_lists)
+        if total:
+            flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long).to(dev)
+            lens = torch.tensor([len(t) for t in token_lists], dtype=torch.long).to(dev)
+            row = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=total)
+            # ids outside the vocab (e.g. image placeholders) land in the spare last column
+            key = row * (V + 1) + flat.clamp(0, V)
+            counts.view(-1).index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+        return counts[:, :V]
+
+    # ---- steps 5-6: temperature and min_p / top_k / top_p -----------------------------------------
+
+    def filtered_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Steps 1-6: non-greedy rows are temperature-scaled and filtered (dropped tokens are -inf);
+        greedy rows are left as process_logits returns them. softmax() gives the sampling distribution."""
+        x = self.process_logits(logits, rows)
+        ng = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if ng:
+            idx = _long(ng, x.device)
+            x[idx] = self._filter(x[idx], [rows[i].params for i in ng])
+        return x
+
+    def _filter(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        V = self.vocab_size
+        neg_inf = float("-inf")
+        # one host->device copy for every per-row scalar; off switches get values that keep everything
+        cols = torch.tensor(
+            [[p.temperature, p.min_p, p.top_k if 0 < p.top_k < V else 0, p.top_p if p.top_p < 1 else 2.0]
+             for p in params],
+            dtype=torch.float32,
+        ).to(x.device)
+        x = x / cols[:, 0:1]
+        if any(p.min_p > 0 for p in params):
+            probs = x.softmax(-1)
+            x = x.masked_fill(probs < probs.amax(-1, keepdim=True) * cols[:, 1:2], neg_inf)
+        ks = [p.top_k for p in params if 0 < p.top_k < V]
+        use_p = any(p.top_p < 1 for p in params)
+        k = cols[:, 2].long()
+        k_on = (k > 0).unsqueeze(1)
+        if use_p:
+            srt, order = x.sort(-1, descending=True)
+            if ks:
+                kth = srt.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
+                srt = srt.masked_fill(k_on & (srt < kth), neg_inf)
+            probs = srt.softmax(-1)
+            # drop a token once the more probable ones already reach top_p; the first always stays
+            drop = (probs.cumsum(-1) - probs) >= cols[:, 3:4]
+            drop[:, 0] = False
+            return torch.empty_like(x).scatter_(1, order, srt.masked_fill(drop, neg_inf))
+        if ks:
+            top = x.topk(max(ks), dim=-1).values
+            kth = top.gather(1, (k - 1).clamp(0, max(ks) - 1).unsqueeze(1))
+            x = x.masked_fill(k_on & (x < kth), neg_inf)
+        return x
+
+    # ---- step 7: the draw ----------------------------------------------------------------------------
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """argmax(p / E) with E ~ Exp(1) picks token i with probability p_i (the exponential race)."""
+        q = torch.empty_like(probs)
+        seeded = [j for j, r in enumerate(rows) if r.params.seed is not None]
+        if len(seeded) < len(rows):
+            q.exponential_()  # unseeded rows: the global RNG, one call for the batch
+        if seeded:
+            gen = self._generator(probs.device)
+            for j in seeded:
+                r = rows[j]
+                gen.manual_seed(draw_seed(r.params.seed, len(r.output_token_ids)))
+                q[j].exponential_(generator=gen)
+        return probs.div_(q.clamp_min_(1e-20)).argmax(-1)
+
+    def _generator(self, dev: torch.device) -> torch.Generator:
+        gen = self._generators.get(dev)
+        if gen is None:
+            gen = self._generators[dev] = torch.Generator(device=dev)
+        return gen
+
+    # ---- step 8: logprobs from the raw logits -------------------------------------------------------
+
+    def _logprobs(
+        self, raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor, token_ids: list[int]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return out
+        idx = _long(want, raw.device)
+        lp = torch.log_softmax(raw[idx].to(torch.float32), dim=-1)
+        chosen = lp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+        kmax = max(rows[i].params.logprobs for i in want)
+        top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            k = rows[i].params.logprobs
+            top = [Logprob(t, v) for t, v in zip(top_i[j][:k], top_v[j][:k])]
+            out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+        return out
+
+
+def _long(values: list[int], dev: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=dev)

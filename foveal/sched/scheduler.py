@@ -1,0 +1,143 @@
+"""Continuous-batching scheduler with one token budget per step.
+
+Each step spends `max_num_batched_tokens`: first on running requests, in arrival order (one decode
+token each, or the next chunk of an unfinished prefill), then on waiting requests (a prefill chunk
+that fits what is left). So chunked prefill and decodes share steps, and a long prompt is split.
+
+When the KV pool cannot hold a running request's next tokens, the most recently arrived running
+request is preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
+recomputed (prompt + tokens generated so far) later. A request that fits the pool alone can always
+make progress, so there is no deadlock: the engine caps max_model_len to the pool's capacity.
+
+The scheduler knows nothing about models or tokenizers; stop strings are the engine's business.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from foveal.cache.kv_cache_manager import KVCacheManager
+from foveal.config import SchedulerConfig
+from foveal.request import FinishReason, Request, RequestStatus
+from foveal.sched.batch import ScheduledBatch, ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request wherever it is and release its blocks (idempotent)."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step --------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.can_allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req itself was preempted; everything after it was too
+            self.kv.allocate(req, n)
+            batch.seqs.append(self._seq(req, n))
+            scheduled.add(id(req))
+            budget -= n
+            i += 1
+        # Waiting requests only when nobody was preempted this step (they would just evict each other).
+        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.can_allocate(req, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.kv.allocate(req, n)
+            batch.seqs.append(self._seq(req, n))
+            budget -= n
+        # Decodes first, then prefill chunks: the layout attention backends expect.
+        batch.seqs.sort(key=lambda s: s.num_tokens != 1)
+        return batch
+
+    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens)
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        batch.preempted.append(req.request_id)
+        self.num_preemptions += 1
+        log.info("%s preempted (recompute later); %d free blocks", req.request_id, self.kv.pool.num_free_blocks)
+
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token-level stop rules.
+
+        Returns the requests that finished in this step (already freed).
+        """
+        finished = []
+        for s in batch.seqs:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            req.num_computed_tokens = s.start + s.num_tokens
+            if not s.sample:
+                continue
+            tok = sampled[req.request_id]
+            req.append_token(tok)
+            reason = self.check_stop(req, tok)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def check_stop(self, req: Request, tok: int) -> FinishReason | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if (tok in req.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                return FinishReason.STOP
+        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
