@@ -34,3 +34,22 @@ def smollm_tokenizer(smollm_path):
 
     d, f = os.path.split(smollm_path)
     return AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """Foveal on the embedded model, fp32 on CPU (shared by the real-model tests)."""
+    from foveal.engine.llm import LLM
+
+    return LLM(dtype="float32", kv_cache_memory=256 * 2**20)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_blocks(request):
+    """After every test that used the shared engine: no request left, no block held, pool consistent."""
+    yield
+    if "llm_fp32" in request.fixturenames:
+        eng = request.getfixturevalue("llm_fp32").engine
+        eng.kv.check_integrity()
+        assert eng.kv.num_used_blocks == 0, "KV blocks leaked"
+        assert not eng.has_unfinished()

@@ -294,7 +294,10 @@ def test_logprobs_come_from_raw_logits():
         assert got.token_id == out.token_ids[i]
         assert math.isclose(got.logprob, lp[i, got.token_id].item(), abs_tol=1e-5)
         assert len(got.top) == k
-        assert [t.token_id for t in got.top] == lp[i].topk(k).indices.tolist() if k else got.top == []
+        if k == 0:
+            assert got.top == []
+        else:
+            assert [t.token_id for t in got.top] == lp[i].topk(k).indices.tolist()
         vals = [t.logprob for t in got.top]
         assert vals == sorted(vals, reverse=True)
         for t in got.top:

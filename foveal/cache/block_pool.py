@@ -1,4 +1,4 @@
-"""The pool of KV-cache blocks: which block ids are free, and how many owners each used block has.
+r"""The pool of KV-cache blocks: which block ids are free, and how many owners each used block has.
 
 Block 0 is the null block: never handed out, so padded slots in a batch can point at it harmlessly.
 

@@ -12,7 +12,7 @@ It must not know about requests, schedulers or models: callers hand it SamplingR
 
 from __future__ import annotations
 
-import itertools
+import array
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +127,8 @@ class Sampler:
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow], pen: list[int]) -> None:
         dev = x.device
-        ps = [rows[i].params for i in pen]
+        sub = [rows[i] for i in pen]
+        ps = [r.params for r in sub]
         vals = torch.tensor(
             [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in ps],
             dtype=torch.float32,
@@ -135,13 +136,13 @@ class Sampler:
         )
         idx = _long(pen, dev)
         sel = x[idx]
-        out_counts = self._counts([rows[i].output_token_ids for i in pen], dev)
+        out_counts = self._counts([r.output_token_ids for r in sub], dev)
         if any(p.repetition_penalty != 1.0 for p in ps):
             # only rows with a repetition penalty pay for scanning their prompt
-            prompts = [rows[i].prompt_token_ids if p.repetition_penalty != 1.0 else [] for i, p in zip(pen, ps)]
+            prompts = [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(sub, ps)]
             seen = (self._counts(prompts, dev) > 0) | (out_counts > 0)
             rep = vals[:, 0:1]
-            sel = torch.where(seen, torch.where(sel > 0, sel / rep, sel / rep), sel)
+            sel = torch.where(seen, torch.where(sel > 0, sel / rep, sel * rep), sel)
         cnt = out_counts.to(torch.float32)
         sel = sel - (vals[:, 1:2] * cnt + vals[:, 2:3] * (cnt > 0))
         x[idx] = sel
@@ -152,7 +153,10 @@ class Sampler:
         counts = torch.zeros(n, V + 1, dtype=torch.int32, device=dev)
         total = sum(len(t) for t in token_lists)
         if total:
-            flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long).to(dev)
+            buf = array.array("q")  # ~4x faster than torch.tensor(list) on long prompts
+            for t in token_lists:
+                buf.fromlist(t) if isinstance(t, list) else buf.extend(t)
+            flat = torch.frombuffer(buf, dtype=torch.long).to(dev)
             lens = torch.tensor([len(t) for t in token_lists], dtype=torch.long).to(dev)
             row = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=total)
             # ids outside the vocab (e.g. image placeholders) land in the spare last column

@@ -1,0 +1,147 @@
+"""`load_checkpoint`: turn a `--model` value into config, tokenizer and a lazy stream of HF-named weights.
+
+Owns: deciding what the value is (None -> the embedded GGUF, a .gguf file, an HF folder, a Hub repo
+id), the `Checkpoint` boundary type, the progress bar and the load-time logs. Format details live in
+gguf_loader.py / safetensors_loader.py / hub.py. Must not build models: weights are yielded one
+tensor at a time, already in the requested dtype and on the requested device, for the model to copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from foveal.loader.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    hf_config: Any  # transformers.PretrainedConfig, with .architectures set
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase, with chat_template when the source has one
+    weights: Iterator[tuple[str, torch.Tensor]]  # lazy, HF names; no lm_head.weight when tied
+    source: str  # resolved local path (file or folder)
+    format: str  # "gguf" | "safetensors"
+    name: str  # served model name
+
+
+def load_checkpoint(
+    model: str | None,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    revision: str | None = None,
+) -> Checkpoint:
+    """Config and tokenizer now; weights as an iterator that reads one tensor per step."""
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    if model is None:
+        from foveal.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+        try:
+            path = default_model_path()
+        except FileNotFoundError as e:
+            raise ModelLoadError(str(e)) from e
+        ckpt = _load_gguf(path, DEFAULT_MODEL_NAME, dtype, device, progress)
+    else:
+        local = os.path.abspath(os.path.expanduser(model))
+        if os.path.exists(local):
+            if revision is not None:
+                log.warning("--revision %s is ignored for the local path %s", revision, local)
+            ckpt = _load_local(local, dtype, device, progress)
+        elif model.lower().endswith(".gguf") or not _looks_like_repo_id(model):
+            raise ModelLoadError(f"model path {model!r} does not exist")
+        else:
+            from foveal.loader.hub import download_repo
+
+            folder = download_repo(model, revision)
+            ckpt = _load_folder(folder, model, dtype, device, progress)
+    log.info(
+        "loaded %s config and tokenizer (%s) from %s in %.2f s; weights stream on first use",
+        ckpt.name,
+        ckpt.format,
+        ckpt.source,
+        time.perf_counter() - t0,
+    )
+    return ckpt
+
+
+def _looks_like_repo_id(model: str) -> bool:
+    from foveal.loader.hub import looks_like_repo_id
+
+    return looks_like_repo_id(model)
+
+
+def _load_local(path: str, dtype: torch.dtype, device: torch.device, progress: bool) -> Checkpoint:
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return _load_folder(path, os.path.basename(path.rstrip(os.sep)), dtype, device, progress)
+        ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
+        hint = f"; for a GGUF, pass the file itself (found: {', '.join(ggufs[:4])})" if ggufs else ""
+        raise ModelLoadError(f"model folder {path} has no config.json{hint}")
+    if path.lower().endswith(".gguf") or _has_gguf_magic(path):
+        name = os.path.basename(path)
+        return _load_gguf(
+            path, name[:-5] if name.lower().endswith(".gguf") else name, dtype, device, progress
+        )
+    raise ModelLoadError(
+        f"model file {path} is not a GGUF file; pass a .gguf file, a folder with config.json and "
+        "safetensors weights, or a Hugging Face repo id"
+    )
+
+
+def _load_gguf(path: str, name: str, dtype: torch.dtype, device: torch.device, progress: bool) -> Checkpoint:
+    from foveal.loader.gguf_loader import open_gguf
+    from foveal.loader.gguf_tokenizer import load_gguf_tokenizer
+
+    g = open_gguf(path)
+    tokenizer = load_gguf_tokenizer(path)
+    weights = _stream(g.weights(dtype, device), g.num_tensors, name, progress)
+    return Checkpoint(g.hf_config, tokenizer, weights, source=path, format="gguf", name=name)
+
+
+def _load_folder(
+    path: str, name: str, dtype: torch.dtype, device: torch.device, progress: bool
+) -> Checkpoint:
+    from foveal.loader.safetensors_loader import load_hf_tokenizer, open_hf_folder
+
+    folder = open_hf_folder(path)
+    tokenizer = load_hf_tokenizer(path)
+    weights = _stream(folder.weights(dtype, device), folder.num_tensors, name, progress)
+    return Checkpoint(folder.hf_config, tokenizer, weights, source=path, format="safetensors", name=name)
+
+
+def _stream(weights: Iterator, total: int, name: str, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, with a tqdm bar if asked, and log the time once the stream is exhausted."""
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    n_bytes = 0
+    with tqdm(total=total, desc=f"Loading {name}", unit="tensor", disable=not progress) as bar:
+        for item in weights:
+            n_bytes += item[1].numel() * item[1].element_size()
+            bar.update(1)
+            yield item
+    log.info(
+        "streamed %d tensors (%.1f MiB) of %s in %.2f s",
+        total,
+        n_bytes / 2**20,
+        name,
+        time.perf_counter() - t0,
+    )
+
+
+def _has_gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

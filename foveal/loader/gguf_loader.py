@@ -1,0 +1,157 @@
+"""GGUF checkpoints: one `gguf.GGUFReader` per file, HF parameter names, tensors dequantized one at a time.
+
+Owns: opening and validating the file (read once: the reader parses all metadata up front, ~5 s for
+the 98 MB default model), the llama.cpp -> HF tensor-name table, dequantization with
+`gguf.quants.dequantize`, and undoing the q/k row permutation llama.cpp applies to `llama` models.
+Must not build tokenizers (gguf_tokenizer.py) nor hold more than one dequantized tensor at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from foveal.loader.errors import ModelLoadError
+from foveal.loader.gguf_config import GGUFArch, build_hf_config, gguf_architecture
+
+log = logging.getLogger(__name__)
+
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PER_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_CONSUMED = {"rope_freqs.weight"}  # folded into the config's rope parameters, not a parameter
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name for a llama.cpp tensor name; None if it is not one we know."""
+    if m := _LAYER_NAME.fullmatch(gguf_name):
+        part = _PER_LAYER.get(m[2])
+        return f"model.layers.{m[1]}.{part}.{m[3]}" if part else None
+    base, _, suffix = gguf_name.rpartition(".")
+    return f"{_TOP_LEVEL[base]}.{suffix}" if base in _TOP_LEVEL and suffix in ("weight", "bias") else None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's `permute` (convert_hf_to_gguf.py), as transformers' GGUF loader undoes it.
+
+    llama.cpp stores each head's rows as [pairs, 2] (interleaved rope halves); HF keeps [2, pairs].
+    Works for weights [rows, in] and biases [rows].
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@dataclass(slots=True)
+class GGUFFile:
+    """An open, validated GGUF file. `weights()` may be iterated more than once (re-reads the mmap)."""
+
+    path: str
+    reader: Any  # gguf.GGUFReader; kept alive because tensor data are views into its memory map
+    arch: GGUFArch
+    hf_config: Any  # transformers.PretrainedConfig
+    names: dict[str, str]  # gguf name -> HF name, in file order, for every tensor we yield
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.names)
+
+    def weights(
+        self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+
+        cfg = self.hf_config
+        qk_heads = {".attn_q.": cfg.num_attention_heads, ".attn_k.": cfg.num_key_value_heads}
+        for t in self.reader.tensors:
+            name = self.names.get(t.name)
+            if name is None:
+                continue
+            try:
+                arr = dequantize(t.data, t.tensor_type)
+                # ggml lists dims fastest-first; reversed, they are the row-major (HF) shape
+                arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+            except Exception as e:
+                raise ModelLoadError(
+                    f"GGUF file {self.path}: could not dequantize tensor {t.name} ({t.tensor_type.name}): {e}"
+                ) from e
+            if not arr.flags.writeable:  # F32 tensors come back as views into the read-only mmap
+                arr = arr.copy()
+            w = torch.from_numpy(arr)
+            if self.arch.permuted_qk:
+                for marker, n_head in qk_heads.items():
+                    if marker in t.name:
+                        w = unpermute_qk(w, n_head)
+            yield name, w.to(dtype).to(device)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """Read the file's metadata and tensor table once, check it and build the HF config."""
+    from gguf import GGUFReader
+
+    t0 = time.perf_counter()
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # truncated files fail inside numpy (ValueError/IndexError), bad magic too
+        raise ModelLoadError(
+            f"could not read GGUF file {path}: {type(e).__name__}: {e} (is the file truncated or not a GGUF?)"
+        ) from e
+    arch = gguf_architecture(reader, path)
+    hf_config = build_hf_config(reader, path)
+    names: dict[str, str] = {}
+    unknown: list[str] = []
+    for t in reader.tensors:
+        if t.name in _CONSUMED:
+            continue
+        name = hf_name(t.name)
+        if name is None:
+            unknown.append(t.name)
+        elif t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(
+                f"GGUF file {path}: tensor {t.name} has {t.data.nbytes} of {t.n_bytes} bytes "
+                "(truncated file?)"
+            )
+        else:
+            names[t.name] = name
+    if unknown:
+        raise ModelLoadError(
+            f"GGUF file {path} has tensors we cannot map to HF names: {', '.join(unknown[:8])}"
+        )
+    n_layers = hf_config.num_hidden_layers
+    if not any(n.startswith(f"model.layers.{n_layers - 1}.") for n in names.values()):
+        raise ModelLoadError(
+            f"GGUF file {path}: block_count is {n_layers} but layer {n_layers - 1} has no tensors"
+        )
+    log.info(
+        "read GGUF %s (%s, %d tensors) in %.2f s",
+        path,
+        hf_config.architectures[0],
+        len(names),
+        time.perf_counter() - t0,
+    )
+    return GGUFFile(path=path, reader=reader, arch=arch, hf_config=hf_config, names=names)
+
+
+def read_gguf_weights(
+    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[Any, Iterator[tuple[str, torch.Tensor]]]:
+    """(hf_config, weights) of a GGUF file without building its tokenizer (tests, tools)."""
+    g = open_gguf(path)
+    return g.hf_config, g.weights(dtype, device)

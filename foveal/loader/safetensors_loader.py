@@ -1,0 +1,155 @@
+"""Hugging Face model folders: config.json, tokenizer files and safetensors weights (single or sharded).
+
+Owns: finding the weight files (`model.safetensors`, or the shards named by
+`model.safetensors.index.json`), checking every file's header before any weight is read, and yielding
+tensors one at a time from `safe_open(..., device=...)`, cast to the requested dtype there. Must not
+download anything (hub.py does) and must never hold more than one tensor of the model at a time.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from foveal.loader.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(slots=True)
+class HFFolder:
+    """An HF folder whose config parsed and whose safetensors headers were all readable."""
+
+    path: str
+    hf_config: Any  # transformers.PretrainedConfig
+    files: dict[str, list[str]]  # safetensors file -> tensor names to take from it, in file order
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(names) for names in self.files.values())
+
+    def weights(
+        self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        dev = _safetensors_device(torch.device(device))
+        for file, names in self.files.items():
+            name = None
+            try:
+                with safe_open(file, framework="pt", device=dev) as f:
+                    for name in names:
+                        t = f.get_tensor(name)
+                        yield name, (t.to(dtype) if t.is_floating_point() else t)
+            except ModelLoadError:
+                raise
+            except Exception as e:
+                raise ModelLoadError(
+                    f"could not read tensor {name} from {file}: {type(e).__name__}: {e}"
+                ) from e
+
+
+def open_hf_folder(path: str) -> HFFolder:
+    """Parse config.json and every weight file's header; nothing is read from the weights yet."""
+    from transformers import AutoConfig
+
+    t0 = time.perf_counter()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"model folder {path} has no config.json")
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(
+            f"could not parse {os.path.join(path, 'config.json')}: {type(e).__name__}: {e}"
+        ) from e
+    if not getattr(hf_config, "architectures", None):
+        hf_config.architectures = [_causal_lm_architecture(hf_config, path)]
+    files = _weight_files(path)
+    log.info(
+        "read config and %d safetensors headers of %s in %.2f s", len(files), path, time.perf_counter() - t0
+    )
+    return HFFolder(path=path, hf_config=hf_config, files=files)
+
+
+def load_hf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"could not load the tokenizer of {path}: {type(e).__name__}: {e}") from e
+
+
+def _weight_files(path: str) -> dict[str, list[str]]:
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+        except Exception as e:
+            raise ModelLoadError(f"could not parse the shard index {index}: {type(e).__name__}: {e}") from e
+        wanted: dict[str, set[str]] = {}
+        for name, shard in weight_map.items():
+            wanted.setdefault(os.path.join(path, shard), set()).add(name)
+        files = {}
+        for file in sorted(wanted):
+            if not os.path.isfile(file):
+                raise ModelLoadError(f"shard {file} named in {index} is missing")
+            keys = _header_keys(file)
+            missing = wanted[file] - set(keys)
+            if missing:
+                raise ModelLoadError(
+                    f"shard {file} lacks tensors its index lists: {', '.join(sorted(missing)[:8])}"
+                )
+            files[file] = [k for k in keys if k in wanted[file]]
+        return files
+    single = os.path.join(path, SINGLE_FILE)
+    candidates = (
+        [single] if os.path.isfile(single) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    )
+    if not candidates:
+        raise ModelLoadError(
+            f"model folder {path} has no safetensors weights (expected {SINGLE_FILE} or {INDEX_FILE}; "
+            "PyTorch .bin weights are not supported)"
+        )
+    return {file: _header_keys(file) for file in candidates}
+
+
+def _header_keys(file: str) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:  # reads and checks the header only
+            return list(f.keys())
+    except Exception as e:
+        raise ModelLoadError(
+            f"could not read safetensors file {file}: {type(e).__name__}: {e} (truncated or corrupt?)"
+        ) from e
+
+
+def _safetensors_device(device: torch.device) -> str:
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def _causal_lm_architecture(hf_config, path: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", None))
+    if arch is None:
+        raise ModelLoadError(
+            f"{path}/config.json names no architectures and model_type has no causal-LM class"
+        )
+    return arch

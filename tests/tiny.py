@@ -1,0 +1,75 @@
+"""Tiny random-weight models from the real transformers config classes, and a harness that drives our
+model through the scheduler and paged KV cache without a tokenizer (for logits-level parity tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from foveal.attention import get_backend
+from foveal.cache.kv_cache_manager import KVCacheManager
+from foveal.config import SchedulerConfig
+from foveal.models import build_model
+from foveal.request import Request, SamplingParams
+from foveal.sched.scheduler import Scheduler
+from foveal.worker.model_runner import ModelRunner
+
+COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+)
+
+
+def tiny_config(family: str):
+    import transformers as tf
+
+    if family == "llama":
+        return tf.LlamaConfig(**COMMON, tie_word_embeddings=False)
+    if family == "llama3":  # llama3 rope scaling, tied embeddings, attention bias
+        return tf.LlamaConfig(
+            **COMMON, tie_word_embeddings=True, attention_bias=True,
+            rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                 high_freq_factor=4.0, original_max_position_embeddings=64),
+        )
+    if family == "mistral":
+        return tf.MistralConfig(**COMMON, sliding_window=None, head_dim=32)
+    if family == "qwen2":
+        return tf.Qwen2Config(**COMMON, tie_word_embeddings=False)
+    if family == "qwen3":
+        return tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(family)
+
+
+def tiny_hf_model(family: str, seed: int = 0):
+    import transformers as tf
+
+    cfg = tiny_config(family)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    # random init leaves norms at 1 and biases at 0: perturb them so those paths are tested too
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    cfg.architectures = [type(model).__name__]
+    return model
+
+
+class Harness:
+    """Our model + paged cache + scheduler, fed token ids directly."""
+
+    def __init__(self, hf_model, *, num_blocks=64, block_size=4, budget=512, max_num_seqs=16,
+                 dtype=torch.float32):
+        cfg = hf_model.config
+        backend = get_backend("torch", "cpu")
+        self.model = build_model(cfg, backend, max_positions=cfg.max_position_embeddings, dtype=dtype,
+                                 device="cpu", weights=hf_model.state_dict().items())
+        layers, kvh, hd = self.model.kv_shape
+        caches = [torch.zeros(2, num_blocks * block_size, kvh, hd, dtype=dtype) for _ in range(layers)]
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.sched = Scheduler(SchedulerConfig(budget, max_num_seqs), self.kv, cfg.max_position_embeddings)
+        self.runner = ModelRunner(self.model, caches, backend, block_size, "cpu", cfg.vocab_size)
+
+    def add(self, rid: str, ids: list[int], max_tokens: int = 32) -> Request:
+        req = Request(rid, list(ids), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        self.sched.add(req)
+        return req
