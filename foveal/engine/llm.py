@@ -55,7 +55,9 @@ class LLM:
         self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("messages must not be empty")
+        convs = [messages] if isinstance(messages[0], dict) else messages
         kw = chat_template_kwargs or {}
         return self._run([self.engine.apply_chat_template(c, **kw) for c in convs], params)
 

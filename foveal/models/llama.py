@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foveal.layers.linear import Linear, linear
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -49,8 +50,8 @@ class Attention(nn.Module):
         self.backend = backend
         h, hd = spec.num_heads, spec.head_dim
         self.q_size, self.kv_size = h * hd, spec.num_kv_heads * hd
-        self.qkv_proj = nn.Linear(spec.hidden, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.eps)
             self.k_norm = RMSNorm(hd, spec.eps)
@@ -74,8 +75,8 @@ class MLP(nn.Module):
     def __init__(self, spec: DecoderSpec):
         super().__init__()
         self.inter = spec.intermediate
-        self.gate_up_proj = nn.Linear(spec.hidden, 2 * spec.intermediate, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate, spec.hidden, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden, 2 * spec.intermediate, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate, spec.hidden, bias=spec.mlp_bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -123,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden, spec.eps)
         self.rotary = RotaryEmbedding(config, spec.head_dim, max_positions)
-        self.lm_head = None if spec.tie_embeddings else nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_embeddings else Linear(spec.hidden, spec.vocab_size, bias=False)
 
     def _spec(self, config) -> DecoderSpec:
         return DecoderSpec(config, family_qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
@@ -144,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

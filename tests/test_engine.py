@@ -1,0 +1,168 @@
+"""Engine and offline API on the real embedded model: seeded sampling across batches, stop rules,
+logprobs, streaming, abort, per-request fault isolation and input validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from foveal import SamplingParams
+from foveal.request import FinishReason
+
+
+def chat_ids(llm, text):
+    return llm.engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+OTHERS = ["Name a color.", "Count to five.", "What is 2+2?", "Say hello in French.", "Describe a cat.",
+          "What is rain?", "Give me a fruit."]
+
+
+def test_seeded_sampling_is_batch_invariant(llm_fp32):
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24)
+    target = chat_ids(llm_fp32, "Write one sentence about mountains.")
+    alone = llm_fp32.generate([target], p)[0].outputs[0].token_ids
+    others = [chat_ids(llm_fp32, t) for t in OTHERS]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24)
+    first = llm_fp32.generate([target] + others, [p] + [unseeded] * 7)[0].outputs[0].token_ids
+    outs = llm_fp32.generate(others[:4] + [target] + others[4:], [unseeded] * 4 + [p] + [unseeded] * 3)
+    middle = outs[4].outputs[0].token_ids
+    assert alone == first == middle
+    other_seed = llm_fp32.generate([target], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99,
+                                                             max_tokens=24))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_string_is_excluded_and_reported(llm_fp32):
+    ids = chat_ids(llm_fp32, "What is the capital of France?")
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=20, stop=["Paris"]))[0].outputs[0]
+    assert out.text == "The capital of France is "
+    assert out.finish_reason is FinishReason.STOP and out.stop_reason == "Paris"
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=20, stop=["Paris"],
+                                                   include_stop_str_in_output=True))[0].outputs[0]
+    assert out.text == "The capital of France is Paris"
+
+
+def test_length_min_tokens_ignore_eos_and_stop_token(llm_fp32):
+    ids = chat_ids(llm_fp32, "What is the capital of France?")
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.finish_reason is FinishReason.LENGTH
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 12 and out.finish_reason is FinishReason.LENGTH
+    eos = llm_fp32.tokenizer.eos_token_id
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=12, min_tokens=12))[0].outputs[0]
+    assert len(out.token_ids) == 12 and eos not in out.token_ids  # EOS masked until min_tokens
+    first = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=20,
+                                                  stop_token_ids=[first[2]]))[0].outputs[0]
+    assert out.token_ids == first[:3] and out.stop_reason == first[2]
+
+
+def test_logprobs_and_n(llm_fp32):
+    ids = chat_ids(llm_fp32, "Name an animal.")
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert lp.top[0].token_id == tok  # greedy picks the most likely token
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob and lp.logprob <= 0
+    res = llm_fp32.generate([ids], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8))[0]
+    assert [o.index for o in res.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in res.outputs}) > 1
+
+
+def test_stream_equals_generate(llm_fp32):
+    ids = chat_ids(llm_fp32, "Write a short poem about the moon.")
+    p = SamplingParams(temperature=0.7, seed=3, max_tokens=30)
+    full = llm_fp32.generate([ids], p)[0].outputs[0]
+    deltas = list(llm_fp32.stream(ids, p))
+    assert "".join(d.text for d in deltas) == full.text
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids
+    assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
+
+
+def test_abort_frees_blocks_at_once(llm_fp32):
+    eng = llm_fp32.engine
+    rid = eng.add_request(chat_ids(llm_fp32, "Tell me a long story."), SamplingParams(max_tokens=100))
+    eng.step()
+    eng.step()
+    assert eng.kv.num_used_blocks > 0
+    assert eng.abort(rid) and not eng.abort(rid)  # idempotent
+    assert eng.kv.num_used_blocks == 0
+    deltas = eng.step()
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [(rid, FinishReason.ABORT)]
+    # abort before the first step
+    rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+    assert eng.abort(rid)
+    assert [d.finish_reason for d in eng.step()] == [FinishReason.ABORT]
+
+
+def test_fault_in_one_request_leaves_others_intact(llm_fp32, monkeypatch):
+    """A detokenizer that raises for one request ends only that request, with an error."""
+    eng = llm_fp32.engine
+    ok_ids = chat_ids(llm_fp32, "What is the capital of France?")
+    good = eng.add_request(ok_ids, SamplingParams(temperature=0, max_tokens=20))
+    bad = eng.add_request(ok_ids, SamplingParams(temperature=0, max_tokens=20))
+    det = eng._tracked[bad].detok
+
+    def boom(_ids):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(det, "add", boom)
+    texts, finals = {}, {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            texts[d.request_id] = texts.get(d.request_id, "") + d.text
+            if d.finished:
+                finals[d.request_id] = d
+    assert finals[bad].finish_reason is FinishReason.ERROR and "injected fault" in finals[bad].error
+    assert finals[good].finish_reason is FinishReason.STOP and texts[good] == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(stop=[""]), "stop"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    ],
+)
+def test_bad_sampling_values_are_rejected(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_rejected(llm_fp32):
+    eng = llm_fp32.engine
+    with pytest.raises(ValueError, match="context"):
+        eng.add_request([5] * eng.max_model_len, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        eng.add_request([5] * 10, SamplingParams(max_tokens=eng.max_model_len))
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("", SamplingParams())
+    with pytest.raises(ValueError, match="logit_bias"):
+        eng.add_request([5], SamplingParams(logit_bias={10**9: 1.0}))
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request([5, -1], SamplingParams())
+    with pytest.raises(ValueError, match="messages"):
+        llm_fp32.chat([])
+    assert not eng.has_unfinished()
+
+
+def test_missing_and_corrupt_model_paths(tmp_path):
+    from foveal.engine.llm import LLM
+    from foveal.loader import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "nope.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ModelLoadError):
+        LLM(str(bad))
+    with pytest.raises(TypeError, match="unknown engine option"):
+        LLM(max_num_seq=3)
