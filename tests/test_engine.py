@@ -166,3 +166,21 @@ def test_missing_and_corrupt_model_paths(tmp_path):
         LLM(str(bad))
     with pytest.raises(TypeError, match="unknown engine option"):
         LLM(max_num_seq=3)
+
+
+def test_preemption_on_real_model_gives_same_greedy_tokens(llm_fp32):
+    """A pool of 11 usable blocks (176 tokens) for 4 requests that need up to 5 blocks each forces
+    preemption by recompute; the greedy tokens equal the unconstrained engine's."""
+    from foveal.engine.llm import LLM
+
+    prompts = [chat_ids(llm_fp32, t) for t in ("Describe the ocean.", "Why do birds sing?",
+                                                "What is a computer?", "Explain gravity simply.")]
+    assert all(len(p) <= 40 for p in prompts)
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, p)]
+    tight = LLM(dtype="float32", num_blocks=12, block_size=16, max_num_batched_tokens=64)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, p)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == want
+    tight.engine.kv.check_integrity()
+    assert tight.engine.kv.num_used_blocks == 0

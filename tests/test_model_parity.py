@@ -92,3 +92,14 @@ def test_chunked_prefill_matches_unchunked(family, budget):
     ours = torch.stack(got["long"][:40])
     assert (ours - ref_long).abs().max().item() < TOL
     h.kv.check_integrity()
+
+
+def test_unknown_architecture_names_supported_ones():
+    import transformers as tf
+
+    from foveal.models import model_class
+
+    cfg = tf.GPT2Config()
+    cfg.architectures = ["GPT2LMHeadModel"]
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        model_class(cfg)
