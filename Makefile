@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup serve generate test bench
+.PHONY: setup serve generate test lint bench
 
 setup: $(VENV)/.installed
 
@@ -23,8 +23,11 @@ serve: setup
 
 generate: serve
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check foveal tests benchmarks
 
 bench: setup
 	$(PY) benchmarks/throughput.py --compare-hf

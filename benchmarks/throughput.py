@@ -1,7 +1,8 @@
 """Offline throughput: N seeded random prompts through Foveal, and optionally through transformers'
 batched `generate` on the same prompts and the same weights in the same process.
 
-    python benchmarks/throughput.py --num-prompts 32 --input-len 128 --output-len 128 --dtype bfloat16 --compare-hf
+    python benchmarks/throughput.py --num-prompts 32 --input-len 128 --output-len 128 \
+        --dtype bfloat16 --compare-hf
 
 Prints a table, then one JSON object as the last line.
 """
@@ -40,8 +41,12 @@ def run_foveal(llm: LLM, prompts, output_len: int) -> dict:
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
-            "total_tok_s": (n_out + sum(map(len, prompts))) / dt}
+    return {
+        "seconds": dt,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / dt,
+        "total_tok_s": (n_out + sum(map(len, prompts))) / dt,
+    }
 
 
 def run_hf(llm: LLM, prompts, output_len: int, batch_size: int, dtype) -> dict:
@@ -64,8 +69,14 @@ def run_hf(llm: LLM, prompts, output_len: int, batch_size: int, dtype) -> dict:
             width = max(map(len, chunk))
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                              min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
             total += (out.shape[1] - width) * len(chunk)
     dt = time.perf_counter() - t0
     return {"seconds": dt, "output_tokens": total, "output_tok_s": total / dt}
@@ -85,15 +96,18 @@ def main() -> None:
     ap.add_argument("--compare-hf", action="store_true")
     a = ap.parse_args()
 
-    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
-              max_num_batched_tokens=a.max_num_batched_tokens)
+    llm = LLM(
+        a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens
+    )
     prompts = make_prompts(a.num_prompts, a.input_len, a.range_ratio, llm.engine.hf_config.vocab_size, a.seed)
     res = {"foveal": run_foveal(llm, prompts, a.output_len)}
     if a.compare_hf:
         res["transformers"] = run_hf(llm, prompts, a.output_len, a.max_num_seqs, llm.engine.dtype)
         res["ratio"] = res["foveal"]["output_tok_s"] / res["transformers"]["output_tok_s"]
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     print(f"\n{'engine':<14}{'seconds':>10}{'out tokens':>12}{'out tok/s':>12}")
     for k in ("foveal", "transformers"):
         if k in res:
@@ -102,10 +116,17 @@ def main() -> None:
     if "ratio" in res:
         print(f"ratio foveal/transformers: {res['ratio']:.2f}x")
     summary = {
-        "benchmark": "throughput", "model": llm.engine.model_name, "dtype": a.dtype,
-        "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
-        "max_num_seqs": a.max_num_seqs, "threads": torch.get_num_threads(), "cpu": platform.processor(),
-        "commit": commit, "foveal_tok_s": round(res["foveal"]["output_tok_s"], 1),
+        "benchmark": "throughput",
+        "model": llm.engine.model_name,
+        "dtype": a.dtype,
+        "num_prompts": a.num_prompts,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "max_num_seqs": a.max_num_seqs,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor(),
+        "commit": commit,
+        "foveal_tok_s": round(res["foveal"]["output_tok_s"], 1),
     }
     if "ratio" in res:
         summary["transformers_tok_s"] = round(res["transformers"]["output_tok_s"], 1)

@@ -13,7 +13,9 @@ from foveal.config import ENV_LOG_LEVEL
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file, HF folder or Hub repo id (default: embedded SmolLM2)")
+    g.add_argument(
+        "--model", default=None, help="GGUF file, HF folder or Hub repo id (default: embedded SmolLM2)"
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -27,9 +29,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(
-        model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-        kv_cache_memory=a.kv_cache_memory, block_size=a.block_size,
-        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+        model=a.model,
+        dtype=a.dtype,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        kv_cache_memory=a.kv_cache_memory,
+        block_size=a.block_size,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=a.max_num_seqs,
         attention_backend=a.attention_backend,
     )
 
@@ -41,13 +48,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(
-            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed,
+            temperature=a.temperature,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            max_tokens=a.max_tokens,
+            seed=a.seed,
             stop=a.stop or [],
         )
         llm = LLM(progress=True, **_engine_kwargs(a))
         ids = (
             llm.engine.apply_chat_template([{"role": "user", "content": a.prompt}])
-            if not a.raw else llm.engine.tokenize(a.prompt)
+            if not a.raw
+            else llm.engine.tokenize(a.prompt)
         )
         t0 = time.perf_counter()
         n = 0
@@ -62,7 +74,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if last is not None and last.error:
             print(f"error: {last.error}", file=sys.stderr)
             return 1
-        print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s, finish: {last.finish_reason.value}]", file=sys.stderr)
+        print(
+            f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s, finish: {last.finish_reason.value}]",
+            file=sys.stderr,
+        )
         return 0
     except (ValueError, ModelLoadError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -55,9 +55,7 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field."""
@@ -113,7 +111,7 @@ def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller

@@ -12,8 +12,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 def run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "foveal.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "foveal.cli", *args], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
 
 
 def test_generate_answers_on_default_model():

@@ -13,8 +13,15 @@ def chat_ids(llm, text):
     return llm.engine.apply_chat_template([{"role": "user", "content": text}])
 
 
-OTHERS = ["Name a color.", "Count to five.", "What is 2+2?", "Say hello in French.", "Describe a cat.",
-          "What is rain?", "Give me a fruit."]
+OTHERS = [
+    "Name a color.",
+    "Count to five.",
+    "What is 2+2?",
+    "Say hello in French.",
+    "Describe a cat.",
+    "What is rain?",
+    "Give me a fruit.",
+]
 
 
 def test_seeded_sampling_is_batch_invariant(llm_fp32):
@@ -27,8 +34,13 @@ def test_seeded_sampling_is_batch_invariant(llm_fp32):
     outs = llm_fp32.generate(others[:4] + [target] + others[4:], [unseeded] * 4 + [p] + [unseeded] * 3)
     middle = outs[4].outputs[0].token_ids
     assert alone == first == middle
-    other_seed = llm_fp32.generate([target], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99,
-                                                             max_tokens=24))[0].outputs[0].token_ids
+    other_seed = (
+        llm_fp32.generate(
+            [target], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=24)
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert other_seed != alone
 
 
@@ -37,8 +49,9 @@ def test_stop_string_is_excluded_and_reported(llm_fp32):
     out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=20, stop=["Paris"]))[0].outputs[0]
     assert out.text == "The capital of France is "
     assert out.finish_reason is FinishReason.STOP and out.stop_reason == "Paris"
-    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=20, stop=["Paris"],
-                                                   include_stop_str_in_output=True))[0].outputs[0]
+    out = llm_fp32.generate(
+        [ids], SamplingParams(temperature=0, max_tokens=20, stop=["Paris"], include_stop_str_in_output=True)
+    )[0].outputs[0]
     assert out.text == "The capital of France is Paris"
 
 
@@ -46,14 +59,17 @@ def test_length_min_tokens_ignore_eos_and_stop_token(llm_fp32):
     ids = chat_ids(llm_fp32, "What is the capital of France?")
     out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
     assert len(out.token_ids) == 3 and out.finish_reason is FinishReason.LENGTH
-    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[
+        0
+    ]
     assert len(out.token_ids) == 12 and out.finish_reason is FinishReason.LENGTH
     eos = llm_fp32.tokenizer.eos_token_id
     out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=12, min_tokens=12))[0].outputs[0]
     assert len(out.token_ids) == 12 and eos not in out.token_ids  # EOS masked until min_tokens
     first = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
-    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=20,
-                                                  stop_token_ids=[first[2]]))[0].outputs[0]
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first[2]]))[
+        0
+    ].outputs[0]
     assert out.token_ids == first[:3] and out.stop_reason == first[2]
 
 
@@ -115,7 +131,9 @@ def test_fault_in_one_request_leaves_others_intact(llm_fp32, monkeypatch):
             if d.finished:
                 finals[d.request_id] = d
     assert finals[bad].finish_reason is FinishReason.ERROR and "injected fault" in finals[bad].error
-    assert finals[good].finish_reason is FinishReason.STOP and texts[good] == "The capital of France is Paris."
+    assert (
+        finals[good].finish_reason is FinishReason.STOP and texts[good] == "The capital of France is Paris."
+    )
 
 
 @pytest.mark.parametrize(
@@ -173,8 +191,15 @@ def test_preemption_on_real_model_gives_same_greedy_tokens(llm_fp32):
     preemption by recompute; the greedy tokens equal the unconstrained engine's."""
     from foveal.engine.llm import LLM
 
-    prompts = [chat_ids(llm_fp32, t) for t in ("Describe the ocean.", "Why do birds sing?",
-                                                "What is a computer?", "Explain gravity simply.")]
+    prompts = [
+        chat_ids(llm_fp32, t)
+        for t in (
+            "Describe the ocean.",
+            "Why do birds sing?",
+            "What is a computer?",
+            "Explain gravity simply.",
+        )
+    ]
     assert all(len(p) <= 40 for p in prompts)
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, p)]

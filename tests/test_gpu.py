@@ -32,9 +32,15 @@ def test_greedy_matches_transformers_on_cuda(tiny_folder):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, min_new_tokens=16,
-                              do_sample=False, output_logits=True, return_dict_in_generate=True)
-        want = ref.sequences[0, len(p):].tolist()
+            ref = hf.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        want = ref.sequences[0, len(p) :].tolist()
         got = o.outputs[0].token_ids
         for i, (a, b) in enumerate(zip(got, want)):
             if a != b:
@@ -51,7 +57,9 @@ def test_bf16_runs_on_cuda(tiny_folder):
     folder, _ = tiny_folder
     llm = LLM(str(folder), device="cuda", kv_cache_memory=64 * 2**20)
     assert llm.engine.dtype == torch.bfloat16
-    outs = llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True))
+    outs = llm.generate(
+        [[5, 6, 7]] * 4, SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True)
+    )
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1  # same seed, same tokens
     assert llm.engine.kv.num_used_blocks == 0

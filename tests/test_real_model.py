@@ -27,12 +27,18 @@ def reference(hf_smollm, smollm_tokenizer):
     """Per prompt: chat-templated ids, transformers' greedy tokens and its top-2 logit margin per step."""
     refs = []
     for p in PROMPTS:
-        ids = smollm_tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True)["input_ids"]
+        ids = smollm_tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         with torch.no_grad():
-            out = hf_smollm.generate(torch.tensor([ids]), max_new_tokens=N_TOKENS, do_sample=False,
-                                     output_logits=True, return_dict_in_generate=True)
-        toks = out.sequences[0, len(ids):].tolist()
+            out = hf_smollm.generate(
+                torch.tensor([ids]),
+                max_new_tokens=N_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        toks = out.sequences[0, len(ids) :].tolist()
         margins = [float(v.topk(2).values[0, 0] - v.topk(2).values[0, 1]) for v in out.logits]
         refs.append((ids, toks, margins))
     return refs
@@ -91,7 +97,9 @@ def test_continuous_batch_matches_transformers(llm_fp32, reference):
 
 
 def test_capital_of_france(llm_fp32):
-    out = llm_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
-                        SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0]
+    out = llm_fp32.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=20),
+    )[0].outputs[0]
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason.value == "stop"

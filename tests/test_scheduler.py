@@ -58,14 +58,18 @@ def test_budget_chunks_prefill_and_mixes_decodes():
     s.add(b)
     batch = s.schedule()
     assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in batch.seqs] == [
-        ("a", 0, 6, True), ("b", 0, 4, False)]
+        ("a", 0, 6, True),
+        ("b", 0, 4, False),
+    ]
     s.update(batch, {"a": 7})
     batch = s.schedule()  # decode of a first (1 token), then 9 more tokens of b
     assert [(x.request.request_id, x.start, x.num_tokens) for x in batch.seqs] == [("a", 6, 1), ("b", 4, 9)]
     s.update(batch, {"a": 8})
     batch = s.schedule()
     assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in batch.seqs] == [
-        ("a", 7, 1, True), ("b", 13, 9, False)]
+        ("a", 7, 1, True),
+        ("b", 13, 9, False),
+    ]
     kv.check_integrity()
 
 

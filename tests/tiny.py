@@ -14,8 +14,14 @@ from foveal.sched.scheduler import Scheduler
 from foveal.worker.model_runner import ModelRunner
 
 COMMON = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
 )
 
 
@@ -26,9 +32,17 @@ def tiny_config(family: str):
         return tf.LlamaConfig(**COMMON, tie_word_embeddings=False)
     if family == "llama3":  # llama3 rope scaling, tied embeddings, attention bias
         return tf.LlamaConfig(
-            **COMMON, tie_word_embeddings=True, attention_bias=True,
-            rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                 high_freq_factor=4.0, original_max_position_embeddings=64),
+            **COMMON,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
         )
     if family == "mistral":
         return tf.MistralConfig(**COMMON, sliding_window=None, head_dim=32)
@@ -57,12 +71,19 @@ def tiny_hf_model(family: str, seed: int = 0):
 class Harness:
     """Our model + paged cache + scheduler, fed token ids directly."""
 
-    def __init__(self, hf_model, *, num_blocks=64, block_size=4, budget=512, max_num_seqs=16,
-                 dtype=torch.float32):
+    def __init__(
+        self, hf_model, *, num_blocks=64, block_size=4, budget=512, max_num_seqs=16, dtype=torch.float32
+    ):
         cfg = hf_model.config
         backend = get_backend("torch", "cpu")
-        self.model = build_model(cfg, backend, max_positions=cfg.max_position_embeddings, dtype=dtype,
-                                 device="cpu", weights=hf_model.state_dict().items())
+        self.model = build_model(
+            cfg,
+            backend,
+            max_positions=cfg.max_position_embeddings,
+            dtype=dtype,
+            device="cpu",
+            weights=hf_model.state_dict().items(),
+        )
         layers, kvh, hd = self.model.kv_shape
         caches = [torch.zeros(2, num_blocks * block_size, kvh, hd, dtype=dtype) for _ in range(layers)]
         self.kv = KVCacheManager(num_blocks, block_size)

@@ -87,13 +87,15 @@ class Engine:
         if cfg.model.seed is not None:
             torch.manual_seed(cfg.model.seed)
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(cfg.model.model, dtype=dtype, device=device, progress=progress,
-                               revision=cfg.model.revision)
+        ckpt = load_checkpoint(
+            cfg.model.model, dtype=dtype, device=device, progress=progress, revision=cfg.model.revision
+        )
         hf = ckpt.hf_config
         max_len = cfg.model.max_model_len or max_context(hf)
         backend = get_backend(cfg.attention_backend, device)
-        self.model = build_model(hf, backend, max_positions=max(max_len, 1), dtype=dtype, device=device,
-                                 weights=ckpt.weights)
+        self.model = build_model(
+            hf, backend, max_positions=max(max_len, 1), dtype=dtype, device=device, weights=ckpt.weights
+        )
         self.tokenizer = ckpt.tokenizer
         self.model_name = ckpt.name
         self.hf_config = hf
@@ -105,11 +107,14 @@ class Engine:
         block_bytes = layers * 2 * bs * kv_heads * head_dim * elem
         num_blocks = cfg.cache.num_blocks or self._num_blocks(block_bytes, device)
         kv_caches = [
-            torch.zeros(2, num_blocks * bs, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)
+            torch.zeros(2, num_blocks * bs, kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(layers)
         ]
         kv = KVCacheManager(num_blocks, bs)
         if max_len > kv.capacity_tokens:
-            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", max_len, kv.capacity_tokens)
+            log.warning(
+                "max_model_len %d exceeds the KV pool (%d tokens); capping it", max_len, kv.capacity_tokens
+            )
             max_len = kv.capacity_tokens
         self.max_model_len = max_len
         self.scheduler = Scheduler(cfg.scheduler, kv, max_len)
@@ -119,8 +124,15 @@ class Engine:
         self.device, self.dtype = device, dtype
         log.info(
             "loaded %s (%s, %s) on %s in %.2f s; KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d",
-            ckpt.name, ckpt.format, str(dtype).removeprefix("torch."), device, load_s, num_blocks, bs,
-            num_blocks * block_bytes / 2**20, max_len,
+            ckpt.name,
+            ckpt.format,
+            str(dtype).removeprefix("torch."),
+            device,
+            load_s,
+            num_blocks,
+            bs,
+            num_blocks * block_bytes / 2**20,
+            max_len,
         )
         return self
 
@@ -134,7 +146,9 @@ class Engine:
                 budget = DEFAULT_CPU_KV_BYTES
         n = budget // block_bytes
         if n < 2:
-            raise ValueError(f"KV cache memory budget {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes")
+            raise ValueError(
+                f"KV cache memory budget {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes"
+            )
         return int(n)
 
     def _eos_ids(self) -> frozenset[int]:
@@ -195,7 +209,10 @@ class Engine:
         self._arrivals += 1
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, arrival=self._arrivals)
         detok = IncrementalDetokenizer(
-            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            self.tokenizer,
+            ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
         self._tracked[rid] = _Tracked(req, detok)
@@ -238,8 +255,11 @@ class Engine:
         self.scheduler.update(batch, out.sampled)
         for s in batch.seqs:
             if s.sample and s.request.request_id in out.sampled:
-                deltas.append(self._emit(s.request, out.sampled[s.request.request_id],
-                                         out.logprobs.get(s.request.request_id)))
+                deltas.append(
+                    self._emit(
+                        s.request, out.sampled[s.request.request_id], out.logprobs.get(s.request.request_id)
+                    )
+                )
         return deltas
 
     def _emit(self, req: Request, tok: int, lp: TokenLogprobs | None) -> TokenDelta:
@@ -249,7 +269,9 @@ class Engine:
             text = t.detok.add([tok])
             if t.detok.stop_matched is not None:
                 self.scheduler.finish(req, FinishReason.STOP)
-                req.finish_reason = FinishReason.STOP  # a stop string wins over a length stop in the same step
+                req.finish_reason = (
+                    FinishReason.STOP
+                )  # a stop string wins over a length stop in the same step
             if req.is_finished:
                 if t.detok.stop_matched is not None:
                     stop_reason = t.detok.stop_matched
@@ -274,6 +296,13 @@ class Engine:
         if req.status is not RequestStatus.FINISHED:  # defensive: never leave a request half-done
             self.scheduler.finish(req, FinishReason.ERROR)
         return TokenDelta(
-            req.request_id, toks, text, lps, finish_reason=req.finish_reason, stop_reason=stop_reason,
-            error=t.error, num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            req.request_id,
+            toks,
+            text,
+            lps,
+            finish_reason=req.finish_reason,
+            stop_reason=stop_reason,
+            error=t.error,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
         )

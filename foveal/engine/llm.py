@@ -46,13 +46,17 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(
-        self, prompts: PromptLike | list[PromptLike], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: PromptLike | list[PromptLike],
+        params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         prompts = self._as_list(prompts)
         return self._run([self._ids(p) for p in prompts], params)
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         if not messages:

@@ -29,7 +29,9 @@ def inv_frequencies(config, head_dim: int) -> torch.Tensor:
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     base = float(params["rope_theta"])
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

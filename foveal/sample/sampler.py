@@ -181,8 +181,10 @@ class Sampler:
         neg_inf = float("-inf")
         # one host->device copy for every per-row scalar; off switches get values that keep everything
         cols = torch.tensor(
-            [[p.temperature, p.min_p, p.top_k if 0 < p.top_k < V else 0, p.top_p if p.top_p < 1 else 2.0]
-             for p in params],
+            [
+                [p.temperature, p.min_p, p.top_k if 0 < p.top_k < V else 0, p.top_p if p.top_p < 1 else 2.0]
+                for p in params
+            ],
             dtype=torch.float32,
         ).to(x.device)
         x = x / cols[:, 0:1]

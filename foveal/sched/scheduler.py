@@ -80,7 +80,12 @@ class Scheduler:
             budget -= n
             i += 1
         # Waiting requests only when nobody was preempted this step (they would just evict each other).
-        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and not batch.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.can_allocate(req, n):
@@ -108,7 +113,9 @@ class Scheduler:
         self.waiting.appendleft(req)
         batch.preempted.append(req.request_id)
         self.num_preemptions += 1
-        log.info("%s preempted (recompute later); %d free blocks", req.request_id, self.kv.pool.num_free_blocks)
+        log.info(
+            "%s preempted (recompute later); %d free blocks", req.request_id, self.kv.pool.num_free_blocks
+        )
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, apply token-level stop rules.

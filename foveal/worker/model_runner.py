@@ -24,7 +24,9 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches: list[torch.Tensor], backend, block_size: int, device, vocab_size: int):
+    def __init__(
+        self, model, kv_caches: list[torch.Tensor], backend, block_size: int, device, vocab_size: int
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -85,7 +87,9 @@ class ModelRunner:
         logits = self.compute_logits(batch)
         if not sampling:
             return out
-        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in sampling]
+        rows = [
+            SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in sampling
+        ]
         result = self.sampler(logits, rows)
         for req, tok, lp in zip(sampling, result.token_ids, result.logprobs):
             out.sampled[req.request_id] = tok
