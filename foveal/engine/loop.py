@@ -1,0 +1,349 @@
+"""EngineLoop: owns THE model thread and bridges it to asyncio callers.
+
+    caller (event loop)                       model thread
+    submit() ── _Submit ──> commands queue ──> drained between steps -> engine.add_request
+    abort()  ── _Abort  ──>                                            -> engine.abort
+    RequestStream.queue <── call_soon_threadsafe(put_nowait) <── engine.step() deltas
+
+Every engine call happens on the model thread, so the engine stays single-threaded. A stream's first
+item is `ADMITTED` or a `StreamError` (the HTTP layer answers 4xx before any header is sent); then
+`(choice_index, TokenDelta)` pairs until every choice has a final delta, or a `StreamError` if the loop
+dies or shuts down. When idle the thread blocks on the command queue. This module must not import
+HTTP code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from foveal.metrics import FanoutSink, MetricsSink, RequestStats
+from foveal.request import FinishReason, SamplingParams, TokenDelta
+
+log = logging.getLogger(__name__)
+
+ADMITTED = "admitted"
+PromptSource = list[int] | Callable[[], list[int]]  # a callable runs on the model thread (templating)
+
+
+@dataclass(slots=True)
+class StreamError:
+    message: str
+    status: int = 500  # HTTP status when it is the first item: 400 bad input, 429 queue full, 503 ...
+    type: str = "server_error"
+
+
+class StreamFailed(Exception):
+    def __init__(self, err: StreamError):
+        super().__init__(err.message)
+        self.error = err
+
+
+@dataclass(slots=True)
+class _Choice:
+    prompt: PromptSource
+    params: SamplingParams
+
+
+class RequestStream:
+    """The caller's side of one request: an asyncio.Queue owned by the caller's event loop."""
+
+    def __init__(
+        self, request_id: str, num_choices: int, loop: asyncio.AbstractEventLoop, timeout: float | None
+    ):
+        self.request_id = request_id
+        self.num_choices = num_choices
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = loop
+        self.timeout = timeout
+        self.finished = False
+
+    async def _get(self):
+        try:
+            return await asyncio.wait_for(self.queue.get(), self.timeout)
+        except TimeoutError:
+            raise StreamFailed(
+                StreamError(f"request timed out after {self.timeout} s without output", 504, "timeout")
+            ) from None
+
+    async def admitted(self) -> None:
+        """Wait for admission; raises StreamFailed carrying the 4xx/5xx error."""
+        item = await self._get()
+        if isinstance(item, StreamError):
+            self.finished = True
+            raise StreamFailed(item)
+
+    async def deltas(self):
+        """Yield (choice index, TokenDelta) until every choice finished; StreamFailed on a loop error."""
+        left = self.num_choices
+        while left:
+            item = await self._get()
+            if isinstance(item, StreamError):
+                self.finished = True
+                raise StreamFailed(item)
+            index, delta = item
+            if delta.finished:
+                left -= 1
+            yield index, delta
+        self.finished = True
+
+
+@dataclass(slots=True)
+class _Open:
+    stream: RequestStream
+    sub_ids: list[str]
+    stats: RequestStats
+    left: int
+    reasons: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+class EngineLoop:
+    """The one thread that calls the engine. `start()` starts it; the constructor does no work."""
+
+    def __init__(self, engine, max_queued_requests: int | None = None, sink: MetricsSink | None = None):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.sink = sink or FanoutSink()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._open: dict[str, _Open] = {}  # HTTP request id -> state (model thread only)
+        self._sub: dict[str, tuple[str, int]] = {}  # engine request id -> (HTTP id, choice index)
+        self.state = "loading"  # loading | ready | draining | dead | stopped
+        self.dead_reason: str | None = None
+        self._stop = False
+
+    # -- caller side (any thread) -----------------------------------------------------------------
+    def start(self) -> EngineLoop:
+        self._thread = threading.Thread(target=self._run, name="foveal-engine", daemon=True)
+        self.state = "ready"
+        self._thread.start()
+        return self
+
+    def submit(
+        self,
+        request_id: str,
+        choices: list[tuple[PromptSource, SamplingParams]],
+        *,
+        streaming: bool = False,
+        timeout: float | None = None,
+    ) -> RequestStream:
+        """Queue one request of one or more choices (n > 1 already expanded by the caller, or use
+        `expand_n`). Must be called from a running event loop; the stream belongs to it."""
+        stream = RequestStream(request_id, len(choices), asyncio.get_running_loop(), timeout)
+        if self.state != "ready":
+            why = self.dead_reason if self.state == "dead" else f"the server is {self.state}"
+            stream.queue.put_nowait(StreamError(f"not accepting requests: {why}", 503, "unavailable"))
+            return stream
+        stats = RequestStats(request_id, streaming=streaming)
+        self._cmds.put(("submit", stream, [_Choice(p, s) for p, s in choices], stats))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (all its choices). Idempotent; safe before admission and after finish."""
+        self._cmds.put(("abort", request_id))
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop admitting; let running requests finish for up to drain_timeout s; abort the rest."""
+        if self._thread is None:
+            self.state = "stopped"
+            return
+        if self.state == "ready":
+            self.state = "draining"
+        deadline = time.monotonic() + drain_timeout
+        while self._open and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        self._cmds.put(("stop",))
+        self._thread.join(timeout=10)
+        if self.state != "dead":
+            self.state = "stopped"
+
+    # -- model thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                busy = eng.has_unfinished()
+                cmds = []
+                if not busy:
+                    cmds.append(self._cmds.get())  # idle: block, no busy spin
+                while True:
+                    try:
+                        cmds.append(self._cmds.get_nowait())
+                    except queue.Empty:
+                        break
+                for c in cmds:
+                    self._handle(c)
+                if self._stop:
+                    break
+                if eng.has_unfinished():
+                    deltas = eng.step()
+                    now = time.perf_counter()
+                    for d in deltas:
+                        self._deliver(d, now)
+                    self._report_step()
+        except Exception as e:  # the engine isolates per-request faults; reaching here is fatal
+            log.exception("engine loop died")
+            self.dead_reason = f"engine failed: {type(e).__name__}: {e}"
+            self.state = "dead"
+        self._close_all(StreamError(self.dead_reason or "the server is shutting down", 503, "unavailable"))
+
+    def _handle(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            self._admit(*cmd[1:])
+        elif kind == "abort":
+            o = self._open.get(cmd[1])
+            if o is not None:
+                for sid in o.sub_ids:
+                    self.engine.abort(sid)  # its final ABORT delta comes from the next step
+        elif kind == "stop":
+            self._stop = True
+
+    def _admit(self, stream: RequestStream, choices: list[_Choice], stats: RequestStats) -> None:
+        rid = stream.request_id
+        if rid in self._open:
+            return self._push(stream, StreamError(f"request id {rid!r} is already in use", 400))
+        eng = self.engine
+        limit = self.max_queued_requests
+        if limit is not None and len(eng.scheduler.waiting) + len(choices) > max(limit, 1):
+            self._push(stream, StreamError("too many queued requests; retry later", 429, "rate_limit"))
+            log.info("%s rejected: queue full (%d waiting)", rid, len(eng.scheduler.waiting))
+            return
+        sub_ids: list[str] = []
+        rendered: dict[int, list[int]] = {}  # a prompt shared by n choices is rendered once
+        try:
+            for i, ch in enumerate(choices):
+                if callable(ch.prompt):
+                    ids = rendered.get(id(ch.prompt))
+                    if ids is None:
+                        ids = rendered[id(ch.prompt)] = ch.prompt()
+                else:
+                    ids = ch.prompt
+                sid = rid if len(choices) == 1 else f"{rid}-{i}"
+                eng.add_request(ids, dataclasses.replace(ch.params), sid)
+                sub_ids.append(sid)
+        except Exception as e:  # bad input (ValueError, template errors): 400, nothing stays admitted
+            for sid in sub_ids:
+                eng.abort(sid)
+            self._flush_aborted(sub_ids)
+            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            log.info("%s rejected: %s", rid, msg)
+            return self._push(stream, StreamError(msg, 400, "invalid_request_error"))
+        for i, sid in enumerate(sub_ids):
+            self._sub[sid] = (rid, i)
+        self._open[rid] = _Open(stream, sub_ids, stats, len(sub_ids))
+        log.info("%s admitted: %d choice(s)", rid, len(sub_ids))
+        self._safe(self.sink.request_started, stats)
+        self._push(stream, ADMITTED)
+
+    def _flush_aborted(self, sub_ids: list[str]) -> None:
+        # Aborted-at-admission sequences produce final deltas on the next step; mark them as orphans.
+        for sid in sub_ids:
+            self._sub[sid] = ("", -1)
+
+    def _deliver(self, d: TokenDelta, now: float) -> None:
+        rid, index = self._sub.get(d.request_id, ("", -1))
+        o = self._open.get(rid)
+        if o is None:
+            if d.finished:
+                self._sub.pop(d.request_id, None)
+            return
+        st = o.stats
+        if d.token_ids:
+            if st.first_token is None:
+                st.first_token = now
+            st.last_token = now
+            st.token_times.append(now)
+            self._safe(self.sink.token, st, now, len(d.token_ids))
+        self._push(o.stream, (index, d))
+        if not d.finished:
+            return
+        self._sub.pop(d.request_id, None)
+        o.left -= 1
+        st.num_prompt_tokens += d.num_prompt_tokens
+        st.num_output_tokens += d.num_output_tokens
+        o.reasons.append(d.finish_reason.value)
+        if d.error:
+            o.error = d.error
+            log.warning("%s: choice %d failed: %s", rid, index, d.error)
+        if o.left == 0:
+            del self._open[rid]
+            st.finished = now
+            st.error = o.error
+            bad = [r for r in o.reasons if r in (FinishReason.ERROR.value, FinishReason.ABORT.value)]
+            st.finish_reason = bad[0] if bad else o.reasons[0]
+            outcome = {"error": "failed", "abort": "aborted"}.get(st.finish_reason, "completed")
+            log.info(
+                "%s finished: %s, %d prompt + %d completion tokens, %.3f s",
+                rid,
+                st.finish_reason,
+                st.num_prompt_tokens,
+                st.num_output_tokens,
+                st.request_time,
+            )
+            self._safe(self.sink.request_finished, st, outcome)
+
+    def _report_step(self) -> None:
+        s = self.engine.scheduler
+        self._safe(self.sink.step, len(s.running), len(s.waiting), self.engine.kv.pool.usage())
+
+    def _close_all(self, err: StreamError) -> None:
+        """No stream is ever left without a final event."""
+        for rid, o in list(self._open.items()):
+            for sid in o.sub_ids:
+                try:
+                    self.engine.abort(sid)
+                except Exception:
+                    log.exception("%s: abort during close failed", rid)
+                self._sub.pop(sid, None)
+            o.stats.finished = time.perf_counter()
+            o.stats.error = err.message
+            o.stats.finish_reason = "error"
+            self._safe(self.sink.request_finished, o.stats, "failed")
+            self._push(o.stream, err)
+        self._open.clear()
+        try:  # drain the queued ABORT deltas so the engine holds nothing
+            if self.state != "dead":
+                self.engine.step() if self.engine.has_unfinished() else None
+        except Exception:
+            log.exception("final step failed")
+        while True:  # submissions that raced with the stop get a final error too
+            try:
+                c = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if c[0] == "submit":
+                self._push(c[1], err)
+
+    @staticmethod
+    def _push(stream: RequestStream, item) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+    @staticmethod
+    def _safe(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("metrics sink failed")
+
+
+def expand_n(prompt: PromptSource, params: SamplingParams) -> list[tuple[PromptSource, SamplingParams]]:
+    """n choices -> n sequences; seeded choices get distinct, reproducible seeds (seed + i), as LLM does."""
+    return [
+        (prompt, dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i))
+        for i in range(params.n)
+    ]

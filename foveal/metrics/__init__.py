@@ -1,0 +1,185 @@
+"""Request and step statistics, and the sink protocol the EngineLoop reports them to.
+
+This module owns the numbers (time to first token, prefill and decode rates, request time) and a
+thread-safe JSON summary. It must not import the HTTP layer; exporters (Prometheus) implement
+`MetricsSink` elsewhere and are handed to the loop.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Timings of one HTTP-level request (all its choices), measured on the model thread."""
+
+    request_id: str
+    streaming: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def request_time(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+    @property
+    def prefill_tps(self) -> float | None:
+        t = self.ttft
+        return self.num_prompt_tokens / t if t else None
+
+    @property
+    def decode_tps(self) -> float | None:
+        return _rate(self.token_times)
+
+    def to_dict(self) -> dict:
+        tt = self.token_times
+        return {
+            "request_id": self.request_id,
+            "streaming": self.streaming,
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_output_tokens,
+            "ttft_s": self.ttft,
+            "prefill_tokens_per_s": self.prefill_tps,
+            "decode_tokens_per_s": self.decode_tps,
+            "first_32_tokens_per_s": _rate(tt[:32]),
+            "first_64_tokens_per_s": _rate(tt[:64]),
+            "last_32_tokens_per_s": _rate(tt[-32:]),
+            "last_64_tokens_per_s": _rate(tt[-64:]),
+            "request_time_s": self.request_time,
+            "peak_memory_mb": peak_memory_mb(),
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+        }
+
+
+def _rate(times: list[float]) -> float | None:
+    """Tokens per second between the first and last token of a run of token timestamps."""
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def peak_memory_mb() -> float:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.max_memory_allocated() / 2**20
+    except Exception:  # metrics must never fail a request
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+class MetricsSink(Protocol):
+    def request_started(self, stats: RequestStats) -> None: ...
+    def token(self, stats: RequestStats, now: float, num_tokens: int) -> None: ...
+    def request_finished(self, stats: RequestStats, outcome: str) -> None: ...
+    def step(self, num_running: int, num_waiting: int, kv_usage: float) -> None: ...
+
+
+class SummarySink:
+    """Lifetime counters plus the latest and recent requests, as JSON for GET /v1/metrics."""
+
+    def __init__(self, recent: int = 16):
+        self._lock = threading.Lock()
+        self._recent: deque[dict] = deque(maxlen=recent)
+        self.started = self.completed = self.failed = self.streaming = 0
+        self.prompt_tokens = self.completion_tokens = 0
+        self._time_sum = 0.0
+        self._decode_sum, self._decode_n = 0.0, 0
+        self.last_error: str | None = None
+        self.num_running = self.num_waiting = 0
+        self.kv_usage = 0.0
+
+    def request_started(self, stats: RequestStats) -> None:
+        with self._lock:
+            self.started += 1
+            self.streaming += stats.streaming
+
+    def token(self, stats: RequestStats, now: float, num_tokens: int) -> None:
+        pass
+
+    def request_finished(self, stats: RequestStats, outcome: str) -> None:
+        d = stats.to_dict()
+        with self._lock:
+            if outcome == "completed":
+                self.completed += 1
+            else:
+                self.failed += 1
+                self.last_error = stats.error or outcome
+            self.prompt_tokens += stats.num_prompt_tokens
+            self.completion_tokens += stats.num_output_tokens
+            self._time_sum += stats.request_time or 0.0
+            if stats.decode_tps:
+                self._decode_sum += stats.decode_tps
+                self._decode_n += 1
+            self._recent.append(d)
+
+    def step(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        self.num_running, self.num_waiting, self.kv_usage = num_running, num_waiting, kv_usage
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            done = self.completed + self.failed
+            recent = list(self._recent)
+            return {
+                "latest": recent[-1] if recent else None,
+                "recent": recent,
+                "summary": {
+                    "requests_started": self.started,
+                    "requests_completed": self.completed,
+                    "requests_failed": self.failed,
+                    "requests_in_flight": self.started - done,
+                    "streaming_requests": self.streaming,
+                    "prompt_tokens": self.prompt_tokens,
+                    "completion_tokens": self.completion_tokens,
+                    "avg_request_time_s": self._time_sum / done if done else None,
+                    "avg_decode_tokens_per_s": self._decode_sum / self._decode_n if self._decode_n else None,
+                    "last_error": self.last_error,
+                    "num_running": self.num_running,
+                    "num_waiting": self.num_waiting,
+                    "kv_cache_usage": self.kv_usage,
+                },
+            }
+
+
+class FanoutSink:
+    """Several sinks behind one; a failing sink is logged by the caller, never fatal."""
+
+    def __init__(self, *sinks: MetricsSink):
+        self.sinks = sinks
+
+    def request_started(self, stats):
+        for s in self.sinks:
+            s.request_started(stats)
+
+    def token(self, stats, now, num_tokens):
+        for s in self.sinks:
+            s.token(stats, now, num_tokens)
+
+    def request_finished(self, stats, outcome):
+        for s in self.sinks:
+            s.request_finished(stats, outcome)
+
+    def step(self, num_running, num_waiting, kv_usage):
+        for s in self.sinks:
+            s.step(num_running, num_waiting, kv_usage)

@@ -1,0 +1,352 @@
+"""FastAPI routes of the OpenAI-compatible server: auth and request ids at the edge, body parsing into
+strict pydantic models, submission to the EngineLoop, whole and streamed (SSE) responses.
+
+Every 4xx is decided before any response byte is sent: the stream's first item is admission or an
+error. A client that goes away (mid-stream or before the first token) aborts its request. This module
+must not call the engine directly except through the EngineLoop (the model thread owns the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from foveal.config import ServerConfig
+from foveal.engine.loop import EngineLoop, RequestStream, StreamFailed, expand_n
+from foveal.metrics import FanoutSink, SummarySink
+from foveal.metrics.prometheus import PrometheusSink
+from foveal.server import sse
+from foveal.server.errors import APIError, error_response, from_validation
+from foveal.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+class _Edge:
+    """Pure ASGI middleware (streaming-safe): bearer auth and the X-Request-Id response header."""
+
+    def __init__(self, app, cfg: ServerConfig):
+        self.app, self.cfg = app, cfg
+
+    def _protected(self, path: str) -> bool:
+        return path.startswith("/v1/") or (path.startswith("/metrics") and not self.cfg.metrics_public)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        state["request_id"] = f"req-{uuid.uuid4().hex[:24]}"
+
+        async def send_with_id(msg):
+            if msg["type"] == "http.response.start":
+                headers = [h for h in msg.get("headers", []) if h[0].lower() != b"x-request-id"]
+                headers.append((b"x-request-id", state["request_id"].encode()))
+                msg = {**msg, "headers": headers}
+            await send(msg)
+
+        key = self.cfg.api_key
+        if key and self._protected(scope["path"]):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                resp = error_response(APIError(401, "invalid or missing API key", code="invalid_api_key"))
+                return await resp(scope, receive, send_with_id)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
+    """Build the app around a started Engine. The EngineLoop starts with the app's lifespan."""
+    cfg = cfg or ServerConfig()
+    prom, summary = PrometheusSink(), SummarySink()
+    loop = EngineLoop(engine, cfg.max_queued_requests, FanoutSink(prom, summary))
+    model_name = cfg.served_model_name or engine.model_name
+    names = {model_name, engine.model_name}
+    text_of = sse.TokenText(engine.tokenizer)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        log.info("serving %s", model_name)
+        yield
+        await asyncio.to_thread(loop.shutdown, cfg.drain_timeout)
+
+    app = FastAPI(title="foveal", lifespan=lifespan)
+    app.state.loop, app.state.prometheus, app.state.summary = loop, prom, summary
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(
+            APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)
+        )
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        log.exception("%s: unhandled error", request.state.request_id)
+        return error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+    async def parse(request: Request, model_cls):
+        cl = request.headers.get("content-length")
+        if cl and cl.isdigit() and int(cl) > cfg.max_body_bytes:
+            raise APIError(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="body_too_large")
+        chunks, size = [], 0
+        async for c in request.stream():
+            size += len(c)
+            if size > cfg.max_body_bytes:
+                raise APIError(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="body_too_large")
+            chunks.append(c)
+        try:
+            data = json.loads(b"".join(chunks))
+        except ValueError as e:
+            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            req = model_cls.model_validate(data)
+        except ValidationError as e:
+            raise from_validation(e) from None
+        if req.model is not None and req.model not in names:
+            raise APIError(
+                404,
+                f"model '{req.model}' does not exist; this server serves '{model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+        try:
+            params = req.sampling_params()
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return req, params
+
+    async def admit(request: Request, stream: RequestStream) -> None:
+        try:
+            await stream.admitted()
+        except StreamFailed as e:
+            err = e.error
+            headers = {"Retry-After": "1"} if err.status == 429 else None
+            raise APIError(err.status, err.message, err.type, headers=headers) from None
+        except BaseException:
+            loop.abort(stream.request_id)  # cancelled before admission was answered
+            raise
+
+    async def watch_disconnect(request: Request, rid: str) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.2)
+        log.info("%s: client disconnected; aborting", rid)
+        loop.abort(rid)
+
+    async def run(request: Request, rid: str, req, prompt, params, chat: bool):
+        request.state.request_id = rid
+        stream = loop.submit(rid, expand_n(prompt, params), streaming=req.stream, timeout=cfg.request_timeout)
+        await admit(request, stream)
+        if req.stream:
+            gen = stream_chat(stream, req) if chat else stream_completion(stream, req)
+            return StreamingResponse(
+                gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        watcher = asyncio.create_task(watch_disconnect(request, rid))
+        try:
+            return JSONResponse(await collect(stream, req, chat))
+        finally:
+            watcher.cancel()
+            if not stream.finished:
+                loop.abort(rid)
+
+    async def collect(stream: RequestStream, req, chat: bool) -> dict:
+        n = stream.num_choices
+        texts, lps, reasons = [""] * n, [None] * n, [None] * n
+        prompt_toks = out_toks = 0
+        try:
+            async for i, d in stream.deltas():
+                texts[i] += d.text
+                if d.logprobs:
+                    if chat:
+                        lps[i] = (lps[i] or []) + d.logprobs
+                    else:
+                        new = sse.completion_logprobs(d.logprobs, text_of, len(texts[i]) - len(d.text))
+                        lps[i] = sse.merge_completion_logprobs(lps[i], new)
+                if d.finished:
+                    if d.error:
+                        raise APIError(500, f"generation failed: {d.error}", "server_error")
+                    reasons[i] = sse.finish(d.finish_reason)
+                    prompt_toks = d.num_prompt_tokens
+                    out_toks += d.num_output_tokens
+        except StreamFailed as e:
+            raise APIError(e.error.status, e.error.message, e.error.type) from None
+        if chat:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": sse.chat_logprobs(lps[i], text_of) if lps[i] is not None else None,
+                    "finish_reason": reasons[i],
+                }
+                for i in range(n)
+            ]
+        else:
+            choices = [
+                {"index": i, "text": texts[i], "logprobs": lps[i], "finish_reason": reasons[i]}
+                for i in range(n)
+            ]
+        return {
+            "id": stream.request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": sse.usage(prompt_toks, out_toks),
+            "system_fingerprint": None,
+        }
+
+    def _chunk(rid, obj, choices, usage_field: bool) -> dict:
+        c = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": choices}
+        if usage_field:
+            c["usage"] = None
+        return c
+
+    async def stream_chat(stream: RequestStream, req: ChatCompletionRequest):
+        rid, inc = stream.request_id, req.include_usage
+        obj = "chat.completion.chunk"
+
+        def choice(i, delta, lp=None, fr=None):
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr}
+
+        try:
+            for i in range(stream.num_choices):
+                yield sse.sse(_chunk(rid, obj, [choice(i, {"role": "assistant", "content": ""})], inc))
+            prompt_toks = out_toks = 0
+            async for i, d in stream.deltas():
+                if d.text or d.logprobs:
+                    lp = sse.chat_logprobs(d.logprobs, text_of) if d.logprobs else None
+                    yield sse.sse(_chunk(rid, obj, [choice(i, {"content": d.text}, lp)], inc))
+                if d.finished:
+                    if d.error:
+                        yield sse.sse(
+                            {
+                                "error": {
+                                    "message": d.error,
+                                    "type": "server_error",
+                                    "param": None,
+                                    "code": None,
+                                }
+                            }
+                        )
+                    yield sse.sse(_chunk(rid, obj, [choice(i, {}, None, sse.finish(d.finish_reason))], inc))
+                    prompt_toks, out_toks = d.num_prompt_tokens, out_toks + d.num_output_tokens
+            if inc:
+                yield sse.sse({**_chunk(rid, obj, [], False), "usage": sse.usage(prompt_toks, out_toks)})
+        except StreamFailed as e:
+            yield sse.sse(
+                {"error": {"message": e.error.message, "type": e.error.type, "param": None, "code": None}}
+            )
+        finally:
+            if not stream.finished:
+                log.info("%s: stream closed early; aborting", rid)
+                loop.abort(rid)
+        yield sse.DONE
+
+    async def stream_completion(stream: RequestStream, req: CompletionRequest):
+        rid, inc = stream.request_id, req.include_usage
+        offsets = [0] * stream.num_choices
+        try:
+            prompt_toks = out_toks = 0
+            async for i, d in stream.deltas():
+                fr = sse.finish(d.finish_reason)
+                if d.text or d.logprobs or d.finished:
+                    lp = sse.completion_logprobs(d.logprobs, text_of, offsets[i]) if d.logprobs else None
+                    offsets[i] += len(d.text)
+                    c = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": fr}
+                    yield sse.sse(_chunk(rid, "text_completion", [c], inc))
+                if d.finished:
+                    if d.error:
+                        yield sse.sse(
+                            {
+                                "error": {
+                                    "message": d.error,
+                                    "type": "server_error",
+                                    "param": None,
+                                    "code": None,
+                                }
+                            }
+                        )
+                    prompt_toks, out_toks = d.num_prompt_tokens, out_toks + d.num_output_tokens
+            if inc:
+                yield sse.sse(
+                    {**_chunk(rid, "text_completion", [], False), "usage": sse.usage(prompt_toks, out_toks)}
+                )
+        except StreamFailed as e:
+            yield sse.sse(
+                {"error": {"message": e.error.message, "type": e.error.type, "param": None, "code": None}}
+            )
+        finally:
+            if not stream.finished:
+                log.info("%s: stream closed early; aborting", rid)
+                loop.abort(rid)
+        yield sse.DONE
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req, params = await parse(request, ChatCompletionRequest)
+        messages = [m.as_template_dict() for m in req.messages]
+        kw = req.chat_template_kwargs or {}
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        log.info("%s: chat request, %d message(s), n=%d, stream=%s", rid, len(messages), params.n, req.stream)
+        return await run(request, rid, req, lambda: engine.apply_chat_template(messages, **kw), params, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req, params = await parse(request, CompletionRequest)
+        p = req.prompt
+        if p and isinstance(p[0], int):
+            prompt = p
+        else:
+            text = p if isinstance(p, str) else p[0]
+            prompt = lambda: engine.tokenize(text)  # noqa: E731 (runs on the model thread)
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        log.info("%s: completion request, n=%d, stream=%s", rid, params.n, req.stream)
+        return await run(request, rid, req, prompt, params, False)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "object": "model",
+            "created": created,
+            "owned_by": "foveal",
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [{"id": model_name, **card}]}
+
+    @app.get("/health")
+    async def health():
+        body = {"status": loop.state}
+        if loop.dead_reason:
+            body["error"] = loop.dead_reason
+        return JSONResponse(body, status_code=200 if loop.state == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(prom.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/metrics")
+    async def metrics_json():
+        return summary.to_dict()
+
+    app.add_middleware(_Edge, cfg=cfg)
+    return app
