@@ -236,6 +236,14 @@ class Engine:
     def kv(self) -> KVCacheManager:
         return self.scheduler.kv
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
         deltas, self._pending = self._pending, []

@@ -216,9 +216,9 @@ class EngineLoop:
             return self._push(stream, StreamError(f"request id {rid!r} is already in use", 400))
         eng = self.engine
         limit = self.max_queued_requests
-        if limit is not None and len(eng.scheduler.waiting) + len(choices) > max(limit, 1):
+        if limit is not None and eng.num_waiting + len(choices) > max(limit, 1):
             self._push(stream, StreamError("too many queued requests; retry later", 429, "rate_limit"))
-            log.info("%s rejected: queue full (%d waiting)", rid, len(eng.scheduler.waiting))
+            log.info("%s rejected: queue full (%d waiting)", rid, eng.num_waiting)
             return
         sub_ids: list[str] = []
         rendered: dict[int, list[int]] = {}  # a prompt shared by n choices is rendered once
@@ -295,8 +295,8 @@ class EngineLoop:
             self._safe(self.sink.request_finished, st, outcome)
 
     def _report_step(self) -> None:
-        s = self.engine.scheduler
-        self._safe(self.sink.step, len(s.running), len(s.waiting), self.engine.kv.pool.usage())
+        e = self.engine
+        self._safe(self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage())
 
     def _close_all(self, err: StreamError) -> None:
         """No stream is ever left without a final event."""

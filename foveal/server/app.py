@@ -238,24 +238,13 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                     yield sse.sse(_chunk(rid, obj, [choice(i, {"content": d.text}, lp)], inc))
                 if d.finished:
                     if d.error:
-                        yield sse.sse(
-                            {
-                                "error": {
-                                    "message": d.error,
-                                    "type": "server_error",
-                                    "param": None,
-                                    "code": None,
-                                }
-                            }
-                        )
+                        yield sse.error_event(d.error)
                     yield sse.sse(_chunk(rid, obj, [choice(i, {}, None, sse.finish(d.finish_reason))], inc))
                     prompt_toks, out_toks = d.num_prompt_tokens, out_toks + d.num_output_tokens
             if inc:
                 yield sse.sse({**_chunk(rid, obj, [], False), "usage": sse.usage(prompt_toks, out_toks)})
         except StreamFailed as e:
-            yield sse.sse(
-                {"error": {"message": e.error.message, "type": e.error.type, "param": None, "code": None}}
-            )
+            yield sse.error_event(e.error.message, e.error.type)
         finally:
             if not stream.finished:
                 log.info("%s: stream closed early; aborting", rid)
@@ -276,25 +265,14 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                     yield sse.sse(_chunk(rid, "text_completion", [c], inc))
                 if d.finished:
                     if d.error:
-                        yield sse.sse(
-                            {
-                                "error": {
-                                    "message": d.error,
-                                    "type": "server_error",
-                                    "param": None,
-                                    "code": None,
-                                }
-                            }
-                        )
+                        yield sse.error_event(d.error)
                     prompt_toks, out_toks = d.num_prompt_tokens, out_toks + d.num_output_tokens
             if inc:
                 yield sse.sse(
                     {**_chunk(rid, "text_completion", [], False), "usage": sse.usage(prompt_toks, out_toks)}
                 )
         except StreamFailed as e:
-            yield sse.sse(
-                {"error": {"message": e.error.message, "type": e.error.type, "param": None, "code": None}}
-            )
+            yield sse.error_event(e.error.message, e.error.type)
         finally:
             if not stream.finished:
                 log.info("%s: stream closed early; aborting", rid)

@@ -15,6 +15,11 @@ def sse(obj) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
+def error_event(message: str, type_: str = "server_error") -> bytes:
+    """An in-stream error (after headers were sent), in OpenAI's error shape."""
+    return sse({"error": {"message": message, "type": type_, "param": None, "code": None}})
+
+
 def usage(prompt: int, completion: int) -> dict:
     return {
         "prompt_tokens": prompt,

@@ -1,0 +1,144 @@
+"""Load generator for any OpenAI-compatible server (Foveal, vLLM, SGLang, llama.cpp's llama-server).
+
+Sends `--num-requests` streaming /v1/completions requests with `--concurrency` in flight, each a seeded
+random prompt of about `--input-len` tokens (random words; the server's tokenizer decides the exact
+count, reported from usage) asking for `--output-len` tokens (ignore_eos where the server supports it).
+Reports output throughput, time to first token and inter-token latency percentiles.
+
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --concurrency 8 --num-requests 32
+
+Prints a table, then one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue"
+).split()
+
+
+def make_prompt(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+async def one(client: httpx.AsyncClient, args, prompt: str, out: list[dict]) -> None:
+    body = {
+        "model": args.model,
+        "prompt": prompt,
+        "max_tokens": args.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    usage = None
+    async with client.stream("POST", "/completions", json=body) as r:
+        if r.status_code != 200:
+            out.append({"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"})
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    out.append(
+        {
+            "ttft": (stamps[0] - t0) if stamps else float("nan"),
+            "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+            "latency": end - t0,
+            "completion_tokens": usage["completion_tokens"] if usage else len(stamps),
+            "prompt_tokens": usage["prompt_tokens"] if usage else 0,
+        }
+    )
+
+
+async def run(args) -> dict:
+    rng = random.Random(args.seed)
+    prompts = [make_prompt(rng, args.input_len) for _ in range(args.num_requests)]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    results: list[dict] = []
+    sem = asyncio.Semaphore(args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits
+    ) as c:
+        if not args.model:
+            args.model = (await c.get("/models")).json()["data"][0]["id"]
+
+        async def guarded(p: str) -> None:
+            async with sem:
+                await one(c, args, p, results)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(guarded(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    out_tokens = sum(r["completion_tokens"] for r in ok)
+    itl = [x for r in ok for x in r["itl"]]
+    return {
+        "benchmark": "serving",
+        "base_url": args.base_url,
+        "model": args.model,
+        "concurrency": args.concurrency,
+        "num_requests": args.num_requests,
+        "failed": len(results) - len(ok),
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+        "wall_s": round(wall, 2),
+        "output_tok_s": round(out_tokens / wall, 1),
+        "mean_prompt_tokens": round(statistics.mean(r["prompt_tokens"] for r in ok), 1) if ok else 0,
+        "ttft_p50_s": round(pct([r["ttft"] for r in ok], 50), 3),
+        "ttft_p99_s": round(pct([r["ttft"] for r in ok], 99), 3),
+        "itl_p50_ms": round(pct(itl, 50) * 1e3, 1),
+        "itl_p99_ms": round(pct(itl, 99) * 1e3, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--model", default=None, help="default: the first entry of /v1/models")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128, help="prompt length in words (about tokens)")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    res = asyncio.run(run(args))
+    print(f"\nconcurrency {res['concurrency']}, {res['num_requests']} requests, {res['failed']} failed")
+    print(f"output throughput   {res['output_tok_s']:>8.1f} tok/s   (wall {res['wall_s']} s)")
+    print(f"TTFT p50 / p99      {res['ttft_p50_s']:>8.3f} / {res['ttft_p99_s']:.3f} s")
+    print(f"ITL  p50 / p99      {res['itl_p50_ms']:>8.1f} / {res['itl_p99_ms']:.1f} ms")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
