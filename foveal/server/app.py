@@ -221,17 +221,34 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             c["usage"] = None
         return c
 
-    async def stream_chat(stream: RequestStream, req: ChatCompletionRequest):
+    async def framed(stream: RequestStream, obj: str, inc: bool, body):
+        """The SSE frame both endpoints share: the body's chunks, the usage chunk, an in-stream error
+        event, abort when the client left early, then [DONE]. `body(tally)` adds to the token tally."""
+        rid = stream.request_id
+        tally = [0, 0]  # prompt tokens, completion tokens
+        try:
+            async for chunk in body(tally):
+                yield chunk
+            if inc:
+                yield sse.sse({**_chunk(rid, obj, [], False), "usage": sse.usage(*tally)})
+        except StreamFailed as e:
+            yield sse.error_event(e.error.message, e.error.type)
+        finally:
+            if not stream.finished:
+                log.info("%s: stream closed early; aborting", rid)
+                loop.abort(rid)
+        yield sse.DONE
+
+    def stream_chat(stream: RequestStream, req: ChatCompletionRequest):
         rid, inc = stream.request_id, req.include_usage
         obj = "chat.completion.chunk"
 
         def choice(i, delta, lp=None, fr=None):
             return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr}
 
-        try:
+        async def body(tally):
             for i in range(stream.num_choices):
                 yield sse.sse(_chunk(rid, obj, [choice(i, {"role": "assistant", "content": ""})], inc))
-            prompt_toks = out_toks = 0
             async for i, d in stream.deltas():
                 if d.text or d.logprobs:
                     lp = sse.chat_logprobs(d.logprobs, text_of) if d.logprobs else None
@@ -240,44 +257,35 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                     if d.error:
                         yield sse.error_event(d.error)
                     yield sse.sse(_chunk(rid, obj, [choice(i, {}, None, sse.finish(d.finish_reason))], inc))
-                    prompt_toks, out_toks = d.num_prompt_tokens, out_toks + d.num_output_tokens
-            if inc:
-                yield sse.sse({**_chunk(rid, obj, [], False), "usage": sse.usage(prompt_toks, out_toks)})
-        except StreamFailed as e:
-            yield sse.error_event(e.error.message, e.error.type)
-        finally:
-            if not stream.finished:
-                log.info("%s: stream closed early; aborting", rid)
-                loop.abort(rid)
-        yield sse.DONE
+                    tally[0] = d.num_prompt_tokens
+                    tally[1] += d.num_output_tokens
 
-    async def stream_completion(stream: RequestStream, req: CompletionRequest):
+        return framed(stream, obj, inc, body)
+
+    def stream_completion(stream: RequestStream, req: CompletionRequest):
         rid, inc = stream.request_id, req.include_usage
+        obj = "text_completion"
         offsets = [0] * stream.num_choices
-        try:
-            prompt_toks = out_toks = 0
+
+        async def body(tally):
             async for i, d in stream.deltas():
-                fr = sse.finish(d.finish_reason)
                 if d.text or d.logprobs or d.finished:
                     lp = sse.completion_logprobs(d.logprobs, text_of, offsets[i]) if d.logprobs else None
                     offsets[i] += len(d.text)
-                    c = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": fr}
-                    yield sse.sse(_chunk(rid, "text_completion", [c], inc))
+                    c = {
+                        "index": i,
+                        "text": d.text,
+                        "logprobs": lp,
+                        "finish_reason": sse.finish(d.finish_reason),
+                    }
+                    yield sse.sse(_chunk(rid, obj, [c], inc))
                 if d.finished:
                     if d.error:
                         yield sse.error_event(d.error)
-                    prompt_toks, out_toks = d.num_prompt_tokens, out_toks + d.num_output_tokens
-            if inc:
-                yield sse.sse(
-                    {**_chunk(rid, "text_completion", [], False), "usage": sse.usage(prompt_toks, out_toks)}
-                )
-        except StreamFailed as e:
-            yield sse.error_event(e.error.message, e.error.type)
-        finally:
-            if not stream.finished:
-                log.info("%s: stream closed early; aborting", rid)
-                loop.abort(rid)
-        yield sse.DONE
+                    tally[0] = d.num_prompt_tokens
+                    tally[1] += d.num_output_tokens
+
+        return framed(stream, obj, inc, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
