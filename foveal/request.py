@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_TOP_LOGPROBS = 20
 
@@ -48,6 +48,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+
+    def choices(self) -> list[SamplingParams]:
+        """n choices -> n single-sequence params; seeded choices get distinct, reproducible seeds seed+i."""
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
 
     @property
     def greedy(self) -> bool:

@@ -405,3 +405,31 @@ def test_queue_full_is_429(small):
     _free_soon(small.engine, within=2.0)
     r = c.chat.completions.create(model=small.model, messages=Q, temperature=0, max_tokens=2)
     assert r.choices[0].message.content
+
+
+def test_completions_with_several_prompts(srv):
+    """A list of prompts: n choices each, numbered prompt * n + choice, prompt tokens counted once per
+    prompt; each choice equals the same prompt sent alone (greedy)."""
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    prompts = ["The capital of France is", "One, two, three,"]
+    r = c.completions.create(model=srv.model, prompt=prompts, n=2, max_tokens=6, temperature=0)
+    assert [ch.index for ch in sorted(r.choices, key=lambda ch: ch.index)] == [0, 1, 2, 3]
+    by_index = {ch.index: ch.text for ch in r.choices}
+    singles = [c.completions.create(model=srv.model, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    assert by_index[0] == by_index[1] == singles[0].choices[0].text
+    assert by_index[2] == by_index[3] == singles[1].choices[0].text
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens + singles[1].usage.prompt_tokens
+    assert r.usage.completion_tokens == 2 * sum(x.usage.completion_tokens for x in singles)
+    ids = [[1, 2, 3], [4, 5]]
+    r = c.completions.create(
+        model=srv.model,
+        prompt=ids,
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(r)
+    assert {ch.choices[0].index for ch in chunks if ch.choices} == {0, 1}
+    assert chunks[-1].usage.prompt_tokens == 5
+    _free_soon(srv.engine)

@@ -97,9 +97,7 @@ class LLM:
         try:
             for ids, p in zip(prompt_ids, plist):
                 ro = RequestOutput(new_request_id("gen"), ids, [])
-                for i in range(p.n):
-                    # each choice is its own sequence; seeded choices get distinct, reproducible seeds
-                    sub = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                for i, sub in enumerate(p.choices()):  # each choice is its own sequence
                     co = CompletionOutput(i, logprobs=[] if p.logprobs is not None else None)
                     where[self.engine.add_request(ids, sub)] = co
                     ro.outputs.append(co)

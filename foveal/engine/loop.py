@@ -343,7 +343,4 @@ class EngineLoop:
 
 def expand_n(prompt: PromptSource, params: SamplingParams) -> list[tuple[PromptSource, SamplingParams]]:
     """n choices -> n sequences; seeded choices get distinct, reproducible seeds (seed + i), as LLM does."""
-    return [
-        (prompt, dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i))
-        for i in range(params.n)
-    ]
+    return [(prompt, p) for p in params.choices()]

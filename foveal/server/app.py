@@ -9,6 +9,7 @@ must not call the engine directly except through the EngineLoop (the model threa
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -152,9 +153,11 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         log.info("%s: client disconnected; aborting", rid)
         loop.abort(rid)
 
-    async def run(request: Request, rid: str, req, prompt, params, chat: bool):
+    async def run(request: Request, rid: str, req, prompts: list, params, chat: bool):
+        """One entry per prompt; choice index = prompt index * n + choice, as OpenAI numbers them."""
         request.state.request_id = rid
-        stream = loop.submit(rid, expand_n(prompt, params), streaming=req.stream, timeout=cfg.request_timeout)
+        choices = [c for p in prompts for c in expand_n(p, params)]
+        stream = loop.submit(rid, choices, streaming=req.stream, timeout=cfg.request_timeout)
         await admit(request, stream)
         if req.stream:
             gen = stream_chat(stream, req) if chat else stream_completion(stream, req)
@@ -172,7 +175,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     async def collect(stream: RequestStream, req, chat: bool) -> dict:
         n = stream.num_choices
         texts, lps, reasons = [""] * n, [None] * n, [None] * n
-        prompt_toks = out_toks = 0
+        per_prompt: dict[int, int] = {}  # prompt tokens count once per prompt, not once per choice
+        out_toks = 0
         try:
             async for i, d in stream.deltas():
                 texts[i] += d.text
@@ -186,7 +190,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                     if d.error:
                         raise APIError(500, f"generation failed: {d.error}", "server_error")
                     reasons[i] = sse.finish(d.finish_reason)
-                    prompt_toks = d.num_prompt_tokens
+                    per_prompt[i // req.n] = d.num_prompt_tokens
                     out_toks += d.num_output_tokens
         except StreamFailed as e:
             raise APIError(e.error.status, e.error.message, e.error.type) from None
@@ -211,7 +215,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             "created": int(time.time()),
             "model": model_name,
             "choices": choices,
-            "usage": sse.usage(prompt_toks, out_toks),
+            "usage": sse.usage(sum(per_prompt.values()), out_toks),
             "system_fingerprint": None,
         }
 
@@ -225,12 +229,13 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         """The SSE frame both endpoints share: the body's chunks, the usage chunk, an in-stream error
         event, abort when the client left early, then [DONE]. `body(tally)` adds to the token tally."""
         rid = stream.request_id
-        tally = [0, 0]  # prompt tokens, completion tokens
+        tally: dict = {"prompt": {}, "completion": 0}  # prompt tokens per prompt index
         try:
             async for chunk in body(tally):
                 yield chunk
             if inc:
-                yield sse.sse({**_chunk(rid, obj, [], False), "usage": sse.usage(*tally)})
+                usage = sse.usage(sum(tally["prompt"].values()), tally["completion"])
+                yield sse.sse({**_chunk(rid, obj, [], False), "usage": usage})
         except StreamFailed as e:
             yield sse.error_event(e.error.message, e.error.type)
         finally:
@@ -257,8 +262,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                     if d.error:
                         yield sse.error_event(d.error)
                     yield sse.sse(_chunk(rid, obj, [choice(i, {}, None, sse.finish(d.finish_reason))], inc))
-                    tally[0] = d.num_prompt_tokens
-                    tally[1] += d.num_output_tokens
+                    tally["prompt"][i // req.n] = d.num_prompt_tokens
+                    tally["completion"] += d.num_output_tokens
 
         return framed(stream, obj, inc, body)
 
@@ -282,8 +287,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                 if d.finished:
                     if d.error:
                         yield sse.error_event(d.error)
-                    tally[0] = d.num_prompt_tokens
-                    tally[1] += d.num_output_tokens
+                    tally["prompt"][i // req.n] = d.num_prompt_tokens
+                    tally["completion"] += d.num_output_tokens
 
         return framed(stream, obj, inc, body)
 
@@ -294,20 +299,25 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         kw = req.chat_template_kwargs or {}
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         log.info("%s: chat request, %d message(s), n=%d, stream=%s", rid, len(messages), params.n, req.stream)
-        return await run(request, rid, req, lambda: engine.apply_chat_template(messages, **kw), params, True)
+        return await run(
+            request, rid, req, [lambda: engine.apply_chat_template(messages, **kw)], params, True
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, params = await parse(request, CompletionRequest)
         p = req.prompt
-        if p and isinstance(p[0], int):
-            prompt = p
-        else:
-            text = p if isinstance(p, str) else p[0]
-            prompt = lambda: engine.tokenize(text)  # noqa: E731 (runs on the model thread)
+        if isinstance(p, str):
+            p = [p]
+        elif p and isinstance(p[0], int):
+            p = [p]
+        # token-id prompts go as they are; text is tokenized on the model thread
+        prompts = [x if isinstance(x, list) else functools.partial(engine.tokenize, x) for x in p]
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        log.info("%s: completion request, n=%d, stream=%s", rid, params.n, req.stream)
-        return await run(request, rid, req, prompt, params, False)
+        log.info(
+            "%s: completion request, %d prompt(s), n=%d, stream=%s", rid, len(prompts), params.n, req.stream
+        )
+        return await run(request, rid, req, prompts, params, False)
 
     @app.get("/v1/models")
     async def models():

@@ -110,11 +110,17 @@ class ChatCompletionRequest(_Common):
         return self._params(mt, (self.top_logprobs or 0) if self.logprobs else None)
 
 
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each with n choices)
+
+
 class CompletionRequest(_Common):
     prompt: (
         str
         | Annotated[list[int], Field(min_length=1)]
-        | Annotated[list[str], Field(min_length=1, max_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[
+            list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)
+        ]
     )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
