@@ -1,0 +1,75 @@
+"""Decode-step time of Foveal on a SmolLM2-135M-shaped random model (32 sequences x 128-token prompts),
+through the scheduler and paged cache without a tokenizer; `--profile` adds a cProfile table.
+
+    python benchmarks/decode_profile.py --dtype bfloat16 [--profile]
+
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+
+import torch
+import transformers as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.tiny import Harness  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    cfg = tf.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    )  # fmt: skip
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(cfg)
+    h = Harness(
+        hf, num_blocks=1200, block_size=16, budget=8192, max_num_seqs=256, dtype=getattr(torch, a.dtype)
+    )
+    for i in range(a.batch):
+        h.add(f"r{i}", torch.randint(100, 49000, (128,)).tolist(), max_tokens=1000)
+
+    def step():
+        batch = h.sched.schedule()
+        out = h.runner.execute(batch)
+        h.sched.update(batch, out.sampled)
+
+    t = time.perf_counter()
+    step()
+    prefill = time.perf_counter() - t
+    times = []
+    for _ in range(a.steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    med = sorted(times)[len(times) // 2]
+    if a.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(10):
+            step()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+    print(f"prefill {a.batch}x128: {prefill:.2f} s; decode step median {med * 1e3:.0f} ms")
+    print(json.dumps({"benchmark": "decode_profile", "dtype": a.dtype, "batch": a.batch,
+                      "prefill_s": round(prefill, 2), "decode_step_ms": round(med * 1e3, 1)}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
