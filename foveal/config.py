@@ -36,12 +36,15 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; default: 1 GiB on CPU, a fraction of free memory on CUDA
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # override (tests); wins over kv_cache_memory
+    vision_cache_memory: int = 256 * 2**20  # bytes of projected image embeddings kept (LRU); 0 disables
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # the per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 256
+    # images encoded per step, in embedding tokens (default: the token budget); one image always passes
+    max_encoder_tokens_per_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if s.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if s.max_encoder_tokens_per_step is not None and s.max_encoder_tokens_per_step < 1:
+            raise ValueError("max_encoder_tokens_per_step must be >= 1")
+        if c.vision_cache_memory < 0:
+            raise ValueError("vision_cache_memory must be >= 0 bytes")
         if c.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if c.num_blocks is not None and c.num_blocks < 2:

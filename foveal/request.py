@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 
@@ -137,6 +138,41 @@ def new_request_id(prefix: str = "req") -> str:
 
 
 @dataclass(slots=True, eq=False)
+class MultiModalItem:
+    """One image of a request: where its placeholder tokens sit in the prompt and what the encoder needs.
+
+    The span [offset, offset + length) covers the image's placeholder run. Most families fill every
+    position of it with an embedding; some (Idefics3) interleave text tokens (row/column markers), so
+    `embed_index[i]` gives, for span position i, the row of the image's embeddings it takes, or -1.
+
+        prompt:      t t <img> <img> <img> <img> t t          offset=2, length=4, num_embeds=4
+        idefics3:    t <fake> <row_1_col_1> <img> <img> <fake> ...   embed_index = [-1, -1, 0, 1, -1, ...]
+    """
+
+    modality: str  # "image"
+    offset: int
+    length: int
+    num_embeds: int
+    content_hash: str  # over decoded pixels and processor output: the vision-cache and prefix-cache key
+    data: dict[str, Any]  # this item's processor outputs (tensors), in the form the model's encoder takes
+    embed_index: Any = None  # torch.LongTensor [length] or None when every span position is an embedding
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(slots=True, eq=False)
+class MultiModalPrompt:
+    """A processed prompt with images: token ids with placeholders expanded, and one item per image."""
+
+    prompt_token_ids: list[int]
+    items: list[MultiModalItem]
+    mrope_positions: Any = None  # [3, len(prompt_token_ids)] for M-RoPE models
+    mrope_delta: int = 0
+
+
+@dataclass(slots=True, eq=False)
 class Request:
     """Engine-side state of one sequence. Owned by the engine thread; nobody else mutates it.
 
@@ -157,6 +193,13 @@ class Request:
     num_preemptions: int = 0
     # A cache of prompt+output, appended in place, so the runner never re-concatenates lists.
     all_token_ids: list[int] = field(default_factory=list)
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order, spans disjoint
+    # M-RoPE models (Qwen2-VL family): [3, prompt_len] positions; later positions are p + mrope_delta
+    mrope_positions: Any = None
+    mrope_delta: int = 0
+    # Runner-owned: embeddings of images whose span the prefill has not passed yet (item index -> tensor)
+    mm_embeds: dict[int, Any] = field(default_factory=dict)
+    encoder_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -19,6 +19,7 @@ from foveal.config import EngineConfig
 from foveal.engine.detokenizer import IncrementalDetokenizer
 from foveal.request import (
     FinishReason,
+    MultiModalPrompt,
     Request,
     RequestStatus,
     SamplingParams,
@@ -99,6 +100,20 @@ class Engine:
         self.tokenizer = ckpt.tokenizer
         self.model_name = ckpt.name
         self.hf_config = hf
+        self.text_config = hf.get_text_config()
+        self.vocab_size = self.text_config.vocab_size
+        self.is_multimodal = hasattr(self.model, "encode_images")
+        self.encoder_cache = self.mm_processor = None
+        if self.is_multimodal:
+            from foveal.cache.encoder_cache import EncoderCache
+            from foveal.engine.multimodal import MultiModalProcessor
+
+            if ckpt.processor is None:
+                raise ValueError(
+                    f"{ckpt.name} is a vision-language model but its folder has no processor files"
+                )
+            self.mm_processor = MultiModalProcessor(ckpt.processor, type(self.model).mm_adapter(hf))
+            self.encoder_cache = EncoderCache(cfg.cache.vision_cache_memory)
         load_s = time.perf_counter() - t0
 
         layers, kv_heads, head_dim = self.model.kv_shape
@@ -117,9 +132,16 @@ class Engine:
             )
             max_len = kv.capacity_tokens
         self.max_model_len = max_len
-        self.scheduler = Scheduler(cfg.scheduler, kv, max_len)
-        vocab = hf.vocab_size
-        self.runner = ModelRunner(self.model, kv_caches, backend, bs, device, vocab)
+        self.scheduler = Scheduler(
+            cfg.scheduler,
+            kv,
+            max_len,
+            encoder_cache=self.encoder_cache,
+            atomic_mm_spans=bool(getattr(self.model, "mm_bidirectional", False)),
+        )
+        self.runner = ModelRunner(
+            self.model, kv_caches, backend, bs, device, self.vocab_size, encoder_cache=self.encoder_cache
+        )
         self.eos_token_ids = self._eos_ids()
         self.device, self.dtype = device, dtype
         log.info(
@@ -153,7 +175,7 @@ class Engine:
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        eos = getattr(self.hf_config, "eos_token_id", None)
+        eos = getattr(self.hf_config, "eos_token_id", None) or getattr(self.text_config, "eos_token_id", None)
         if isinstance(eos, int):
             ids.add(eos)
         elif eos:
@@ -166,9 +188,28 @@ class Engine:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
+    def process_images(
+        self, *, prompt: str | None = None, messages: list[dict] | None = None, images=(), **template_kwargs
+    ) -> MultiModalPrompt:
+        """Request side (any thread): a prompt or chat messages with {"type": "image"} parts, plus the
+        decoded images in order -> token ids with expanded placeholders and one item per image."""
+        if not self.is_multimodal:
+            if images:
+                raise ValueError(f"{self.model_name} is a text-only model; it does not accept images")
+            ids = self.apply_chat_template(messages, **template_kwargs) if messages else self.tokenize(prompt)
+            return MultiModalPrompt(ids, [])
+        if messages is not None:
+            if not messages:
+                raise ValueError("messages must not be empty")
+            text = self.mm_processor.render_chat(messages, **template_kwargs)
+            return self.mm_processor.process(text, list(images), add_special_tokens=False)
+        return self.mm_processor.process(prompt or "", list(images))
+
     def apply_chat_template(self, messages: list[dict], **template_kwargs) -> list[int]:
         if not messages:
             raise ValueError("messages must not be empty")
+        if self.is_multimodal:
+            return self.process_images(messages=messages, **template_kwargs).prompt_token_ids
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use a plain prompt")
         text = self.tokenizer.apply_chat_template(
@@ -177,17 +218,28 @@ class Engine:
         return self.tokenize(text, add_special_tokens=False)
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int] | MultiModalPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> str:
         """Validate and queue one sequence; raises ValueError with the reason on bad input."""
         params = params or SamplingParams()
-        params.validate(self.hf_config.vocab_size)
+        params.validate(self.vocab_size)
         if params.n != 1:
             raise ValueError("the engine takes one sequence per request; expand n > 1 before add_request")
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        mm = prompt if isinstance(prompt, MultiModalPrompt) else None
+        if mm is not None:
+            ids = list(mm.prompt_token_ids)
+            if mm.items and not self.is_multimodal:
+                raise ValueError(f"{self.model_name} is a text-only model; it does not accept images")
+            if any(it.offset < 0 or it.end > len(ids) for it in mm.items):
+                raise ValueError("an image placeholder span lies outside the prompt")
+        else:
+            ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.hf_config.vocab_size
+        vocab = self.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
@@ -208,6 +260,9 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         self._arrivals += 1
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, arrival=self._arrivals)
+        if mm is not None and mm.items:
+            req.mm_items = list(mm.items)
+            req.mrope_positions, req.mrope_delta = mm.mrope_positions, mm.mrope_delta
         detok = IncrementalDetokenizer(
             self.tokenizer,
             ids,

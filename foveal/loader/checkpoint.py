@@ -30,6 +30,7 @@ class Checkpoint:
     source: str  # resolved local path (file or folder)
     format: str  # "gguf" | "safetensors"
     name: str  # served model name
+    processor: Any = None  # transformers processor (images); None for text-only models
 
 
 def load_checkpoint(
@@ -111,12 +112,21 @@ def _load_gguf(path: str, name: str, dtype: torch.dtype, device: torch.device, p
 def _load_folder(
     path: str, name: str, dtype: torch.dtype, device: torch.device, progress: bool
 ) -> Checkpoint:
-    from foveal.loader.safetensors_loader import load_hf_tokenizer, open_hf_folder
+    from foveal.loader.safetensors_loader import load_hf_processor, load_hf_tokenizer, open_hf_folder
 
     folder = open_hf_folder(path)
     tokenizer = load_hf_tokenizer(path)
+    processor = load_hf_processor(path)
     weights = _stream(folder.weights(dtype, device), folder.num_tensors, name, progress)
-    return Checkpoint(folder.hf_config, tokenizer, weights, source=path, format="safetensors", name=name)
+    return Checkpoint(
+        folder.hf_config,
+        tokenizer,
+        weights,
+        source=path,
+        format="safetensors",
+        name=name,
+        processor=processor,
+    )
 
 
 def _stream(weights: Iterator, total: int, name: str, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:

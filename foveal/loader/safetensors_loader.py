@@ -91,6 +91,21 @@ def load_hf_tokenizer(path: str):
         raise ModelLoadError(f"could not load the tokenizer of {path}: {type(e).__name__}: {e}") from e
 
 
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def load_hf_processor(path: str):
+    """The model's transformers processor (image processor + tokenizer), or None for a text-only folder."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _PROCESSOR_FILES):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"could not load the processor of {path}: {type(e).__name__}: {e}") from e
+
+
 def _weight_files(path: str) -> dict[str, list[str]]:
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):

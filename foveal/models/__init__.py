@@ -9,6 +9,7 @@ _MODELS = {
     "MistralForCausalLM": "foveal.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "foveal.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "foveal.models.llama:Qwen3ForCausalLM",
+    "LlavaForConditionalGeneration": "foveal.models.llava:LlavaForConditionalGeneration",
 }
 
 
@@ -34,6 +35,7 @@ def model_class(config):
 def max_context(config) -> int:
     """The longest context the native model computes exactly (sliding windows are not implemented yet,
     so a model with an active window is capped to it)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = int(getattr(config, "max_position_embeddings", 0) or 2048)
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True):
@@ -45,12 +47,12 @@ def build_model(config, backend, *, max_positions: int, dtype, device, weights):
     """Instantiate the native model without random init (meta device), then fill it from `weights`."""
     import torch
 
-    from foveal.layers.rotary import RotaryEmbedding
-
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config, backend, max_positions)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary = RotaryEmbedding(config, model.spec.head_dim, max_positions).to(device)
+    # meta tensors carry no values: models recompute their non-persistent buffers (rotary tables) and
+    # VLMs build their transformers vision modules here, before the weights arrive
+    model.reset_buffers(torch.device(device), dtype)
     model.load_weights(weights)
     return model.eval()

@@ -18,6 +18,7 @@ from torch import nn
 from foveal.layers.linear import Linear, linear
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import RotaryEmbedding, apply_rotary
+from foveal.models.weights import ParamFiller
 
 
 class DecoderSpec:
@@ -134,8 +135,8 @@ class LlamaForCausalLM(nn.Module):
         """(layers, kv heads, head dim): what the KV pool must hold per token."""
         return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
@@ -150,28 +151,25 @@ class LlamaForCausalLM(nn.Module):
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; every parameter must be filled."""
-        params = dict(self.named_parameters())
-        filled: dict[str, int] = {}
+        filler = ParamFiller(self)
         for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            target, offset, rows = self._map_name(name)
-            if target is None:
-                continue
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            p = params[target]
-            with torch.no_grad():
-                if rows is None:
-                    if p.shape != tensor.shape:
-                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
-                    p.copy_(tensor)
-                else:
-                    p[offset : offset + rows].copy_(tensor)
-            filled[target] = filled.get(target, 0) + (p.shape[0] if rows is None else rows)
-        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+            self.load_weight(filler, name, tensor)
+        filler.check_complete()
+
+    def load_weight(self, filler: ParamFiller, name: str, tensor: torch.Tensor, prefix: str = "") -> None:
+        """One HF-named tensor; `prefix` is where this model sits inside a larger one (a VLM)."""
+        if "rotary_emb" in name:
+            return
+        target, offset, rows = self._map_name(name)
+        if target is not None:
+            filler.put(prefix + target, tensor, name, offset, rows)
+
+    def reset_buffers(self, device, dtype=None) -> None:
+        """Recompute non-persistent buffers after the model was materialized from the meta device."""
+        self.rotary = RotaryEmbedding(self.config, self.spec.head_dim, self.rotary.cos.shape[0]).to(device)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def _map_name(self, name: str):
         """HF name -> (our name, row offset, row count) ; row info only for fused shards."""

@@ -9,6 +9,12 @@ request is preempted: its blocks are freed and it goes back to the front of the 
 recomputed (prompt + tokens generated so far) later. A request that fits the pool alone can always
 make progress, so there is no deadlock: the engine caps max_model_len to the pool's capacity.
 
+Images: a prefill chunk that reaches an image not yet encoded (nor in the vision cache) spends encoder
+budget (`max_encoder_tokens_per_step`, in embedding tokens); when the budget is gone the chunk stops
+before that image's span (the first image of a step always passes, so progress is guaranteed). For
+models whose image tokens attend both ways (`atomic_mm_spans`), a chunk never ends inside a span: it
+stops before the span, or takes it whole when the span starts the chunk (even past the token budget).
+
 The scheduler knows nothing about models or tokenizers; stop strings are the engine's business.
 """
 
@@ -26,8 +32,19 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        *,
+        encoder_cache=None,
+        atomic_mm_spans: bool = False,
+    ):
         self.config = config
+        self.encoder_cache = encoder_cache
+        self.atomic_mm_spans = atomic_mm_spans
+        self.encoder_budget = config.max_encoder_tokens_per_step or config.max_num_batched_tokens
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -62,11 +79,14 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
+        self._enc_left = self.encoder_budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:  # its next image must wait for encoder budget
+                i += 1
+                continue
             while not self.kv.can_allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -76,7 +96,7 @@ class Scheduler:
                 break  # req itself was preempted; everything after it was too
             self.kv.allocate(req, n)
             batch.seqs.append(self._seq(req, n))
-            scheduled.add(id(req))
+            self._spend_encoder(req, n)
             budget -= n
             i += 1
         # Waiting requests only when nobody was preempted this step (they would just evict each other).
@@ -87,18 +107,51 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.can_allocate(req, n):
+            n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0 or not self.kv.can_allocate(req, n):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.kv.allocate(req, n)
             batch.seqs.append(self._seq(req, n))
+            self._spend_encoder(req, n)
             budget -= n
         # Decodes first, then prefill chunks: the layout attention backends expect.
         batch.seqs.sort(key=lambda s: s.num_tokens != 1)
         return batch
+
+    def _needs_encoder(self, req: Request, idx: int) -> bool:
+        if idx in req.mm_embeds:
+            return False
+        return self.encoder_cache is None or req.mm_items[idx].content_hash not in self.encoder_cache
+
+    def _chunk(self, req: Request, n: int) -> int:
+        """Shorten (or, for an atomic span at the chunk start, lengthen) a chunk of n tokens for images."""
+        if not req.mm_items or n == 0:
+            return n
+        start = req.num_computed_tokens
+        end = start + n
+        enc_left = self._enc_left
+        for idx, it in enumerate(req.mm_items):
+            if it.end <= start:
+                continue
+            if it.offset >= end:
+                break
+            if self._needs_encoder(req, idx):
+                fresh = enc_left == self.encoder_budget  # nothing encoded yet this step: always allowed
+                if it.num_embeds > enc_left and not fresh:
+                    return max(0, it.offset - start) if it.offset > start else 0
+                enc_left -= it.num_embeds
+            if self.atomic_mm_spans and end < it.end:
+                return it.offset - start if it.offset > start else it.end - start
+        return end - start
+
+    def _spend_encoder(self, req: Request, n: int) -> None:
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        for idx, it in enumerate(req.mm_items):
+            if it.offset < end and start < it.end and self._needs_encoder(req, idx):
+                self._enc_left -= it.num_embeds
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens

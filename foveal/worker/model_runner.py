@@ -1,12 +1,18 @@
-"""Runs one scheduled step: builds the flat input tensors, plans attention once, runs the model,
-computes logits only for rows that sample, and samples with each row's own parameters.
+"""Runs one scheduled step: builds the flat input tensors, plans attention once, encodes the images
+the step's prefill chunks reach (vision cache first), runs the model, computes logits only for rows
+that sample, and samples with each row's own parameters.
 
     tokens: [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]     decodes first, then prefill chunks
     sample:  x  x  x              x          x   (last token of a chunk that reaches the end)
+    images:                 [i i]                 rows of p0 inside an image span take its embeddings
+
+An image's embeddings stay on its request until the prefill passes the end of its span, so a chunk
+boundary inside the span neither re-encodes nor depends on the cache keeping the entry.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,9 +31,19 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(
-        self, model, kv_caches: list[torch.Tensor], backend, block_size: int, device, vocab_size: int
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        backend,
+        block_size: int,
+        device,
+        vocab_size: int,
+        encoder_cache=None,
     ):
         self.model = model
+        self.encoder_cache = encoder_cache
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.num_encoded = 0  # images run through the encoder (cache misses), for tests and stats
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
@@ -68,14 +84,101 @@ class ModelRunner:
         )
         meta = self.backend.plan(attn, dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        if self.uses_mrope:
+            positions = self._mrope_positions(batch).to(dev)
+        else:
+            positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, sample_idx
+
+    def _mrope_positions(self, batch: ScheduledBatch) -> torch.Tensor:
+        """[3, T]: prompt positions from the request's table; generated tokens at p + delta on all axes."""
+        parts = []
+        for s in batch.seqs:
+            req = s.request
+            a, b = s.start, s.start + s.num_tokens
+            table = req.mrope_positions
+            n_tab = 0 if table is None else table.shape[1]
+            if a < n_tab:
+                parts.append(table[:, a : min(b, n_tab)])
+            lo = max(a, n_tab)
+            if lo < b:
+                parts.append(torch.arange(lo, b).add_(req.mrope_delta).expand(3, -1))
+        return torch.cat(parts, dim=1)
+
+    def _image_embeddings(self, batch: ScheduledBatch):
+        """(destination rows, embeddings) for every prefill row inside an image span, or None."""
+        wanted = []  # (request, item index, row of the chunk start, chunk start, chunk end)
+        row = 0
+        for s in batch.seqs:
+            req = s.request
+            a, b = s.start, s.start + s.num_tokens
+            for idx, it in enumerate(req.mm_items):
+                if it.offset < b and a < it.end:
+                    wanted.append((req, idx, row, a, b))
+            row += s.num_tokens
+        if not wanted:
+            return None
+        self._encode_missing([(req, idx) for req, idx, *_ in wanted])
+        dest, src = [], []
+        for req, idx, row, a, b in wanted:
+            it = req.mm_items[idx]
+            emb = req.mm_embeds[idx]
+            lo, hi = max(a, it.offset), min(b, it.end)
+            if it.embed_index is None:
+                dest.append(torch.arange(row + lo - a, row + hi - a))
+                src.append(emb[lo - it.offset : hi - it.offset])
+            else:
+                ei = it.embed_index[lo - it.offset : hi - it.offset]
+                keep = ei >= 0
+                dest.append(torch.nonzero(keep).flatten() + (row + lo - a))
+                src.append(emb[ei[keep].to(emb.device)])
+            if b >= it.end:  # the prefill has passed this image: the request no longer needs it
+                req.mm_embeds.pop(idx, None)
+        rows = torch.cat(dest).to(self.device)
+        return rows, torch.cat(src)
+
+    def _encode_missing(self, needed) -> None:
+        """Give every (request, item) its embeddings: already held, a vision-cache hit, or encoded now
+        (all misses of the step in one encoder call, a repeated image encoded once)."""
+        cache = self.encoder_cache
+        todo: dict[str, list] = {}
+        for req, idx in needed:
+            if idx in req.mm_embeds:
+                continue
+            it = req.mm_items[idx]
+            hit = None if it.content_hash in todo or cache is None else cache.get(it.content_hash)
+            if hit is not None:
+                req.mm_embeds[idx] = hit
+            else:
+                todo.setdefault(it.content_hash, []).append((req, idx))
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        outs = self.model.encode_images([users[0][0].mm_items[users[0][1]].data for users in todo.values()])
+        share = (time.perf_counter() - t0) / len(todo)
+        self.num_encoded += len(todo)
+        for (key, users), emb in zip(todo.items(), outs):
+            expect = users[0][0].mm_items[users[0][1]].num_embeds
+            if emb.shape[0] != expect:
+                raise RuntimeError(f"the encoder gave {emb.shape[0]} embeddings; the image needs {expect}")
+            if cache is not None:
+                cache.put(key, emb)
+            for req, idx in users:
+                req.mm_embeds[idx] = emb
+                req.encoder_time_s += share / len(users)
 
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch, all_tokens: bool = False) -> torch.Tensor:
         """Logits of the sampling rows (in batch order), or of every token when all_tokens (tests)."""
         input_ids, positions, meta, sample_idx = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        embeds = None
+        if hasattr(self.model, "encode_images"):
+            mm = self._image_embeddings(batch)
+            if mm is not None:
+                embeds = self.model.embed_input_ids(input_ids)
+                rows, values = mm
+                embeds.index_copy_(0, rows, values.to(embeds.dtype))
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)
         if not all_tokens:
             hidden = hidden[torch.tensor(sample_idx, dtype=torch.long, device=self.device)]
         return self.model.compute_logits(hidden)

@@ -1,0 +1,149 @@
+"""What every vision-language model shares: a native text decoder on the paged KV cache, vision
+modules that run once per image, checkpoint-name routing, and the request-side adapter that splits a
+processor's output into per-image items.
+
+A VLM model implements `encode_images(items) -> [embeddings per image]` (batched across requests by
+the runner) and delegates the decoder pass to its `language_model`. The runner writes image
+embeddings into the input embeddings at the image placeholder positions; the decoder never knows.
+
+Checkpoint names differ between transformers 4.x-era files (`language_model.model.layers...`) and 5.x
+files (`model.language_model.layers...`); `PREFIXES` maps both to our modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from foveal.models.weights import ParamFiller
+
+# text decoders by transformers model_type (the text_config of a VLM has no `architectures`)
+_TEXT_MODELS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def text_model_class(text_config):
+    from foveal.models import llama
+
+    name = _TEXT_MODELS.get(getattr(text_config, "model_type", None))
+    if name is None:
+        raise ValueError(
+            f"text model type {text_config.model_type!r} inside this VLM is not supported "
+            f"(supported: {', '.join(sorted(_TEXT_MODELS))})"
+        )
+    return getattr(llama, name)
+
+
+def hf_module(factory, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Build a transformers module for real on `device` (so its non-persistent buffers hold values),
+    skipping random init: the checkpoint fills every weight right after."""
+    from transformers.initialization import no_init_weights
+
+    with torch.device(device), no_init_weights():
+        module = factory()
+    return module.to(dtype).eval()
+
+
+class ImageAdapter:
+    """Request-side knowledge of a family (no weights; runs in the server's thread pool): how the HF
+    processor's batched output splits into one item per image, and how many embeddings each image takes.
+    M-RoPE families also compute the [3, L] prompt positions."""
+
+    def __init__(self, hf_config):
+        tid = getattr(hf_config, "image_token_id", None)
+        if tid is None:
+            tid = getattr(hf_config, "image_token_index", None)
+        if tid is None:
+            raise ValueError(f"{type(hf_config).__name__} names no image token id")
+        self.image_token_id = int(tid)
+        self.config = hf_config
+
+    def split(self, out: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
+        """Processor output for N images -> N (this image's tensors, its number of embeddings)."""
+        raise NotImplementedError
+
+    def processor_images(self, images: list) -> list:
+        """The `images` argument the processor wants for one prompt (some want a nested list)."""
+        return images
+
+    def mrope_positions(self, prompt_ids: list[int], items: list) -> tuple[torch.Tensor, int] | None:
+        return None
+
+
+class VisionLanguageModel(nn.Module):
+    """Base of our VLMs. Subclasses set `image_token_id`, build their vision modules in `build_vision`
+    and implement `encode_images`."""
+
+    uses_mrope = False  # positions are [3, T] (Qwen2-VL family)
+    mm_bidirectional = False  # an image's tokens attend to each other both ways (Gemma 3)
+    # (checkpoint prefixes) -> our submodule: "text" is the decoder, anything else a module attribute
+    PREFIXES: tuple[tuple[tuple[str, ...], str], ...] = ()
+
+    def __init__(self, config, backend, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.language_model = self.build_text_model(config.get_text_config(), backend, max_positions)
+
+    def build_text_model(self, text_config, backend, max_positions: int) -> nn.Module:
+        """The native decoder; families whose decoder is special (M-RoPE, Gemma) override this."""
+        return text_model_class(text_config)(text_config, backend, max_positions)
+
+    # -- decoder delegation -----------------------------------------------------------------------
+    @property
+    def spec(self):
+        return self.language_model.spec
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        return self.language_model.kv_shape
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    # -- vision ------------------------------------------------------------------------------------
+    def build_vision(self, device: torch.device, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def encode_images(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Processor outputs of several images (any requests) -> per image [num_embeds, hidden]."""
+        raise NotImplementedError
+
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        return self.language_model.embed_tokens.weight.dtype
+
+    def reset_buffers(self, device, dtype=None) -> None:
+        self.language_model.reset_buffers(device)
+        self.build_vision(device, dtype or self.vision_dtype)
+
+    # -- weights -----------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        filler = ParamFiller(self)
+        for name, tensor in weights:
+            for prefixes, target in self.PREFIXES:
+                rest = next((name[len(p) :] for p in prefixes if name.startswith(p)), None)
+                if rest is None:
+                    continue
+                if target == "text":
+                    self.language_model.load_weight(filler, rest, tensor, prefix="language_model.")
+                elif target == "lm_head":
+                    self.language_model.load_weight(filler, "lm_head." + rest, tensor, "language_model.")
+                else:
+                    filler.put(f"{target}.{rest}", tensor, name)
+                break
+            else:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        filler.check_complete()

@@ -1,0 +1,109 @@
+"""Vision-language models vs transformers on tiny random configs (fp32, CPU): prompt logits at every
+position within 1e-4 and 16 identical greedy tokens, for prompts with 0, 1 and 2 images of different
+sizes; alone, batched with other image and text requests, and with chunked prefill whose boundaries
+fall inside image placeholder runs. Also the vision cache: a repeated image skips the encoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foveal.config import EngineConfig
+from foveal.engine.engine import Engine
+from tests.tiny_vlm import all_builders, build, foveal_greedy, hf_greedy, image
+
+TOL = 1e-4
+STEPS = 16
+
+
+@pytest.fixture(scope="module", params=sorted(all_builders()))
+def tiny(request, tmp_path_factory):
+    return build(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+def engine_for(tiny, **kw) -> Engine:
+    opts = dict(model=tiny.path, dtype="float32", device="cpu", num_blocks=256, block_size=4)
+    opts.update(kw)
+    return Engine(EngineConfig.from_kwargs(**opts)).start()
+
+
+def cases(tiny):
+    """(prompt text, images): 0, 1 and 2 images of different sizes."""
+    im = tiny.image_text
+    return [
+        ("<|user|>Say something about nothing.\n<|assistant|>", []),
+        (f"<|user|>{im}What is in this picture?\n<|assistant|>", [image(40, 30, 1)]),
+        (f"<|user|>Compare {im} with {im} please.\n<|assistant|>", [image(56, 56, 2), image(28, 70, 3)]),
+    ]
+
+
+def check(tiny, engine, case_list, results):
+    for (text, imgs), (logits, toks, steps) in zip(case_list, results):
+        ref_logits, ref_toks, ref_steps = hf_greedy(tiny, text, imgs, STEPS)
+        assert logits.shape == ref_logits.shape
+        err = (logits - ref_logits).abs().max().item()
+        assert err < TOL, f"prompt logits differ by {err} ({len(imgs)} images)"
+        assert toks == ref_toks, f"greedy tokens differ ({len(imgs)} images)"
+        for a, b in zip(steps, ref_steps):
+            assert (a - b).abs().max().item() < TOL
+
+
+def prompts(engine, case_list):
+    return [engine.process_images(prompt=t, images=i) for t, i in case_list]
+
+
+def test_each_prompt_alone_matches_transformers(tiny):
+    eng = engine_for(tiny)
+    cs = cases(tiny)
+    for c in cs:
+        check(tiny, eng, [c], foveal_greedy(eng, prompts(eng, [c]), STEPS))
+
+
+def test_batched_image_and_text_requests_match(tiny):
+    eng = engine_for(tiny)
+    cs = cases(tiny) + cases(tiny)[::-1]
+    check(tiny, eng, cs, foveal_greedy(eng, prompts(eng, cs), STEPS))
+
+
+@pytest.mark.parametrize("budget", [5, 13])
+def test_chunked_prefill_inside_image_spans_matches(tiny, budget):
+    eng = engine_for(tiny, max_num_batched_tokens=budget)
+    cs = cases(tiny)
+    ps = prompts(eng, cs)
+    # the budget must actually split some image's placeholder run
+    assert any(it.offset // budget != (it.end - 1) // budget for p in ps for it in p.items) or any(
+        getattr(eng.model, "mm_bidirectional", False) for _ in [0]
+    )
+    check(tiny, eng, cs, foveal_greedy(eng, ps, STEPS))
+
+
+def test_repeated_image_hits_vision_cache(tiny):
+    eng = engine_for(tiny)
+    text, imgs = cases(tiny)[1]
+    first = foveal_greedy(eng, prompts(eng, [(text, imgs)]), 4)[0]
+    encoded = eng.runner.num_encoded
+    hits = eng.encoder_cache.hits
+    # the same pixels in a fresh PIL object: the content hash, not object identity, finds it
+    again = foveal_greedy(eng, prompts(eng, [(text, [image(40, 30, 1)])]), 4)[0]
+    assert eng.runner.num_encoded == encoded, "the encoder ran for a cached image"
+    assert eng.encoder_cache.hits > hits
+    assert again[1] == first[1] and torch.equal(again[0], first[0])
+    # a different image with the same placeholder tokens is a miss
+    foveal_greedy(eng, prompts(eng, [(text, [image(40, 30, 9)])]), 1)
+    assert eng.runner.num_encoded == encoded + 1
+
+
+def test_encoder_budget_spreads_images_over_steps(tiny):
+    # a budget of one embedding token: each step may start at most one new image
+    eng = engine_for(tiny, max_encoder_tokens_per_step=1)
+    cs = cases(tiny)[2:]
+    per_step = []
+    orig = eng.model.encode_images
+
+    def counting(items):
+        per_step.append(len(items))
+        return orig(items)
+
+    eng.model.encode_images = counting
+    check(tiny, eng, cs, foveal_greedy(eng, prompts(eng, cs), STEPS))
+    assert per_step and max(per_step) == 1 and sum(per_step) == 2
