@@ -25,6 +25,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--attention-backend", default="auto")
+    g.add_argument(
+        "--vision-cache-memory", type=int, default=256 * 2**20, help="bytes of cached image embeddings"
+    )
+    g.add_argument(
+        "--max-encoder-tokens-per-step",
+        type=int,
+        default=None,
+        help="image embedding tokens encoded per step",
+    )
     g.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "INFO"))
 
 
@@ -39,6 +48,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
         attention_backend=a.attention_backend,
+        vision_cache_memory=a.vision_cache_memory,
+        max_encoder_tokens_per_step=a.max_encoder_tokens_per_step,
     )
 
 
@@ -103,6 +114,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
             request_timeout=a.request_timeout,
             metrics_public=a.metrics_public,
             drain_timeout=a.drain_timeout,
+            limit_images_per_request=a.limit_images_per_request,
+            allow_private_media_urls=a.allow_private_media_urls,
+            allowed_local_media_path=a.allowed_local_media_path,
+            media_fetch_timeout=a.media_fetch_timeout,
         )
         ecfg = EngineConfig.from_kwargs(**_engine_kwargs(a))
         logging.getLogger(__name__).info("engine config: %s", ecfg)
@@ -147,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         "--drain-timeout", type=float, default=30.0, help="seconds to finish running requests on stop"
     )
     s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    s.add_argument("--limit-images-per-request", type=int, default=8)
+    s.add_argument(
+        "--allow-private-media-urls", action="store_true", help="fetch image URLs on private addresses"
+    )
+    s.add_argument("--allowed-local-media-path", default=None, help="serve local image files under this dir")
+    s.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per image URL fetch")
     s.set_defaults(func=cmd_serve)
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -60,6 +60,13 @@ class ServerConfig:
     metrics_public: bool = False
     max_body_bytes: int = 4 * 2**20
     drain_timeout: float = 30.0  # on shutdown, running requests get this long to finish
+    # images (vision-language models)
+    limit_images_per_request: int = 8
+    allow_private_media_urls: bool = False  # image URLs on private/loopback/link-local addresses
+    allowed_local_media_path: str | None = None  # local image files only under this folder
+    media_fetch_timeout: float = 10.0
+    max_image_bytes: int = 20 * 2**20
+    max_image_pixels: int = 32 * 2**20
 
     @classmethod
     def from_env(cls, **kwargs) -> ServerConfig:
@@ -70,6 +77,10 @@ class ServerConfig:
             raise ValueError("max_queued_requests must be >= 1")
         if cfg.request_timeout is not None and cfg.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
+        if cfg.limit_images_per_request < 0:
+            raise ValueError("limit_images_per_request must be >= 0")
+        if cfg.media_fetch_timeout <= 0:
+            raise ValueError("media_fetch_timeout must be > 0")
         return cfg
 
 

@@ -254,6 +254,8 @@ class TokenDelta:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_images: int = 0
+    encoder_time_s: float = 0.0  # this request's share of vision-encoder time
 
     @property
     def finished(self) -> bool:

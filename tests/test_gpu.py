@@ -63,3 +63,31 @@ def test_bf16_runs_on_cuda(tiny_folder):
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1  # same seed, same tokens
     assert llm.engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm", "gemma3"])
+def test_vlm_matches_transformers_on_cuda(family, tmp_path):
+    """Every VLM family on CUDA (fp32): prompt logits with two images vs transformers on the CPU."""
+    from foveal.config import EngineConfig
+    from foveal.engine.engine import Engine
+    from tests.tiny_vlm import all_builders, foveal_greedy, hf_greedy, image
+
+    if family not in all_builders():
+        pytest.fail(f"no tiny builder for {family}")
+    from tests.tiny_vlm import build
+
+    tiny = build(family, str(tmp_path))
+    eng = Engine(
+        EngineConfig.from_kwargs(
+            model=tiny.path, dtype="float32", device="cuda", num_blocks=256, block_size=4
+        )
+    ).start()
+    im = tiny.image_text
+    text, imgs = (
+        f"<|user|>Compare {im} with {im} please.\n<|assistant|>",
+        [image(56, 56, 2), image(28, 70, 3)],
+    )
+    ((logits, toks, _),) = foveal_greedy(eng, [eng.process_images(prompt=text, images=imgs)], 8)
+    ref_logits, ref_toks, _ = hf_greedy(tiny, text, imgs, 8)
+    assert (logits.float().cpu() - ref_logits).abs().max().item() < 1e-3
+    assert toks == ref_toks

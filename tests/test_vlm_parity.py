@@ -107,3 +107,31 @@ def test_encoder_budget_spreads_images_over_steps(tiny):
     eng.model.encode_images = counting
     check(tiny, eng, cs, foveal_greedy(eng, prompts(eng, cs), STEPS))
     assert per_step and max(per_step) == 1 and sum(per_step) == 2
+
+
+def hub_name(n: str) -> str:
+    """transformers-4.x safetensors naming of LLaVA-style checkpoints (llava-hf/*, google/gemma-3-*)."""
+    if n.startswith("model.language_model."):
+        return "language_model.model." + n.removeprefix("model.language_model.")
+    if n.startswith("model.vision_tower.") and not n.startswith("model.vision_tower.vision_model."):
+        return "vision_tower.vision_model." + n.removeprefix("model.vision_tower.")
+    return n.removeprefix("model.") if n.startswith("model.") else "language_model." + n
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_hub_style_checkpoint_names_load_identically(family, tmp_path):
+    from foveal.attention import get_backend
+    from foveal.models import build_model
+
+    hf = build(family, str(tmp_path)).hf
+    state = hf.state_dict()
+
+    def load(weights):
+        model = build_model(
+            hf.config, get_backend("torch", "cpu"), max_positions=64, dtype=torch.float32, device="cpu",
+            weights=weights,
+        )  # fmt: skip
+        return dict(model.named_parameters())
+
+    new, hub = load(state.items()), load((hub_name(n), t) for n, t in state.items())
+    assert new.keys() == hub.keys() and all(torch.equal(new[k], hub[k]) for k in new)

@@ -148,6 +148,9 @@ def hf_greedy(tiny: TinyVLM, text: str, images: list, steps: int):
             nxt = int(logits[-1].argmax())
             tokens.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+            for key in ("token_type_ids", "mm_token_type_ids"):  # per-token inputs grow with ids (0: text)
+                if key in inputs:
+                    inputs[key] = torch.cat([inputs[key], inputs[key].new_zeros(1, 1)], dim=1)
     return prompt_logits, tokens[:steps], step_logits[: steps - 1]
 
 

@@ -3,6 +3,12 @@ attention reads them; models only call `forward`. `plan` runs once per step, `fo
 
 Token order within a step (set by the runner): all decode rows (one query token each) first, then
 prefill chunks, each a contiguous run of tokens of one sequence.
+
+Masks beyond causal: a layer may pass a sliding `window` (a query at position p sees keys in
+(p - window, p]) and a step may name per-sequence bidirectional spans (an image's tokens see each
+other both ways, Gemma 3). They combine as transformers' Gemma 3 does:
+
+    attend(q, k) = (k <= q  or  q and k in one span)  and  (k > q - window, when the layer has one)
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ class AttentionBatch:
     num_decodes: int  # the first num_decodes sequences have query_len == 1
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token (block * block_size + offset)
     block_size: int
+    # per sequence, absolute [start, end) position ranges whose tokens attend to each other both ways
+    # (None: no spans). A chunk must hold the rest of any span it enters (the scheduler's atomic spans):
+    # keys past the chunk are not written yet.
+    bidirectional: list[list[tuple[int, int]]] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -38,4 +48,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
         meta: Any,
         scale: float,
+        *,
+        window: int | None = None,  # sliding window of this layer (None: full attention)
+        softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) before the mask
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]

@@ -11,11 +11,22 @@ CPU than per-slot indexing) into [D, nblk * block_size] (padded with the null bl
 attended in one SDPA call, with the query heads that share a KV head folded into the query-length
 axis (GQA without repeating K/V). Prefill chunks go one sequence at a time: a fresh prompt attends its
 own K/V causally; a later chunk gathers its context blocks and uses an offset causal mask.
+
+Sliding windows and bidirectional spans (see base.py for the rule) get explicit masks. The layout for
+a window is built by the first layer that asks for it and shared by the step's other layers with that
+window. A window that hides no key of a sequence changes nothing, so that sequence keeps the plain
+layout (short prompts stay on the fast paths); where it does hide keys, only the blocks it reaches are
+gathered:
+
+    window 6, block_size 4, decode at position 13:  keys 8..13  ->  gather blocks 2 and 3 only
+    positions  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13
+               -------   -------   ---------   -----
+               skipped   skipped   gathered    gathered (slots past 13 masked)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +35,28 @@ from foveal.attention.base import AttentionBatch
 
 
 @dataclass(slots=True)
+class _Seq:
+    """What plan keeps of one sequence to build windowed layouts on demand."""
+
+    ctx: int  # tokens already cached
+    q_len: int
+    table: list[int]
+    spans: list[tuple[int, int]]  # bidirectional spans that overlap this step's queries
+
+
+@dataclass(slots=True)
+class _Decode:
+    blocks: torch.Tensor  # [D * nblk] block ids, row-major (padded with the null block)
+    mask: torch.Tensor  # [D, 1, 1, nblk * block_size] bool (True = attend)
+    bias: torch.Tensor | None = None  # the mask as 0/-inf in the model dtype, made by the first layer
+
+
+@dataclass(slots=True)
 class _Prefill:
     start: int
     q_len: int
-    blocks: torch.Tensor | None  # [n] block ids covering ctx + q_len; None when there is no cached context
-    mask: torch.Tensor | None  # [q_len, n * block_size] bool (True = attend)
+    blocks: torch.Tensor | None  # block ids holding the keys; None: the chunk's own K/V are the keys
+    mask: torch.Tensor | None  # [q_len, keys] bool (True = attend); None: plain causal over own K/V
 
 
 @dataclass(slots=True)
@@ -36,10 +64,88 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int
     num_decodes: int
-    decode_blocks: torch.Tensor | None  # [D * nblk] block ids, row-major (padded with the null block)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, nblk * block_size] bool
+    decode: _Decode | None
     prefills: list[_Prefill]
-    decode_bias: torch.Tensor | None = None  # the mask as 0/-inf in the model dtype, made by layer 0
+    seqs: list[_Seq]
+    device: torch.device
+    windowed: dict[int, tuple[_Decode | None, list[_Prefill]]] = field(default_factory=dict)
+
+
+def _allowed(q0: int, q_len: int, k0: int, k_len: int, spans, window: int | None) -> torch.Tensor:
+    """[q_len, k_len] bool: may the query at position q0+i see the key at position k0+j."""
+    qp = torch.arange(q0, q0 + q_len)[:, None]
+    kp = torch.arange(k0, k0 + k_len)[None, :]
+    ok = kp <= qp
+    end = q0 + q_len  # keys past the chunk are not in the cache yet
+    for a, b in spans:
+        b = min(b, end)
+        ok |= (qp >= a) & (qp < b) & (kp >= a) & (kp < b)
+    if window is not None:
+        ok &= kp > qp - window
+    return ok
+
+
+def _decode_layout(seqs: list[_Seq], bs: int, window: int | None, device) -> _Decode:
+    lens = [s.ctx + 1 for s in seqs]
+    lows = [0 if window is None else max(0, n - window) for n in lens]  # first visible position
+    first = [lo // bs for lo in lows]
+    count = [(n + bs - 1) // bs - f for n, f in zip(lens, first)]
+    nblk = max(count)
+    ids = [b for s, f, c in zip(seqs, first, count) for b in s.table[f : f + c] + [0] * (nblk - c)]
+    pos = torch.arange(nblk * bs)[None, :] + (torch.tensor(first) * bs)[:, None]
+    mask = (pos >= torch.tensor(lows)[:, None]) & (pos < torch.tensor(lens)[:, None])
+    blocks = torch.tensor(ids, dtype=torch.long).to(device)
+    return _Decode(blocks, mask.view(len(seqs), 1, 1, nblk * bs).to(device))
+
+
+def _prefill_layout(s: _Seq, start: int, bs: int, window: int | None, device) -> _Prefill:
+    if s.ctx == 0:
+        if window is None and not s.spans:
+            return _Prefill(start, s.q_len, None, None)
+        return _Prefill(start, s.q_len, None, _allowed(0, s.q_len, 0, s.q_len, s.spans, window).to(device))
+    total = s.ctx + s.q_len
+    n = (total + bs - 1) // bs
+    first = 0 if window is None else max(0, s.ctx - window + 1) // bs  # blocks before it are all hidden
+    blk = torch.tensor(s.table[first:n], dtype=torch.long).to(device)
+    mask = _allowed(s.ctx, s.q_len, first * bs, (n - first) * bs, s.spans, window).to(device)
+    return _Prefill(start, s.q_len, blk, mask)
+
+
+def _layout(meta: TorchAttentionMetadata, window: int | None) -> tuple[_Decode | None, list[_Prefill]]:
+    """The decode and prefill layouts for `window`, built once per step and window."""
+    if window is None:
+        return meta.decode, meta.prefills
+    found = meta.windowed.get(window)
+    if found is None:
+        nd, bs = meta.num_decodes, meta.block_size
+        decode = meta.decode
+        if nd and any(s.ctx + 1 > window for s in meta.seqs[:nd]):
+            decode = _decode_layout(meta.seqs[:nd], bs, window, meta.device)
+        prefills = [
+            p if s.ctx + s.q_len <= window else _prefill_layout(s, p.start, bs, window, meta.device)
+            for s, p in zip(meta.seqs[nd:], meta.prefills)
+        ]
+        found = meta.windowed[window] = (decode, prefills)
+    return found
+
+
+def _attend(q, k, v, mask, causal: bool, scale: float, softcap: float | None, gqa: bool) -> torch.Tensor:
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    # SDPA cannot cap logits (Gemma 2 style): plain math, with scores capped before the mask
+    if k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 class TorchAttentionBackend:
@@ -48,29 +154,31 @@ class TorchAttentionBackend:
     def plan(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
         bs = batch.block_size
         nd = batch.num_decodes
-        blocks = mask = None
-        if nd:
-            lens = [c + 1 for c in batch.context_lens[:nd]]
-            nblk = (max(lens) + bs - 1) // bs
-            table = [bt[: (n + bs - 1) // bs] for bt, n in zip(batch.block_tables[:nd], lens)]
-            blocks = torch.tensor([b for t in table for b in t + [0] * (nblk - len(t))], dtype=torch.long)
-            mask = torch.arange(nblk * bs)[None, :] < torch.tensor(lens)[:, None]
-            blocks, mask = blocks.to(device), mask.view(nd, 1, 1, nblk * bs).to(device)
+        spans = batch.bidirectional or [()] * len(batch.query_lens)
+        seqs = []
+        for q_len, ctx, table, sp in zip(batch.query_lens, batch.context_lens, batch.block_tables, spans):
+            overlapping = [(a, b) for a, b in sp if a < ctx + q_len and b > ctx and b - a > 1]
+            seqs.append(_Seq(ctx, q_len, table, overlapping))
+        decode = _decode_layout(seqs[:nd], bs, None, device) if nd else None
         prefills = []
         start = nd
-        for i in range(nd, len(batch.query_lens)):
-            q_len, ctx = batch.query_lens[i], batch.context_lens[i]
-            blk = m = None
-            if ctx:
-                total = ctx + q_len
-                n = (total + bs - 1) // bs
-                blk = torch.tensor(batch.block_tables[i][:n], dtype=torch.long).to(device)
-                m = (torch.arange(n * bs)[None, :] <= torch.arange(ctx, total)[:, None]).to(device)
-            prefills.append(_Prefill(start, q_len, blk, m))
-            start += q_len
-        return TorchAttentionMetadata(batch.slot_mapping, bs, nd, blocks, mask, prefills)
+        for s in seqs[nd:]:
+            prefills.append(_prefill_layout(s, start, bs, None, device))
+            start += s.q_len
+        return TorchAttentionMetadata(batch.slot_mapping, bs, nd, decode, prefills, seqs, device)
 
-    def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        kv_cache,
+        meta: TorchAttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -81,29 +189,28 @@ class TorchAttentionBackend:
         k_blocks = k_cache.view(-1, meta.block_size, num_kv, head_dim)
         v_blocks = v_cache.view(-1, meta.block_size, num_kv, head_dim)
         out = torch.empty_like(q)
+        decode, prefills = _layout(meta, window)
         nd = meta.num_decodes
         if nd:
+            # a single-token query never needs its spans: it sees every earlier token anyway
             qd = q[:nd].view(nd, num_kv, group, head_dim)
-            kd = k_blocks.index_select(0, meta.decode_blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)
-            vd = v_blocks.index_select(0, meta.decode_blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)
-            if meta.decode_bias is None or meta.decode_bias.dtype != q.dtype:
+            kd = k_blocks.index_select(0, decode.blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)
+            vd = v_blocks.index_select(0, decode.blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)
+            if decode.bias is None or decode.bias.dtype != q.dtype:
                 # an additive mask is ~20% faster than a boolean one in the CPU kernel
-                bias = torch.zeros(meta.decode_mask.shape, dtype=q.dtype, device=q.device)
-                meta.decode_bias = bias.masked_fill_(~meta.decode_mask, float("-inf"))
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_bias, scale=scale)
+                bias = torch.zeros(decode.mask.shape, dtype=q.dtype, device=q.device)
+                decode.bias = bias.masked_fill_(~decode.mask, float("-inf"))
+            od = _attend(qd, kd, vd, decode.bias, False, scale, softcap, gqa=False)
             out[:nd] = od.reshape(nd, num_heads, head_dim)
-        for p in meta.prefills:
+        for p in prefills:
             # 4-D inputs ([1, heads, len, dim]) take the CPU flash kernel; 3-D falls back to ~2x slower math
             s, e = p.start, p.start + p.q_len
             qp = q[s:e].transpose(0, 1)[None]
             if p.blocks is None:
                 kp, vp = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 kp = k_blocks.index_select(0, p.blocks).view(-1, num_kv, head_dim).transpose(0, 1)[None]
                 vp = v_blocks.index_select(0, p.blocks).view(-1, num_kv, head_dim).transpose(0, 1)[None]
-                op = F.scaled_dot_product_attention(
-                    qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True
-                )
+            op = _attend(qp, kp, vp, p.mask, p.mask is None, scale, softcap, gqa=True)
             out[s:e] = op[0].transpose(0, 1)
         return out

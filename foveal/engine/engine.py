@@ -189,21 +189,32 @@ class Engine:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def process_images(
-        self, *, prompt: str | None = None, messages: list[dict] | None = None, images=(), **template_kwargs
+        self,
+        *,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        images=(),
+        pixel_hashes: list[str] | None = None,
+        **template_kwargs,
     ) -> MultiModalPrompt:
         """Request side (any thread): a prompt or chat messages with {"type": "image"} parts, plus the
         decoded images in order -> token ids with expanded placeholders and one item per image."""
         if not self.is_multimodal:
             if images:
                 raise ValueError(f"{self.model_name} is a text-only model; it does not accept images")
-            ids = self.apply_chat_template(messages, **template_kwargs) if messages else self.tokenize(prompt)
+            if messages is not None:
+                ids = self.apply_chat_template(messages, **template_kwargs)
+            else:
+                ids = self.tokenize(prompt or "")
             return MultiModalPrompt(ids, [])
         if messages is not None:
             if not messages:
                 raise ValueError("messages must not be empty")
             text = self.mm_processor.render_chat(messages, **template_kwargs)
-            return self.mm_processor.process(text, list(images), add_special_tokens=False)
-        return self.mm_processor.process(prompt or "", list(images))
+            return self.mm_processor.process(
+                text, list(images), add_special_tokens=False, pixel_hashes=pixel_hashes
+            )
+        return self.mm_processor.process(prompt or "", list(images), pixel_hashes=pixel_hashes)
 
     def apply_chat_template(self, messages: list[dict], **template_kwargs) -> list[int]:
         if not messages:
@@ -368,4 +379,6 @@ class Engine:
             error=t.error,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
+            num_images=len(req.mm_items),
+            encoder_time_s=req.encoder_time_s,
         )

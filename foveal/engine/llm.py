@@ -1,5 +1,8 @@
 """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, `LLM.chat(messages)` and
 `LLM.stream(...)`. A thin driver over Engine.step(); no scheduling logic of its own.
+
+Images (vision-language models): chat message parts `{"type": "image", "image": <PIL.Image>}`, or a
+prompt made with `engine.process_images(prompt=..., images=[...])`.
 """
 
 from __future__ import annotations
@@ -10,7 +13,14 @@ from dataclasses import dataclass, field
 
 from foveal.config import EngineConfig
 from foveal.engine.engine import Engine
-from foveal.request import FinishReason, SamplingParams, TokenDelta, TokenLogprobs, new_request_id
+from foveal.request import (
+    FinishReason,
+    MultiModalPrompt,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprobs,
+    new_request_id,
+)
 
 
 @dataclass(slots=True)
@@ -31,7 +41,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
 
 
-PromptLike = str | list[int]
+PromptLike = str | list[int] | MultiModalPrompt
 
 
 class LLM:
@@ -63,7 +73,27 @@ class LLM:
             raise ValueError("messages must not be empty")
         convs = [messages] if isinstance(messages[0], dict) else messages
         kw = chat_template_kwargs or {}
-        return self._run([self.engine.apply_chat_template(c, **kw) for c in convs], params)
+        return self._run([self._chat_prompt(c, kw) for c in convs], params)
+
+    def _chat_prompt(self, messages: list[dict], kw: dict) -> MultiModalPrompt:
+        """Pull PIL images out of {"type": "image", "image": ...} parts, in order."""
+        images, msgs = [], []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for p in content:
+                    if isinstance(p, dict) and p.get("type") == "image":
+                        if p.get("image") is not None:
+                            images.append(p["image"])
+                        parts.append({"type": "image"})
+                    else:
+                        parts.append(p)
+                m = {**m, "content": parts}
+            msgs.append(m)
+        if not images and not self.engine.is_multimodal:
+            return MultiModalPrompt(self.engine.apply_chat_template(msgs, **kw), [])
+        return self.engine.process_images(messages=msgs, images=images, **kw)
 
     def stream(self, prompt: PromptLike, params: SamplingParams | None = None) -> Iterator[TokenDelta]:
         """Yield each step's delta for one prompt (n must be 1) until it finishes."""
@@ -85,10 +115,12 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _ids(self, prompt: PromptLike) -> list[int]:
+    def _ids(self, prompt: PromptLike) -> list[int] | MultiModalPrompt:
+        if isinstance(prompt, MultiModalPrompt):
+            return prompt
         return self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def _run(self, prompt_ids: list[list[int]], params) -> list[RequestOutput]:
+    def _run(self, prompt_ids: list, params) -> list[RequestOutput]:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_ids)
         if len(plist) != len(prompt_ids):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_ids)} prompts")
@@ -96,7 +128,8 @@ class LLM:
         where: dict[str, CompletionOutput] = {}
         try:
             for ids, p in zip(prompt_ids, plist):
-                ro = RequestOutput(new_request_id("gen"), ids, [])
+                plain = ids.prompt_token_ids if isinstance(ids, MultiModalPrompt) else ids
+                ro = RequestOutput(new_request_id("gen"), plain, [])
                 for i, sub in enumerate(p.choices()):  # each choice is its own sequence
                     co = CompletionOutput(i, logprobs=[] if p.logprobs is not None else None)
                     where[self.engine.add_request(ids, sub)] = co

@@ -273,6 +273,8 @@ class EngineLoop:
         o.left -= 1
         st.num_prompt_tokens += d.num_prompt_tokens
         st.num_output_tokens += d.num_output_tokens
+        st.num_images += d.num_images
+        st.encoder_time_s += d.encoder_time_s
         o.reasons.append(d.finish_reason.value)
         if d.error:
             o.error = d.error
@@ -296,7 +298,8 @@ class EngineLoop:
 
     def _report_step(self) -> None:
         e = self.engine
-        self._safe(self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage())
+        vision = e.encoder_cache.stats() if e.encoder_cache is not None else None
+        self._safe(self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage(), vision)
 
     def _close_all(self, err: StreamError) -> None:
         """No stream is ever left without a final event."""

@@ -3,7 +3,8 @@ and turns images into encoder inputs; the family adapter splits that into one it
 placeholder span and content hash. Runs in the caller's thread (the server uses a thread pool), never
 on the model thread.
 
-The content hash covers the decoded pixels and the processor output, not the URL: the same picture
+The content hash covers the decoded pixels (the server's media loader hashes them) and the processor
+output, never the URL: the same picture
 sent twice (any encoding) hits the vision cache, and the prefix cache can tell two images apart even
 though their placeholder tokens are identical.
 """
@@ -27,13 +28,6 @@ def tensor_digest(h, t: torch.Tensor) -> None:
     h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
-def pixel_hash(image) -> str:
-    h = hashlib.sha256()
-    h.update(f"{image.mode}{image.size}".encode())
-    h.update(image.tobytes())
-    return h.hexdigest()
-
-
 class MultiModalProcessor:
     def __init__(self, processor, adapter):
         self.processor = processor
@@ -41,14 +35,16 @@ class MultiModalProcessor:
         self.image_token_id = adapter.image_token_id
 
     def render_chat(self, messages: list[dict], **template_kwargs) -> str:
-        """Chat messages whose content parts may include {"type": "image"} -> the prompt text."""
-        source = (
-            self.processor if getattr(self.processor, "chat_template", None) else self.processor.tokenizer
-        )
-        if not getattr(source, "chat_template", None):
+        """Chat messages whose content parts may include {"type": "image"} -> the prompt text.
+
+        The processor's template is rendered by the tokenizer: some processors' own apply_chat_template
+        reaches for their video half (SmolVLM), which an image-only processor does not have."""
+        tok = self.processor.tokenizer
+        template = getattr(self.processor, "chat_template", None) or getattr(tok, "chat_template", None)
+        if not template:
             raise ValueError("this model has no chat template; use a plain prompt")
-        return source.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+        return tok.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
 
     def process(
@@ -80,7 +76,7 @@ class MultiModalProcessor:
             )
         items = []
         k = 0
-        hashes = pixel_hashes or [pixel_hash(im) for im in images]
+        hashes = pixel_hashes or [""] * len(images)  # the processor output alone identifies the pixels too
         for (data, n), ph in zip(parts, hashes):
             pos = slots[k : k + n]
             k += n

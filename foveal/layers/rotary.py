@@ -2,6 +2,10 @@
 table indexed by absolute position, and the rotate-half application used by Llama and Qwen.
 
 Supported rope types: default, linear, llama3. Anything else raises a clear error at model build.
+
+M-RoPE (Qwen2-VL family): positions are [3, T] (temporal, height, width); `mrope_section` splits the
+head_dim/2 rotary frequencies into consecutive sections, section i taking its angle from axis i % 3.
+Same cos/sin table as the 1-D path, gathered per frequency from the axis that owns it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ def rope_parameters(config) -> dict:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "mrope":  # Qwen2-VL 4.x configs: plain RoPE angles, split by mrope_section
+        params["rope_type"] = "default"
     params.setdefault("rope_theta", 10000.0)
     return params
 
@@ -67,6 +73,30 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token cos/sin [T, 1, head_dim]; computed once per step and shared by every layer."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE: `cos_sin` takes [3, T] positions (1-D [T] positions mean the same position on every axis)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__(config, head_dim, max_positions)
+        # transformers falls back to Qwen2-VL's split of 128-dim heads when a config names none
+        section = [int(x) for x in rope_parameters(config).get("mrope_section") or (16, 24, 24)]
+        half = self.cos.shape[-1] // 2
+        if sum(section) != half:
+            raise ValueError(f"mrope_section {section} must sum to the {half} rotary frequencies")
+        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+        # axis of every rotary dim (both halves), as a [1, head_dim] row for gathering
+        self.register_buffer("axis", torch.cat((axis, axis)).unsqueeze(0), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        # idx[t, d] = the position of token t on the axis that owns rotary dim d
+        idx = positions.t().gather(1, self.axis.expand(positions.shape[1], -1))
+        cos = self.cos.gather(0, idx).to(dtype).unsqueeze(1)
+        sin = self.sin.gather(0, idx).to(dtype).unsqueeze(1)
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

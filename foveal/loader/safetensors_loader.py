@@ -9,6 +9,7 @@ download anything (hub.py does) and must never hold more than one tensor of the 
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import logging
 import os
@@ -103,7 +104,58 @@ def load_hf_processor(path: str):
     try:
         return AutoProcessor.from_pretrained(path)
     except Exception as e:
+        try:  # a processor whose video half needs torchvision (Qwen2-VL family) still serves images
+            return _image_only_processor(path)
+        except Exception:
+            pass
         raise ModelLoadError(f"could not load the processor of {path}: {type(e).__name__}: {e}") from e
+
+
+def image_only_processor_class(cls):
+    """`cls` (a transformers processor with image, video and tokenizer parts) without its video processor.
+
+    transformers' video processors need torchvision, which a CPU-only box may lack; the image path does
+    not. The processor's parts are the parameters of its `__init__`, so the subclass simply drops one."""
+
+    class ImageOnly(cls):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            cls.__init__(
+                self, image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs
+            )
+
+        @classmethod
+        def from_args_and_dict(klass, args, processor_dict, **kwargs):
+            # transformers keeps only the saved settings that `__init__.__code__` names, i.e. ours: pass
+            # the real class's own ones (SmolVLM's image_seq_len) through **kwargs instead
+            kwargs.pop("return_unused_kwargs", None)
+            names = set(inspect.signature(klass.__init__).parameters) - set(klass.get_attributes())
+            return klass(*args, **{k: v for k, v in {**processor_dict, **kwargs}.items() if k in names})
+
+    # the real signature less the video processor: what transformers saves and loads parts by
+    real = inspect.signature(cls.__init__)
+    ImageOnly.__init__.__signature__ = real.replace(
+        parameters=[p for p in real.parameters.values() if p.name != "video_processor"]
+    )
+    ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__  # saved configs keep naming the real class
+    return ImageOnly
+
+
+def _image_only_processor(path: str):
+    import transformers
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        raise RuntimeError("torchvision is installed: the video processor is not what failed")
+    name = None
+    for f in _PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(path, f)):
+            with open(os.path.join(path, f)) as fh:
+                name = name or json.load(fh).get("processor_class")
+    cls = getattr(transformers, name or "", None)
+    if cls is None or "video_processor" not in cls.get_attributes():
+        raise RuntimeError("no processor class with a video processor to drop")
+    log.warning("torchvision is not installed: %s will process images only (no video)", name)
+    return image_only_processor_class(cls).from_pretrained(path)
 
 
 def _weight_files(path: str) -> dict[str, list[str]]:

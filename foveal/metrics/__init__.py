@@ -28,6 +28,8 @@ class RequestStats:
     finished: float | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_images: int = 0
+    encoder_time_s: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
@@ -64,6 +66,8 @@ class RequestStats:
             "last_32_tokens_per_s": _rate(tt[-32:]),
             "last_64_tokens_per_s": _rate(tt[-64:]),
             "request_time_s": self.request_time,
+            "images": self.num_images,
+            "encoder_time_s": self.encoder_time_s,
             "peak_memory_mb": peak_memory_mb(),
             "finish_reason": self.finish_reason,
             "error": self.error,
@@ -93,7 +97,8 @@ class MetricsSink(Protocol):
     def request_started(self, stats: RequestStats) -> None: ...
     def token(self, stats: RequestStats, now: float, num_tokens: int) -> None: ...
     def request_finished(self, stats: RequestStats, outcome: str) -> None: ...
-    def step(self, num_running: int, num_waiting: int, kv_usage: float) -> None: ...
+    # vision: the vision cache's EncoderCacheStats (hits, misses, ...), None for text-only models
+    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None) -> None: ...
 
 
 class SummarySink:
@@ -109,6 +114,9 @@ class SummarySink:
         self.last_error: str | None = None
         self.num_running = self.num_waiting = 0
         self.kv_usage = 0.0
+        self.images = 0
+        self.encoder_time = 0.0
+        self.vision = None
 
     def request_started(self, stats: RequestStats) -> None:
         with self._lock:
@@ -128,14 +136,17 @@ class SummarySink:
                 self.last_error = stats.error or outcome
             self.prompt_tokens += stats.num_prompt_tokens
             self.completion_tokens += stats.num_output_tokens
+            self.images += stats.num_images
+            self.encoder_time += stats.encoder_time_s
             self._time_sum += stats.request_time or 0.0
             if stats.decode_tps:
                 self._decode_sum += stats.decode_tps
                 self._decode_n += 1
             self._recent.append(d)
 
-    def step(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None) -> None:
         self.num_running, self.num_waiting, self.kv_usage = num_running, num_waiting, kv_usage
+        self.vision = vision
 
     def to_dict(self) -> dict:
         with self._lock:
@@ -158,6 +169,9 @@ class SummarySink:
                     "num_running": self.num_running,
                     "num_waiting": self.num_waiting,
                     "kv_cache_usage": self.kv_usage,
+                    "images": self.images,
+                    "encoder_time_s": self.encoder_time,
+                    "vision_cache": self.vision.as_dict() if self.vision is not None else None,
                 },
             }
 
@@ -180,6 +194,6 @@ class FanoutSink:
         for s in self.sinks:
             s.request_finished(stats, outcome)
 
-    def step(self, num_running, num_waiting, kv_usage):
+    def step(self, num_running, num_waiting, kv_usage, vision=None):
         for s in self.sinks:
-            s.step(num_running, num_waiting, kv_usage)
+            s.step(num_running, num_waiting, kv_usage, vision)

@@ -25,6 +25,17 @@ class PrometheusSink:
         self.running = Gauge("foveal_num_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("foveal_num_requests_waiting", "Sequences waiting", registry=r)
         self.kv_usage = Gauge("foveal_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.images = Counter("foveal_images", "Images in finished requests", registry=r)
+        self.encoder_time = Histogram(
+            "foveal_request_encoder_seconds",
+            "Vision-encoder time per image request",
+            buckets=_LAT,
+            registry=r,
+        )
+        self.vision_hits = Counter("foveal_vision_cache_hits", "Vision feature cache hits", registry=r)
+        self.vision_misses = Counter("foveal_vision_cache_misses", "Vision feature cache misses", registry=r)
+        self.vision_bytes = Gauge("foveal_vision_cache_bytes", "Bytes of cached image embeddings", registry=r)
+        self._seen = (0, 0)  # cache hits/misses already counted
 
     def request_started(self, stats: RequestStats) -> None:
         pass
@@ -40,13 +51,22 @@ class PrometheusSink:
     def request_finished(self, stats: RequestStats, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
         self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_images:
+            self.images.inc(stats.num_images)
+            self.encoder_time.observe(stats.encoder_time_s)
         if stats.request_time is not None:
             self.e2e.observe(stats.request_time)
 
-    def step(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
+        if vision is not None:  # the cache keeps totals; counters take the increase since last step
+            hits, misses = self._seen
+            self.vision_hits.inc(max(0, vision.hits - hits))
+            self.vision_misses.inc(max(0, vision.misses - misses))
+            self._seen = (vision.hits, vision.misses)
+            self.vision_bytes.set(vision.bytes_used)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

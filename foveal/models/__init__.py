@@ -10,6 +10,12 @@ _MODELS = {
     "Qwen2ForCausalLM": "foveal.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "foveal.models.llama:Qwen3ForCausalLM",
     "LlavaForConditionalGeneration": "foveal.models.llava:LlavaForConditionalGeneration",
+    "Gemma3ForCausalLM": "foveal.models.gemma3_text:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "foveal.models.gemma3:Gemma3ForConditionalGeneration",
+    "Idefics3ForConditionalGeneration": "foveal.models.idefics3:Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": "foveal.models.idefics3:SmolVLMForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "foveal.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "foveal.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 
@@ -33,12 +39,16 @@ def model_class(config):
 
 
 def max_context(config) -> int:
-    """The longest context the native model computes exactly (sliding windows are not implemented yet,
-    so a model with an active window is capped to it)."""
+    """The longest context the native model computes exactly: a model with an active sliding window is
+    capped to it unless its class masks windows (`implements_sliding_window`, e.g. Gemma 3)."""
+    try:
+        windows_ok = bool(getattr(model_class(config), "implements_sliding_window", False))
+    except ValueError:  # unsupported architecture: build_model names it
+        windows_ok = False
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = int(getattr(config, "max_position_embeddings", 0) or 2048)
     window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
+    if window and getattr(config, "use_sliding_window", True) and not windows_ok:
         limit = min(limit, int(window))
     return limit
 

@@ -18,7 +18,7 @@ from torch import nn
 from foveal.layers.linear import Linear, linear
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import RotaryEmbedding, apply_rotary
-from foveal.models.weights import ParamFiller
+from foveal.models.weights import ParamFiller, decoder_param
 
 
 class DecoderSpec:
@@ -103,16 +103,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-# HF checkpoint names that we store fused: (our parameter suffix, shard index within it)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
@@ -172,20 +162,7 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def _map_name(self, name: str):
-        """HF name -> (our name, row offset, row count) ; row info only for fused shards."""
-        if name.startswith("lm_head.") and self.lm_head is None:
-            return None, 0, None  # tied: the embedding serves as the head
-        name = name.removeprefix("model.")
-        parts = name.split(".")
-        if len(parts) >= 4 and parts[0] == "layers" and parts[3] in _FUSED:
-            fused, idx = _FUSED[parts[3]]
-            s = self.spec
-            if fused == "qkv_proj":
-                sizes = [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
-            else:
-                sizes = [s.intermediate, s.intermediate]
-            return ".".join(parts[:3] + [fused] + parts[4:]), sum(sizes[:idx]), sizes[idx]
-        return name, 0, None
+        return decoder_param(name, self.spec, tied=self.lm_head is None)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

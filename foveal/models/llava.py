@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foveal.models.vlm import ImageAdapter, VisionLanguageModel, hf_module
+from foveal.models.vlm import LLAVA_STYLE_PREFIXES, ImageAdapter, VisionLanguageModel, hf_module
 
 _ACTS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
@@ -45,12 +45,7 @@ class LlavaAdapter(ImageAdapter):
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
     mm_adapter = LlavaAdapter
-    PREFIXES = (
-        (("model.language_model.", "language_model.model."), "text"),
-        (("lm_head.", "language_model.lm_head."), "lm_head"),
-        (("model.vision_tower.", "vision_tower."), "vision_tower"),
-        (("model.multi_modal_projector.", "multi_modal_projector."), "multi_modal_projector"),
-    )
+    PREFIXES = LLAVA_STYLE_PREFIXES
 
     def __init__(self, config, backend, max_positions: int):
         super().__init__(config, backend, max_positions)

@@ -77,6 +77,33 @@ class ImageAdapter:
         return None
 
 
+# vision_tower + multi_modal_projector + language_model: LLaVA's layout, shared by Gemma 3 (and others)
+LLAVA_STYLE_PREFIXES = (
+    (("model.language_model.", "language_model.model."), "text"),
+    (("lm_head.", "language_model.lm_head."), "lm_head"),
+    (("model.vision_tower.", "vision_tower."), "vision_tower"),
+    (("model.multi_modal_projector.", "multi_modal_projector."), "multi_modal_projector"),
+)
+
+_LEVEL = "vision_model."
+
+
+def _match_level(rest: str, target: str, own: dict[str, set[str]], model: nn.Module) -> str:
+    """Checkpoints name CLIP/SigLIP towers `vision_tower.vision_model.*`, while transformers 5 builds
+    some of them flat (and renames on load): add or drop that level to match the module we built."""
+    names = own.get(target)
+    if names is None:
+        sub = getattr(model, target)
+        names = own[target] = {n for n, _ in sub.named_parameters()} | {n for n, _ in sub.named_buffers()}
+    if rest in names:
+        return rest
+    if rest.startswith(_LEVEL) and rest[len(_LEVEL) :] in names:
+        return rest[len(_LEVEL) :]
+    if _LEVEL + rest in names:
+        return _LEVEL + rest
+    return rest
+
+
 class VisionLanguageModel(nn.Module):
     """Base of our VLMs. Subclasses set `image_token_id`, build their vision modules in `build_vision`
     and implement `encode_images`."""
@@ -132,6 +159,7 @@ class VisionLanguageModel(nn.Module):
     # -- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         filler = ParamFiller(self)
+        own: dict[str, set[str]] = {}
         for name, tensor in weights:
             for prefixes, target in self.PREFIXES:
                 rest = next((name[len(p) :] for p in prefixes if name.startswith(p)), None)
@@ -142,7 +170,7 @@ class VisionLanguageModel(nn.Module):
                 elif target == "lm_head":
                     self.language_model.load_weight(filler, "lm_head." + rest, tensor, "language_model.")
                 else:
-                    filler.put(f"{target}.{rest}", tensor, name)
+                    filler.put(f"{target}.{_match_level(rest, target, own, self)}", tensor, name)
                 break
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")

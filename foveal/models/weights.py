@@ -41,3 +41,31 @@ class ParamFiller:
         missing = [n for n, p in self.params.items() if self.filled.get(n, 0) != p.shape[0]]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+
+# HF checkpoint names that we store fused: (our parameter suffix, shard index within it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def decoder_param(name: str, spec, tied: bool) -> tuple[str | None, int, int | None]:
+    """HF decoder tensor name -> (our parameter, row offset, row count); rows only for fused shards
+    (q/k/v into qkv_proj, gate/up into gate_up_proj). None when the tensor has no place (a tied head)."""
+    if name.startswith("lm_head.") and tied:
+        return None, 0, None  # tied: the embedding serves as the head
+    name = name.removeprefix("model.")
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[0] == "layers" and parts[3] in _FUSED:
+        fused, idx = _FUSED[parts[3]]
+        if fused == "qkv_proj":
+            kv = spec.num_kv_heads * spec.head_dim
+            sizes = [spec.num_heads * spec.head_dim, kv, kv]
+        else:
+            sizes = [spec.intermediate, spec.intermediate]
+        return ".".join(parts[:3] + [fused] + parts[4:]), sum(sizes[:idx]), sizes[idx]
+    return name, 0, None

@@ -27,7 +27,7 @@ from foveal.config import ServerConfig
 from foveal.engine.loop import EngineLoop, RequestStream, StreamFailed, expand_n
 from foveal.metrics import FanoutSink, SummarySink
 from foveal.metrics.prometheus import PrometheusSink
-from foveal.server import sse
+from foveal.server import media, sse
 from foveal.server.errors import APIError, error_response, from_validation
 from foveal.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -76,6 +76,13 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     names = {model_name, engine.model_name}
     text_of = sse.TokenText(engine.tokenizer)
     created = int(time.time())
+    limits = media.MediaLimits(
+        allow_private_urls=cfg.allow_private_media_urls,
+        allowed_local_path=cfg.allowed_local_media_path,
+        fetch_timeout_s=cfg.media_fetch_timeout,
+        max_bytes=cfg.max_image_bytes,
+        max_pixels=cfg.max_image_pixels,
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -292,16 +299,58 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
 
         return framed(stream, obj, inc, body)
 
+    def load_image(i: int, url: str):
+        try:
+            img = media.load_image(url, limits)
+        except media.MediaError as e:
+            raise APIError(400, f"image {i + 1}: {e}", param="messages", code="invalid_image") from None
+        return img, media.image_hash(img)
+
+    async def chat_prompt(req: ChatCompletionRequest, rid: str):
+        """Images fetched and decoded, template rendered, processor run: all in the thread pool, so the
+        model thread never waits on them and every problem is a 400 before anything is admitted."""
+        urls = []
+        for i, m in enumerate(req.messages):
+            if m.image_urls and m.role != "user":
+                raise APIError(
+                    400, f"messages[{i}]: image parts are only allowed in user messages", "messages"
+                )
+            urls += m.image_urls
+        if urls and not engine.is_multimodal:
+            raise APIError(
+                400, f"model '{model_name}' is text-only; it does not accept images", param="messages"
+            )
+        if len(urls) > cfg.limit_images_per_request:
+            raise APIError(
+                400,
+                f"{len(urls)} images in one request; this server allows {cfg.limit_images_per_request}",
+                param="messages",
+            )
+        loaded = await asyncio.gather(*(asyncio.to_thread(load_image, i, u) for i, u in enumerate(urls)))
+        messages = [m.as_template_dict(engine.is_multimodal) for m in req.messages]
+        try:
+            return await asyncio.to_thread(
+                engine.process_images,
+                messages=messages,
+                images=[im for im, _ in loaded],
+                pixel_hashes=[h for _, h in loaded],
+                **(req.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # template and processor errors are the request's fault
+            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            log.info("%s rejected: %s", rid, msg)
+            raise APIError(400, msg, param="messages") from None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, params = await parse(request, ChatCompletionRequest)
-        messages = [m.as_template_dict() for m in req.messages]
-        kw = req.chat_template_kwargs or {}
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        log.info("%s: chat request, %d message(s), n=%d, stream=%s", rid, len(messages), params.n, req.stream)
-        return await run(
-            request, rid, req, [lambda: engine.apply_chat_template(messages, **kw)], params, True
+        request.state.request_id = rid
+        log.info(
+            "%s: chat request, %d message(s), n=%d, stream=%s", rid, len(req.messages), params.n, req.stream
         )
+        prompt = await chat_prompt(req, rid)
+        return await run(request, rid, req, [prompt], params, True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

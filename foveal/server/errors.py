@@ -36,6 +36,8 @@ def from_validation(err: ValidationError) -> APIError:
     # for a union field the deepest error is the most specific (e.g. a bad content part's type)
     first = max(errors, key=lambda e: len([x for x in e.get("loc", ()) if not _is_union_tag(x)]))
     loc = [str(x) for x in first.get("loc", ()) if not _is_union_tag(x)]
+    # a discriminated union repeats its tag ('image_url.image_url.url'): drop the repeat
+    loc = [x for i, x in enumerate(loc) if i == 0 or x != loc[i - 1]]
     param = ".".join(loc) or None
     kind = first.get("type", "")
     if kind == "extra_forbidden":

@@ -23,15 +23,47 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = _STRICT
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    model_config = _STRICT
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
     name: str | None = None
 
-    def as_template_dict(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+    @property
+    def image_urls(self) -> list[str]:
+        if isinstance(self.content, str):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+    def as_template_dict(self, multimodal: bool = False) -> dict:
+        """A text model gets one string; a VLM's template gets parts, an image as {"type": "image"}."""
+        if not multimodal:
+            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+            return {"role": self.role, "content": text}
+        parts = [{"type": "text", "text": self.content}] if isinstance(self.content, str) else self.content
+        return {
+            "role": self.role,
+            "content": [
+                p
+                if isinstance(p, dict)
+                else {"type": "image"}
+                if p.type == "image_url"
+                else {"type": "text", "text": p.text}
+                for p in parts
+            ],
+        }
 
 
 class StreamOptions(BaseModel):

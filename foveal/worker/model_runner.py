@@ -81,6 +81,7 @@ class ModelRunner:
             num_decodes=num_decodes,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_size=bs,
+            bidirectional=self._bidirectional_spans(batch),
         )
         meta = self.backend.plan(attn, dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
@@ -89,6 +90,21 @@ class ModelRunner:
         else:
             positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, sample_idx
+
+    def _bidirectional_spans(self, batch: ScheduledBatch) -> list[list[tuple[int, int]]] | None:
+        """Per sequence, the image spans its chunk overlaps, for models whose image tokens attend both
+        ways (Gemma 3); None when no chunk of the step touches one."""
+        if not getattr(self.model, "mm_bidirectional", False):
+            return None
+        spans = [
+            [
+                (it.offset, it.end)
+                for it in s.request.mm_items
+                if it.offset < s.start + s.num_tokens and s.start < it.end
+            ]
+            for s in batch.seqs
+        ]
+        return spans if any(spans) else None
 
     def _mrope_positions(self, batch: ScheduledBatch) -> torch.Tensor:
         """[3, T]: prompt positions from the request's table; generated tokens at p + delta on all axes."""

@@ -1,0 +1,145 @@
+"""Qwen2-VL and Qwen2.5-VL: transformers' vision tower (flattened patches of any image size, 2-D rotary,
+patch merger; 2.5 adds window attention) run once per image, and a native Qwen2 decoder (q/k/v bias)
+whose rotary is M-RoPE: every token has a (temporal, height, width) position.
+
+Positions: text tokens advance all three axes together; the tokens of an image of t x h x w merged
+cells get (t, h, w) grid coordinates offset by the position where the image starts, and the text after
+it resumes at start + max(h, w). The prompt's [3, L] table is computed on the request side (the
+adapter); generated tokens sit at p + delta on every axis, delta = max position + 1 - L. A text-only
+request has no table and delta 0: plain 1-D positions, as in transformers.
+
+Only images: video inputs are not produced by our processor calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from foveal.layers.rotary import MRotaryEmbedding
+from foveal.models.llama import Qwen2ForCausalLM
+from foveal.models.vlm import ImageAdapter, VisionLanguageModel, hf_module
+
+
+class MRopeQwen2ForCausalLM(Qwen2ForCausalLM):
+    """The Qwen2 decoder with M-RoPE: `positions` are [3, T] (or [T], the same on all axes).
+
+    A VLM config keeps `tie_word_embeddings` on the outer config (transformers 5), so it is passed in."""
+
+    def __init__(self, config, backend, max_positions: int, *, tie_embeddings: bool):
+        self.tie_embeddings = tie_embeddings  # read by _spec during the base constructor
+        super().__init__(config, backend, max_positions)
+        self.rotary = MRotaryEmbedding(config, self.spec.head_dim, max_positions)
+
+    def _spec(self, config):
+        spec = super()._spec(config)
+        spec.tie_embeddings = self.tie_embeddings
+        return spec
+
+    def reset_buffers(self, device, dtype=None) -> None:
+        self.rotary = MRotaryEmbedding(self.config, self.spec.head_dim, self.rotary.cos.shape[0]).to(device)
+
+
+def mrope_prompt_positions(
+    length: int, spans: list[tuple[int, tuple[int, int, int]]], merge: int
+) -> tuple[torch.Tensor, int]:
+    """[3, length] positions and the delta for a prompt whose images sit at `spans`: (offset, grid t/h/w
+    in patches), in prompt order. Every image token is one merged cell of its grid."""
+    pos = torch.empty(3, length, dtype=torch.long)
+    cur = 0  # the next text position
+    text_start = 0
+    for offset, (t, h, w) in spans:
+        n = offset - text_start
+        pos[:, text_start:offset] = torch.arange(cur, cur + n)
+        cur += n
+        h, w = h // merge, w // merge
+        cells = t * h * w
+        span = pos[:, offset : offset + cells]
+        span[0] = torch.arange(t).repeat_interleave(h * w)
+        span[1] = torch.arange(h).repeat_interleave(w).repeat(t)
+        span[2] = torch.arange(w).repeat(t * h)
+        span += cur
+        cur += max(h, w)
+        text_start = offset + cells
+    pos[:, text_start:] = torch.arange(cur, cur + length - text_start)
+    delta = int(pos.max()) + 1 - length if length else 0
+    return pos, delta
+
+
+class Qwen2VLAdapter(ImageAdapter):
+    """The processor returns all images' patches as one [sum t*h*w, C*T*P*P] tensor plus a [N, 3] grid;
+    image i owns the next t*h*w rows and takes t*h*w / merge^2 placeholder tokens."""
+
+    def __init__(self, hf_config):
+        super().__init__(hf_config)
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+
+    def split(self, out: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
+        pv, grid = out["pixel_values"], out["image_grid_thw"]
+        parts, row = [], 0
+        for i in range(grid.shape[0]):
+            n = int(grid[i].prod())
+            parts.append(
+                ({"pixel_values": pv[row : row + n], "image_grid_thw": grid[i : i + 1]}, n // self.merge**2)
+            )
+            row += n
+        if row != pv.shape[0]:
+            raise ValueError(f"image grids cover {row} patches but the processor gave {pv.shape[0]}")
+        return parts
+
+    def mrope_positions(self, prompt_ids: list[int], items: list) -> tuple[torch.Tensor, int] | None:
+        spans = []
+        for it in sorted(items, key=lambda it: it.offset):
+            t, h, w = (int(x) for x in it.data["image_grid_thw"][0])
+            if it.embed_index is not None or it.length != t * h * w // self.merge**2:
+                raise ValueError(f"image span of {it.length} tokens does not match its grid {t}x{h}x{w}")
+            spans.append((it.offset, (t, h, w)))
+        return mrope_prompt_positions(len(prompt_ids), spans, self.merge)
+
+
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
+    mm_adapter = Qwen2VLAdapter
+    uses_mrope = True
+    vision_class = "qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel"  # transformers.models.*
+    # transformers 5 names first (`model.language_model.`, `model.visual.`), then the older layout whose
+    # decoder is the top-level `model.` (so that prefix must come last)
+    PREFIXES = (
+        (("model.language_model.",), "text"),
+        (("model.visual.", "visual."), "visual"),
+        (("lm_head.",), "lm_head"),
+        (("model.",), "text"),
+    )
+
+    def __init__(self, config, backend, max_positions: int):
+        super().__init__(config, backend, max_positions)
+        self.merge = int(config.vision_config.spatial_merge_size)
+        self.visual: nn.Module | None = None
+
+    def build_text_model(self, text_config, backend, max_positions: int) -> nn.Module:
+        tie = bool(getattr(self.config, "tie_word_embeddings", False))
+        return MRopeQwen2ForCausalLM(text_config, backend, max_positions, tie_embeddings=tie)
+
+    def build_vision(self, device, dtype) -> None:
+        import importlib
+
+        module, name = self.vision_class.split(":")
+        cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+        self.visual = hf_module(lambda: cls._from_config(self.config.vision_config), device, dtype)
+
+    def encode_images(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """One tower pass over all images: attention stays within each image (the grid tells the tower
+        where images end), so batching images of different sizes changes nothing."""
+        w = self.visual.patch_embed.proj.weight
+        pixels = torch.cat([it["pixel_values"] for it in items]).to(device=w.device, dtype=w.dtype)
+        grid = torch.cat([it["image_grid_thw"] for it in items]).to(w.device)
+        out = self.visual(pixels, grid_thw=grid)
+        feats = getattr(out, "pooler_output", out)  # transformers 5 returns the merged features there
+        return list(feats.split((grid.prod(-1) // self.merge**2).tolist()))
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Same decoder and positions; the tower adds window attention (all but `fullatt_block_indexes`)."""
+
+    vision_class = "qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel"
