@@ -118,7 +118,14 @@ def all_builders() -> dict:
 
 
 def build(family: str, path: str) -> TinyVLM:
-    return all_builders()[family](path)
+    """The reference gets the processor as Foveal loads it from the folder: transformers may pick a
+    different image-processor backend for a saved config than for the object the builder made (with
+    torchvision < 0.27 a LANCZOS resize loads as the PIL backend), and the test is about the model."""
+    from foveal.loader.safetensors_loader import load_hf_processor
+
+    tiny = all_builders()[family](path)
+    tiny.processor = load_hf_processor(path)
+    return tiny
 
 
 def image(w: int, h: int, seed: int):

@@ -74,9 +74,12 @@ def _build(path: str, family: str) -> TinyVLM:
         size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112},
         patch_size=14, merge_size=2, temporal_patch_size=2,
     )  # fmt: skip
-    if not is_torchvision_available():  # as Foveal's loader does: the video processor needs torchvision
+    kw = {}
+    if is_torchvision_available():  # transformers then insists on the video processor too
+        kw["video_processor"] = tf.Qwen2VLVideoProcessor()
+    else:  # as Foveal's loader does: the video processor needs torchvision
         proc_cls = image_only_processor_class(proc_cls)
-    proc = proc_cls(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template)
+    proc = proc_cls(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template, **kw)
     save(hf, proc, path)
     return TinyVLM(path, _HFReference(hf), proc, IMAGE_TEXT)
 
