@@ -21,10 +21,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "int8"],
+        help="KV pool element type; fp8/int8 quantize K/V (per-token scales) to hold ~2x the tokens",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--attention-backend", default="auto")
+    g.add_argument(
+        "--no-prefix-cache",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not reuse KV blocks across requests with a common prefix",
+    )
     g.add_argument(
         "--vision-cache-memory", type=int, default=256 * 2**20, help="bytes of cached image embeddings"
     )
@@ -44,11 +56,13 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         device=a.device,
         max_model_len=a.max_model_len,
         kv_cache_memory=a.kv_cache_memory,
+        kv_cache_dtype=a.kv_cache_dtype,
         block_size=a.block_size,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
         attention_backend=a.attention_backend,
         vision_cache_memory=a.vision_cache_memory,
+        enable_prefix_caching=a.enable_prefix_caching,
         max_encoder_tokens_per_step=a.max_encoder_tokens_per_step,
     )
 
@@ -114,6 +128,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             request_timeout=a.request_timeout,
             metrics_public=a.metrics_public,
             drain_timeout=a.drain_timeout,
+            api_key_file=a.api_key_file,
+            allow_client_cache_salt=a.allow_client_cache_salt,
             limit_images_per_request=a.limit_images_per_request,
             allow_private_media_urls=a.allow_private_media_urls,
             allowed_local_media_path=a.allowed_local_media_path,
@@ -131,6 +147,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         host=scfg.host,
         port=scfg.port,
         log_level=a.log_level.lower(),
+        access_log=False,  # foveal.access logs each request with its request id instead
         timeout_graceful_shutdown=int(scfg.drain_timeout) + 1,
     )
     return 0
@@ -155,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="bearer token for /v1/* (default: $FOVEAL_API_KEY)")
+    s.add_argument(
+        "--api-key-file", default=None, help='JSON {"key": "tenant"}: several keys, one prefix cache each'
+    )
+    s.add_argument(
+        "--allow-client-cache-salt",
+        action="store_true",
+        help="let clients split their prefix cache further (X-Tenant-Id header or cache_salt field)",
+    )
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queued-requests", type=int, default=None, help="waiting sequences over this: 429")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds without output: 504")

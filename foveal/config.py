@@ -37,6 +37,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # override (tests); wins over kv_cache_memory
     vision_cache_memory: int = 256 * 2**20  # bytes of projected image embeddings kept (LRU); 0 disables
+    enable_prefix_caching: bool = True  # reuse KV blocks of earlier requests with the same prefix
+    # auto: K/V in the model dtype; fp8 | int8: quantized, per-token scales, ~2x tokens (attention/kv_quant)
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +56,10 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # default: $FOVEAL_API_KEY (read by from_env)
+    api_key: str | None = None  # default: $FOVEAL_API_KEY (read by from_env); its tenant is "default", admin
+    # more keys: (key, tenant, admin); each tenant has its own prefix cache (from --api-key-file)
+    api_keys: tuple[tuple[str, str, bool], ...] = ()
+    allow_client_cache_salt: bool = False  # honour X-Tenant-Id / cache_salt (within the caller's tenant)
     served_model_name: str | None = None  # default: the engine's model name
     max_queued_requests: int | None = None  # waiting sequences over this -> 429
     request_timeout: float | None = None  # seconds without output before a stream is ended (504)
@@ -69,9 +75,11 @@ class ServerConfig:
     max_image_pixels: int = 32 * 2**20
 
     @classmethod
-    def from_env(cls, **kwargs) -> ServerConfig:
+    def from_env(cls, api_key_file: str | None = None, **kwargs) -> ServerConfig:
         if kwargs.get("api_key") is None:
             kwargs["api_key"] = os.environ.get(ENV_API_KEY) or None
+        if api_key_file:
+            kwargs["api_keys"] = read_api_key_file(api_key_file)
         cfg = cls(**kwargs)
         if cfg.max_queued_requests is not None and cfg.max_queued_requests < 1:
             raise ValueError("max_queued_requests must be >= 1")
@@ -82,6 +90,28 @@ class ServerConfig:
         if cfg.media_fetch_timeout <= 0:
             raise ValueError("media_fetch_timeout must be > 0")
         return cfg
+
+
+def read_api_key_file(path: str) -> tuple[tuple[str, str, bool], ...]:
+    """JSON object: {"<key>": "<tenant>"} or {"<key>": {"tenant": "<tenant>", "admin": true}}. Keys that
+    share a tenant share its prefix cache; a key without a tenant entry is its own tenant."""
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the API key file {path}: {e}") from None
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"the API key file {path} must be a non-empty JSON object of key -> tenant")
+    out = []
+    for key, v in data.items():
+        if isinstance(v, str):
+            v = {"tenant": v}
+        if not isinstance(key, str) or not key or not isinstance(v, dict):
+            raise ValueError(f"the API key file {path}: bad entry for a key")
+        out.append((key, str(v.get("tenant") or key), bool(v.get("admin", False))))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +155,8 @@ class EngineConfig:
             raise ValueError("num_blocks must be >= 2")
         if c.kv_cache_memory is not None and c.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if c.kv_cache_dtype not in ("auto", "fp8", "int8"):
+            raise ValueError(f"unknown kv_cache_dtype {c.kv_cache_dtype!r}; use auto, fp8 or int8")
         if not 0.0 < c.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):

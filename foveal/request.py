@@ -200,6 +200,12 @@ class Request:
     # Runner-owned: embeddings of images whose span the prefill has not passed yet (item index -> tensor)
     mm_embeds: dict[int, Any] = field(default_factory=dict)
     encoder_time_s: float = 0.0
+    # prefix cache: the tenant salt (never shared across salts), block keys computed so far, how many
+    # of the request's blocks are published, and the prompt tokens a hit saved at first admission
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -256,6 +262,7 @@ class TokenDelta:
     num_output_tokens: int = 0
     num_images: int = 0
     encoder_time_s: float = 0.0  # this request's share of vision-encoder time
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:

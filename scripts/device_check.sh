@@ -13,4 +13,5 @@ export FOVEAL_TESTS_WITHOUT_MODEL=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_model_parity.py tests/test_scheduler.py \
   tests/test_sampler.py tests/test_layers.py tests/test_loader.py tests/test_detokenizer.py \
-  tests/test_vlm_parity.py tests/test_media.py tests/test_attention_masks.py 2>&1 | tail -25
+  tests/test_vlm_parity.py tests/test_media.py tests/test_attention_masks.py tests/test_kv_quant.py \
+  tests/test_prefix_cache.py tests/test_gemma3_text.py 2>&1 | tail -25

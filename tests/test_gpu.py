@@ -65,7 +65,9 @@ def test_bf16_runs_on_cuda(tiny_folder):
     assert llm.engine.kv.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm", "gemma3"])
+@pytest.mark.parametrize(
+    "family", ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3"]
+)
 def test_vlm_matches_transformers_on_cuda(family, tmp_path):
     """Every VLM family on CUDA (fp32): prompt logits with two images vs transformers on the CPU."""
     from foveal.config import EngineConfig

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.test_server import _serve
-from tests.tiny_vlm import build, byte_tokenizer, image
+from tests.tiny_vlm import build, image, save_tiny_text_model
 
 
 def data_url(img, fmt="PNG") -> str:
@@ -42,18 +42,7 @@ def vlm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def text_only(tmp_path_factory):
     """A tiny text-only Llama folder (no processor files)."""
-    import torch
-    import transformers as tf
-
-    from tests.tiny_vlm import text_config_kwargs
-
-    path = str(tmp_path_factory.mktemp("llama"))
-    tok = byte_tokenizer([], "")
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**text_config_kwargs(len(tok))))
-    model.config.architectures = ["LlamaForCausalLM"]
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    path = save_tiny_text_model(str(tmp_path_factory.mktemp("llama")))
     s, th = _serve({"model": path}, {})
     yield s
     s.server.should_exit = True
@@ -86,14 +75,13 @@ def test_streamed_image_chat_equals_non_streamed(vlm):
 
 def test_repeated_image_hits_the_vision_cache_and_is_reported(vlm):
     c = vlm.client()
-    msgs = user(img_part(data_url(image(32, 32, 5))), "Describe it.")
-    outs = [
-        c.chat.completions.create(model=vlm.model, messages=msgs, max_tokens=6, temperature=0)
-        .choices[0]
-        .message.content
-        for _ in range(2)
-    ]
-    assert outs[0] == outs[1]
+    # different text before the image: the prefix cache cannot cover it, the vision cache must
+    url = data_url(image(32, 32, 5))
+    for lead in ("Describe it.", "Now tell me about it."):
+        out = c.chat.completions.create(
+            model=vlm.model, messages=user(lead, img_part(url)), max_tokens=6, temperature=0
+        )
+        assert out.usage.completion_tokens == 6
     m = httpx.get(vlm.url + "/v1/metrics").json()
     vision = m["summary"]["vision_cache"]
     assert vision["hits"] >= 1 and vision["misses"] >= 1

@@ -22,7 +22,15 @@ def tiny(request, tmp_path_factory):
 
 
 def engine_for(tiny, **kw) -> Engine:
-    opts = dict(model=tiny.path, dtype="float32", device="cpu", num_blocks=256, block_size=4)
+    # the prefix cache off: these tests compare every prompt position (test_prefix_cache_* turn it on)
+    opts = dict(
+        model=tiny.path,
+        dtype="float32",
+        device="cpu",
+        num_blocks=256,
+        block_size=4,
+        enable_prefix_caching=False,
+    )
     opts.update(kw)
     return Engine(EngineConfig.from_kwargs(**opts)).start()
 
@@ -135,3 +143,29 @@ def test_hub_style_checkpoint_names_load_identically(family, tmp_path):
 
     new, hub = load(state.items()), load((hub_name(n), t) for n, t in state.items())
     assert new.keys() == hub.keys() and all(torch.equal(new[k], hub[k]) for k in new)
+
+
+def test_prefix_cache_hit_equals_miss_and_keys_on_image_content(tiny):
+    """Same image: the second request reuses the cached blocks (image ones included) and generates what
+    the uncached engine does. Different image, same placeholder tokens: no hit past the image start."""
+    cold = engine_for(tiny)
+    warm = engine_for(tiny, enable_prefix_caching=True)
+    text, imgs = cases(tiny)[2]
+    ((ref_logits, ref_toks, _),) = foveal_greedy(cold, prompts(cold, [(text, imgs)]), STEPS)
+    foveal_greedy(warm, prompts(warm, [(text, imgs)]), STEPS)
+    (p,) = prompts(warm, [(text, imgs)])
+    ((logits, toks, _),) = foveal_greedy(warm, [p], STEPS)
+    hit = len(p.prompt_token_ids) - logits.shape[0]
+    assert hit >= len(p.prompt_token_ids) - 4, "the repeated prompt should be served from the cache"
+    assert toks == ref_toks
+    assert (logits - ref_logits[hit:]).abs().max().item() < TOL
+    assert warm.kv.hit_tokens >= hit
+    # a different image with the same placeholder tokens: reuse stops at the first image's block
+    other = [image(56, 56, 7), imgs[1]]
+    (q,) = prompts(warm, [(text, other)])
+    assert q.prompt_token_ids == p.prompt_token_ids
+    ((logits2, toks2, _),) = foveal_greedy(warm, [q], STEPS)
+    first_image_block = q.items[0].offset // warm.kv.block_size
+    assert len(q.prompt_token_ids) - logits2.shape[0] <= first_image_block * warm.kv.block_size
+    ((ref2, ref_toks2, _),) = foveal_greedy(cold, prompts(cold, [(text, other)]), STEPS)
+    assert toks2 == ref_toks2

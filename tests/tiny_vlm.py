@@ -107,6 +107,19 @@ def build_llava(path: str) -> TinyVLM:
     return TinyVLM(path, hf, proc, "<image>")
 
 
+def save_tiny_text_model(path: str) -> str:
+    """A tiny random text-only Llama folder with the byte tokenizer (no processor files)."""
+    import transformers as tf
+
+    tok = byte_tokenizer([], "")
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**text_config_kwargs(len(tok))))
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 BUILDERS = {"llava": build_llava}
 
 

@@ -45,7 +45,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
+        kv_cache: Any,  # [2, num_slots, num_kv_heads, head_dim] tensor, or kv_quant.QuantizedKVCache
         meta: Any,
         scale: float,
         *,

@@ -22,6 +22,11 @@ gathered:
     positions  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13
                -------   -------   ---------   -----
                skipped   skipped   gathered    gathered (slots past 13 masked)
+
+A quantized pool (QuantizedKVCache, `--kv-cache-dtype fp8|int8`) has the same slots: k/v are quantized
+as they are written, and the gathered blocks (values and their scales) are dequantized to the query
+dtype before SDPA. Its values are in the pool's basis (int8: Hadamard-rotated), so the queries are
+rotated in and the output back out. A plain tensor pool takes the unquantized path, unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from foveal.attention.base import AttentionBatch
+from foveal.attention.kv_quant import QuantizedKVCache, dequantize
 
 
 @dataclass(slots=True)
@@ -148,6 +154,20 @@ def _attend(q, k, v, mask, causal: bool, scale: float, softcap: float | None, gq
     return torch.matmul(probs, v)
 
 
+def _store_quantized(cache: QuantizedKVCache, k, v, meta: TorchAttentionMetadata):
+    """Write this step's k/v into a quantized pool; returns the k/v a fresh prompt attends to (in the
+    pool's basis, as the gathered blocks are).
+
+    Unlike vLLM (whose fresh prompts attend the unquantized k/v of the step), a fresh prompt here sees
+    the same quantized values that every later read gathers, so chunked == unchunked and a prefix hit ==
+    a miss keep holding (up to float rounding) under quantization; the round trip costs one dequantize.
+    """
+    (kq, ks), (vq, vs) = cache.store(meta.slot_mapping, k, v)
+    if all(s.ctx for s in meta.seqs[meta.num_decodes :]):
+        return k, v  # every query reads its keys back from the pool
+    return dequantize(kq, ks, k.dtype), dequantize(vq, vs, v.dtype)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -179,23 +199,36 @@ class TorchAttentionBackend:
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv = k.shape[1]
         group = num_heads // num_kv
-        # whole blocks are gathered with index_select: ~7x faster than per-slot advanced indexing on CPU
-        k_blocks = k_cache.view(-1, meta.block_size, num_kv, head_dim)
-        v_blocks = v_cache.view(-1, meta.block_size, num_kv, head_dim)
+        quantized = isinstance(kv_cache, QuantizedKVCache)
+        if quantized:
+            k, v = _store_quantized(kv_cache, k, v, meta)
+            q = kv_cache.to_pool_basis(q)  # the pool's K/V come back in its basis (rotated for int8)
+
+            def blocks_of(i: int, ids: torch.Tensor) -> torch.Tensor:
+                return kv_cache.gather_blocks(i, ids, meta.block_size, q.dtype)
+
+        else:
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+            # whole blocks are gathered with index_select: ~7x faster than per-slot advanced indexing on CPU
+            k_blocks = k_cache.view(-1, meta.block_size, num_kv, head_dim)
+            v_blocks = v_cache.view(-1, meta.block_size, num_kv, head_dim)
+
+            def blocks_of(i: int, ids: torch.Tensor) -> torch.Tensor:
+                return (k_blocks, v_blocks)[i].index_select(0, ids)
+
         out = torch.empty_like(q)
         decode, prefills = _layout(meta, window)
         nd = meta.num_decodes
         if nd:
             # a single-token query never needs its spans: it sees every earlier token anyway
             qd = q[:nd].view(nd, num_kv, group, head_dim)
-            kd = k_blocks.index_select(0, decode.blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)
-            vd = v_blocks.index_select(0, decode.blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)
+            kd = blocks_of(0, decode.blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)
+            vd = blocks_of(1, decode.blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)
             if decode.bias is None or decode.bias.dtype != q.dtype:
                 # an additive mask is ~20% faster than a boolean one in the CPU kernel
                 bias = torch.zeros(decode.mask.shape, dtype=q.dtype, device=q.device)
@@ -209,8 +242,8 @@ class TorchAttentionBackend:
             if p.blocks is None:
                 kp, vp = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
             else:
-                kp = k_blocks.index_select(0, p.blocks).view(-1, num_kv, head_dim).transpose(0, 1)[None]
-                vp = v_blocks.index_select(0, p.blocks).view(-1, num_kv, head_dim).transpose(0, 1)[None]
+                kp = blocks_of(0, p.blocks).view(-1, num_kv, head_dim).transpose(0, 1)[None]
+                vp = blocks_of(1, p.blocks).view(-1, num_kv, head_dim).transpose(0, 1)[None]
             op = _attend(qp, kp, vp, p.mask, p.mask is None, scale, softcap, gqa=True)
             out[s:e] = op[0].transpose(0, 1)
-        return out
+        return kv_cache.from_pool_basis(out) if quantized else out

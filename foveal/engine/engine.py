@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foveal.attention import kv_quant
 from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.config import EngineConfig
 from foveal.engine.detokenizer import IncrementalDetokenizer
@@ -118,14 +119,14 @@ class Engine:
 
         layers, kv_heads, head_dim = self.model.kv_shape
         bs = cfg.cache.block_size
-        elem = torch.empty((), dtype=dtype).element_size()
-        block_bytes = layers * 2 * bs * kv_heads * head_dim * elem
+        kv_dtype = cfg.cache.kv_cache_dtype
+        # from the real layout (quantized values + their scales), so fp8/int8 get ~2x the blocks
+        block_bytes = layers * bs * kv_quant.bytes_per_token(kv_dtype, dtype, kv_heads, head_dim)
         num_blocks = cfg.cache.num_blocks or self._num_blocks(block_bytes, device)
-        kv_caches = [
-            torch.zeros(2, num_blocks * bs, kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(layers)
-        ]
-        kv = KVCacheManager(num_blocks, bs)
+        kv_caches = kv_quant.allocate_kv_caches(
+            kv_dtype, layers, num_blocks * bs, kv_heads, head_dim, dtype, device
+        )
+        kv = KVCacheManager(num_blocks, bs, cfg.cache.enable_prefix_caching)
         if max_len > kv.capacity_tokens:
             log.warning(
                 "max_model_len %d exceeds the KV pool (%d tokens); capping it", max_len, kv.capacity_tokens
@@ -145,12 +146,15 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.device, self.dtype = device, dtype
         log.info(
-            "loaded %s (%s, %s) on %s in %.2f s; KV pool %d blocks x %d tokens (%.1f MiB), max_model_len %d",
+            "loaded %s (%s, %s) on %s in %.2f s; KV pool (%s): %d tokens in %d blocks of %d (%.1f MiB), "
+            "max_model_len %d",
             ckpt.name,
             ckpt.format,
             str(dtype).removeprefix("torch."),
             device,
             load_s,
+            str(dtype).removeprefix("torch.") if kv_dtype == "auto" else kv_dtype,
+            kv.capacity_tokens,
             num_blocks,
             bs,
             num_blocks * block_bytes / 2**20,
@@ -233,8 +237,11 @@ class Engine:
         prompt: str | list[int] | MultiModalPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Validate and queue one sequence; raises ValueError with the reason on bad input."""
+        """Validate and queue one sequence; raises ValueError with the reason on bad input.
+
+        `cache_salt` isolates the prefix cache: requests with different salts never share a block."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         if params.n != 1:
@@ -270,7 +277,9 @@ class Engine:
         if rid in self._tracked:
             raise ValueError(f"request id {rid!r} is already in use")
         self._arrivals += 1
-        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, arrival=self._arrivals)
+        req = Request(
+            rid, ids, params, eos_token_ids=self.eos_token_ids, arrival=self._arrivals, cache_salt=cache_salt
+        )
         if mm is not None and mm.items:
             req.mm_items = list(mm.items)
             req.mrope_positions, req.mrope_delta = mm.mrope_positions, mm.mrope_delta
@@ -294,6 +303,19 @@ class Engine:
         self.scheduler.finish(t.req, FinishReason.ABORT)
         self._pending.append(self._final_delta(t, [], "", None))
         return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block and image embedding (model thread only). Returns the
+        number of prefix blocks dropped."""
+        if self.encoder_cache is not None:
+            self.encoder_cache.reset()
+        return self.kv.reset_prefix_cache()
+
+    def cache_stats(self) -> dict:
+        out = {"prefix_cache": self.kv.stats()}
+        if self.encoder_cache is not None:
+            out["vision_cache"] = self.encoder_cache.stats().as_dict()
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.num_unfinished > 0
@@ -381,4 +403,5 @@ class Engine:
             num_output_tokens=req.num_output_tokens,
             num_images=len(req.mm_items),
             encoder_time_s=req.encoder_time_s,
+            num_cached_tokens=req.num_cached_tokens,
         )

@@ -15,6 +15,7 @@ HTTP code.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -133,6 +134,7 @@ class EngineLoop:
         *,
         streaming: bool = False,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue one request of one or more choices (n > 1 already expanded by the caller, or use
         `expand_n`). Must be called from a running event loop; the stream belongs to it."""
@@ -142,8 +144,18 @@ class EngineLoop:
             stream.queue.put_nowait(StreamError(f"not accepting requests: {why}", 503, "unavailable"))
             return stream
         stats = RequestStats(request_id, streaming=streaming)
-        self._cmds.put(("submit", stream, [_Choice(p, s) for p, s in choices], stats))
+        self._cmds.put(("submit", stream, [_Choice(p, s) for p, s in choices], stats, cache_salt))
         return stream
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the model thread between steps (e.g. a cache reset); a Future holds the
+        result or the exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.state not in ("ready", "draining"):
+            fut.set_exception(RuntimeError(f"the engine is {self.state}"))
+        else:
+            self._cmds.put(("call", fn, fut))
+        return fut
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (all its choices). Idempotent; safe before admission and after finish."""
@@ -209,8 +221,16 @@ class EngineLoop:
                     self.engine.abort(sid)  # its final ABORT delta comes from the next step
         elif kind == "stop":
             self._stop = True
+        elif kind == "call":
+            fn, fut = cmd[1], cmd[2]
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:
+                fut.set_exception(e)
 
-    def _admit(self, stream: RequestStream, choices: list[_Choice], stats: RequestStats) -> None:
+    def _admit(
+        self, stream: RequestStream, choices: list[_Choice], stats: RequestStats, cache_salt: str | None
+    ) -> None:
         rid = stream.request_id
         if rid in self._open:
             return self._push(stream, StreamError(f"request id {rid!r} is already in use", 400))
@@ -231,7 +251,7 @@ class EngineLoop:
                 else:
                     ids = ch.prompt
                 sid = rid if len(choices) == 1 else f"{rid}-{i}"
-                eng.add_request(ids, dataclasses.replace(ch.params), sid)
+                eng.add_request(ids, dataclasses.replace(ch.params), sid, cache_salt=cache_salt)
                 sub_ids.append(sid)
         except Exception as e:  # bad input (ValueError, template errors): 400, nothing stays admitted
             for sid in sub_ids:
@@ -274,6 +294,7 @@ class EngineLoop:
         st.num_prompt_tokens += d.num_prompt_tokens
         st.num_output_tokens += d.num_output_tokens
         st.num_images += d.num_images
+        st.num_cached_tokens += d.num_cached_tokens
         st.encoder_time_s += d.encoder_time_s
         o.reasons.append(d.finish_reason.value)
         if d.error:
@@ -299,7 +320,8 @@ class EngineLoop:
     def _report_step(self) -> None:
         e = self.engine
         vision = e.encoder_cache.stats() if e.encoder_cache is not None else None
-        self._safe(self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage(), vision)
+        prefix = (e.kv.query_tokens, e.kv.hit_tokens)
+        self._safe(self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix)
 
     def _close_all(self, err: StreamError) -> None:
         """No stream is ever left without a final event."""

@@ -5,7 +5,8 @@ Supported rope types: default, linear, llama3. Anything else raises a clear erro
 
 M-RoPE (Qwen2-VL family): positions are [3, T] (temporal, height, width); `mrope_section` splits the
 head_dim/2 rotary frequencies into consecutive sections, section i taking its angle from axis i % 3.
-Same cos/sin table as the 1-D path, gathered per frequency from the axis that owns it.
+Qwen3-VL interleaves instead (frequencies cycle t, h, w, ...; see `mrope_axes`). Same cos/sin table as
+the 1-D path, gathered per frequency from the axis that owns it.
 """
 
 from __future__ import annotations
@@ -75,17 +76,33 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
+def mrope_axes(section: list[int], interleaved: bool) -> torch.Tensor:
+    """The axis (0 t, 1 h, 2 w) that owns each of the sum(section) rotary frequencies.
+
+    consecutive (Qwen2-VL), section [2, 3, 3]:  t t h h h w w w
+    interleaved (Qwen3-VL), section [4, 2, 2]:  t h w t h w t t   (h, w stop after their 3*n first slots)
+    """
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+    j = torch.arange(sum(section))
+    axis = torch.zeros_like(j)
+    for a in (1, 2):
+        axis[(j % 3 == a) & (j < 3 * section[a])] = a
+    return axis
+
+
 class MRotaryEmbedding(RotaryEmbedding):
     """M-RoPE: `cos_sin` takes [3, T] positions (1-D [T] positions mean the same position on every axis)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int):
+    def __init__(self, config, head_dim: int, max_positions: int, *, interleaved: bool = False):
         super().__init__(config, head_dim, max_positions)
-        # transformers falls back to Qwen2-VL's split of 128-dim heads when a config names none
-        section = [int(x) for x in rope_parameters(config).get("mrope_section") or (16, 24, 24)]
+        # transformers falls back to these splits of 128-dim heads when a config names none
+        default = (24, 20, 20) if interleaved else (16, 24, 24)
+        section = [int(x) for x in rope_parameters(config).get("mrope_section") or default]
         half = self.cos.shape[-1] // 2
         if sum(section) != half:
             raise ValueError(f"mrope_section {section} must sum to the {half} rotary frequencies")
-        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+        axis = mrope_axes(section, interleaved)
         # axis of every rotary dim (both halves), as a [1, head_dim] row for gathering
         self.register_buffer("axis", torch.cat((axis, axis)).unsqueeze(0), persistent=False)
 

@@ -30,6 +30,7 @@ class RequestStats:
     num_output_tokens: int = 0
     num_images: int = 0
     encoder_time_s: float = 0.0
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
@@ -66,6 +67,7 @@ class RequestStats:
             "last_32_tokens_per_s": _rate(tt[-32:]),
             "last_64_tokens_per_s": _rate(tt[-64:]),
             "request_time_s": self.request_time,
+            "cached_prompt_tokens": self.num_cached_tokens,
             "images": self.num_images,
             "encoder_time_s": self.encoder_time_s,
             "peak_memory_mb": peak_memory_mb(),
@@ -98,7 +100,8 @@ class MetricsSink(Protocol):
     def token(self, stats: RequestStats, now: float, num_tokens: int) -> None: ...
     def request_finished(self, stats: RequestStats, outcome: str) -> None: ...
     # vision: the vision cache's EncoderCacheStats (hits, misses, ...), None for text-only models
-    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None) -> None: ...
+    # prefix: (prompt tokens looked up, tokens found) in the prefix cache, lifetime totals
+    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None) -> None: ...
 
 
 class SummarySink:
@@ -117,6 +120,7 @@ class SummarySink:
         self.images = 0
         self.encoder_time = 0.0
         self.vision = None
+        self.prefix = None
 
     def request_started(self, stats: RequestStats) -> None:
         with self._lock:
@@ -144,9 +148,10 @@ class SummarySink:
                 self._decode_n += 1
             self._recent.append(d)
 
-    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None) -> None:
+    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None) -> None:
         self.num_running, self.num_waiting, self.kv_usage = num_running, num_waiting, kv_usage
         self.vision = vision
+        self.prefix = prefix
 
     def to_dict(self) -> dict:
         with self._lock:
@@ -172,6 +177,8 @@ class SummarySink:
                     "images": self.images,
                     "encoder_time_s": self.encoder_time,
                     "vision_cache": self.vision.as_dict() if self.vision is not None else None,
+                    "prefix_cache_query_tokens": self.prefix[0] if self.prefix else 0,
+                    "prefix_cache_hit_tokens": self.prefix[1] if self.prefix else 0,
                 },
             }
 
@@ -194,6 +201,6 @@ class FanoutSink:
         for s in self.sinks:
             s.request_finished(stats, outcome)
 
-    def step(self, num_running, num_waiting, kv_usage, vision=None):
+    def step(self, num_running, num_waiting, kv_usage, vision=None, prefix=None):
         for s in self.sinks:
-            s.step(num_running, num_waiting, kv_usage, vision)
+            s.step(num_running, num_waiting, kv_usage, vision, prefix)

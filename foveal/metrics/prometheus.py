@@ -36,6 +36,13 @@ class PrometheusSink:
         self.vision_misses = Counter("foveal_vision_cache_misses", "Vision feature cache misses", registry=r)
         self.vision_bytes = Gauge("foveal_vision_cache_bytes", "Bytes of cached image embeddings", registry=r)
         self._seen = (0, 0)  # cache hits/misses already counted
+        self.prefix_queries = Counter(
+            "foveal_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            "foveal_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self._prefix_seen = (0, 0)
 
     def request_started(self, stats: RequestStats) -> None:
         pass
@@ -57,7 +64,7 @@ class PrometheusSink:
         if stats.request_time is not None:
             self.e2e.observe(stats.request_time)
 
-    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None) -> None:
+    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
@@ -67,6 +74,11 @@ class PrometheusSink:
             self.vision_misses.inc(max(0, vision.misses - misses))
             self._seen = (vision.hits, vision.misses)
             self.vision_bytes.set(vision.bytes_used)
+        if prefix is not None:
+            q, h = self._prefix_seen
+            self.prefix_queries.inc(max(0, prefix[0] - q))
+            self.prefix_hits.inc(max(0, prefix[1] - h))
+            self._prefix_seen = prefix
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

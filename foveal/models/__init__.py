@@ -16,6 +16,7 @@ _MODELS = {
     "SmolVLMForConditionalGeneration": "foveal.models.idefics3:SmolVLMForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "foveal.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "foveal.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLForConditionalGeneration",
 }
 
 

@@ -125,12 +125,19 @@ class LlamaForCausalLM(nn.Module):
         """(layers, kv heads, head dim): what the KV pool must hold per token."""
         return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
 
-    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_caches, meta, inputs_embeds=None, deepstack=None
+    ) -> torch.Tensor:
+        """`deepstack` (Qwen3-VL): (rows [R], values [R, k, hidden]); values[:, i] is added to the hidden
+        states of those rows after layer i."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, cos, sin, cache, meta)
+            if deepstack is not None and i < deepstack[1].shape[1]:
+                # the layer's output is x + residual; adding to x puts it on that sum
+                x = x.index_add(0, deepstack[0], deepstack[1][:, i].to(x.dtype))
         x, _ = self.norm.forward_residual(x, residual)
         return x
 

@@ -107,13 +107,18 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
-            if n == 0 or not self.kv.can_allocate(req, n):
+            cached = self.kv.find_cached(req)  # the longest prefix already in the cache: not recomputed
+            start = req.num_computed_tokens + len(cached) * self.kv.block_size
+            n = self._chunk(req, min(req.num_tokens - start, budget), start)
+            if n == 0 or not self.kv.can_allocate(req, n, cached):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self.kv.allocate(req, n)
+            self.kv.allocate(req, n, cached)
+            if req.num_preemptions == 0 and not req.output_token_ids:
+                req.num_cached_tokens = start
+                self.kv.record_lookup(req, start)
             batch.seqs.append(self._seq(req, n))
             self._spend_encoder(req, n)
             budget -= n
@@ -126,11 +131,12 @@ class Scheduler:
             return False
         return self.encoder_cache is None or req.mm_items[idx].content_hash not in self.encoder_cache
 
-    def _chunk(self, req: Request, n: int) -> int:
+    def _chunk(self, req: Request, n: int, start: int | None = None) -> int:
         """Shorten (or, for an atomic span at the chunk start, lengthen) a chunk of n tokens for images."""
         if not req.mm_items or n == 0:
             return n
-        start = req.num_computed_tokens
+        if start is None:
+            start = req.num_computed_tokens
         end = start + n
         enc_left = self._enc_left
         for idx, it in enumerate(req.mm_items):
@@ -181,6 +187,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             req.num_computed_tokens = s.start + s.num_tokens
+            self.kv.publish(req)
             if not s.sample:
                 continue
             tok = sampled[req.request_id]

@@ -32,13 +32,21 @@ from foveal.server.errors import APIError, error_response, from_validation
 from foveal.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("foveal.access")
 
 
 class _Edge:
-    """Pure ASGI middleware (streaming-safe): bearer auth and the X-Request-Id response header."""
+    """Pure ASGI middleware (streaming-safe): bearer auth and the X-Request-Id response header.
+
+    Auth also names the caller's tenant (each key its own unless --api-key-file groups them) and whether
+    it is an admin; the tenant becomes the prefix-cache salt, so isolation follows the key, not a value
+    the client chooses. Every key is compared (constant time each), so timing says nothing about which."""
 
     def __init__(self, app, cfg: ServerConfig):
         self.app, self.cfg = app, cfg
+        self.keys = list(cfg.api_keys)
+        if cfg.api_key:
+            self.keys.append((cfg.api_key, "default", True))
 
     def _protected(self, path: str) -> bool:
         return path.startswith("/v1/") or (path.startswith("/metrics") and not self.cfg.metrics_public)
@@ -48,23 +56,46 @@ class _Edge:
             return await self.app(scope, receive, send)
         state = scope.setdefault("state", {})
         state["request_id"] = f"req-{uuid.uuid4().hex[:24]}"
+        t0, status = time.perf_counter(), [0]
 
         async def send_with_id(msg):
             if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
                 headers = [h for h in msg.get("headers", []) if h[0].lower() != b"x-request-id"]
                 headers.append((b"x-request-id", state["request_id"].encode()))
                 msg = {**msg, "headers": headers}
             await send(msg)
 
-        key = self.cfg.api_key
-        if key and self._protected(scope["path"]):
+        state["tenant"], state["admin"] = None, not self.keys  # no auth: one tenant, everyone is admin
+        if self.keys and self._protected(scope["path"]):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            token = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), key.encode()):
+            token = (auth[7:] if auth[:7].lower() == "bearer " else "").encode()
+            found = None
+            for key, tenant, admin in self.keys:
+                if hmac.compare_digest(token, key.encode()):
+                    found = (tenant, admin)
+            if found is None:
                 resp = error_response(APIError(401, "invalid or missing API key", code="invalid_api_key"))
-                return await resp(scope, receive, send_with_id)
+                await resp(scope, receive, send_with_id)
+                return self._access(scope, state, status[0], t0)
+            state["tenant"], state["admin"] = found
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self._access(scope, state, status[0], t0)
+
+    @staticmethod
+    def _access(scope, state, status: int, t0: float) -> None:
+        """The access log, with our request id (uvicorn's own access log is off: it has none)."""
+        access_log.info(
+            '%s "%s %s" %d %.3fs',
+            state["request_id"],
+            scope["method"],
+            scope["path"],
+            status,
+            time.perf_counter() - t0,
+        )
 
 
 def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
@@ -160,11 +191,28 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         log.info("%s: client disconnected; aborting", rid)
         loop.abort(rid)
 
+    def cache_salt(request: Request, req) -> str | None:
+        """The prefix-cache salt: the authenticated tenant, then (only if the operator allows it) a
+        client-chosen salt, which can split the tenant's cache further but never reach another's."""
+        tenant = request.state.tenant
+        client = None
+        if cfg.allow_client_cache_salt:
+            client = request.headers.get("x-tenant-id") or req.cache_salt
+        if tenant is None and client is None:
+            return None
+        return f"{tenant or ''}\x00{client or ''}"
+
     async def run(request: Request, rid: str, req, prompts: list, params, chat: bool):
         """One entry per prompt; choice index = prompt index * n + choice, as OpenAI numbers them."""
         request.state.request_id = rid
         choices = [c for p in prompts for c in expand_n(p, params)]
-        stream = loop.submit(rid, choices, streaming=req.stream, timeout=cfg.request_timeout)
+        stream = loop.submit(
+            rid,
+            choices,
+            streaming=req.stream,
+            timeout=cfg.request_timeout,
+            cache_salt=cache_salt(request, req),
+        )
         await admit(request, stream)
         if req.stream:
             gen = stream_chat(stream, req) if chat else stream_completion(stream, req)
@@ -182,8 +230,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     async def collect(stream: RequestStream, req, chat: bool) -> dict:
         n = stream.num_choices
         texts, lps, reasons = [""] * n, [None] * n, [None] * n
-        per_prompt: dict[int, int] = {}  # prompt tokens count once per prompt, not once per choice
-        out_toks = 0
+        tally = sse.Tally(req.n)
         try:
             async for i, d in stream.deltas():
                 texts[i] += d.text
@@ -197,8 +244,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                     if d.error:
                         raise APIError(500, f"generation failed: {d.error}", "server_error")
                     reasons[i] = sse.finish(d.finish_reason)
-                    per_prompt[i // req.n] = d.num_prompt_tokens
-                    out_toks += d.num_output_tokens
+                    tally.add(i, d)
         except StreamFailed as e:
             raise APIError(e.error.status, e.error.message, e.error.type) from None
         if chat:
@@ -222,7 +268,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             "created": int(time.time()),
             "model": model_name,
             "choices": choices,
-            "usage": sse.usage(sum(per_prompt.values()), out_toks),
+            "usage": tally.usage(),
             "system_fingerprint": None,
         }
 
@@ -232,16 +278,16 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             c["usage"] = None
         return c
 
-    async def framed(stream: RequestStream, obj: str, inc: bool, body):
+    async def framed(stream: RequestStream, obj: str, inc: bool, body, n: int):
         """The SSE frame both endpoints share: the body's chunks, the usage chunk, an in-stream error
         event, abort when the client left early, then [DONE]. `body(tally)` adds to the token tally."""
         rid = stream.request_id
-        tally: dict = {"prompt": {}, "completion": 0}  # prompt tokens per prompt index
+        tally = sse.Tally(n)
         try:
             async for chunk in body(tally):
                 yield chunk
             if inc:
-                usage = sse.usage(sum(tally["prompt"].values()), tally["completion"])
+                usage = tally.usage()
                 yield sse.sse({**_chunk(rid, obj, [], False), "usage": usage})
         except StreamFailed as e:
             yield sse.error_event(e.error.message, e.error.type)
@@ -269,10 +315,9 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                     if d.error:
                         yield sse.error_event(d.error)
                     yield sse.sse(_chunk(rid, obj, [choice(i, {}, None, sse.finish(d.finish_reason))], inc))
-                    tally["prompt"][i // req.n] = d.num_prompt_tokens
-                    tally["completion"] += d.num_output_tokens
+                    tally.add(i, d)
 
-        return framed(stream, obj, inc, body)
+        return framed(stream, obj, inc, body, req.n)
 
     def stream_completion(stream: RequestStream, req: CompletionRequest):
         rid, inc = stream.request_id, req.include_usage
@@ -294,10 +339,9 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                 if d.finished:
                     if d.error:
                         yield sse.error_event(d.error)
-                    tally["prompt"][i // req.n] = d.num_prompt_tokens
-                    tally["completion"] += d.num_output_tokens
+                    tally.add(i, d)
 
-        return framed(stream, obj, inc, body)
+        return framed(stream, obj, inc, body, req.n)
 
     def load_image(i: int, url: str):
         try:
@@ -392,6 +436,23 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     @app.get("/v1/metrics")
     async def metrics_json():
         return summary.to_dict()
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats():
+        """Prefix cache (lookups and hits in prompt tokens, cached/free blocks, evictions) and vision
+        cache. Plain counters read off the model thread: a snapshot, not a transaction."""
+        return engine.cache_stats()
+
+    @app.post("/v1/cache/reset")
+    async def cache_reset(request: Request):
+        if not request.state.admin:
+            raise APIError(403, "resetting the cache needs an admin API key", "permission_error")
+        try:
+            dropped = await asyncio.wrap_future(loop.call(lambda e: e.reset_prefix_cache()))
+        except RuntimeError as e:
+            raise APIError(503, f"cannot reset the cache: {e}", "unavailable") from None
+        log.info("%s: cache reset (%d prefix blocks dropped)", request.state.request_id, dropped)
+        return {"status": "ok", "prefix_blocks_dropped": dropped}
 
     app.add_middleware(_Edge, cfg=cfg)
     return app

@@ -91,6 +91,7 @@ class _Common(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's field
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         bias = None

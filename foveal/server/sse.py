@@ -20,13 +20,33 @@ def error_event(message: str, type_: str = "server_error") -> bytes:
     return sse({"error": {"message": message, "type": type_, "param": None, "code": None}})
 
 
-def usage(prompt: int, completion: int) -> dict:
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+class Tally:
+    """Token usage of one request: prompt (and prefix-cached) tokens count once per prompt, not once per
+    choice (choice i belongs to prompt i // n); completion tokens count for every choice."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.prompt: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+        self.completion = 0
+
+    def add(self, index: int, final_delta) -> None:
+        p = index // self.n
+        self.prompt[p] = final_delta.num_prompt_tokens
+        self.cached[p] = max(self.cached.get(p, 0), final_delta.num_cached_tokens)
+        self.completion += final_delta.num_output_tokens
+
+    def usage(self) -> dict:
+        return usage(sum(self.prompt.values()), self.completion, sum(self.cached.values()))
 
 
 def finish(reason) -> str | None:

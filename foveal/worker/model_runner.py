@@ -5,6 +5,7 @@ that sample, and samples with each row's own parameters.
     tokens: [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]     decodes first, then prefill chunks
     sample:  x  x  x              x          x   (last token of a chunk that reaches the end)
     images:                 [i i]                 rows of p0 inside an image span take its embeddings
+                                                  (DeepStack models: and add more at early layers)
 
 An image's embeddings stay on its request until the prefill passes the end of its span, so a chunk
 boundary inside the span neither re-encodes nor depends on the cache keeping the entry.
@@ -43,6 +44,9 @@ class ModelRunner:
         self.model = model
         self.encoder_cache = encoder_cache
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        # DeepStack (Qwen3-VL): image embeddings carry k more hidden-sized vectors per row, added after
+        # decoder layers 0..k-1; only the first `hidden` columns go into the input embeddings
+        self.deepstack_layers = int(getattr(model, "deepstack_layers", 0))
         self.num_encoded = 0  # images run through the encoder (cache misses), for tests and stats
         self.kv_caches = kv_caches
         self.backend = backend
@@ -187,14 +191,17 @@ class ModelRunner:
     def compute_logits(self, batch: ScheduledBatch, all_tokens: bool = False) -> torch.Tensor:
         """Logits of the sampling rows (in batch order), or of every token when all_tokens (tests)."""
         input_ids, positions, meta, sample_idx = self._prepare(batch)
-        embeds = None
+        embeds, extra = None, {}
         if hasattr(self.model, "encode_images"):
             mm = self._image_embeddings(batch)
             if mm is not None:
                 embeds = self.model.embed_input_ids(input_ids)
                 rows, values = mm
-                embeds.index_copy_(0, rows, values.to(embeds.dtype))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)
+                h = embeds.shape[1]
+                embeds.index_copy_(0, rows, values[:, :h].to(embeds.dtype))
+                if self.deepstack_layers:  # the rest of each row: one vector per early decoder layer
+                    extra["deepstack"] = (rows, values[:, h:].unflatten(1, (self.deepstack_layers, h)))
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, **extra)
         if not all_tokens:
             hidden = hidden[torch.tensor(sample_idx, dtype=torch.long, device=self.device)]
         return self.model.compute_logits(hidden)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Side by side, same GGUF, same CPU, same load generator: llama.cpp's llama-server (continuous batching,
+# 16 slots) and `foveal serve`, at concurrency 16 (32 requests) and 1 (4 requests), 128 prompt words /
+# 128 output tokens, streaming /v1/completions, ignore_eos. One server at a time.
+# Usage: LLAMA_SERVER=/path/to/llama-server bash benchmarks/run_serving_peer.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+PORT=${PORT:-8766}
+LLAMA_SERVER=${LLAMA_SERVER:-/work/llama.cpp/build/bin/llama-server}
+GGUF=$($PY -c "from foveal.loader.default_model import default_model_path; print(default_model_path())")
+
+wait_ready() {
+  for _ in $(seq 180); do
+    curl -sf "http://127.0.0.1:$PORT/health" | grep -q -E '"(ok|ready)"' && return 0
+    sleep 1
+  done
+  echo "server did not become ready" >&2
+  return 1
+}
+
+run_load() {  # $1 = label
+  for spec in "16 32" "1 4"; do
+    set -- "$1" $spec
+    echo -n "$1 concurrency $2: "
+    $PY benchmarks/serving.py --base-url "http://127.0.0.1:$PORT/v1" --concurrency "$2" --num-requests "$3" \
+      --input-len 128 --output-len 128 | tail -1
+  done
+}
+
+"$LLAMA_SERVER" --version 2>&1 | head -2
+"$LLAMA_SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 8192 -t 2 --log-disable >/dev/null 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
+wait_ready
+run_load llama-server
+kill $SERVER; wait $SERVER 2>/dev/null || true
+
+for dtype in bfloat16 float32; do
+  $PY -m foveal.cli serve --port "$PORT" --dtype "$dtype" --max-num-seqs 16 --log-level WARNING &
+  SERVER=$!
+  wait_ready
+  run_load "foveal-$dtype"
+  kill $SERVER; wait $SERVER 2>/dev/null || true
+done

@@ -1,0 +1,106 @@
+"""Qwen3-VL (dense): transformers' vision tower (patch 16, learned position embeddings resampled to each
+image's grid, 2-D rotary, patch merger) run once per image, and a native Qwen3 decoder (q/k RMSNorm, no
+q/k/v bias) with interleaved M-RoPE: rotary frequencies cycle through the (t, h, w) axes instead of
+Qwen2-VL's consecutive sections. Image positions are Qwen2-VL's (`mrope_prompt_positions`).
+
+DeepStack: besides the merged image embeddings, the tower emits one more [num_embeds, hidden] feature
+per `vision_config.deepstack_visual_indexes` entry (taken from early vision blocks), and the decoder adds
+feature i to the hidden states of the image tokens after its layer i. `encode_images` returns them
+concatenated per image, [num_embeds, hidden * (1 + k)], so the vision cache and the per-request
+embeddings hold one tensor as for every family; the runner splits the columns (`deepstack_layers`).
+
+Only images: videos (timestamped frames) are not produced by our processor calls. Not the MoE variant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from foveal.layers.rotary import MRotaryEmbedding
+from foveal.models.llama import Qwen3ForCausalLM
+from foveal.models.qwen2_vl import Qwen2VLAdapter
+from foveal.models.vlm import VisionLanguageModel, hf_module
+
+
+class MRopeQwen3ForCausalLM(Qwen3ForCausalLM):
+    """The Qwen3 decoder with interleaved M-RoPE: `positions` are [3, T] (or [T], the same on all axes).
+
+    transformers 5 keeps `tie_word_embeddings` on the outer VLM config, so it is passed in."""
+
+    def __init__(self, config, backend, max_positions: int, *, tie_embeddings: bool):
+        self.tie_embeddings = tie_embeddings  # read by _spec during the base constructor
+        super().__init__(config, backend, max_positions)
+        self.rotary = self._rotary(max_positions)
+
+    def _spec(self, config):
+        spec = super()._spec(config)
+        spec.tie_embeddings = self.tie_embeddings
+        return spec
+
+    def _rotary(self, max_positions: int) -> MRotaryEmbedding:
+        # transformers' Qwen3-VL always interleaves (its config's `mrope_interleaved` is informational)
+        return MRotaryEmbedding(self.config, self.spec.head_dim, max_positions, interleaved=True)
+
+    def reset_buffers(self, device, dtype=None) -> None:
+        self.rotary = self._rotary(self.rotary.cos.shape[0]).to(device)
+
+
+class Qwen3VLForConditionalGeneration(VisionLanguageModel):
+    # same processor layout (flattened patches + [N, 3] grid) and image positions as Qwen2-VL
+    mm_adapter = Qwen2VLAdapter
+    uses_mrope = True
+    # Qwen3-VL was released with transformers' nested layout; transformers maps no older names for it
+    PREFIXES = (
+        (("model.language_model.",), "text"),
+        (("model.visual.",), "visual"),
+        (("lm_head.",), "lm_head"),
+    )
+
+    def __init__(self, config, backend, max_positions: int):
+        super().__init__(config, backend, max_positions)
+        vc = config.vision_config
+        self.merge = int(vc.spatial_merge_size)
+        self.deepstack_layers = len(vc.deepstack_visual_indexes)  # read by the runner
+        if self.deepstack_layers > self.language_model.spec.num_layers:
+            raise ValueError(
+                f"{self.deepstack_layers} DeepStack features but only {self.language_model.spec.num_layers} "
+                "decoder layers"
+            )
+        self.visual: nn.Module | None = None
+
+    def build_text_model(self, text_config, backend, max_positions: int) -> nn.Module:
+        tie = bool(getattr(self.config, "tie_word_embeddings", False))
+        return MRopeQwen3ForCausalLM(text_config, backend, max_positions, tie_embeddings=tie)
+
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None, deepstack=None):
+        """`deepstack`: (rows [R], features [R, k, hidden]) for the image rows of this step, or None
+        (text-only steps, decodes)."""
+        return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds, deepstack)
+
+    def build_vision(self, device, dtype) -> None:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        self.visual = hf_module(
+            lambda: Qwen3VLVisionModel._from_config(self.config.vision_config), device, dtype
+        )
+
+    def encode_images(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """One tower pass over all images (attention stays within each image's grid). Per image
+        [num_embeds, hidden * (1 + k)]: the merged embeddings, then the k DeepStack features."""
+        w = self.visual.patch_embed.proj.weight
+        pixels = torch.cat([it["pixel_values"] for it in items]).to(device=w.device, dtype=w.dtype)
+        grid = torch.cat([it["image_grid_thw"] for it in items]).to(w.device)
+        out = self.visual(pixels, grid_thw=grid)
+        if isinstance(out, tuple):  # transformers 4.x: (merged, deepstack features)
+            merged, deep = out[0], out[1]
+        else:  # transformers 5: an output object
+            merged, deep = out.pooler_output, out.deepstack_features
+        if len(deep) != self.deepstack_layers:
+            raise RuntimeError(
+                f"the vision tower gave {len(deep)} DeepStack features, not {self.deepstack_layers}"
+            )
+        feats = torch.cat([merged, *deep], dim=-1)
+        return list(feats.split((grid.prod(-1) // self.merge**2).tolist()))

@@ -1,0 +1,66 @@
+"""Tiny Qwen3-VL (dense) for the VLM parity tests: interleaved M-RoPE Qwen3 decoder and DeepStack (the
+vision tower's features of blocks 0 and 1 are added after decoder layers 0 and 1 of 3, so one layer runs
+without). See tests/tiny_vlm.py for the shared machinery.
+
+Image sizes: the processor resizes to multiples of 32 px (patch 16 x merge 2) with at least 64x64 and at
+most 128x128 px: the test pictures (40x30, 56x56, 28x70) become 2x3, 2x2 and 4x2 merged tokens. The
+learned 4x4 position table is resampled to each of those grids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.tiny_vlm import TinyVLM, byte_tokenizer, perturb, save, text_config_kwargs
+from tests.tiny_vlm_qwen import IMAGE_TEXT, SPECIALS, _HFReference
+
+
+def build_qwen3_vl(path: str) -> TinyVLM:
+    import transformers as tf
+    from transformers.utils import is_torchvision_available
+
+    from foveal.loader.safetensors_loader import image_only_processor_class
+
+    tok = byte_tokenizer(SPECIALS, IMAGE_TEXT)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    text = text_config_kwargs(len(tok))
+    text.update(
+        num_hidden_layers=3, head_dim=16, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    # head_dim 16: 8 frequency pairs, interleaved t h w t h w t t (consecutive would be t t t t h h w w)
+    text["rope_parameters"] = dict(
+        rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2], mrope_interleaved=True
+    )
+    vision = dict(
+        depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=16, spatial_merge_size=2,
+        temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1],
+    )  # fmt: skip
+    cfg = tf.Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = tf.Qwen3VLForConditionalGeneration(cfg).eval()
+    perturb(hf)
+    ip = tf.Qwen2VLImageProcessor(
+        size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    proc_cls, kw = tf.Qwen3VLProcessor, {}
+    if is_torchvision_available():  # transformers then insists on the video processor too
+        kw["video_processor"] = tf.Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
+    else:  # as Foveal's loader does: the video processor needs torchvision
+        proc_cls = image_only_processor_class(proc_cls)
+    proc = proc_cls(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template, **kw)
+    save(hf, proc, path)
+    return TinyVLM(path, _HFReference(hf), proc, IMAGE_TEXT)
+
+
+BUILDERS = {"qwen3_vl": build_qwen3_vl}
