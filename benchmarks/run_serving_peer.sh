@@ -2,7 +2,8 @@
 # Side by side, same GGUF, same CPU, same load generator: llama.cpp's llama-server (continuous batching,
 # 16 slots) and `foveal serve`, at concurrency 16 (32 requests) and 1 (4 requests), 128 prompt words /
 # 128 output tokens, streaming /v1/completions, ignore_eos. One server at a time.
-# Usage: LLAMA_SERVER=/path/to/llama-server bash benchmarks/run_serving_peer.sh
+# Usage: LLAMA_SERVER=/path/to/llama-server [DTYPES="bfloat16 float32"] [SKIP_LLAMA=1] \
+#          bash benchmarks/run_serving_peer.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -19,6 +20,13 @@ wait_ready() {
   return 1
 }
 
+wait_closed() {  # the next server must be able to bind the port
+  for _ in $(seq 60); do
+    curl -s -o /dev/null "http://127.0.0.1:$PORT/health" || return 0
+    sleep 1
+  done
+}
+
 run_load() {  # $1 = label
   for spec in "16 32" "1 4"; do
     set -- "$1" $spec
@@ -28,18 +36,23 @@ run_load() {  # $1 = label
   done
 }
 
-"$LLAMA_SERVER" --version 2>&1 | head -2
-"$LLAMA_SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 8192 -t 2 --log-disable >/dev/null 2>&1 &
-SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
-wait_ready
-run_load llama-server
-kill $SERVER; wait $SERVER 2>/dev/null || true
+SERVER=
+trap '[ -n "$SERVER" ] && { kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; }' EXIT
+if [ -z "${SKIP_LLAMA:-}" ]; then
+  "$LLAMA_SERVER" --version 2>&1 | head -2
+  "$LLAMA_SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 8192 -t 2 --log-disable >/dev/null 2>&1 &
+  SERVER=$!
+  wait_ready
+  run_load llama-server
+  kill $SERVER; wait $SERVER 2>/dev/null || true
+  wait_closed
+fi
 
-for dtype in bfloat16 float32; do
+for dtype in ${DTYPES:-bfloat16}; do
   $PY -m foveal.cli serve --port "$PORT" --dtype "$dtype" --max-num-seqs 16 --log-level WARNING &
   SERVER=$!
   wait_ready
   run_load "foveal-$dtype"
   kill $SERVER; wait $SERVER 2>/dev/null || true
+  wait_closed
 done
