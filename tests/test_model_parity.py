@@ -9,7 +9,7 @@ import torch
 from foveal.request import FinishReason
 from tests.tiny import Harness, tiny_hf_model
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_softcap"]
 TOL = 1e-4
 
 
@@ -60,7 +60,7 @@ def _ends(batch):
         yield s, off
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("budget", [1, 7, 16])
 def test_chunked_prefill_matches_unchunked(family, budget):
     """A 40-token prompt split into chunks of `budget` tokens (with a decoding request sharing the steps)

@@ -25,8 +25,30 @@ COMMON = dict(
 )
 
 
-def tiny_config(family: str):
+GEMMA3 = dict(  # 4 layers alternating sliding (window 8) and full attention, local/global rope
+    num_hidden_layers=4,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+    },
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_config(family: str, **overrides):
+    """A tiny config of the family (for gemma3, `overrides` replace any value: the VLM test reuses it)."""
     import transformers as tf
+
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(**{**COMMON, **GEMMA3, **overrides})
+    if family == "gemma3_softcap":  # final logit softcapping and an untied head
+        return tiny_config("gemma3", final_logit_softcapping=3.0, tie_word_embeddings=False)
 
     if family == "llama":
         return tf.LlamaConfig(**COMMON, tie_word_embeddings=False)

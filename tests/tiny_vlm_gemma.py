@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.tiny import tiny_config
 from tests.tiny_vlm import CHAT_TEMPLATE, TinyVLM, perturb, save
 
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
@@ -45,23 +46,10 @@ def build_gemma3(path: str) -> TinyVLM:
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         image_size=28, patch_size=7, vision_use_head=False,
     )  # fmt: skip
-    text = tf.Gemma3TextConfig(
+    text = tiny_config(  # the tiny Gemma 3 text config of the decoder parity tests
+        "gemma3",
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        query_pre_attn_scalar=24,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
-        },
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,

@@ -34,6 +34,19 @@ class _HFReference:
         return self.model(input_ids=input_ids, **inputs)
 
 
+def qwen_config(cfg_cls, text: dict, vision: dict, ids: dict):
+    """A Qwen-VL family config whose special token ids are the byte tokenizer's (untied head)."""
+    return cfg_cls(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
 def _build(path: str, family: str) -> TinyVLM:
     import transformers as tf
     from transformers.utils import is_torchvision_available
@@ -58,15 +71,7 @@ def _build(path: str, family: str) -> TinyVLM:
         )  # fmt: skip
         cfg_cls = tf.Qwen2_5_VLConfig
         model_cls, proc_cls = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLProcessor
-    cfg = cfg_cls(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    cfg = qwen_config(cfg_cls, text, vision, ids)
     torch.manual_seed(0)
     hf = model_cls(cfg).eval()
     perturb(hf)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tests.tiny_vlm import TinyVLM, byte_tokenizer, perturb, save, text_config_kwargs
-from tests.tiny_vlm_qwen import IMAGE_TEXT, SPECIALS, _HFReference
+from tests.tiny_vlm_qwen import IMAGE_TEXT, SPECIALS, _HFReference, qwen_config
 
 
 def build_qwen3_vl(path: str) -> TinyVLM:
@@ -37,15 +37,7 @@ def build_qwen3_vl(path: str) -> TinyVLM:
         temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=16,
         deepstack_visual_indexes=[0, 1],
     )  # fmt: skip
-    cfg = tf.Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    cfg = qwen_config(tf.Qwen3VLConfig, text, vision, ids)
     torch.manual_seed(0)
     hf = tf.Qwen3VLForConditionalGeneration(cfg).eval()
     perturb(hf)

@@ -30,6 +30,7 @@ from torch import nn
 
 from foveal.layers.linear import Linear, linear
 from foveal.layers.rotary import apply_rotary, inv_frequencies, rope_parameters
+from foveal.models.llama import DecoderShape
 from foveal.models.weights import ParamFiller, decoder_param
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -94,18 +95,11 @@ class GemmaRotary:
         return out
 
 
-class Gemma3Spec:
+class Gemma3Spec(DecoderShape):
     """The architecture numbers of one Gemma 3 text config (read defensively: 4.x and 5.x configs)."""
 
     def __init__(self, config):
-        self.hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.num_heads
-        self.intermediate = config.intermediate_size
-        self.num_layers = config.num_hidden_layers
-        self.vocab_size = config.vocab_size
-        self.eps = config.rms_norm_eps
+        super().__init__(config)
         self.bias = bool(getattr(config, "attention_bias", False))
         self.tie_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5

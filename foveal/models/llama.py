@@ -21,10 +21,10 @@ from foveal.layers.rotary import RotaryEmbedding, apply_rotary
 from foveal.models.weights import ParamFiller, decoder_param
 
 
-class DecoderSpec:
-    """The architecture switches of one family, read from a transformers config."""
+class DecoderShape:
+    """The sizes every decoder family reads the same way from a transformers config."""
 
-    def __init__(self, config, *, family_qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config):
         self.hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -33,6 +33,13 @@ class DecoderSpec:
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
         self.eps = config.rms_norm_eps
+
+
+class DecoderSpec(DecoderShape):
+    """The architecture switches of one Llama-family model, read from a transformers config."""
+
+    def __init__(self, config, *, family_qkv_bias: bool, qk_norm: bool):
+        super().__init__(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_bias = family_qkv_bias or attention_bias  # Qwen2 always has q/k/v bias, never o bias
         self.o_bias = attention_bias and not family_qkv_bias
