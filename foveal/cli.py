@@ -17,10 +17,25 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model", default=None, help="GGUF file, HF folder or Hub repo id (default: embedded SmolLM2)"
     )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights from the config alone (--model: a config.json or its folder)",
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: share of GPU memory for weights, activations and the KV pool (the pool gets the rest)",
+    )
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (every step runs eagerly)"
+    )
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -52,10 +67,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(
         model=a.model,
+        load_format=a.load_format,
         dtype=a.dtype,
         device=a.device,
         max_model_len=a.max_model_len,
         kv_cache_memory=a.kv_cache_memory,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        enforce_eager=a.enforce_eager,
         kv_cache_dtype=a.kv_cache_dtype,
         block_size=a.block_size,
         max_num_batched_tokens=a.max_num_batched_tokens,

@@ -28,6 +28,8 @@ class ModelConfig:
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # for unseeded sampling
     revision: str | None = None
+    load_format: str = "auto"  # auto | dummy (random weights from a config alone: benchmarks)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,5 +163,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"unknown dtype {self.model.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.model.load_format not in ("auto", "dummy"):
+            raise ValueError(f"unknown load_format {self.model.load_format!r}; use auto or dummy")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")

@@ -9,6 +9,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run in Triton's interpreter on CPU tensors where there is no GPU; it is chosen when
+# a kernel is defined, so it must be set before any kernel module is imported
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

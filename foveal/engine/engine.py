@@ -90,7 +90,12 @@ class Engine:
             torch.manual_seed(cfg.model.seed)
         t0 = time.perf_counter()
         ckpt = load_checkpoint(
-            cfg.model.model, dtype=dtype, device=device, progress=progress, revision=cfg.model.revision
+            cfg.model.model,
+            dtype=dtype,
+            device=device,
+            progress=progress,
+            revision=cfg.model.revision,
+            load_format=cfg.model.load_format,
         )
         hf = ckpt.hf_config
         max_len = cfg.model.max_model_len or max_context(hf)

@@ -26,9 +26,10 @@ log = logging.getLogger(__name__)
 class Checkpoint:
     hf_config: Any  # transformers.PretrainedConfig, with .architectures set
     tokenizer: Any  # transformers.PreTrainedTokenizerBase, with chat_template when the source has one
-    weights: Iterator[tuple[str, torch.Tensor]]  # lazy, HF names; no lm_head.weight when tied
+    # lazy, HF names; no lm_head.weight when tied; None: random weights (--load-format dummy)
+    weights: Iterator[tuple[str, torch.Tensor]] | None
     source: str  # resolved local path (file or folder)
-    format: str  # "gguf" | "safetensors"
+    format: str  # "gguf" | "safetensors" | "dummy"
     name: str  # served model name
     processor: Any = None  # transformers processor (images); None for text-only models
 
@@ -40,11 +41,17 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     progress: bool = False,
     revision: str | None = None,
+    load_format: str = "auto",
 ) -> Checkpoint:
-    """Config and tokenizer now; weights as an iterator that reads one tensor per step."""
+    """Config and tokenizer now; weights as an iterator that reads one tensor per step (none for
+    load_format "dummy": see dummy.py)."""
     device = torch.device(device)
     t0 = time.perf_counter()
-    if model is None:
+    if load_format == "dummy":
+        if model is None or not os.path.exists(model):
+            raise ModelLoadError("--load-format dummy needs --model: a config.json file or a folder with one")
+        ckpt = _load_dummy(os.path.abspath(os.path.expanduser(model)))
+    elif model is None:
         from foveal.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
         try:
@@ -97,6 +104,23 @@ def _load_local(path: str, dtype: torch.dtype, device: torch.device, progress: b
         f"model file {path} is not a GGUF file; pass a .gguf file, a folder with config.json and "
         "safetensors weights, or a Hugging Face repo id"
     )
+
+
+def _load_dummy(path: str) -> Checkpoint:
+    from foveal.loader import dummy
+    from foveal.loader.safetensors_loader import load_hf_processor, load_hf_tokenizer
+
+    config = dummy.load_config(path)
+    folder = path if os.path.isdir(path) else None
+    has_tokenizer = folder and any(
+        os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    )
+    tokenizer = load_hf_tokenizer(folder) if has_tokenizer else dummy.synthetic_tokenizer(config)
+    processor = load_hf_processor(folder) if folder else None
+    if processor is None and config.get_text_config() is not config:  # a VLM: its family's processor
+        processor = dummy.dummy_processor(config, tokenizer)
+    name = os.path.basename(path.rstrip(os.sep)).removesuffix(".json")
+    return Checkpoint(config, tokenizer, None, source=path, format="dummy", name=name, processor=processor)
 
 
 def _load_gguf(path: str, name: str, dtype: torch.dtype, device: torch.device, progress: bool) -> Checkpoint:

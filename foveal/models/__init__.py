@@ -55,7 +55,8 @@ def max_context(config) -> int:
 
 
 def build_model(config, backend, *, max_positions: int, dtype, device, weights):
-    """Instantiate the native model without random init (meta device), then fill it from `weights`."""
+    """Instantiate the native model without random init (meta device), then fill it from `weights`
+    (None: random weights)."""
     import torch
 
     cls = model_class(config)
@@ -65,5 +66,10 @@ def build_model(config, backend, *, max_positions: int, dtype, device, weights):
     # meta tensors carry no values: models recompute their non-persistent buffers (rotary tables) and
     # VLMs build their transformers vision modules here, before the weights arrive
     model.reset_buffers(torch.device(device), dtype)
-    model.load_weights(weights)
+    if weights is None:  # --load-format dummy
+        from foveal.loader.dummy import randomize_weights
+
+        randomize_weights(model)
+    else:
+        model.load_weights(weights)
     return model.eval()
