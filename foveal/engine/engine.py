@@ -75,6 +75,8 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[TokenDelta] = []  # deltas produced outside step() (aborts)
         self._arrivals = 0
+        # cumulative host time per phase of step() (execute includes the device work it waits for)
+        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self, progress: bool = False) -> Engine:
@@ -127,7 +129,7 @@ class Engine:
         kv_dtype = cfg.cache.kv_cache_dtype
         # from the real layout (quantized values + their scales), so fp8/int8 get ~2x the blocks
         block_bytes = layers * bs * kv_quant.bytes_per_token(kv_dtype, dtype, kv_heads, head_dim)
-        num_blocks = cfg.cache.num_blocks or self._num_blocks(block_bytes, device)
+        num_blocks = cfg.cache.num_blocks or self._num_blocks(block_bytes, device, backend, dtype)
         kv_caches = kv_quant.allocate_kv_caches(
             kv_dtype, layers, num_blocks * bs, kv_heads, head_dim, dtype, device
         )
@@ -148,6 +150,24 @@ class Engine:
         self.runner = ModelRunner(
             self.model, kv_caches, backend, bs, device, self.vocab_size, encoder_cache=self.encoder_cache
         )
+        if self._use_graphs(device, backend):
+            from foveal.worker.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(
+                self.model,
+                kv_caches,
+                backend,
+                block_size=bs,
+                max_seqs=cfg.scheduler.max_num_seqs,
+                max_model_len=max_len,
+                device=device,
+            )
+            try:
+                self.runner.graphs.capture()
+            except Exception:  # a model that cannot be captured still serves, eagerly
+                log.exception("CUDA graph capture failed; decode steps run eagerly")
+                self.runner.graphs = None
+                torch.cuda.synchronize(device)
         self.eos_token_ids = self._eos_ids()
         self.device, self.dtype = device, dtype
         log.info(
@@ -167,12 +187,37 @@ class Engine:
         )
         return self
 
-    def _num_blocks(self, block_bytes: int, device: torch.device) -> int:
-        budget = self.config.cache.kv_cache_memory
+    def _use_graphs(self, device: torch.device, backend) -> bool:
+        from foveal.worker.cuda_graphs import supports_graphs
+
+        if device.type != "cuda" or self.config.model.enforce_eager:
+            return False
+        if not supports_graphs(backend):
+            log.info("the %s attention backend runs eagerly (no CUDA graphs)", backend.name)
+            return False
+        return True
+
+    def _num_blocks(self, block_bytes: int, device: torch.device, backend, dtype: torch.dtype) -> int:
+        cfg = self.config
+        budget = cfg.cache.kv_cache_memory
         if budget is None:
             if device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(device)
-                budget = int(free - (1.0 - self.config.cache.gpu_memory_utilization) * total)
+                from foveal.worker import memory
+                from foveal.worker.cuda_graphs import DecodeGraphs
+
+                peak = memory.profile_activation_peak(
+                    self.model,
+                    backend,
+                    num_tokens=cfg.scheduler.max_num_batched_tokens,
+                    num_seqs=cfg.scheduler.max_num_seqs,
+                    block_size=cfg.cache.block_size,
+                    kv_cache_dtype=cfg.cache.kv_cache_dtype,
+                    vocab_size=self.vocab_size,
+                )
+                reserve = 0
+                if self._use_graphs(device, backend):
+                    reserve = DecodeGraphs.reserve_bytes(cfg.scheduler.max_num_seqs, self.vocab_size, dtype)
+                budget = memory.kv_pool_bytes(device, cfg.cache.gpu_memory_utilization, peak, reserve)
             else:
                 budget = DEFAULT_CPU_KV_BYTES
         n = budget // block_bytes
@@ -340,9 +385,11 @@ class Engine:
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
         deltas, self._pending = self._pending, []
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.empty:
             return deltas
+        t1 = time.perf_counter()
         try:
             out = self.runner.execute(batch)
         except Exception as e:  # a failed forward pass aborts only this batch's requests
@@ -353,6 +400,7 @@ class Engine:
                 self.scheduler.finish(t.req, FinishReason.ERROR)
                 deltas.append(self._final_delta(t, [], "", None))
             return deltas
+        t2 = time.perf_counter()
         self.scheduler.update(batch, out.sampled)
         for s in batch.seqs:
             if s.sample and s.request.request_id in out.sampled:
@@ -361,6 +409,11 @@ class Engine:
                         s.request, out.sampled[s.request.request_id], out.logprobs.get(s.request.request_id)
                     )
                 )
+        t = self.step_seconds
+        t["schedule"] += t1 - t0
+        t["execute"] += t2 - t1
+        t["update"] += time.perf_counter() - t2
+        t["steps"] += 1
         return deltas
 
     def _emit(self, req: Request, tok: int, lp: TokenLogprobs | None) -> TokenDelta:

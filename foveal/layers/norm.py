@@ -1,9 +1,12 @@
-"""RMSNorm, computed in float32 and cast back, exactly as the reference Llama/Qwen implementations do."""
+"""RMSNorm, computed in float32 and cast back, exactly as the reference Llama/Qwen implementations do.
+On CUDA (unless turned off in foveal.layers.fused) one fused kernel does the residual add and the norm."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from foveal.layers import fused
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +16,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and fused.use_fused(x):
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -20,5 +25,7 @@ class RMSNorm(nn.Module):
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(x + residual), also returning the new residual stream (x + residual)."""
+        if x.is_cuda and fused.use_fused(x):
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self.forward(residual), residual

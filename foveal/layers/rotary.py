@@ -16,6 +16,8 @@ import math
 import torch
 from torch import nn
 
+from foveal.layers import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -122,3 +124,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary on q and k. On CUDA one fused kernel rotates both IN PLACE (q and k may be views of
+    the qkv buffer, which saves a pass); the CPU path returns new tensors as apply_rotary does."""
+    if q.is_cuda and fused.use_fused(q):
+        return fused.rotary_qk_(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foveal.layers import fused
 from foveal.layers.linear import Linear, linear
 from foveal.layers.norm import RMSNorm
-from foveal.layers.rotary import RotaryEmbedding, apply_rotary
+from foveal.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from foveal.models.weights import ParamFiller, decoder_param
 
 
@@ -74,7 +75,7 @@ class Attention(nn.Module):
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin)  # on CUDA: in place, into the qkv buffer
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -87,7 +88,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate, spec.hidden, bias=spec.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and fused.use_fused(gate_up):
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -53,6 +53,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(vocab_size)
+        self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size
@@ -187,9 +188,39 @@ class ModelRunner:
                 req.mm_embeds[idx] = emb
                 req.encoder_time_s += share / len(users)
 
+    def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Logits through a CUDA graph when every row is a plain decode (a generated token, so no image
+        rows and no bidirectional spans) and the graphs cover the batch; else None."""
+        seqs = batch.seqs
+        if not self.graphs.fits(len(seqs), max(s.start for s in seqs) + 1):
+            return None
+        ids, pos, rope = [], [], []
+        for s in seqs:
+            req = s.request
+            p = s.start
+            if s.num_tokens != 1 or p < len(req.prompt_token_ids):
+                return None
+            ids.append(req.all_token_ids[p])
+            pos.append(p)
+            rope.append(p + req.mrope_delta)  # M-RoPE: generated tokens sit at p + delta on every axis
+        host = torch.tensor([ids, rope], dtype=torch.long).to(self.device, non_blocking=True)
+        attn = AttentionBatch(
+            query_lens=[1] * len(seqs),
+            context_lens=pos,
+            block_tables=[s.request.block_ids for s in seqs],
+            num_decodes=len(seqs),
+            slot_mapping=None,  # the graph metadata derives slots from positions and block tables
+            block_size=self.block_size,
+        )
+        return self.graphs.run(host[0], host[1], attn)
+
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch, all_tokens: bool = False) -> torch.Tensor:
         """Logits of the sampling rows (in batch order), or of every token when all_tokens (tests)."""
+        if self.graphs is not None and not all_tokens:
+            logits = self._graph_decode(batch)
+            if logits is not None:
+                return logits
         input_ids, positions, meta, sample_idx = self._prepare(batch)
         embeds, extra = None, {}
         if hasattr(self.model, "encode_images"):

@@ -1,0 +1,367 @@
+"""Issue 5's GPU workloads W1-W4 through Foveal's engine, on random-weight models of real shapes
+(`--load-format dummy` with benchmarks/configs/*.json), with the hardware ceilings measured in the
+same run and MBU/MFU against them.
+
+    python3 benchmarks/gpu_workloads.py --workloads ceilings,w1,w2,w3,w4 [--profile] [--enforce-eager]
+
+W1 Llama-3.1-8B batch 1, 512 prompt / 256 output: TTFT and decode tok/s (MBU: weight + KV bytes
+   read per step over the measured copy bandwidth).
+W2 Llama-3.1-8B, 256 requests of 512 / 256, all at once: output tok/s (MFU: 2 x params FLOPs per
+   token over the measured bf16 matmul rate), TTFT p50/p99.
+W3 nano-vllm's bench.py workload: Qwen3-0.6B, 256 sequences, prompt and output lengths uniform in
+   [100, 1024] (Python's random, seed 0, in bench.py's order), temperature 0.6, ignore_eos.
+W4 Qwen2.5-VL-7B: one 448x448 image + 64 text tokens: TTFT (image preprocessing reported apart) and
+   batch-1 decode tok/s; then 64 concurrent image requests: output tok/s, TTFT p50/p99.
+
+Times come from the engine's own step loop (all requests submitted at t0); the engine's host time
+per step phase (schedule / execute / update) is printed with each workload. Ends with one JSON line.
+
+`--smoke` runs the same code on CPU with tiny configs of the three families and request counts and
+lengths divided down: it checks the script, not the speed (GPU time is scarce; run it before a call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from foveal import SamplingParams  # noqa: E402
+from foveal.engine.llm import LLM  # noqa: E402
+
+CONFIGS = os.path.join(HERE, "configs")
+RESULTS: dict = {}
+SMOKE = False  # --smoke: CPU, tiny configs, N() and L() shrink counts and lengths
+
+
+def N(n: int) -> int:
+    return max(2, n // 32) if SMOKE else n
+
+
+def L(n: int) -> int:
+    return max(4, n // 32) if SMOKE else n
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# -- ceilings ------------------------------------------------------------------------------------
+def ceilings() -> dict:
+    """Device-to-device copy bandwidth (read + write bytes) and bf16 matmul rate, on random data."""
+    n = 1 << 30  # 1 GiB per buffer: far past the 60 MB L2
+    a = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    copy_s = _time_cuda(lambda: b.copy_(a), 20)
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_s = _time_cuda(lambda: x @ y, 20)
+    out = {"copy_GBps": 2 * n / copy_s / 1e9, "bf16_TFLOPs": 2 * 8192**3 / mm_s / 1e12}
+    log(
+        f"ceilings: copy {out['copy_GBps']:.0f} GB/s (read+write), "
+        f"bf16 matmul {out['bf16_TFLOPs']:.0f} TFLOP/s"
+    )
+    return out
+
+
+def _time_cuda(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+# -- the engine's step loop with per-request timestamps -------------------------------------------
+def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
+    eng = llm.engine
+    for k in ("schedule", "execute", "update"):
+        eng.step_seconds[k] = 0.0
+    eng.step_seconds["steps"] = 0
+    _sync()
+    t0 = time.perf_counter()
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = dict.fromkeys(ids, 0)
+    while eng.has_unfinished():
+        for d in eng.step():
+            if d.token_ids:
+                now = time.perf_counter()
+                first.setdefault(d.request_id, now)
+                last[d.request_id] = now
+                count[d.request_id] += len(d.token_ids)
+    wall = time.perf_counter() - t0
+    ttft = sorted(first[r] - t0 for r in ids)
+    steps = dict(eng.step_seconds)
+    n = max(1, steps["steps"])
+    phases = {k: round(steps[k] / n * 1e3, 3) for k in ("schedule", "execute", "update")}
+    return {
+        "wall_s": wall,
+        "output_tokens": sum(count.values()),
+        "prompt_tokens": sum(len(getattr(p, "prompt_token_ids", p)) for p in prompts),
+        "output_tok_s": sum(count.values()) / wall,
+        "ttft_p50_s": ttft[len(ttft) // 2],
+        "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
+        # batch-1 decode: tokens after the first over the time after the first
+        "decode_tok_s": (count[ids[0]] - 1) / (last[ids[0]] - first[ids[0]]) if len(ids) == 1 else None,
+        "steps": steps["steps"],
+        "ms_per_step": phases,
+    }
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def decode_bytes(llm: LLM) -> int:
+    """Bytes one decode step must read at batch 1: every weight used per token (the embedding table
+    only when it doubles as the LM head) - the text model's, not a vision tower's."""
+    model = llm.engine.model
+    text = getattr(model, "language_model", model)
+    total = sum(p.numel() * p.element_size() for p in text.parameters())
+    if getattr(text, "lm_head", None) is not None:
+        total -= text.embed_tokens.weight.numel() * text.embed_tokens.weight.element_size()
+    return total
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    layers, kvh, hd = llm.engine.model.kv_shape
+    return layers * 2 * kvh * hd * llm.engine.dtype.itemsize
+
+
+def engine(config: str, a, **kw) -> LLM:
+    t0 = time.perf_counter()
+    if SMOKE:
+        kw.update(device="cpu", num_blocks=1024, max_num_seqs=min(kw["max_num_seqs"], 16))
+    llm = LLM(
+        os.path.join(CONFIGS, config),
+        load_format="dummy",
+        dtype="float32" if SMOKE else "bfloat16",
+        enforce_eager=a.enforce_eager,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        **kw,
+    )
+    log(
+        f"{config}: engine ready in {time.perf_counter() - t0:.1f} s; "
+        f"KV pool {llm.engine.kv.capacity_tokens} tokens"
+    )
+    return llm
+
+
+def report(name: str, r: dict, extra: str = "") -> None:
+    log(
+        f"{name}: {r['output_tok_s']:.1f} out tok/s, {r['output_tokens']} tokens in {r['wall_s']:.2f} s, "
+        f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms p99 {r['ttft_p99_s'] * 1e3:.1f} ms, {r['steps']} steps, "
+        f"host ms/step {r['ms_per_step']} {extra}"
+    )
+
+
+# -- workloads -----------------------------------------------------------------------------------
+def w1_w2(a) -> None:
+    llm = engine("llama-3.1-8b.json", a, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192)
+    V = llm.engine.vocab_size
+    run(llm, random_prompts(2, 64, V, 99), [greedy(8)] * 2)  # warm-up
+    if "w1" in a.workloads:
+        r = run(llm, random_prompts(1, L(512), V, 0), [greedy(L(256))])
+        step_bytes = decode_bytes(llm) + kv_bytes_per_token(llm) * (512 + 128)  # mean context
+        floor = RESULTS["ceilings"]["copy_GBps"] * 1e9 / decode_bytes(llm) if "ceilings" in RESULTS else None
+        r["MBU"] = (
+            r["decode_tok_s"] * step_bytes / (RESULTS["ceilings"]["copy_GBps"] * 1e9) if floor else None
+        )
+        r["floor_tok_s"] = floor
+        report(
+            "W1", r, f"decode {r['decode_tok_s']:.1f} tok/s (floor {floor or 0:.0f}, MBU {r['MBU'] or 0:.2f})"
+        )
+        RESULTS["W1"] = r
+    if "w2" in a.workloads:
+        if a.profile:
+            profile(llm, V)
+        r = run(llm, random_prompts(N(256), L(512), V, 1), [greedy(L(256))] * N(256))
+        flops = 2 * decode_bytes(llm) / llm.engine.dtype.itemsize * (r["output_tokens"] + r["prompt_tokens"])
+        if "ceilings" in RESULTS:
+            r["MFU"] = flops / r["wall_s"] / (RESULTS["ceilings"]["bf16_TFLOPs"] * 1e12)
+        report("W2", r, f"MFU {r.get('MFU', 0):.3f}")
+        RESULTS["W2"] = r
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def profile(llm: LLM, V: int) -> None:
+    """torch.profiler over 8 decode steps of a 256-request batch: where the device and host time go."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
+
+    eng = llm.engine
+    ids = [eng.add_request(p, greedy(40)) for p in random_prompts(N(256), L(512), V, 7)]
+    while eng.num_waiting:  # prefill everything first: the profile is of decode steps
+        eng.step()
+    for _ in range(4):
+        eng.step()
+    with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            eng.step()
+        _sync()
+    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    for r in ids:
+        eng.abort(r)
+    while eng.has_unfinished():
+        eng.step()
+
+
+def w3(a) -> None:
+    """nano-vllm bench.py: random.seed(0); prompts of randint(100, 1024) ids in randint(0, 10000);
+    max_tokens randint(100, 1024), temperature 0.6, ignore_eos."""
+    llm = engine("qwen3-0.6b.json", a, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384)
+    random.seed(0)
+    vocab = min(10000, llm.engine.vocab_size - 1)
+    prompts = [[random.randint(0, vocab) for _ in range(L(random.randint(100, 1024)))] for _ in range(N(256))]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=L(random.randint(100, 1024)))
+        for _ in range(N(256))
+    ]
+    run(llm, [[1, 2, 3, 4]], [SamplingParams(max_tokens=16)])  # warm-up, as bench.py does
+    r = run(llm, prompts, params)
+    report("W3", r)
+    RESULTS["W3"] = r
+
+
+def w4(a) -> None:
+    from PIL import Image
+
+    llm = engine("qwen2.5-vl-7b.json", a, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192)
+    V = min(150000, llm.engine.vocab_size - 10)  # text ids below the special ones
+
+    def image_prompt(i: int):
+        g = torch.Generator().manual_seed(1000 + i)
+        img = Image.fromarray(torch.randint(0, 256, (448, 448, 3), generator=g, dtype=torch.uint8).numpy())
+        text = " ".join(f"t{t}" for t in torch.randint(100, V, (L(64),), generator=g).tolist())
+        content = [{"type": "image"}, {"type": "text", "text": text}]
+        return llm.engine.process_images(messages=[{"role": "user", "content": content}], images=[img])
+
+    t0 = time.perf_counter()
+    warm = image_prompt(999)
+    prep = time.perf_counter() - t0
+    run(llm, [warm], [greedy(8)])  # warm-up (vision tower included)
+    r = run(llm, [image_prompt(0)], [greedy(L(128))])
+    floor = RESULTS["ceilings"]["copy_GBps"] * 1e9 / decode_bytes(llm) if "ceilings" in RESULTS else None
+    r["floor_tok_s"], r["preprocess_s"] = floor, prep
+    report(
+        "W4 batch 1",
+        r,
+        f"decode {r['decode_tok_s']:.1f} tok/s (floor {floor or 0:.0f}); preprocess {prep * 1e3:.0f} ms",
+    )
+    RESULTS["W4_single"] = r
+    prompts = [image_prompt(i) for i in range(1, N(64) + 1)]
+    r = run(llm, prompts, [greedy(L(128))] * N(64))
+    report("W4 64 concurrent", r)
+    RESULTS["W4_64"] = r
+
+
+def smoke_configs() -> str:
+    """Tiny configs of the three families, named like the real ones, in a temp folder."""
+    import tempfile
+
+    import transformers as tf
+
+    d = tempfile.mkdtemp(prefix="foveal-smoke-")
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)  # fmt: skip
+    cfgs = {
+        "llama-3.1-8b": tf.LlamaConfig(vocab_size=1000, **small),
+        "qwen3-0.6b": tf.Qwen3Config(vocab_size=1000, **small),
+        "qwen2.5-vl-7b": tf.Qwen2_5_VLConfig(
+            text_config=dict(
+                vocab_size=200, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3]), **small
+            ),
+            vision_config=dict(
+                depth=1,
+                num_heads=2,
+                hidden_size=16,
+                intermediate_size=32,
+                out_hidden_size=64,
+                window_size=56,
+                fullatt_block_indexes=[0],
+            ),
+            image_token_id=190,
+            video_token_id=191,
+            vision_start_token_id=192,
+            vision_end_token_id=193,
+        ),  # fmt: skip
+    }
+    for name, cfg in cfgs.items():
+        cfg.architectures = [
+            {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
+                cfg.model_type, "Qwen2_5_VLForConditionalGeneration"
+            )
+        ]
+        with open(os.path.join(d, f"{name}.json"), "w") as f:
+            f.write(cfg.to_json_string())
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workloads", default="ceilings,w1,w2,w3,w4")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of W2 decode steps")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs: check the script only")
+    a = ap.parse_args()
+    a.workloads = set(a.workloads.split(","))
+    if a.smoke:
+        global SMOKE, CONFIGS
+        SMOKE, CONFIGS = True, smoke_configs()
+        a.workloads.discard("ceilings")
+    elif not torch.cuda.is_available():
+        raise SystemExit("gpu_workloads.py needs CUDA (or --smoke)")
+    else:
+        log(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, eager={a.enforce_eager}")
+    steps = [("ceilings", lambda a: RESULTS.__setitem__("ceilings", ceilings()))]
+    steps += [("w1", w1_w2) if "w1" in a.workloads else ("w2", w1_w2), ("w3", w3), ("w4", w4)]
+    for name, fn in steps:
+        if name in a.workloads:
+            try:
+                fn(a)
+            except Exception as e:  # one workload's failure must not hide the others' figures
+                import traceback
+
+                traceback.print_exc()
+                RESULTS[name] = {"error": f"{type(e).__name__}: {e}"}
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    RESULTS["commit"] = os.environ.get("FOVEAL_COMMIT") or commit.strip()  # the device copy has no .git
+    RESULTS["eager"] = a.enforce_eager
+    print(json.dumps(RESULTS, default=lambda x: round(x, 4) if isinstance(x, float) else str(x)))
+
+
+if __name__ == "__main__":
+    main()

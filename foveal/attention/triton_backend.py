@@ -1,0 +1,262 @@
+"""Paged attention in Triton kernels (CUDA; the tests run them in Triton's interpreter on CPU). Same
+contract as the torch backend (base.py), which is its oracle.
+
+One step, one layer:
+
+    q/k/v rows  [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]     decodes first, then prefill chunks
+                    |             |
+    store       every row's k/v -> cache[slot]  (kernels/store.py; slot < 0: a padding row, skipped)
+                    |             |
+    attend      paged_decode      paged_prefill        both read all keys from the paged cache
+                (split-KV +       (query tiles x
+                 combine)          kv heads x chunks)
+
+plan() packs the step's integers into ONE int32 host tensor and copies it to the device once; every
+device tensor of the metadata is a view of that copy:
+
+    [ decode seq_lens (D) | cu_q_lens (P+1) | context_lens (P) | block tables (D+P rows x max_blocks) ]
+
+Decode splits: the key range of each sequence is cut into num_splits tile-aligned pieces sized from its
+own length (kernels/decode.py). plan() bounds num_splits by the longest decode (one split per
+`split_tokens` keys, at most `max_splits`); forward() lowers it until decode rows x kv heads x splits
+is about twice the multiprocessor count. Both are host ints, so a step never waits on the device.
+
+CUDA graphs (decode-only steps): graph_metadata() allocates static buffers for max_seqs rows,
+
+    static int32 [max_seqs, 2 + max_blocks_per_seq]:   slot | seq_len | block table ...
+
+and fill_graph_metadata() writes one host tensor over the first `padded` rows (rows past the batch:
+slot -1, seq_len 0, so they store nothing and attend to nothing) and returns views of those rows. The
+split count then follows from max_blocks_per_seq and the padded row count, never from the batch's
+lengths, so a graph captured for `padded` rows replays with any batch that fits.
+
+Fallback to the torch backend, per step or per layer, planned only when needed:
+  - a step with bidirectional spans (Gemma 3 images): plan() hands the whole step to torch;
+  - a quantized pool (kv_quant.QuantizedKVCache): forward() plans torch metadata for the step on the
+    first such layer and reuses it for the others.
+Graph metadata carries no batch, so it has no fallback: capture graphs only over plain tensor pools.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from foveal.attention.base import AttentionBatch
+from foveal.attention.kernels import paged_decode, paged_prefill, store_kv
+from foveal.attention.kernels.decode import workspace_numel
+from foveal.attention.kv_quant import QuantizedKVCache
+from foveal.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64 (plan) or int32 (graph); < 0: skip the row
+    block_size: int
+    num_decodes: int  # D: rows [0, D) are decodes
+    num_prefill_tokens: int  # rows [D, D + this) are prefill chunks
+    max_q_len: int  # longest prefill chunk (0: none)
+    max_blocks: int  # block-table columns
+    num_splits: int  # upper bound on decode key splits (forward may use fewer)
+    decode_seq_lens: torch.Tensor  # [D] int32, context + 1; 0: padding row
+    decode_block_table: torch.Tensor  # [D, max_blocks] int32, padded with block 0
+    cu_q_lens: torch.Tensor  # [P + 1] int32, chunk offsets within the prefill rows
+    context_lens: torch.Tensor  # [P] int32, tokens cached before each chunk
+    prefill_block_table: torch.Tensor  # [P, max_blocks] int32
+    batch: AttentionBatch | None = None  # for the torch fallback (None in graph metadata)
+    fallback: TorchAttentionMetadata | None = None  # made on first need
+    workspace: torch.Tensor | None = None  # decode split partials, shared by the step's layers
+    graph_buffer: torch.Tensor | None = None  # graph metadata: the static int32 buffer
+
+
+_NUM_SMS: dict[torch.device, int] = {}
+CPU_NUM_SMS = 32  # the interpreter has no multiprocessors; a nominal count keeps the split logic tested
+
+
+def _num_sms(device: torch.device) -> int:
+    if device not in _NUM_SMS:
+        if device.type == "cuda":
+            _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            _NUM_SMS[device] = CPU_NUM_SMS
+    return _NUM_SMS[device]
+
+
+def _padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
+    """[len(tables), width] int32, each row padded with block 0 (no per-row tensors)."""
+    out = torch.zeros(len(tables), width, dtype=torch.int32)
+    lens = torch.tensor([len(t) for t in tables], dtype=torch.int32)
+    out[torch.arange(width)[None, :] < lens[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(tables)), dtype=torch.int32
+    )
+    return out
+
+
+def _graph_rows(buf: torch.Tensor, rows: int, block_size: int, num_splits: int) -> TritonAttentionMetadata:
+    """Decode-only metadata over the first `rows` rows of a static graph buffer (views, same storage)."""
+    head = buf[:rows]
+    return TritonAttentionMetadata(
+        slot_mapping=head[:, 0],
+        block_size=block_size,
+        num_decodes=rows,
+        num_prefill_tokens=0,
+        max_q_len=0,
+        max_blocks=buf.shape[1] - 2,
+        num_splits=num_splits,
+        decode_seq_lens=head[:, 1],
+        decode_block_table=head[:, 2:],
+        cu_q_lens=buf[:0, 0],
+        context_lens=buf[:0, 0],
+        prefill_block_table=buf[:0, 2:],
+        graph_buffer=buf,
+    )
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    # on an H200, batch 1 at 8192 tokens ran 26 us with 32 splits and 23 us with 64 (one sweep, 2026-11);
+    # from batch 64 up one split was best, which the programs-per-SM bound in decode_splits picks
+    def __init__(self, split_tokens: int = 128, max_splits: int = 64):
+        self.split_tokens = split_tokens  # fewest keys worth a decode split of their own
+        self.max_splits = max_splits
+        self._torch = TorchAttentionBackend()
+
+    def _splits_for(self, max_len: int) -> int:
+        return max(1, min(self.max_splits, -(-max_len // self.split_tokens)))
+
+    def plan(self, batch: AttentionBatch, device: torch.device) -> TritonAttentionMetadata:
+        nd = batch.num_decodes
+        q_lens, ctxs, tables = batch.query_lens, batch.context_lens, batch.block_tables
+        n, num_prefills = len(q_lens), len(q_lens) - nd
+        width = max(1, max((len(t) for t in tables), default=1))
+        prefill_lens = q_lens[nd:]
+        fallback = None
+        if batch.bidirectional is not None:
+            # image spans need masks the kernels do not have: the whole step goes to torch
+            fallback = self._torch.plan(batch, device)
+            dev = torch.zeros(nd + 2 * num_prefills + 1 + n * width, dtype=torch.int32, device=device)
+        else:
+            cu = list(itertools.accumulate(prefill_lens, initial=0))
+            head = torch.tensor([c + 1 for c in ctxs[:nd]] + cu + ctxs[nd:], dtype=torch.int32)
+            dev = torch.cat([head, _padded_tables(tables, width).view(-1)]).to(device)  # the one copy
+        a, b = nd, nd + num_prefills + 1
+        c = b + num_prefills
+        all_tables = dev[c:].view(n, width)
+        return TritonAttentionMetadata(
+            slot_mapping=batch.slot_mapping,
+            block_size=batch.block_size,
+            num_decodes=nd,
+            num_prefill_tokens=sum(prefill_lens),
+            max_q_len=max(prefill_lens, default=0),
+            max_blocks=width,
+            num_splits=self._splits_for(max(ctxs[:nd], default=0) + 1),
+            decode_seq_lens=dev[:a],
+            decode_block_table=all_tables[:nd],
+            cu_q_lens=dev[a:b],
+            context_lens=dev[b:c],
+            prefill_block_table=all_tables[nd:],
+            batch=batch,
+            fallback=fallback,
+        )
+
+    def graph_metadata(
+        self, max_seqs: int, max_blocks_per_seq: int, block_size: int, device
+    ) -> TritonAttentionMetadata:
+        """Static buffers for decode-only steps of up to max_seqs rows (see the module docstring)."""
+        buf = torch.zeros(max_seqs, 2 + max_blocks_per_seq, dtype=torch.int32, device=device)
+        buf[:, 0] = -1
+        splits = self._splits_for(max_blocks_per_seq * block_size)
+        return _graph_rows(buf, max_seqs, block_size, splits)
+
+    def fill_graph_metadata(
+        self, static: TritonAttentionMetadata, batch: AttentionBatch, padded: int
+    ) -> TritonAttentionMetadata:
+        """Copy a decode-only batch into the static buffers (one host->device copy) and return metadata
+        over their first `padded` rows; rows past the batch store nothing and attend to nothing."""
+        buf = static.graph_buffer
+        n, bs, width = len(batch.query_lens), static.block_size, static.max_blocks
+        assert buf is not None, "not graph metadata: make it with graph_metadata()"
+        assert batch.num_decodes == n and n <= padded <= buf.shape[0], (n, padded, buf.shape[0])
+        assert batch.block_size == bs and batch.bidirectional is None
+        ctxs, tables = batch.context_lens, batch.block_tables
+        # only the columns this batch's tables reach: the kernels never read past a row's seq_len, so
+        # stale entries further right are harmless (a long max_model_len must not cost a big copy)
+        used = max(len(t) for t in tables) if n else 0
+        if used > width:
+            raise ValueError(f"a block table of {used} blocks exceeds the graph's {width}")
+        host = torch.zeros(padded, 2 + used, dtype=torch.int32)
+        host[:, 0] = -1
+        # the decode token at position ctx goes to slot table[ctx // bs] * bs + ctx % bs (base.py)
+        slots = [t[c // bs] * bs + c % bs for c, t in zip(ctxs, tables)]
+        host[:n, 0] = torch.tensor(slots, dtype=torch.int32)
+        host[:n, 1] = torch.tensor(ctxs, dtype=torch.int32) + 1
+        host[:n, 2:] = _padded_tables(tables, used)
+        buf[:padded, : 2 + used].copy_(host)
+        return _graph_rows(buf, padded, bs, static.num_splits)
+
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        kv_cache,
+        meta: TritonAttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        if meta.fallback is not None or isinstance(kv_cache, QuantizedKVCache):
+            return self._forward_torch(q, k, v, kv_cache, meta, scale, window, softcap)
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd, num_heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
+        if nd:
+            splits = self.decode_splits(meta, kv_cache.shape[2], q.device)
+            need = workspace_numel(nd, num_heads, head_dim, splits)
+            if need and (meta.workspace is None or meta.workspace.numel() < need):
+                meta.workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+            paged_decode(
+                q[:nd],
+                kv_cache,
+                meta.decode_block_table,
+                meta.decode_seq_lens,
+                out[:nd],
+                scale,
+                block_size=meta.block_size,
+                num_splits=splits,
+                window=window,
+                softcap=softcap,
+                workspace=meta.workspace,
+            )
+        if meta.num_prefill_tokens:
+            paged_prefill(
+                q[nd:],
+                kv_cache,
+                meta.prefill_block_table,
+                meta.cu_q_lens,
+                meta.context_lens,
+                out[nd:],
+                scale,
+                block_size=meta.block_size,
+                max_q_len=meta.max_q_len,
+                window=window,
+                softcap=softcap,
+            )
+        return out
+
+    def decode_splits(self, meta: TritonAttentionMetadata, num_kv_heads: int, device) -> int:
+        """Key splits of the step's decode rows: enough programs (rows x kv heads x splits) to fill the
+        GPU about twice over, no more than the lengths justify (meta.num_splits). Host ints only."""
+        programs = max(1, meta.num_decodes * num_kv_heads)
+        return max(1, min(meta.num_splits, -(-2 * _num_sms(torch.device(device)) // programs)))
+
+    def _forward_torch(self, q, k, v, kv_cache, meta, scale, window, softcap) -> torch.Tensor:
+        if meta.fallback is None:
+            if meta.batch is None:
+                raise NotImplementedError("graph metadata has no torch fallback (quantized KV cache)")
+            meta.fallback = self._torch.plan(meta.batch, q.device)
+        return self._torch.forward(q, k, v, kv_cache, meta.fallback, scale, window=window, softcap=softcap)

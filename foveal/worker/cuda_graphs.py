@@ -1,0 +1,134 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured at start-up.
+
+A decode step of an 8B model is ~1,000 small kernel launches; at ~10 µs of host time each, launching
+them costs more than the GPU needs to run them. A graph replays the whole step (embedding, every
+layer, the LM head) with one launch. Graphs need fixed addresses and shapes, so inputs live in static
+buffers that each step copies into, and a batch of n rows runs the graph of the smallest bucket
+>= n; the padding rows compute garbage nobody reads and write no KV (slot -1).
+
+    buckets 1 2 4 8 16 24 32 ... max_num_seqs      batch of 13 rows -> bucket 16 (3 padding rows)
+
+    static: input_ids [max] positions [max]  + the backend's graph metadata (block tables, lengths)
+    graph[b] reads the first b rows of each and writes the first b rows of logits [max, vocab]
+
+Graphs share one memory pool, captured largest first so the smaller ones reuse its blocks; their
+intermediates (the LM head's output too) are freed after capture, so the pool holds one step's
+worth, and the one static logits buffer is the only per-row output. Only
+backends with `graph_metadata` / `fill_graph_metadata` (Triton) take part; prefill and mixed steps,
+and steps with images, run eagerly.
+
+On a CPU device nothing is captured: `run` executes the same static-buffer forward eagerly. Tests use
+that to check the buffers, buckets and padding rows without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from foveal.attention.base import AttentionBatch
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_seqs (and max_seqs itself)."""
+    out = [b for b in (1, 2, 4) if b < max_seqs] + list(range(8, max_seqs, 8))
+    return out + [max_seqs]
+
+
+def supports_graphs(backend) -> bool:
+    return hasattr(backend, "graph_metadata") and hasattr(backend, "fill_graph_metadata")
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model, kv_caches, backend, *, block_size: int, max_seqs: int, max_model_len: int, device
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.buckets = batch_buckets(max_seqs)
+        self.max_seqs = max_seqs
+        self.max_blocks = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
+        self.meta = backend.graph_metadata(max_seqs, self.max_blocks, block_size, self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None  # [max_seqs, vocab], made by the first warm-up
+        self._bucket_of = [0] * (max_seqs + 1)  # n rows -> the smallest bucket >= n
+        b = 0
+        for n in range(1, max_seqs + 1):
+            while self.buckets[b] < n:
+                b += 1
+            self._bucket_of[n] = self.buckets[b]
+
+    @property
+    def emulated(self) -> bool:
+        return self.device.type != "cuda"
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if self.emulated:
+            return
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for b in reversed(self.buckets):
+            batch = AttentionBatch(
+                query_lens=[1] * b,
+                context_lens=[0] * b,
+                block_tables=[[0]] * b,
+                num_decodes=b,
+                slot_mapping=torch.full((b,), -1, dtype=torch.long, device=self.device),  # writes nothing
+                block_size=self.block_size,
+            )
+            meta = self.backend.fill_graph_metadata(self.meta, batch, b)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(b, meta)  # warm-up: kernels compile and autotune outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._forward(b, meta)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "captured %d CUDA graphs for decode batches up to %d in %.1f s",
+            len(self.graphs),
+            self.max_seqs,
+            time.perf_counter() - t0,
+        )
+
+    def _forward(self, b: int, meta) -> None:
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        if self.logits is None:
+            self.logits = logits.new_empty(self.max_seqs, logits.shape[1])
+        self.logits[:b].copy_(logits)
+
+    @staticmethod
+    def reserve_bytes(max_seqs: int, vocab_size: int, dtype: torch.dtype) -> int:
+        """What the graphs will hold, for memory sizing: the logits buffer, the largest graph's LM-head
+        output and its other intermediates (small at decode sizes: 256 MiB is plenty)."""
+        return 2 * max_seqs * vocab_size * max(dtype.itemsize, 4) + (256 << 20)
+
+    def fits(self, num_seqs: int, max_len: int) -> bool:
+        return 0 < num_seqs <= self.max_seqs and max_len <= self.max_blocks * self.block_size
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Logits [n, vocab] of a decode-only batch of n rows (inputs already on the device)."""
+        n = input_ids.shape[0]
+        b = self._bucket_of[n]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        meta = self.backend.fill_graph_metadata(self.meta, batch, b)
+        if self.emulated:
+            self._forward(b, meta)
+        else:
+            self.graphs[b].replay()
+        return self.logits[:n]

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Everything issue 5 checks and times on the H200, in parts that each fit one device call (10 min):
+#   tests    the CUDA tests + the Triton kernel and fused-op tests on real kernels, then the kernel
+#            micro-benchmark (benchmarks/attention_kernels.py)
+#   foveal   W1-W4 through the engine (benchmarks/gpu_workloads.py, ceilings measured first)
+#   serve    W5: `foveal serve` on the W2 model, 256 streams of 512/256 (benchmarks/serving.py)
+#   hf       transformers on the same workloads (benchmarks/hf_baseline.py; reduced request counts)
+# Usage (device tool, carry [".whl"]): FOVEAL_COMMIT=<sha> bash scripts/gpu_bench.sh tests foveal serve
+# Wheels for packages the GPU image lacks travel in .whl/ (see scripts/device_check.sh for making them:
+# gguf, num2words, docopt, fastapi, starlette, pydantic, pydantic-core, uvicorn, annotated-types,
+# typing-inspection). Logs go to $OUT (when set) as well as stdout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export FOVEAL_TESTS_WITHOUT_MODEL=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+LOG=${OUT:-/tmp}
+python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name(0))"
+for part in "$@"; do
+  echo "=== $part $(date -u +%H:%M:%S)"
+  case $part in
+    tests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_triton_attention.py \
+        tests/test_fused_ops.py tests/test_cuda_graphs.py 2>&1 | tee "$LOG/tests.txt" | tail -15
+      timeout 180 python3 benchmarks/attention_kernels.py 2>&1 | tee "$LOG/attention_kernels.txt" | tail -30
+      ;;
+    foveal)
+      timeout 540 python3 benchmarks/gpu_workloads.py ${WORKLOADS:+--workloads $WORKLOADS} ${PROFILE:+--profile} \
+        2>&1 | tee "$LOG/gpu_workloads.txt" | grep -v "^\[transformers\]" | tail -80
+      ;;
+    serve)
+      PORT=8765
+      python3 -m foveal.cli serve --model benchmarks/configs/llama-3.1-8b.json --load-format dummy \
+        --port $PORT --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --log-level WARNING > "$LOG/serve.txt" 2>&1 &
+      SERVER=$!
+      for _ in $(seq 240); do
+        curl -sf "http://127.0.0.1:$PORT/health" | grep -q ready && break
+        sleep 1
+      done
+      timeout 300 python3 benchmarks/serving.py --base-url "http://127.0.0.1:$PORT/v1" --concurrency 256 \
+        --num-requests 256 --input-len 512 --output-len 256 2>&1 | tee "$LOG/serving.txt" | tail -8
+      kill $SERVER; wait $SERVER 2>/dev/null
+      tail -5 "$LOG/serve.txt"
+      ;;
+    hf)
+      timeout 540 python3 benchmarks/hf_baseline.py ${HF_ARGS:-} 2>&1 | tee "$LOG/hf_baseline.txt" \
+        | grep -v "^\[transformers\]" | tail -30
+      ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
