@@ -24,12 +24,13 @@ for part in "$@"; do
   echo "=== $part $(date -u +%H:%M:%S)"
   case $part in
     tests)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_triton_attention.py \
-        tests/test_fused_ops.py tests/test_cuda_graphs.py 2>&1 | tee "$LOG/tests.txt" | tail -15
-      timeout 180 python3 benchmarks/attention_kernels.py 2>&1 | tee "$LOG/attention_kernels.txt" | tail -30
+      TESTS=${TESTS:-tests/test_gpu.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_cuda_graphs.py}
+      timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$LOG/tests.txt" | tail -15
+      [ "${KERNEL_BENCH:-1}" = 1 ] && timeout 180 python3 benchmarks/attention_kernels.py 2>&1 \
+        | tee "$LOG/attention_kernels.txt" | tail -30
       ;;
     foveal)
-      timeout 540 python3 benchmarks/gpu_workloads.py ${WORKLOADS:+--workloads $WORKLOADS} ${PROFILE:+--profile} \
+      timeout ${T_FOVEAL:-540} python3 benchmarks/gpu_workloads.py ${WORKLOADS:+--workloads $WORKLOADS} ${PROFILE:+--profile} \
         2>&1 | tee "$LOG/gpu_workloads.txt" | grep -v "^\[transformers\]" | tail -80
       ;;
     serve)
@@ -42,7 +43,7 @@ for part in "$@"; do
         curl -sf "http://127.0.0.1:$PORT/health" | grep -q ready && break
         sleep 1
       done
-      timeout 300 python3 benchmarks/serving.py --base-url "http://127.0.0.1:$PORT/v1" --concurrency 256 \
+      timeout ${T_SERVE:-300} python3 benchmarks/serving.py --base-url "http://127.0.0.1:$PORT/v1" --concurrency 256 \
         --num-requests 256 --input-len 512 --output-len 256 2>&1 | tee "$LOG/serving.txt" | tail -8
       kill $SERVER; wait $SERVER 2>/dev/null
       tail -5 "$LOG/serve.txt"
