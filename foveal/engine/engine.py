@@ -129,7 +129,7 @@ class Engine:
         kv_dtype = cfg.cache.kv_cache_dtype
         # from the real layout (quantized values + their scales), so fp8/int8 get ~2x the blocks
         block_bytes = layers * bs * kv_quant.bytes_per_token(kv_dtype, dtype, kv_heads, head_dim)
-        num_blocks = cfg.cache.num_blocks or self._num_blocks(block_bytes, device, backend, dtype)
+        num_blocks = cfg.cache.num_blocks or self._num_blocks(block_bytes, device, backend, dtype, max_len)
         kv_caches = kv_quant.allocate_kv_caches(
             kv_dtype, layers, num_blocks * bs, kv_heads, head_dim, dtype, device
         )
@@ -197,7 +197,9 @@ class Engine:
             return False
         return True
 
-    def _num_blocks(self, block_bytes: int, device: torch.device, backend, dtype: torch.dtype) -> int:
+    def _num_blocks(
+        self, block_bytes: int, device: torch.device, backend, dtype: torch.dtype, max_len: int
+    ) -> int:
         cfg = self.config
         budget = cfg.cache.kv_cache_memory
         if budget is None:
@@ -210,6 +212,7 @@ class Engine:
                     backend,
                     num_tokens=cfg.scheduler.max_num_batched_tokens,
                     num_seqs=cfg.scheduler.max_num_seqs,
+                    max_len=max_len,
                     block_size=cfg.cache.block_size,
                     kv_cache_dtype=cfg.cache.kv_cache_dtype,
                     vocab_size=self.vocab_size,

@@ -27,33 +27,51 @@ log = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def profile_activation_peak(
-    model, backend, *, num_tokens: int, num_seqs: int, block_size: int, kv_cache_dtype: str, vocab_size: int
+    model,
+    backend,
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    max_len: int,
+    block_size: int,
+    kv_cache_dtype: str,
+    vocab_size: int,
 ) -> int:
-    """Bytes allocated above the current level at the peak of a profiling step (CUDA only)."""
+    """Bytes allocated above the current level at the peak of a profiling step (CUDA only): fresh
+    prompts of at most max_len tokens (positions past the context would index past the rotary table)
+    filling the token budget."""
     from foveal.request import SamplingParams
     from foveal.sample.sampler import Sampler, SamplingRow
 
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     layers, kv_heads, head_dim = model.kv_shape
-    nblk = -(-num_tokens // block_size) + 1  # block 0 stays the null block
+    lens = [min(max_len, num_tokens - i) for i in range(0, num_tokens, max_len)]
+    tables, nxt = [], 1  # block 0 stays the null block
+    for n in lens:
+        k = -(-n // block_size)
+        tables.append(list(range(nxt, nxt + k)))
+        nxt += k
+    nblk = nxt
     caches = kv_quant.allocate_kv_caches(
         kv_cache_dtype, layers, nblk * block_size, kv_heads, head_dim, dtype, dev
     )
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
+    slots = [t[p // block_size] * block_size + p % block_size for n, t in zip(lens, tables) for p in range(n)]
     batch = AttentionBatch(
-        query_lens=[num_tokens],
-        context_lens=[0],
-        block_tables=[list(range(1, nblk))],
+        query_lens=lens,
+        context_lens=[0] * len(lens),
+        block_tables=tables,
         num_decodes=0,
-        slot_mapping=torch.arange(block_size, block_size + num_tokens, device=dev),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
         block_size=block_size,
     )
     meta = backend.plan(batch, dev)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-    hidden = model(ids, torch.arange(num_tokens, device=dev), caches, meta)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+    hidden = model(ids, positions, caches, meta)
     logits = model.compute_logits(hidden[-1:].expand(num_seqs, -1).contiguous())
     del hidden
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
