@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool): the CPU suite minus the embedded-model tests (the 98 MB model
 # cannot travel), plus the CUDA tests. Wheels for packages missing there travel in .whl/ (git-ignored;
-# see the device README): gguf, num2words and its docopt. Make them with
-#   .venv/bin/pip download --no-deps -d .whl gguf==0.19.0 num2words==0.5.14 docopt==0.6.2
-#   (cd .whl && ../.venv/bin/pip wheel --no-deps docopt-0.6.2.tar.gz -w . && rm docopt-0.6.2.tar.gz)
+# see the device README); make them with scripts/device_wheels.sh.
 # Usage (device tool, carry [".whl"]): bash scripts/device_check.sh
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -6,9 +6,9 @@
 #   serve    W5: `foveal serve` on the W2 model, 256 streams of 512/256 (benchmarks/serving.py)
 #   hf       transformers on the same workloads (benchmarks/hf_baseline.py; reduced request counts)
 # Usage (device tool, carry [".whl"]): FOVEAL_COMMIT=<sha> bash scripts/gpu_bench.sh tests foveal serve
-# Wheels for packages the GPU image lacks travel in .whl/ (see scripts/device_check.sh for making them:
-# gguf, num2words, docopt, fastapi, starlette, pydantic, pydantic-core, uvicorn, annotated-types,
-# typing-inspection). Logs go to $OUT (when set) as well as stdout.
+# Wheels for packages the GPU image lacks travel in .whl/ (make them with scripts/device_wheels.sh).
+# Logs go to $OUT (when set) as well as stdout. Check the scripts on CPU first:
+#   .venv/bin/python benchmarks/gpu_workloads.py --smoke --profile
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
