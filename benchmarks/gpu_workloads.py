@@ -3,6 +3,7 @@
 same run and MBU/MFU against them.
 
     python3 benchmarks/gpu_workloads.py --workloads ceilings,w1,w2,w3,w4 [--profile] [--enforce-eager]
+        [--async-scheduling auto|on|off]
 
 W1 Llama-3.1-8B batch 1, 512 prompt / 256 output: TTFT and decode tok/s (MBU: weight + KV bytes
    read per step over the measured copy bandwidth).
@@ -164,6 +165,7 @@ def engine(config: str, a, **kw) -> LLM:
         load_format="dummy",
         dtype="float32" if SMOKE else "bfloat16",
         enforce_eager=a.enforce_eager,
+        async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling],
         gpu_memory_utilization=a.gpu_memory_utilization,
         **kw,
     )
@@ -334,6 +336,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of W2 decode steps")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs: check the script only")
+    ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
     a = ap.parse_args()
     a.workloads = set(a.workloads.split(","))
     if a.smoke:
@@ -360,6 +363,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     RESULTS["commit"] = os.environ.get("FOVEAL_COMMIT") or commit.strip()  # the device copy has no .git
     RESULTS["eager"] = a.enforce_eager
+    RESULTS["async_scheduling"] = a.async_scheduling
     print(json.dumps(RESULTS, default=lambda x: round(x, 4) if isinstance(x, float) else str(x)))
 
 

@@ -61,6 +61,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="image embedding tokens encoded per step",
     )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the device runs this one (default: on for CUDA)",
+    )
     g.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "INFO"))
 
 
@@ -82,6 +88,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         vision_cache_memory=a.vision_cache_memory,
         enable_prefix_caching=a.enable_prefix_caching,
         max_encoder_tokens_per_step=a.max_encoder_tokens_per_step,
+        async_scheduling=a.async_scheduling,
     )
 
 

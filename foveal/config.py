@@ -50,6 +50,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     # images encoded per step, in embedding tokens (default: the token budget); one image always passes
     max_encoder_tokens_per_step: int | None = None
+    # schedule step N+1 while the device runs step N (default: on for CUDA, off on CPU, where the
+    # device is the host and nothing would overlap)
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,6 +172,9 @@ class MultiModalPrompt:
     mrope_delta: int = 0
 
 
+PENDING_TOKEN = -1  # a sampled token still on the device (see Request.num_pending)
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """Engine-side state of one sequence. Owned by the engine thread; nobody else mutates it.
@@ -206,6 +209,11 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     num_cached_tokens: int = 0
+    # overlapped steps (async scheduling): tokens being sampled on the device sit in all_token_ids as
+    # PENDING_TOKEN until they arrive (at most two: the step in flight and the one being launched);
+    # `ends_after_pending`: the newest of them reaches a length limit, so nothing more is scheduled
+    num_pending: int = 0
+    ends_after_pending: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -230,6 +238,25 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_pending(self) -> None:
+        self.append_token(PENDING_TOKEN)
+        self.num_pending += 1
+
+    def fill_pending(self, token_id: int) -> int:
+        """The oldest pending token arrived; returns how many output tokens precede and include it."""
+        i = len(self.output_token_ids) - self.num_pending
+        self.output_token_ids[i] = token_id
+        self.all_token_ids[len(self.prompt_token_ids) + i] = token_id
+        self.num_pending -= 1
+        return i + 1
+
+    def drop_pending(self) -> None:
+        """Forget tokens still in flight (the request ended before them)."""
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending :]
+            del self.all_token_ids[-self.num_pending :]
+            self.num_pending = 0
 
 
 @dataclass(slots=True)

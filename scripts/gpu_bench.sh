@@ -30,7 +30,7 @@ for part in "$@"; do
         | tee "$LOG/attention_kernels.txt" | tail -30
       ;;
     foveal)
-      timeout ${T_FOVEAL:-540} python3 benchmarks/gpu_workloads.py ${WORKLOADS:+--workloads $WORKLOADS} ${PROFILE:+--profile} \
+      timeout ${T_FOVEAL:-540} python3 benchmarks/gpu_workloads.py ${WORKLOADS:+--workloads $WORKLOADS} ${PROFILE:+--profile} ${ASYNC:+--async-scheduling $ASYNC} \
         2>&1 | tee "$LOG/gpu_workloads.txt" | grep -v "^\[transformers\]" | tail -80
       ;;
     serve)

@@ -87,8 +87,9 @@ def test_graph_logits_match_the_torch_backend(tiny_folder):
     from foveal.engine.llm import LLM
 
     ref = LLM(str(tiny_folder), device=DEVICE, dtype="float32", attention_backend="torch", num_blocks=64,
-              block_size=4, max_num_seqs=6, max_model_len=64, enforce_eager=True)  # fmt: skip
-    graphed = _llm(tiny_folder)
+              block_size=4, max_num_seqs=6, max_model_len=64, enforce_eager=True,
+              async_scheduling=False)  # fmt: skip
+    graphed = _llm(tiny_folder, async_scheduling=False)  # the test drives the steps itself
     runner = graphed.engine.runner
     if DEVICE == "cpu":
         runner.graphs = DecodeGraphs(graphed.engine.model, runner.kv_caches, runner.backend, block_size=4,

@@ -142,7 +142,9 @@ class TritonAttentionBackend:
         else:
             cu = list(itertools.accumulate(prefill_lens, initial=0))
             head = torch.tensor([c + 1 for c in ctxs[:nd]] + cu + ctxs[nd:], dtype=torch.int32)
-            dev = torch.cat([head, _padded_tables(tables, width).view(-1)]).to(device)  # the one copy
+            dev = torch.cat([head, _padded_tables(tables, width).view(-1)]).to(
+                device, non_blocking=True
+            )  # one copy
         a, b = nd, nd + num_prefills + 1
         c = b + num_prefills
         all_tables = dev[c:].view(n, width)
@@ -195,7 +197,7 @@ class TritonAttentionBackend:
         host[:n, 0] = torch.tensor(slots, dtype=torch.int32)
         host[:n, 1] = torch.tensor(ctxs, dtype=torch.int32) + 1
         host[:n, 2:] = _padded_tables(tables, used)
-        buf[:padded, : 2 + used].copy_(host)
+        buf[:padded, : 2 + used].copy_(host, non_blocking=True)
         return _graph_rows(buf, padded, bs, static.num_splits)
 
     def forward(

@@ -75,6 +75,8 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[TokenDelta] = []  # deltas produced outside step() (aborts)
         self._arrivals = 0
+        self._inflight = None  # the launched step whose tokens have not been applied (async scheduling)
+        self.async_scheduling = False  # set by start(): config, else on for CUDA
         # cumulative host time per phase of step() (execute includes the device work it waits for)
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
 
@@ -170,6 +172,8 @@ class Engine:
                 torch.cuda.synchronize(device)
         self.eos_token_ids = self._eos_ids()
         self.device, self.dtype = device, dtype
+        overlap = cfg.scheduler.async_scheduling
+        self.async_scheduling = device.type == "cuda" if overlap is None else overlap
         log.info(
             "loaded %s (%s, %s) on %s in %.2f s; KV pool (%s): %d tokens in %d blocks of %d (%.1f MiB), "
             "max_model_len %d",
@@ -371,7 +375,7 @@ class Engine:
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.num_unfinished > 0
+        return bool(self._pending) or self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     @property
     def kv(self) -> KVCacheManager:
@@ -387,36 +391,76 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
+        """Schedule and launch one step; return the deltas of the step whose tokens arrived.
+
+        With async scheduling (on for CUDA) the tokens of step N arrive during step N+1's call: step N+1
+        is scheduled and launched first (its decode rows read step N's tokens on the device), so the
+        host's scheduling, input building and detokenization overlap the device's work. The price: a
+        request that stops on a token (EOS, stop id or string) has one extra position computed.
+        Requests whose sampling needs earlier tokens' values (penalties) run without overlap."""
         deltas, self._pending = self._pending, []
         t0 = time.perf_counter()
+        prev = self._inflight
+        if prev is not None and not self._can_overlap():
+            deltas += self._resolve(prev)
+            prev = None
         batch = self.scheduler.schedule()
-        if batch.empty:
-            return deltas
         t1 = time.perf_counter()
-        try:
-            out = self.runner.execute(batch)
-        except Exception as e:  # a failed forward pass aborts only this batch's requests
-            log.exception("forward pass failed; aborting %d request(s)", len(batch.seqs))
-            for s in batch.seqs:
-                t = self._tracked[s.request.request_id]
-                t.error = f"forward pass failed: {type(e).__name__}: {e}"
-                self.scheduler.finish(t.req, FinishReason.ERROR)
-                deltas.append(self._final_delta(t, [], "", None))
-            return deltas
+        launched = None
+        if not batch.empty:
+            try:
+                launched = self.runner.launch(batch, prev)
+            except Exception as e:  # a failed forward pass aborts only this batch's requests
+                log.exception("forward pass failed; aborting %d request(s)", len(batch.seqs))
+                if prev is not None:
+                    deltas += self._resolve(prev)
+                self._inflight = None
+                return deltas + self._abort_batch(batch, e)
+            self.scheduler.advance(batch)
         t2 = time.perf_counter()
-        self.scheduler.update(batch, out.sampled)
-        for s in batch.seqs:
-            if s.sample and s.request.request_id in out.sampled:
-                deltas.append(
-                    self._emit(
-                        s.request, out.sampled[s.request.request_id], out.logprobs.get(s.request.request_id)
-                    )
-                )
+        if prev is not None:
+            deltas += self._resolve(prev)
+        self._inflight = launched
+        if launched is not None and not (self.async_scheduling and self._can_overlap()):
+            deltas += self._resolve(launched)
         t = self.step_seconds
         t["schedule"] += t1 - t0
         t["execute"] += t2 - t1
         t["update"] += time.perf_counter() - t2
-        t["steps"] += 1
+        t["steps"] += not batch.empty
+        return deltas
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the tokens in flight arrive: not when a running
+        request's sampling reads its earlier tokens' values (repetition/frequency/presence penalties)."""
+        return not any(r.params.needs_penalties for r in self.scheduler.running)
+
+    def _resolve(self, launched) -> list[TokenDelta]:
+        """Wait for a launched step's tokens; apply them and emit the deltas."""
+        if self._inflight is launched:
+            self._inflight = None
+        live = [s.request for s in launched.batch.seqs if s.sample and not s.request.is_finished]
+        try:
+            out = self.runner.collect(launched)
+        except Exception as e:  # the device failed this step
+            log.exception("collecting a step failed; aborting %d request(s)", len(launched.batch.seqs))
+            return self._abort_batch(launched.batch, e)
+        self.scheduler.resolve(launched.batch, out.sampled)
+        deltas = []
+        for req in live:
+            if req.request_id in out.sampled:
+                deltas.append(self._emit(req, out.sampled[req.request_id], out.logprobs.get(req.request_id)))
+        return deltas
+
+    def _abort_batch(self, batch, e: Exception) -> list[TokenDelta]:
+        deltas = []
+        for s in batch.seqs:
+            t = self._tracked.get(s.request.request_id)
+            if t is None or t.req.is_finished:
+                continue
+            t.error = f"forward pass failed: {type(e).__name__}: {e}"
+            self.scheduler.finish(t.req, FinishReason.ERROR)
+            deltas.append(self._final_delta(t, [], "", None))
         return deltas
 
     def _emit(self, req: Request, tok: int, lp: TokenLogprobs | None) -> TokenDelta:

@@ -69,12 +69,20 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        tokens, logprobs = self.sample(logits, rows)
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """The drawn tokens as a device tensor [B] (no host sync unless a row asks for logprobs), and
+        each row's logprobs."""
         V = self.vocab_size
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < V:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows x vocab {V}")
         raw = logits[:, :V]  # dropping the padding columns is the same as masking them to -inf
         if all(_plain_greedy(r) for r in rows):
-            return SamplerOutput(raw.argmax(-1).tolist(), [None] * len(rows))
+            return raw.argmax(-1), [None] * len(rows)
 
         x = self.process_logits(logits, rows)
         ng = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -86,8 +94,7 @@ class Sampler:
                 idx = torch.tensor(ng, dtype=torch.long, device=x.device)
                 sub = [rows[i] for i in ng]
                 tokens[idx] = self._draw(self._filter(x[idx], [r.params for r in sub]).softmax(-1), sub)
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw, rows, tokens, token_ids))
+        return tokens, self._logprobs(raw, rows, tokens)
 
     # ---- steps 1-4: masking, bias, penalties -------------------------------------------------------
 
@@ -118,7 +125,7 @@ class Sampler:
         if mask_t:
             x[_long(mask_r, dev), _long(mask_t, dev)] = float("-inf")
         if bias_t:
-            vals = torch.tensor(bias_v, dtype=torch.float32, device=dev)
+            vals = torch.tensor(bias_v, dtype=torch.float32).to(dev, non_blocking=True)
             x.index_put_((_long(bias_r, dev), _long(bias_t, dev)), vals, accumulate=True)
         pen = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         if pen:
@@ -156,8 +163,8 @@ class Sampler:
             buf = array.array("q")  # ~4x faster than torch.tensor(list) on long prompts
             for t in token_lists:
                 buf.fromlist(t) if isinstance(t, list) else buf.extend(t)
-            flat = torch.frombuffer(buf, dtype=torch.long).to(dev)
-            lens = torch.tensor([len(t) for t in token_lists], dtype=torch.long).to(dev)
+            flat = torch.frombuffer(buf, dtype=torch.long).to(dev, non_blocking=True)
+            lens = torch.tensor([len(t) for t in token_lists], dtype=torch.long).to(dev, non_blocking=True)
             row = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=total)
             # ids outside the vocab (e.g. image placeholders) land in the spare last column
             key = row * (V + 1) + flat.clamp(0, V)
@@ -186,7 +193,7 @@ class Sampler:
                 for p in params
             ],
             dtype=torch.float32,
-        ).to(x.device)
+        ).to(x.device, non_blocking=True)
         x = x / cols[:, 0:1]
         if any(p.min_p > 0 for p in params):
             probs = x.softmax(-1)
@@ -236,13 +243,14 @@ class Sampler:
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
 
     def _logprobs(
-        self, raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor, token_ids: list[int]
+        self, raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor
     ) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
             return out
         idx = _long(want, raw.device)
+        token_ids = dict(zip(want, tokens[idx].tolist()))
         lp = torch.log_softmax(raw[idx].to(torch.float32), dim=-1)
         chosen = lp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
         kmax = max(rows[i].params.logprobs for i in want)
@@ -256,4 +264,4 @@ class Sampler:
 
 
 def _long(values: list[int], dev: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=dev)
+    return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)

@@ -68,6 +68,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(req)
+        req.drop_pending()  # tokens of a step still in flight are not part of the output
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
@@ -83,6 +84,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.ends_after_pending:  # its last token is in flight: nothing more to compute
+                i += 1
+                continue
             n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if n == 0:  # its next image must wait for encoder budget
                 i += 1
@@ -177,34 +181,60 @@ class Scheduler:
         )
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply token-level stop rules.
+        """advance() then resolve(): a step whose tokens are already known.
 
         Returns the requests that finished in this step (already freed).
         """
-        finished = []
+        self.advance(batch)
+        return self.resolve(batch, sampled)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The step was launched: its tokens count as computed, and each sampling row gets a pending
+        token, so the next step can be scheduled before this one's tokens reach the host (overlap).
+        A pending token that reaches a length limit ends the request's scheduling."""
         for s in batch.seqs:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
-                continue  # finished or aborted while the step ran
+                continue  # finished or aborted since it was scheduled
             req.num_computed_tokens = s.start + s.num_tokens
-            self.kv.publish(req)
-            if not s.sample:
+            if s.sample:
+                req.append_pending()
+                req.ends_after_pending = self._length_stop(req, req.num_output_tokens, req.num_tokens)
+
+    def resolve(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+        """The step's tokens arrived: fill the pending tokens, publish full blocks, apply token-level stop
+        rules. Returns the requests that finished (already freed; tokens still in flight dropped)."""
+        finished = []
+        for s in batch.seqs:
+            req = s.request
+            if req.is_finished:
+                continue  # finished or aborted while the step ran
+            tok = None
+            if s.sample:
+                tok = sampled[req.request_id]
+                num_out = req.fill_pending(tok)
+            if req.status is RequestStatus.RUNNING:
+                self.kv.publish(req)  # after the fill: a published block never holds a pending token
+            if tok is None:
                 continue
-            tok = sampled[req.request_id]
-            req.append_token(tok)
-            reason = self.check_stop(req, tok)
+            reason = self.check_stop(req, tok, num_out)
             if reason is not None:
                 self.finish(req, reason)
                 finished.append(req)
         return finished
 
-    def check_stop(self, req: Request, tok: int) -> FinishReason | None:
+    def check_stop(self, req: Request, tok: int, num_out: int | None = None) -> FinishReason | None:
+        """Why the request ends at `tok`, its num_out-th output token (default: the last one)."""
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
+        if num_out is None:
+            num_out = req.num_output_tokens
+        if num_out >= p.min_tokens:
             if (tok in req.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 return FinishReason.STOP
-        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
-            return FinishReason.LENGTH
-        if req.num_tokens >= self.max_model_len:
+        if self._length_stop(req, num_out, req.num_prompt_tokens + num_out):
             return FinishReason.LENGTH
         return None
+
+    def _length_stop(self, req: Request, num_out: int, num_tokens: int) -> bool:
+        p = req.params
+        return (p.max_tokens is not None and num_out >= p.max_tokens) or num_tokens >= self.max_model_len

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from foveal.attention.base import AttentionBatch
-from foveal.request import TokenLogprobs
+from foveal.request import PENDING_TOKEN, Request, TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import ScheduledBatch
 
@@ -28,6 +28,20 @@ from foveal.sched.batch import ScheduledBatch
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step whose device work is queued: its tokens reach the host with `collect`. The next step may
+    be launched first; its decode rows whose input is still PENDING_TOKEN read it from `tokens`."""
+
+    batch: ScheduledBatch
+    requests: list[Request]  # the sampling rows' requests, in row order
+    tokens: torch.Tensor | None = None  # [rows] on the device
+    host: torch.Tensor | None = None  # their host copy (pinned on CUDA), valid once `event` is done
+    event: object = None  # torch.cuda.Event, or None (CPU: already done)
+    logprobs: list = field(default_factory=list)
+    row_of: dict[str, int] = field(default_factory=dict)  # request id -> row of `tokens`
 
 
 class ModelRunner:
@@ -55,13 +69,21 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size)
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
 
-    def _prepare(self, batch: ScheduledBatch):
+    @staticmethod
+    def _pending_row(req: Request, prev: Launched | None) -> int:
+        row = None if prev is None else prev.row_of.get(req.request_id)
+        if row is None:
+            raise RuntimeError(f"{req.request_id}: its input token is pending but no step in flight has it")
+        return row
+
+    def _prepare(self, batch: ScheduledBatch, prev: Launched | None = None):
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         sample_idx: list[int] = []
         num_decodes = 0
+        pending: list[int] = []  # per row: the row of prev.tokens holding its input, or -1
         for s in batch.seqs:
             req = s.request
             bt = req.block_ids
@@ -69,6 +91,8 @@ class ModelRunner:
                 num_decodes += 1
                 p = s.start
                 ids.append(req.all_token_ids[p])
+                if ids[-1] == PENDING_TOKEN:
+                    pending += [-1] * (len(ids) - 1 - len(pending)) + [self._pending_row(req, prev)]
                 pos.append(p)
                 slots.append(bt[p // bs] * bs + p % bs)
             else:
@@ -84,16 +108,19 @@ class ModelRunner:
             context_lens=[s.start for s in batch.seqs],
             block_tables=[s.request.block_ids for s in batch.seqs],
             num_decodes=num_decodes,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
             block_size=bs,
             bidirectional=self._bidirectional_spans(batch),
         )
         meta = self.backend.plan(attn, dev)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        if pending:
+            pending += [-1] * (len(ids) - len(pending))
+            input_ids = _take_pending(input_ids, torch.tensor(pending).to(dev, non_blocking=True), prev)
         if self.uses_mrope:
-            positions = self._mrope_positions(batch).to(dev)
+            positions = self._mrope_positions(batch).to(dev, non_blocking=True)
         else:
-            positions = torch.tensor(pos, dtype=torch.long, device=dev)
+            positions = torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True)
         return input_ids, positions, meta, sample_idx
 
     def _bidirectional_spans(self, batch: ScheduledBatch) -> list[list[tuple[int, int]]] | None:
@@ -155,7 +182,7 @@ class ModelRunner:
                 src.append(emb[ei[keep].to(emb.device)])
             if b >= it.end:  # the prefill has passed this image: the request no longer needs it
                 req.mm_embeds.pop(idx, None)
-        rows = torch.cat(dest).to(self.device)
+        rows = torch.cat(dest).to(self.device, non_blocking=True)
         return rows, torch.cat(src)
 
     def _encode_missing(self, needed) -> None:
@@ -188,22 +215,26 @@ class ModelRunner:
                 req.mm_embeds[idx] = emb
                 req.encoder_time_s += share / len(users)
 
-    def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def _graph_decode(self, batch: ScheduledBatch, prev: Launched | None) -> torch.Tensor | None:
         """Logits through a CUDA graph when every row is a plain decode (a generated token, so no image
         rows and no bidirectional spans) and the graphs cover the batch; else None."""
         seqs = batch.seqs
         if not self.graphs.fits(len(seqs), max(s.start for s in seqs) + 1):
             return None
-        ids, pos, rope = [], [], []
+        ids, pos, rope, pending = [], [], [], []
         for s in seqs:
             req = s.request
             p = s.start
             if s.num_tokens != 1 or p < len(req.prompt_token_ids):
                 return None
-            ids.append(req.all_token_ids[p])
+            tok = req.all_token_ids[p]
+            ids.append(tok)
+            pending.append(self._pending_row(req, prev) if tok == PENDING_TOKEN else -1)
             pos.append(p)
             rope.append(p + req.mrope_delta)  # M-RoPE: generated tokens sit at p + delta on every axis
-        host = torch.tensor([ids, rope], dtype=torch.long).to(self.device, non_blocking=True)
+        host = torch.tensor([ids, rope, pending], dtype=torch.long).to(self.device, non_blocking=True)
+        has_pending = any(r >= 0 for r in pending)
+        input_ids = _take_pending(host[0], host[2], prev) if has_pending else host[0]
         attn = AttentionBatch(
             query_lens=[1] * len(seqs),
             context_lens=pos,
@@ -212,16 +243,19 @@ class ModelRunner:
             slot_mapping=None,  # the graph metadata derives slots from positions and block tables
             block_size=self.block_size,
         )
-        return self.graphs.run(host[0], host[1], attn)
+        return self.graphs.run(input_ids, host[1], attn)
 
     @torch.inference_mode()
-    def compute_logits(self, batch: ScheduledBatch, all_tokens: bool = False) -> torch.Tensor:
-        """Logits of the sampling rows (in batch order), or of every token when all_tokens (tests)."""
+    def compute_logits(
+        self, batch: ScheduledBatch, all_tokens: bool = False, prev: Launched | None = None
+    ) -> torch.Tensor:
+        """Logits of the sampling rows (in batch order), or of every token when all_tokens (tests).
+        `prev`: the step still in flight, whose tokens are the inputs of this step's pending rows."""
         if self.graphs is not None and not all_tokens:
-            logits = self._graph_decode(batch)
+            logits = self._graph_decode(batch, prev)
             if logits is not None:
                 return logits
-        input_ids, positions, meta, sample_idx = self._prepare(batch)
+        input_ids, positions, meta, sample_idx = self._prepare(batch, prev)
         embeds, extra = None, {}
         if hasattr(self.model, "encode_images"):
             mm = self._image_embeddings(batch)
@@ -234,22 +268,48 @@ class ModelRunner:
                     extra["deepstack"] = (rows, values[:, h:].unflatten(1, (self.deepstack_layers, h)))
         hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, **extra)
         if not all_tokens:
-            hidden = hidden[torch.tensor(sample_idx, dtype=torch.long, device=self.device)]
+            hidden = hidden[torch.tensor(sample_idx, dtype=torch.long).to(self.device, non_blocking=True)]
         return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        out = RunnerOutput()
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, prev: Launched | None = None) -> Launched:
+        """Queue the step's forward pass and sampling on the device; no wait for the device unless a row
+        asks for logprobs. The sampled tokens start their copy to the host."""
         sampling = [s.request for s in batch.seqs if s.sample]
-        logits = self.compute_logits(batch)
+        logits = self.compute_logits(batch, prev=prev)
         if not sampling:
-            return out
+            return Launched(batch, [])
         rows = [
             SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in sampling
         ]
-        result = self.sampler(logits, rows)
-        for req, tok, lp in zip(sampling, result.token_ids, result.logprobs):
+        tokens, logprobs = self.sampler.sample(logits, rows)
+        host, event = tokens, None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        row_of = {r.request_id: i for i, r in enumerate(sampling)}
+        return Launched(batch, sampling, tokens, host, event, logprobs, row_of)
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        """Wait for a launched step's tokens."""
+        out = RunnerOutput()
+        if not launched.requests:
+            return out
+        if launched.event is not None:
+            launched.event.synchronize()
+        for req, tok, lp in zip(launched.requests, launched.host.tolist(), launched.logprobs):
             out.sampled[req.request_id] = tok
             if lp is not None:
                 out.logprobs[req.request_id] = lp
         return out
+
+
+def _take_pending(input_ids: torch.Tensor, rows: torch.Tensor, prev: Launched) -> torch.Tensor:
+    """input_ids with every row whose `rows` entry is >= 0 replaced by that row of prev.tokens (on the
+    device: the step in flight has not told the host its tokens yet)."""
+    return torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], input_ids)
