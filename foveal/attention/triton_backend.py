@@ -50,6 +50,7 @@ from foveal.attention.kernels import paged_decode, paged_prefill, store_kv
 from foveal.attention.kernels.decode import workspace_numel
 from foveal.attention.kv_quant import QuantizedKVCache
 from foveal.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from foveal.device import to_device
 
 
 @dataclass(slots=True)
@@ -142,9 +143,7 @@ class TritonAttentionBackend:
         else:
             cu = list(itertools.accumulate(prefill_lens, initial=0))
             head = torch.tensor([c + 1 for c in ctxs[:nd]] + cu + ctxs[nd:], dtype=torch.int32)
-            dev = torch.cat([head, _padded_tables(tables, width).view(-1)]).to(
-                device, non_blocking=True
-            )  # one copy
+            dev = to_device(torch.cat([head, _padded_tables(tables, width).view(-1)]), device)  # one copy
         a, b = nd, nd + num_prefills + 1
         c = b + num_prefills
         all_tables = dev[c:].view(n, width)
@@ -197,7 +196,7 @@ class TritonAttentionBackend:
         host[:n, 0] = torch.tensor(slots, dtype=torch.int32)
         host[:n, 1] = torch.tensor(ctxs, dtype=torch.int32) + 1
         host[:n, 2:] = _padded_tables(tables, used)
-        buf[:padded, : 2 + used].copy_(host, non_blocking=True)
+        buf[:padded, : 2 + used].copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)
         return _graph_rows(buf, padded, bs, static.num_splits)
 
     def forward(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foveal.device import to_device
 from foveal.request import Logprob, SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -125,7 +126,7 @@ class Sampler:
         if mask_t:
             x[_long(mask_r, dev), _long(mask_t, dev)] = float("-inf")
         if bias_t:
-            vals = torch.tensor(bias_v, dtype=torch.float32).to(dev, non_blocking=True)
+            vals = to_device(torch.tensor(bias_v, dtype=torch.float32), dev)
             x.index_put_((_long(bias_r, dev), _long(bias_t, dev)), vals, accumulate=True)
         pen = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         if pen:
@@ -163,8 +164,8 @@ class Sampler:
             buf = array.array("q")  # ~4x faster than torch.tensor(list) on long prompts
             for t in token_lists:
                 buf.fromlist(t) if isinstance(t, list) else buf.extend(t)
-            flat = torch.frombuffer(buf, dtype=torch.long).to(dev, non_blocking=True)
-            lens = torch.tensor([len(t) for t in token_lists], dtype=torch.long).to(dev, non_blocking=True)
+            flat = to_device(torch.frombuffer(buf, dtype=torch.long), dev)
+            lens = to_device(torch.tensor([len(t) for t in token_lists], dtype=torch.long), dev)
             row = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=total)
             # ids outside the vocab (e.g. image placeholders) land in the spare last column
             key = row * (V + 1) + flat.clamp(0, V)
@@ -187,13 +188,21 @@ class Sampler:
         V = self.vocab_size
         neg_inf = float("-inf")
         # one host->device copy for every per-row scalar; off switches get values that keep everything
-        cols = torch.tensor(
-            [
-                [p.temperature, p.min_p, p.top_k if 0 < p.top_k < V else 0, p.top_p if p.top_p < 1 else 2.0]
-                for p in params
-            ],
-            dtype=torch.float32,
-        ).to(x.device, non_blocking=True)
+        cols = to_device(
+            torch.tensor(
+                [
+                    [
+                        p.temperature,
+                        p.min_p,
+                        p.top_k if 0 < p.top_k < V else 0,
+                        p.top_p if p.top_p < 1 else 2.0,
+                    ]
+                    for p in params
+                ],
+                dtype=torch.float32,
+            ),
+            x.device,
+        )
         x = x / cols[:, 0:1]
         if any(p.min_p > 0 for p in params):
             probs = x.softmax(-1)
@@ -264,4 +273,4 @@ class Sampler:
 
 
 def _long(values: list[int], dev: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.long), dev)

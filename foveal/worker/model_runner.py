@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from foveal.attention.base import AttentionBatch
+from foveal.device import to_device
 from foveal.request import PENDING_TOKEN, Request, TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import ScheduledBatch
@@ -108,19 +109,19 @@ class ModelRunner:
             context_lens=[s.start for s in batch.seqs],
             block_tables=[s.request.block_ids for s in batch.seqs],
             num_decodes=num_decodes,
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), dev),
             block_size=bs,
             bidirectional=self._bidirectional_spans(batch),
         )
         meta = self.backend.plan(attn, dev)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        input_ids = to_device(torch.tensor(ids, dtype=torch.long), dev)
         if pending:
             pending += [-1] * (len(ids) - len(pending))
-            input_ids = _take_pending(input_ids, torch.tensor(pending).to(dev, non_blocking=True), prev)
+            input_ids = _take_pending(input_ids, to_device(torch.tensor(pending), dev), prev)
         if self.uses_mrope:
-            positions = self._mrope_positions(batch).to(dev, non_blocking=True)
+            positions = to_device(self._mrope_positions(batch), dev)
         else:
-            positions = torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True)
+            positions = to_device(torch.tensor(pos, dtype=torch.long), dev)
         return input_ids, positions, meta, sample_idx
 
     def _bidirectional_spans(self, batch: ScheduledBatch) -> list[list[tuple[int, int]]] | None:
@@ -182,7 +183,7 @@ class ModelRunner:
                 src.append(emb[ei[keep].to(emb.device)])
             if b >= it.end:  # the prefill has passed this image: the request no longer needs it
                 req.mm_embeds.pop(idx, None)
-        rows = torch.cat(dest).to(self.device, non_blocking=True)
+        rows = to_device(torch.cat(dest), self.device)
         return rows, torch.cat(src)
 
     def _encode_missing(self, needed) -> None:
@@ -232,7 +233,7 @@ class ModelRunner:
             pending.append(self._pending_row(req, prev) if tok == PENDING_TOKEN else -1)
             pos.append(p)
             rope.append(p + req.mrope_delta)  # M-RoPE: generated tokens sit at p + delta on every axis
-        host = torch.tensor([ids, rope, pending], dtype=torch.long).to(self.device, non_blocking=True)
+        host = to_device(torch.tensor([ids, rope, pending], dtype=torch.long), self.device)
         has_pending = any(r >= 0 for r in pending)
         input_ids = _take_pending(host[0], host[2], prev) if has_pending else host[0]
         attn = AttentionBatch(
@@ -268,7 +269,7 @@ class ModelRunner:
                     extra["deepstack"] = (rows, values[:, h:].unflatten(1, (self.deepstack_layers, h)))
         hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, **extra)
         if not all_tokens:
-            hidden = hidden[torch.tensor(sample_idx, dtype=torch.long).to(self.device, non_blocking=True)]
+            hidden = hidden[to_device(torch.tensor(sample_idx, dtype=torch.long), self.device)]
         return self.model.compute_logits(hidden)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
