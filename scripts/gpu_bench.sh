@@ -24,7 +24,7 @@ for part in "$@"; do
   echo "=== $part $(date -u +%H:%M:%S)"
   case $part in
     tests)
-      TESTS=${TESTS:-tests/test_gpu.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_cuda_graphs.py}
+      TESTS=${TESTS:-tests/test_gpu.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_cuda_graphs.py tests/test_async_scheduling.py}
       timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$LOG/tests.txt" | tail -15
       [ "${KERNEL_BENCH:-1}" = 1 ] && timeout 180 python3 benchmarks/attention_kernels.py 2>&1 \
         | tee "$LOG/attention_kernels.txt" | tail -30
