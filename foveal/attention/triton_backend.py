@@ -96,6 +96,10 @@ def _padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
 def _graph_rows(buf: torch.Tensor, rows: int, block_size: int, num_splits: int) -> TritonAttentionMetadata:
     """Decode-only metadata over the first `rows` rows of a static graph buffer (views, same storage)."""
     head = buf[:rows]
@@ -133,19 +137,27 @@ class TritonAttentionBackend:
         nd = batch.num_decodes
         q_lens, ctxs, tables = batch.query_lens, batch.context_lens, batch.block_tables
         n, num_prefills = len(q_lens), len(q_lens) - nd
-        width = max(1, max((len(t) for t in tables), default=1))
+        # every segment (and the table width) a multiple of 4 int32s: each view then starts 16-byte
+        # aligned, as Triton specializes pointer arguments on that; otherwise the alignments of a step's
+        # views would vary with its batch and every new combination would compile another kernel
+        width = _round4(max(1, max((len(t) for t in tables), default=1)))
         prefill_lens = q_lens[nd:]
+        a = _round4(nd)
+        b = a + _round4(num_prefills + 1)
+        c = b + _round4(num_prefills)
         fallback = None
         if batch.bidirectional is not None:
             # image spans need masks the kernels do not have: the whole step goes to torch
             fallback = self._torch.plan(batch, device)
-            dev = torch.zeros(nd + 2 * num_prefills + 1 + n * width, dtype=torch.int32, device=device)
+            dev = torch.zeros(c + n * width, dtype=torch.int32, device=device)
         else:
-            cu = list(itertools.accumulate(prefill_lens, initial=0))
-            head = torch.tensor([c + 1 for c in ctxs[:nd]] + cu + ctxs[nd:], dtype=torch.int32)
+            head = torch.zeros(c, dtype=torch.int32)
+            head[:nd] = torch.tensor([x + 1 for x in ctxs[:nd]], dtype=torch.int32)
+            head[a : a + num_prefills + 1] = torch.tensor(
+                list(itertools.accumulate(prefill_lens, initial=0)), dtype=torch.int32
+            )
+            head[b : b + num_prefills] = torch.tensor(ctxs[nd:], dtype=torch.int32)
             dev = to_device(torch.cat([head, _padded_tables(tables, width).view(-1)]), device)  # one copy
-        a, b = nd, nd + num_prefills + 1
-        c = b + num_prefills
         all_tables = dev[c:].view(n, width)
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping,
@@ -155,10 +167,10 @@ class TritonAttentionBackend:
             max_q_len=max(prefill_lens, default=0),
             max_blocks=width,
             num_splits=self._splits_for(max(ctxs[:nd], default=0) + 1),
-            decode_seq_lens=dev[:a],
+            decode_seq_lens=dev[:nd],
             decode_block_table=all_tables[:nd],
-            cu_q_lens=dev[a:b],
-            context_lens=dev[b:c],
+            cu_q_lens=dev[a : a + num_prefills + 1],
+            context_lens=dev[b : b + num_prefills],
             prefill_block_table=all_tables[nd:],
             batch=batch,
             fallback=fallback,

@@ -32,7 +32,7 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])  # both vary step to step
 def _decode_kernel(
     q_ptr,
     cache_ptr,

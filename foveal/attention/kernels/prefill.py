@@ -84,7 +84,7 @@ def _tile(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # the table width varies step to step
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
