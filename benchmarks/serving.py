@@ -62,6 +62,9 @@ async def one(client: httpx.AsyncClient, args, prompt: str, out: list[dict]) -> 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):  # an error event ends the stream: the request failed
+                out.append({"error": str(chunk["error"].get("message", chunk["error"]))[:200]})
+                return
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if any(c.get("text") for c in chunk.get("choices", [])):
