@@ -81,10 +81,18 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         self._enc_left = self.encoder_budget
+        bs = self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.ends_after_pending:  # its last token is in flight: nothing more to compute
+                i += 1
+                continue
+            start = req.num_computed_tokens
+            if req.num_tokens - start == 1 and start < len(req.block_ids) * bs and not req.mm_items:
+                # the common case, a decode whose slot is already allocated: no allocation to check
+                batch.seqs.append(ScheduledSeq(req, start, 1, True))
+                budget -= 1
                 i += 1
                 continue
             n = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
