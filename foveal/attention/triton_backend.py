@@ -16,6 +16,9 @@ device tensor of the metadata is a view of that copy:
 
     [ decode seq_lens (D) | cu_q_lens (P+1) | context_lens (P) | block tables (D+P rows x max_blocks) ]
 
+each segment padded to a multiple of 4 int32s and max_blocks rounded up to one, so every view starts
+16-byte aligned (Triton specializes pointers on that; varying alignments would mean more compiles).
+
 Decode splits: the key range of each sequence is cut into num_splits tile-aligned pieces sized from its
 own length (kernels/decode.py). plan() bounds num_splits by the longest decode (one split per
 `split_tokens` keys, at most `max_splits`); forward() lowers it until decode rows x kv heads x splits
