@@ -49,7 +49,7 @@ def main() -> None:
     path = os.path.join(tempfile.mkdtemp(), "host-overhead.json")
     with open(path, "w") as f:
         f.write(cfg.to_json_string())
-    blocks = a.num_seqs * (500 + a.steps + 40) // 16 + 64
+    blocks = a.num_seqs * ((500 + a.steps + 40 + 30) // 16 + 2) + 64  # every sequence fits: no preemption
     llm = LLM(path, load_format="dummy", num_blocks=blocks, block_size=16, max_num_seqs=a.num_seqs,
               max_model_len=1024, async_scheduling=False)  # fmt: skip
     eng = llm.engine
