@@ -296,41 +296,10 @@ def smoke_configs() -> str:
     """Tiny configs of the three families, named like the real ones, in a temp folder."""
     import tempfile
 
-    import transformers as tf
+    from tiny_configs import write_tiny_configs
 
     d = tempfile.mkdtemp(prefix="foveal-smoke-")
-    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)  # fmt: skip
-    cfgs = {
-        "llama-3.1-8b": tf.LlamaConfig(vocab_size=1000, **small),
-        "qwen3-0.6b": tf.Qwen3Config(vocab_size=1000, **small),
-        "qwen2.5-vl-7b": tf.Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=200, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3]), **small
-            ),
-            vision_config=dict(
-                depth=1,
-                num_heads=2,
-                hidden_size=16,
-                intermediate_size=32,
-                out_hidden_size=64,
-                window_size=56,
-                fullatt_block_indexes=[0],
-            ),
-            image_token_id=190,
-            video_token_id=191,
-            vision_start_token_id=192,
-            vision_end_token_id=193,
-        ),  # fmt: skip
-    }
-    for name, cfg in cfgs.items():
-        cfg.architectures = [
-            {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
-                cfg.model_type, "Qwen2_5_VLForConditionalGeneration"
-            )
-        ]
-        with open(os.path.join(d, f"{name}.json"), "w") as f:
-            f.write(cfg.to_json_string())
+    write_tiny_configs(d)
     return d
 
 

@@ -49,6 +49,7 @@ import traceback
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the repo root: foveal's config loader
 CONFIG_DIR = os.path.join(HERE, "configs")
 DEFAULT_CONFIGS = {
     "w1": os.path.join(CONFIG_DIR, "llama-3.1-8b.json"),
@@ -68,93 +69,20 @@ def log(msg: str) -> None:
 
 
 def load_config(path: str):
-    """A transformers config from a config.json file (a folder holding one works too)."""
-    from transformers import AutoConfig
+    """A transformers config from a config.json file (a folder holding one works too): the loader
+    Foveal's `--load-format dummy` uses, so both engines build the same shapes."""
+    from foveal.loader.dummy import load_config as load
 
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path) as f:
-        d = json.load(f)
-    d = {k: v for k, v in d.items() if not k.startswith("_comment")}
-    try:
-        return AutoConfig.for_model(d.pop("model_type"), **d)
-    except Exception:
-        return AutoConfig.from_pretrained(path)
+    return load(path)
 
 
 def write_tiny_configs(folder: str) -> dict[str, str]:
-    """Tiny configs of the three families, from the real config classes, saved as config.json files
-    so that they go through the same loading path as the real ones."""
-    from transformers import LlamaConfig, Qwen2_5_VLConfig, Qwen3Config
+    """The workloads' tiny configs (benchmarks/tiny_configs.py), for the CPU smoke test."""
+    from tiny_configs import write_tiny_configs as write
 
-    llama = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 1024,
-        },
-        rope_theta=500000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    qwen3 = Qwen3Config(
-        vocab_size=12000,  # > 10000: the w3 prompts use ids in [0, 10000)
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    vl = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": 2048,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        },
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": 64,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": [1],
-        },
-        image_token_id=2000,
-        video_token_id=2001,
-        vision_start_token_id=2002,
-        vision_end_token_id=2003,
-    )
-    paths = {}
-    for name, cfg in (("llama", llama), ("qwen3", qwen3), ("qwen2_5_vl", vl)):
-        d = os.path.join(folder, name)
-        cfg.save_pretrained(d)
-        paths[name] = os.path.join(d, "config.json")
-    return {"w1": paths["llama"], "w2": paths["llama"], "w3": paths["qwen3"], "w4": paths["qwen2_5_vl"]}
+    paths = write(folder)
+    llama, qwen3, vl = paths["llama-3.1-8b"], paths["qwen3-0.6b"], paths["qwen2.5-vl-7b"]
+    return {"w1": llama, "w2": llama, "w3": qwen3, "w4": vl}
 
 
 def resolve_device(name: str) -> torch.device:

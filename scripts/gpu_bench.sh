@@ -11,15 +11,8 @@
 #   .venv/bin/python benchmarks/gpu_workloads.py --smoke --profile
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export FOVEAL_TESTS_WITHOUT_MODEL=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source scripts/device_env.sh
 LOG=${OUT:-/tmp}
-python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name(0))"
 for part in "$@"; do
   echo "=== $part $(date -u +%H:%M:%S)"
   case $part in

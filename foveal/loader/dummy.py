@@ -55,7 +55,7 @@ def load_config(path: str):
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
         with open(file) as f:
-            data = json.load(f)
+            data = {k: v for k, v in json.load(f).items() if not k.startswith("_comment")}
         config = AutoConfig.for_model(data.pop("model_type"), **data)
     except Exception as e:
         raise ModelLoadError(f"could not read a model config from {file}: {type(e).__name__}: {e}") from e
