@@ -191,6 +191,8 @@ def w1_w2(a) -> None:
     # warm-up: the workloads' shapes at small scale, so Triton's compiles stay out of the timings
     run(llm, random_prompts(4, L(512), V, 99), [greedy(8)] * 4)
     if "w1" in a.workloads:
+        if a.profile:
+            profile(llm, V, batch=1, context=L(512))
         r = run(llm, random_prompts(1, L(512), V, 0), [greedy(L(256))])
         step_bytes = decode_bytes(llm) + kv_bytes_per_token(llm) * (512 + 128)  # mean context
         floor = RESULTS["ceilings"]["copy_GBps"] * 1e9 / decode_bytes(llm) if "ceilings" in RESULTS else None
@@ -204,7 +206,8 @@ def w1_w2(a) -> None:
         RESULTS["W1"] = r
     if "w2" in a.workloads:
         if a.profile:
-            profile(llm, V)
+            profile(llm, V, batch=N(256), context=L(512))
+            prefill_rate(llm, V)
         r = run(llm, random_prompts(N(256), L(512), V, 1), [greedy(L(256))] * N(256))
         flops = 2 * decode_bytes(llm) / llm.engine.dtype.itemsize * (r["output_tokens"] + r["prompt_tokens"])
         if "ceilings" in RESULTS:
@@ -216,27 +219,43 @@ def w1_w2(a) -> None:
         torch.cuda.empty_cache()
 
 
-def profile(llm: LLM, V: int) -> None:
-    """torch.profiler over 8 decode steps of a 256-request batch: where the device and host time go."""
+def profile(llm: LLM, V: int, batch: int, context: int) -> None:
+    """torch.profiler over 8 decode steps of `batch` requests with `context`-token prompts: where the
+    device and host time go (device time per step = CUDA total / 8)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprof
 
     eng = llm.engine
-    ids = [eng.add_request(p, greedy(40)) for p in random_prompts(N(256), L(512), V, 7)]
+    ids = [eng.add_request(p, greedy(40)) for p in random_prompts(batch, context, V, 7)]
     while eng.num_waiting:  # prefill everything first: the profile is of decode steps
         eng.step()
     for _ in range(4):
         eng.step()
+    _sync()
     with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(8):
             eng.step()
         _sync()
+    log(f"profile: 8 decode steps at batch {batch}, context ~{context}")
     log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
     for r in ids:
         eng.abort(r)
     while eng.has_unfinished():
         eng.step()
+
+
+def prefill_rate(llm: LLM, V: int) -> None:
+    """W2's prompts alone (max_tokens=1): the prefill share of W2's time, and its MFU."""
+    r = run(llm, random_prompts(N(256), L(512), V, 3), [greedy(1)] * N(256))
+    flops = 2 * decode_bytes(llm) / llm.engine.dtype.itemsize * r["prompt_tokens"]
+    mfu = flops / r["wall_s"] / (RESULTS["ceilings"]["bf16_TFLOPs"] * 1e12) if "ceilings" in RESULTS else 0
+    log(
+        f"W2 prefill only: {r['prompt_tokens']} prompt tokens in {r['wall_s']:.2f} s "
+        f"({r['prompt_tokens'] / r['wall_s']:.0f} tok/s, MFU {mfu:.3f}), {r['steps']} steps, "
+        f"host ms/step {r['ms_per_step']}"
+    )
+    RESULTS["W2_prefill"] = {**r, "MFU": mfu}
 
 
 def w3(a) -> None:
@@ -307,7 +326,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="ceilings,w1,w2,w3,w4")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler table of W2 decode steps")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler tables of W1 and W2 decode steps; W2 prefill alone",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs: check the script only")
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")

@@ -294,3 +294,13 @@ class TokenDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def then(self, later: TokenDelta) -> TokenDelta:
+        """This (unfinished) delta followed by `later`, as one: the tokens, text and logprobs of both,
+        the rest (finish, counts) from `later`. A consumer that fell behind reads one merged delta."""
+        lps = None
+        if self.logprobs is not None or later.logprobs is not None:
+            lps = (self.logprobs or []) + (later.logprobs or [])
+        return replace(
+            later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text, logprobs=lps
+        )

@@ -28,7 +28,7 @@ for part in "$@"; do
       ;;
     serve)
       PORT=8765
-      python3 -m foveal.cli serve --model benchmarks/configs/llama-3.1-8b.json --load-format dummy \
+      python3 -m foveal.cli serve --model ${SERVE_MODEL:-benchmarks/configs/llama-3.1-8b.json} --load-format dummy \
         --port $PORT --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --log-level WARNING > "$LOG/serve.txt" 2>&1 &
       SERVER=$!
@@ -36,8 +36,11 @@ for part in "$@"; do
         curl -sf "http://127.0.0.1:$PORT/health" | grep -q ready && break
         sleep 1
       done
+      cpu0=$(awk '{print $14+$15}' /proc/$SERVER/stat); t0=$(date +%s.%N)
       timeout ${T_SERVE:-300} python3 benchmarks/serving.py --base-url "http://127.0.0.1:$PORT/v1" --concurrency 256 \
-        --num-requests 256 --input-len 512 --output-len 256 2>&1 | tee "$LOG/serving.txt" | tail -8
+        --num-requests 256 --input-len 512 --output-len 256 2>&1 | tee "$LOG/serving.txt" | tail -9
+      cpu1=$(awk '{print $14+$15}' /proc/$SERVER/stat); t1=$(date +%s.%N)
+      python3 -c "print(f'server process CPU {($cpu1-$cpu0)/100:.1f} s over {$t1-$t0:.1f} s wall (bench incl.)')"
       kill $SERVER; wait $SERVER 2>/dev/null
       tail -5 "$LOG/serve.txt"
       ;;

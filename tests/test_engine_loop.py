@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from foveal import SamplingParams
-from foveal.engine.loop import EngineLoop, StreamFailed, expand_n
-from foveal.request import FinishReason
+from foveal.engine.loop import EngineLoop, RequestStream, StreamError, StreamFailed, expand_n
+from foveal.request import FinishReason, TokenDelta, TokenLogprobs
 
 
 def chat_ids(llm, text):
@@ -46,6 +46,52 @@ def test_stream_equals_generate_and_n_seeds(llm_fp32):
     for i in range(2):
         assert "".join(d.text for d in out[i]) == ref[i].text
         assert out[i][-1].num_output_tokens == len(ref[i].token_ids)
+
+
+def test_a_slow_consumer_reads_merged_deltas(llm_fp32):
+    """A caller that sleeps between reads finds several steps queued: it gets one delta per choice
+    holding all of them, and the text, tokens and final counts still equal offline generation."""
+    ids = chat_ids(llm_fp32, "Count to ten.")
+    p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
+    ref = llm_fp32.generate([ids], p)[0].outputs
+
+    async def go(loop):
+        s = loop.submit("slow", expand_n(ids, p))
+        await s.admitted()
+        out: dict[int, list] = {}
+        async for i, d in s.deltas():
+            out.setdefault(i, []).append(d)
+            await asyncio.sleep(0.2)  # several engine steps land while we sleep
+        return out
+
+    out = _run_loop(llm_fp32.engine, go)
+    for i in range(2):
+        assert [t for d in out[i] for t in d.token_ids] == ref[i].token_ids
+        assert "".join(d.text for d in out[i]) == ref[i].text
+        assert out[i][-1].finished and out[i][-1].num_output_tokens == 24
+    assert min(len(out[0]), len(out[1])) < 24  # merging happened (each choice has 24 tokens)
+
+
+def test_merging_keeps_order_logprobs_and_a_trailing_error():
+    async def go():
+        s = RequestStream("r", 2, asyncio.get_running_loop(), None)
+        lp = [TokenLogprobs(k, -1.0, []) for k in range(4)]
+        s.queue.put_nowait((0, TokenDelta("r-0", [1], "a", [lp[0]])))
+        s.queue.put_nowait((1, TokenDelta("r-1", [2], "b")))
+        s.queue.put_nowait((0, TokenDelta("r-0", [3], "c", [lp[1]], finish_reason=FinishReason.LENGTH)))
+        s.queue.put_nowait(StreamError("engine died", 503))
+        got = []
+        with pytest.raises(StreamFailed, match="engine died"):
+            async for i, d in s.deltas():
+                got.append((i, d))
+        return got
+
+    got = asyncio.run(go())
+    assert [i for i, _ in got] == [0, 1]
+    d0, d1 = got[0][1], got[1][1]
+    assert (d0.token_ids, d0.text, d0.finish_reason) == ([1, 3], "ac", FinishReason.LENGTH)
+    assert [x.token_id for x in d0.logprobs] == [0, 1]
+    assert (d1.token_ids, d1.text, d1.logprobs, d1.finished) == ([2], "b", None, False)
 
 
 def test_bad_input_is_the_first_item(llm_fp32):

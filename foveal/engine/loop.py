@@ -3,7 +3,7 @@
     caller (event loop)                       model thread
     submit() ── _Submit ──> commands queue ──> drained between steps -> engine.add_request
     abort()  ── _Abort  ──>                                            -> engine.abort
-    RequestStream.queue <── call_soon_threadsafe(put_nowait) <── engine.step() deltas
+    RequestStream.queue <── one call_soon_threadsafe per event loop per iteration <── step() deltas
 
 Every engine call happens on the model thread, so the engine stays single-threaded. A stream's first
 item is `ADMITTED` or a `StreamError` (the HTTP layer answers 4xx before any header is sent); then
@@ -81,17 +81,30 @@ class RequestStream:
             raise StreamFailed(item)
 
     async def deltas(self):
-        """Yield (choice index, TokenDelta) until every choice finished; StreamFailed on a loop error."""
+        """Yield (choice index, TokenDelta) until every choice finished; StreamFailed on a loop error.
+        Deltas that queued up while the caller was busy come merged, one per choice: a slow consumer
+        (many streams on one event loop) does work per wake-up, not per token, and never falls behind."""
         left = self.num_choices
         while left:
-            item = await self._get()
-            if isinstance(item, StreamError):
+            items = [await self._get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            merged: dict[int, TokenDelta] = {}
+            failed = None
+            for item in items:
+                if isinstance(item, StreamError):
+                    failed = item
+                    break
+                index, delta = item
+                prev = merged.get(index)
+                merged[index] = prev.then(delta) if prev is not None else delta
+            for index, delta in merged.items():
+                if delta.finished:
+                    left -= 1
+                yield index, delta
+            if failed is not None:
                 self.finished = True
-                raise StreamFailed(item)
-            index, delta = item
-            if delta.finished:
-                left -= 1
-            yield index, delta
+                raise StreamFailed(failed)
         self.finished = True
 
 
@@ -119,6 +132,9 @@ class EngineLoop:
         self.state = "loading"  # loading | ready | draining | dead | stopped
         self.dead_reason: str | None = None
         self._stop = False
+        # items for the callers' queues, gathered over one loop iteration and handed to each event
+        # loop in one call_soon_threadsafe (one wake-up per step, not one per token per stream)
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
 
     # -- caller side (any thread) -----------------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -199,11 +215,13 @@ class EngineLoop:
                 if self._stop:
                     break
                 if eng.has_unfinished():
+                    self._flush()  # admissions and rejections go out before the step runs
                     deltas = eng.step()
                     now = time.perf_counter()
                     for d in deltas:
                         self._deliver(d, now)
                     self._report_step()
+                self._flush()
         except Exception as e:  # the engine isolates per-request faults; reaching here is fatal
             log.exception("engine loop died")
             self.dead_reason = f"engine failed: {type(e).__name__}: {e}"
@@ -350,13 +368,18 @@ class EngineLoop:
                 break
             if c[0] == "submit":
                 self._push(c[1], err)
+        self._flush()
 
-    @staticmethod
-    def _push(stream: RequestStream, item) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            pass
+    def _push(self, stream: RequestStream, item) -> None:
+        self._outbox.setdefault(stream.loop, []).append((stream.queue, item))
+
+    def _flush(self) -> None:
+        box, self._outbox = self._outbox, {}
+        for loop, items in box.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                pass
 
     @staticmethod
     def _safe(fn, *args) -> None:
@@ -364,6 +387,11 @@ class EngineLoop:
             fn(*args)
         except Exception:
             log.exception("metrics sink failed")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def expand_n(prompt: PromptSource, params: SamplingParams) -> list[tuple[PromptSource, SamplingParams]]:
