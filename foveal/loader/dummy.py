@@ -130,7 +130,6 @@ def randomize_weights(model: nn.Module, seed: int = 0) -> None:
 def dummy_processor(config, tokenizer) -> Any:
     """The family's transformers processor from its defaults, for a VLM config without processor files."""
     import transformers
-    from transformers.utils import is_torchvision_available
 
     from foveal.loader.safetensors_loader import image_only_processor_class
 
@@ -147,6 +146,6 @@ def dummy_processor(config, tokenizer) -> Any:
     proc_cls, image_cls = (getattr(transformers, n) for n in found)
     kw = dict(image_processor=image_cls(), tokenizer=tokenizer)
     kw["chat_template"] = tokenizer.chat_template
-    if is_torchvision_available():
-        return proc_cls(**kw)
+    # image-only whether or not torchvision is there: a default video processor is one more part to
+    # build (transformers >= 5.17 insists on it when torchvision is installed) and nothing here uses it
     return image_only_processor_class(proc_cls)(**kw)
