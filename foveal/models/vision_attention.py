@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# the fused CUDA kernels put batch x heads on one grid axis: stay under its 65,535 limit
+_MAX_BATCH_HEADS = 65535
+
 
 def plan_segments(cu_seqlens: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """[(segment length L, row indices [n, L] of the n segments of that length)], on cu's device."""
@@ -47,11 +50,14 @@ def segment_attention(
         )
         return o[0].transpose(0, 1)
     out = torch.empty_like(q)
-    for _, rows in plan:
-        # [n, L, H, D] -> [n, H, L, D]
-        qs, ks, vs = (t[rows].transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-        out[rows] = o.transpose(1, 2)
+    per_call = max(1, _MAX_BATCH_HEADS // q.shape[1])
+    for _, all_rows in plan:
+        for rows in all_rows.split(per_call):
+            # [n, L, H, D] -> [n, H, L, D], contiguous: CUDA's fused SDPA kernels have faulted on
+            # strided batched inputs (vLLM's Mllama fix, pytorch#112577)
+            qs, ks, vs = (t[rows].transpose(1, 2).contiguous() for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+            out[rows] = o.transpose(1, 2)
     return out
 
 
