@@ -245,6 +245,27 @@ def profile(llm: LLM, V: int, batch: int, context: int) -> None:
         eng.step()
 
 
+def profile_first_token(llm: LLM, prompt) -> None:
+    """torch.profiler over the steps up to one request's first token (vision tower + prefill)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
+
+    eng = llm.engine
+    _sync()
+    with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        rid = eng.add_request(prompt, greedy(2))
+        steps = 0
+        while not any(d.token_ids for d in eng.step()):
+            steps += 1
+        _sync()
+    log(f"profile: the first token of one image request ({steps + 1} steps)")
+    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+    eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+
+
 def prefill_rate(llm: LLM, V: int) -> None:
     """W2's prompts alone (max_tokens=1): the prefill share of W2's time, and its MFU."""
     r = run(llm, random_prompts(N(256), L(512), V, 3), [greedy(1)] * N(256))
@@ -296,6 +317,8 @@ def w4(a) -> None:
     warm = image_prompt(999)
     prep = time.perf_counter() - t0
     run(llm, [warm], [greedy(8)])  # warm-up (vision tower included)
+    if a.profile:
+        profile_first_token(llm, image_prompt(998))
     r = run(llm, [image_prompt(0)], [greedy(L(128))])
     floor = RESULTS["ceilings"]["copy_GBps"] * 1e9 / decode_bytes(llm) if "ceilings" in RESULTS else None
     r["floor_tok_s"], r["preprocess_s"] = floor, prep
