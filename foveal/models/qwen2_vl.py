@@ -20,7 +20,6 @@ from torch import nn
 
 from foveal.layers.rotary import MRotaryEmbedding
 from foveal.models.llama import Qwen2ForCausalLM
-from foveal.models.vision_attention import patch_vision_attention
 from foveal.models.vlm import ImageAdapter, VisionLanguageModel, hf_module
 
 
@@ -128,7 +127,6 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         module, name = self.vision_class.split(":")
         cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
         self.visual = hf_module(lambda: cls._from_config(self.config.vision_config), device, dtype)
-        patch_vision_attention(self.visual)
 
     def encode_images(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
         """One tower pass over all images: attention stays within each image (the grid tells the tower

@@ -22,7 +22,6 @@ from torch import nn
 from foveal.layers.rotary import MRotaryEmbedding
 from foveal.models.llama import Qwen3ForCausalLM
 from foveal.models.qwen2_vl import Qwen2VLAdapter
-from foveal.models.vision_attention import patch_vision_attention
 from foveal.models.vlm import VisionLanguageModel, hf_module
 
 
@@ -87,7 +86,6 @@ class Qwen3VLForConditionalGeneration(VisionLanguageModel):
         self.visual = hf_module(
             lambda: Qwen3VLVisionModel._from_config(self.config.vision_config), device, dtype
         )
-        patch_vision_attention(self.visual)
 
     def encode_images(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
         """One tower pass over all images (attention stays within each image's grid). Per image
