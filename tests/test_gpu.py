@@ -93,4 +93,3 @@ def test_vlm_matches_transformers_on_cuda(family, tmp_path):
     ref_logits, ref_toks, _ = hf_greedy(tiny, text, imgs, 8)
     assert (logits.float().cpu() - ref_logits).abs().max().item() < 1e-3
     assert toks == ref_toks
-
