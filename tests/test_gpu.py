@@ -93,3 +93,49 @@ def test_vlm_matches_transformers_on_cuda(family, tmp_path):
     ref_logits, ref_toks, _ = hf_greedy(tiny, text, imgs, 8)
     assert (logits.float().cpu() - ref_logits).abs().max().item() < 1e-3
     assert toks == ref_toks
+
+
+def test_qwen25_vl_shapes_graph_decode_equals_eager_after_image_requests(tmp_path):
+    """Qwen2.5-VL-7B's attention shapes (28 query heads over 4 KV heads: a group of 7, head_dim 128,
+    M-RoPE) with 2 decoder and 2 vision layers, bf16, random weights: the request sequence after which
+    the full-size W4 run faulted in a CUDA-graph decode replay on the H200 (2026-11-30: one image
+    request, another, four at once, then one more). Greedy tokens with graphs == without."""
+    import json
+    import os
+
+    from PIL import Image
+
+    from foveal.engine.llm import LLM
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = json.load(open(os.path.join(here, "benchmarks", "configs", "qwen2.5-vl-7b.json")))
+    cfg["num_hidden_layers"], cfg["vision_config"]["depth"] = 2, 2
+    cfg["vision_config"]["fullatt_block_indexes"] = [1]
+    path = tmp_path / "qwen25vl-2layer.json"
+    path.write_text(json.dumps(cfg))
+
+    def run(eager: bool) -> list[list[int]]:
+        llm = LLM(str(path), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=16,
+                  enforce_eager=eager, gpu_memory_utilization=0.5)  # fmt: skip
+        vocab = 150000
+
+        def prompt(i: int):
+            g = torch.Generator().manual_seed(1000 + i)
+            img = Image.fromarray(
+                torch.randint(0, 256, (448, 448, 3), generator=g, dtype=torch.uint8).numpy()
+            )
+            text = " ".join(f"t{t}" for t in torch.randint(100, vocab, (64,), generator=g).tolist())
+            content = [{"type": "image"}, {"type": "text", "text": text}]
+            return llm.engine.process_images(messages=[{"role": "user", "content": content}], images=[img])
+
+        p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        out = []
+        for group in ([999], [997], [990, 991, 992, 993], [0]):
+            res = llm.generate([prompt(i) for i in group], [p] * len(group))
+            out += [r.outputs[0].token_ids for r in res]
+        torch.cuda.synchronize()
+        del llm
+        torch.cuda.empty_cache()
+        return out
+
+    assert run(eager=False) == run(eager=True)

@@ -98,6 +98,7 @@ SHAPES = [  # num_kv, group, head_dim, block_size
     pytest.param(2, 2, 32, 16, id="kv2g2-d32-bs16"),
     pytest.param(1, 4, 48, 4, id="kv1g4-d48-bs4"),
     pytest.param(2, 1, 32, 4, id="kv2g1-d32-bs4"),
+    pytest.param(4, 7, 32, 16, id="kv4g7-d32-bs16"),  # Qwen2.5-VL-7B: 28 heads over 4 KV heads
 ]
 
 
