@@ -119,14 +119,14 @@ def test_qwen25_vl_shapes_graph_decode_equals_eager_after_image_requests(tmp_pat
                   enforce_eager=eager, gpu_memory_utilization=0.5)  # fmt: skip
         vocab = 150000
 
-        def prompt(i: int):
+        def prompt(i: int, engine=llm.engine):
             g = torch.Generator().manual_seed(1000 + i)
             img = Image.fromarray(
                 torch.randint(0, 256, (448, 448, 3), generator=g, dtype=torch.uint8).numpy()
             )
             text = " ".join(f"t{t}" for t in torch.randint(100, vocab, (64,), generator=g).tolist())
             content = [{"type": "image"}, {"type": "text", "text": text}]
-            return llm.engine.process_images(messages=[{"role": "user", "content": content}], images=[img])
+            return engine.process_images(messages=[{"role": "user", "content": content}], images=[img])
 
         p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         out = []
@@ -134,8 +134,11 @@ def test_qwen25_vl_shapes_graph_decode_equals_eager_after_image_requests(tmp_pat
             res = llm.generate([prompt(i) for i in group], [p] * len(group))
             out += [r.outputs[0].token_ids for r in res]
         torch.cuda.synchronize()
-        del llm
-        torch.cuda.empty_cache()
         return out
 
-    assert run(eager=False) == run(eager=True)
+    import gc
+
+    graphed = run(eager=False)
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert graphed == run(eager=True)
