@@ -59,6 +59,11 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self.meta = backend.graph_metadata(max_seqs, self.max_blocks, block_size, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # the metadata each graph was captured with: a replay reads and writes the tensors the capture
+        # saw (the backend's split-KV workspace is made by the warm-up forward and hangs off this
+        # object), so they must live as long as the graph; dropped, their memory goes back to the
+        # allocator and a replay writes into whatever reuses it (W4 faulted so on the H200)
+        self.captured_meta: dict[int, object] = {}
         self.logits: torch.Tensor | None = None  # [max_seqs, vocab], made by the first warm-up
         self._bucket_of = [0] * (max_seqs + 1)  # n rows -> the smallest bucket >= n
         b = 0
@@ -96,6 +101,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._forward(b, meta)
             self.graphs[b] = graph
+            self.captured_meta[b] = meta
         torch.cuda.synchronize(self.device)
         log.info(
             "captured %d CUDA graphs for decode batches up to %d in %.1f s",
