@@ -28,6 +28,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
     g.add_argument(
+        "--max-request-kv-tokens",
+        type=int,
+        default=None,
+        help="most K/V tokens (prompt + output) one request may hold; checked at admission "
+        "(default: --max-model-len)",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -78,6 +85,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         device=a.device,
         max_model_len=a.max_model_len,
         kv_cache_memory=a.kv_cache_memory,
+        max_request_kv_tokens=a.max_request_kv_tokens,
         gpu_memory_utilization=a.gpu_memory_utilization,
         enforce_eager=a.enforce_eager,
         kv_cache_dtype=a.kv_cache_dtype,

@@ -42,6 +42,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True  # reuse KV blocks of earlier requests with the same prefix
     # auto: K/V in the model dtype; fp8 | int8: quantized, per-token scales, ~2x tokens (attention/kv_quant)
     kv_cache_dtype: str = "auto"
+    # the most K/V one request may hold, in tokens (prompt + generated), checked at admission: one long
+    # request cannot take the pool from the rest (default: the context length, max_model_len)
+    max_request_kv_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,3 +173,5 @@ class EngineConfig:
             raise ValueError(f"unknown load_format {self.model.load_format!r}; use auto or dummy")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if c.max_request_kv_tokens is not None and c.max_request_kv_tokens < 2:
+            raise ValueError("max_request_kv_tokens must be >= 2 (a prompt token and a generated one)")

@@ -77,6 +77,28 @@ def test_engine_runs_a_dummy_model(tmp_path, family):
     assert llm.engine.kv.num_used_blocks == 0
 
 
+def test_per_request_kv_limit_is_checked_at_admission(tmp_path):
+    """--max-request-kv-tokens caps prompt + max_tokens below the context (a 400 at the HTTP edge, a
+    ValueError naming the flag here); an unset max_tokens fills what is left under the cap."""
+    from foveal.engine.llm import LLM
+
+    llm = LLM(
+        _tiny_json(tmp_path), load_format="dummy", num_blocks=64, block_size=4, max_request_kv_tokens=24
+    )
+    eng = llm.engine
+    assert eng.max_model_len > 24 and eng.max_request_tokens == 24
+    prompt = [5] * 20
+    with pytest.raises(ValueError, match="max-request-kv-tokens"):
+        eng.add_request(prompt, SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="per-request KV limit of 24"):
+        eng.add_request([5] * 24, SamplingParams(max_tokens=1))
+    out = llm.generate([prompt], SamplingParams(temperature=0, ignore_eos=True, max_tokens=None))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert eng.kv.num_used_blocks == 0
+    with pytest.raises(ValueError, match="max_request_kv_tokens"):
+        LLM(_tiny_json(tmp_path), load_format="dummy", num_blocks=64, max_request_kv_tokens=1)
+
+
 def test_dummy_vlm_processes_an_image(tmp_path):
     """A Qwen2.5-VL config (tiny) gets its family's processor from defaults: a 448x448 image is 256
     placeholders, and the engine generates from it."""

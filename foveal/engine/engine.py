@@ -142,6 +142,9 @@ class Engine:
             )
             max_len = kv.capacity_tokens
         self.max_model_len = max_len
+        cap = cfg.cache.max_request_kv_tokens
+        # what one request may hold: its context, or less where the operator says so
+        self.max_request_tokens = min(max_len, cap) if cap else max_len
         self.scheduler = Scheduler(
             cfg.scheduler,
             kv,
@@ -317,19 +320,22 @@ class Engine:
         vocab = self.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        limit = self.max_request_tokens
+        what = (
+            f"the context of {limit} tokens"
+            if limit == self.max_model_len
+            else f"the per-request KV limit of {limit} tokens (--max-request-kv-tokens)"
+        )
+        if len(ids) >= limit:
             raise ValueError(
-                f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                f"the prompt has {len(ids)} tokens but {what} leaves no room "
                 "(prompt plus at least one generated token must fit)"
             )
-        room = self.max_model_len - len(ids)
+        room = limit - len(ids)
         if params.max_tokens is None:
             params.max_tokens = room
         elif params.max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"of {self.max_model_len} tokens"
-            )
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what}")
         rid = request_id or new_request_id()
         if rid in self._tracked:
             raise ValueError(f"request id {rid!r} is already in use")
