@@ -37,3 +37,27 @@ def test_chunked_half_linear_matches_whole(monkeypatch):
     b = torch.randn(9000, generator=g).to(torch.bfloat16)
     ref = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
     assert torch.equal(lin.linear(x, w, b), ref)
+
+
+def test_kept_fp32_copy_follows_the_weight_and_the_budget(monkeypatch):
+    """The upcast path keeps each weight's fp32 copy: results equal the per-call upcast, an in-place
+    change of the weight refreshes the copy, and past the byte budget weights are upcast per call."""
+    monkeypatch.setattr(lin, "cpu_has_native", lambda _dt: False)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+    ref = F.linear(x.float(), w.float()).to(torch.bfloat16)
+    assert torch.equal(lin.linear(x, w), ref)
+    assert getattr(w, "_foveal_fp32", None) is not None
+    w.mul_(2)  # in place: the kept copy must not be served stale
+    assert torch.equal(lin.linear(x, w), F.linear(x.float(), w.float()).to(torch.bfloat16))
+    used = lin._cached["bytes"]
+    monkeypatch.setattr(lin, "FP32_CACHE_BYTES", used)  # no room for another weight
+    w2 = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(lin.linear(x, w2), F.linear(x.float(), w2.float()).to(torch.bfloat16))
+    assert getattr(w2, "_foveal_fp32", None) is None
+    del w
+    import gc
+
+    gc.collect()
+    assert lin._cached["bytes"] == used - 300 * 64 * 4  # freed with the weight

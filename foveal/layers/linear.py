@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +70,15 @@ def _kept_fp32(weight: torch.Tensor) -> torch.Tensor | None:
             if _cached["bytes"] + need > FP32_CACHE_BYTES:
                 return None
             _cached["bytes"] += need
+            weakref.finalize(weight, _release, need)  # the budget frees up with the weight
         copy = weight.float()
         weight._foveal_fp32 = (version, copy)
     return copy
+
+
+def _release(nbytes: int) -> None:
+    with _cache_lock:
+        _cached["bytes"] -= nbytes
 
 
 def _upcast(weight: torch.Tensor) -> torch.Tensor:
