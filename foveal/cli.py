@@ -163,6 +163,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             drain_timeout=a.drain_timeout,
             api_key_file=a.api_key_file,
             allow_client_cache_salt=a.allow_client_cache_salt,
+            shared_prefix_cache=a.shared_prefix_cache,
             limit_images_per_request=a.limit_images_per_request,
             allow_private_media_urls=a.allow_private_media_urls,
             allowed_local_media_path=a.allowed_local_media_path,
@@ -212,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         "--allow-client-cache-salt",
         action="store_true",
         help="let clients split their prefix cache further (X-Tenant-Id header or cache_salt field)",
+    )
+    s.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="share the cached blocks of a chat's leading system message(s) across tenants (opt-in: a "
+        "tenant can then tell that another used the same system prompt)",
     )
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queued-requests", type=int, default=None, help="waiting sequences over this: 429")

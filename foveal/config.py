@@ -68,6 +68,9 @@ class ServerConfig:
     # more keys: (key, tenant, admin); each tenant has its own prefix cache (from --api-key-file)
     api_keys: tuple[tuple[str, str, bool], ...] = ()
     allow_client_cache_salt: bool = False  # honour X-Tenant-Id / cache_salt (within the caller's tenant)
+    # blocks wholly inside a chat's leading system message(s) are cached for every tenant: other
+    # tenants can then tell (by cached_tokens or timing) that a system prompt was used before
+    shared_prefix_cache: bool = False
     served_model_name: str | None = None  # default: the engine's model name
     max_queued_requests: int | None = None  # waiting sequences over this -> 429
     request_timeout: float | None = None  # seconds without output before a stream is ended (504)

@@ -170,6 +170,8 @@ class MultiModalPrompt:
     items: list[MultiModalItem]
     mrope_positions: Any = None  # [3, len(prompt_token_ids)] for M-RoPE models
     mrope_delta: int = 0
+    # leading tokens (the system prompt) whose cached blocks may be shared across tenants (opt-in)
+    shared_prefix_len: int = 0
 
 
 PENDING_TOKEN = -1  # a sampled token still on the device (see Request.num_pending)
@@ -206,6 +208,9 @@ class Request:
     # prefix cache: the tenant salt (never shared across salts), block keys computed so far, how many
     # of the request's blocks are published, and the prompt tokens a hit saved at first admission
     cache_salt: str | None = None
+    # blocks wholly inside the first shared_prefix_len tokens are keyed without the salt (see
+    # KVCacheManager.block_keys): the operator's --shared-prefix-cache, for system prompts
+    shared_prefix_len: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     num_cached_tokens: int = 0

@@ -83,6 +83,23 @@ def test_salts_isolate_tenants():
     assert kv.find_cached(req("a2", range(1, 13), salt="tenant-a")) == [1, 2]
 
 
+def test_a_shared_prefix_crosses_salts_only_for_its_whole_blocks():
+    """shared_prefix_len (the server's --shared-prefix-cache: a chat's system turn) keys the blocks
+    wholly inside it without the salt; the salt enters at the block holding the boundary."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = req("a1", range(1, 13), salt="tenant-a")
+    a.shared_prefix_len = 6  # block 0 (tokens 0-3) wholly inside; block 1 (4-7) holds the boundary
+    computed(kv, a, 12)
+    b = req("b", range(1, 13), salt="tenant-b")
+    b.shared_prefix_len = 6
+    assert kv.find_cached(b) == [1]
+    c = req("c", range(1, 13), salt="tenant-b")  # no shared prefix: nothing crosses
+    assert kv.find_cached(c) == []
+    a2 = req("a2", range(1, 13), salt="tenant-a")
+    a2.shared_prefix_len = 6
+    assert kv.find_cached(a2) == [1, 2]
+
+
 def test_block_in_use_is_never_evicted_and_reset_frees_only_unused():
     kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=True)  # 5 usable
     holder = req("holder", range(1, 9))

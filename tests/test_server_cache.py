@@ -125,3 +125,45 @@ def test_access_log_carries_the_request_id(strict, caplog):
     assert any(line.startswith(rid) and '"POST /v1/completions" 200' in line for line in lines), lines
     httpx.get(strict.url + "/v1/models")  # no key: 401, logged too
     assert any('"GET /v1/models" 401' in rec.getMessage() for rec in caplog.records)
+
+
+SYSTEM = "You are the shared assistant of every tenant; this system prompt fills several blocks. " * 2
+
+
+def chat_cached(s, key: str, user: str) -> tuple[int, int]:
+    r = httpx.post(
+        s.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+            "max_tokens": 2,
+            "temperature": 0,
+        },
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    return u["prompt_tokens_details"]["cached_tokens"], u["prompt_tokens"]
+
+
+def test_shared_prefix_cache_shares_only_the_system_prompt_and_only_when_enabled(folder, strict):
+    """--shared-prefix-cache: a second tenant reuses the full blocks of the same system prompt and
+    nothing after it (its user turn is its own); without the flag nothing crosses tenants."""
+    bs = strict.engine.kv.block_size
+    engine = strict.engine
+    sys_len = engine.system_prefix_len(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}],
+        engine.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]),
+    )
+    assert sys_len > 2 * bs  # the byte tokenizer's template renders the system turn as a token prefix
+    assert chat_cached(strict, "sk-alice", "hello there")[0] == 0
+    assert chat_cached(strict, "sk-bob", "hello there")[0] == 0  # not enabled: isolated
+    shared, th = serve(folder, shared_prefix_cache=True)
+    try:
+        assert chat_cached(shared, "sk-alice", "first question")[0] == 0
+        hit, _ = chat_cached(shared, "sk-bob", "first question")  # same text, other tenant
+        assert hit == sys_len // bs * bs  # the system prompt's full blocks, not the user turn
+        assert chat_cached(shared, "sk-alice", "first question")[0] > hit  # her own turn: all of it
+    finally:
+        shared.server.should_exit = True
+        th.join(15)

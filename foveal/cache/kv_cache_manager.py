@@ -41,7 +41,9 @@ class KVCacheManager:
             i = len(keys)
             lo, hi = i * bs, (i + 1) * bs
             extra: list[object] = [it.content_hash for it in req.mm_items if it.offset < hi and lo < it.end]
-            if i == 0 and req.cache_salt is not None:
+            # the salt enters the chain at the first block not wholly inside the shared prefix (block 0
+            # unless a shared prefix is set): every key from there on is the tenant's alone
+            if i == req.shared_prefix_len // bs and req.cache_salt is not None:
                 extra.insert(0, ("salt", req.cache_salt))
             keys.append(hash_block(keys[-1] if keys else None, req.all_token_ids[lo:hi], extra))
         return keys

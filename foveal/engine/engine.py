@@ -280,6 +280,30 @@ class Engine:
             )
         return self.mm_processor.process(prompt or "", list(images), pixel_hashes=pixel_hashes)
 
+    def system_prefix_len(self, messages: list[dict], ids: list[int], **template_kwargs) -> int:
+        """How many leading tokens of `ids` (these messages' rendered chat) are the leading system
+        message(s) alone, as the template renders them without a generation prompt; 0 when there are
+        none, or when that rendering is not a token prefix of `ids` (a template that changes earlier
+        text depending on later messages)."""
+        n = 0
+        while n < len(messages) and messages[n].get("role") in ("system", "developer"):
+            n += 1
+        if n == 0:
+            return 0
+        head = messages[:n]
+        try:
+            if self.is_multimodal:
+                text = self.mm_processor.render_chat(head, add_generation_prompt=False, **template_kwargs)
+                pre = self.mm_processor.process(text, [], add_special_tokens=False).prompt_token_ids
+            else:
+                text = self.tokenizer.apply_chat_template(
+                    head, tokenize=False, add_generation_prompt=False, **template_kwargs
+                )
+                pre = self.tokenize(text, add_special_tokens=False)
+        except Exception:  # a template that cannot render a system-only chat: share nothing
+            return 0
+        return len(pre) if 0 < len(pre) <= len(ids) and ids[: len(pre)] == pre else 0
+
     def apply_chat_template(self, messages: list[dict], **template_kwargs) -> list[int]:
         if not messages:
             raise ValueError("messages must not be empty")
@@ -343,6 +367,8 @@ class Engine:
         req = Request(
             rid, ids, params, eos_token_ids=self.eos_token_ids, arrival=self._arrivals, cache_salt=cache_salt
         )
+        if mm is not None:
+            req.shared_prefix_len = min(mm.shared_prefix_len, len(ids))
         if mm is not None and mm.items:
             req.mm_items = list(mm.items)
             req.mrope_positions, req.mrope_delta = mm.mrope_positions, mm.mrope_delta

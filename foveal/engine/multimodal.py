@@ -34,7 +34,7 @@ class MultiModalProcessor:
         self.adapter = adapter
         self.image_token_id = adapter.image_token_id
 
-    def render_chat(self, messages: list[dict], **template_kwargs) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """Chat messages whose content parts may include {"type": "image"} -> the prompt text.
 
         The processor's template is rendered by the tokenizer: some processors' own apply_chat_template
@@ -44,7 +44,11 @@ class MultiModalProcessor:
         if not template:
             raise ValueError("this model has no chat template; use a plain prompt")
         return tok.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=True, **template_kwargs
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
         )
 
     def process(

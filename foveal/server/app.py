@@ -372,14 +372,20 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             )
         loaded = await asyncio.gather(*(asyncio.to_thread(load_image, i, u) for i, u in enumerate(urls)))
         messages = [m.as_template_dict(engine.is_multimodal) for m in req.messages]
+        kwargs = req.chat_template_kwargs or {}
         try:
-            return await asyncio.to_thread(
+            prompt = await asyncio.to_thread(
                 engine.process_images,
                 messages=messages,
                 images=[im for im, _ in loaded],
                 pixel_hashes=[h for _, h in loaded],
-                **(req.chat_template_kwargs or {}),
+                **kwargs,
             )
+            if cfg.shared_prefix_cache:
+                prompt.shared_prefix_len = await asyncio.to_thread(
+                    engine.system_prefix_len, messages, prompt.prompt_token_ids, **kwargs
+                )
+            return prompt
         except Exception as e:  # template and processor errors are the request's fault
             msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             log.info("%s rejected: %s", rid, msg)
