@@ -20,9 +20,9 @@ wait_ready() {
   return 1
 }
 
-wait_closed() {  # the next server must be able to bind the port
+wait_closed() {  # the next server must be able to bind the port (not just find /health silent)
   for _ in $(seq 60); do
-    curl -s -o /dev/null "http://127.0.0.1:$PORT/health" || return 0
+    $PY -c "import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', $PORT))" 2>/dev/null && return 0
     sleep 1
   done
 }
