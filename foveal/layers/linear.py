@@ -99,13 +99,19 @@ def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return F.linear(xf, kept if kept is not None else _upcast(weight), bf).to(x.dtype)
     # Large weights (the LM head, fused gate/up) go in cache-sized row chunks: each chunk's weights stay
     # in cache for the GEMM (upcast: measured 15-35% faster than one big upcast + GEMM; kept fp32 copy:
-    # the 49,152 x 576 LM head at 32 rows runs ~2x faster in chunks than in one GEMM)
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    # the 49,152 x 576 LM head at 32 rows runs ~1.4x faster in chunks than in one GEMM). Each chunk
+    # computes W_chunk @ x^T into contiguous rows of the transposed output: no strided copy per chunk
+    # (LM head at 32 rows: 29.5 vs 37.7 ms writing out[:, lo:hi]); one transposing cast at the end.
+    x2 = xf.reshape(-1, k)
+    out_t = torch.empty(n, x2.shape[0], dtype=torch.float32, device=x.device)
     for lo in range(0, n, rows):
         hi = min(n, lo + rows)
         w = kept[lo:hi] if kept is not None else _upcast(weight[lo:hi])
-        out[..., lo:hi] = F.linear(xf, w, None if bf is None else bf[lo:hi])
-    return out
+        torch.mm(w, x2.t(), out=out_t[lo:hi])
+    if bf is not None:
+        out_t += bf[:, None]
+    out = out_t.t().to(x.dtype, memory_format=torch.contiguous_format)
+    return out.reshape(*x.shape[:-1], n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
