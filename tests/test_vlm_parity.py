@@ -169,3 +169,17 @@ def test_prefix_cache_hit_equals_miss_and_keys_on_image_content(tiny):
     assert len(q.prompt_token_ids) - logits2.shape[0] <= first_image_block * warm.kv.block_size
     ((ref2, ref_toks2, _),) = foveal_greedy(cold, prompts(cold, [(text, other)]), STEPS)
     assert toks2 == ref_toks2
+
+
+def test_system_prefix_is_found_in_an_image_chat(tiny):
+    """--shared-prefix-cache on a VLM: the leading system turn, rendered alone through the family's
+    processor, is a token prefix of the whole image chat (and the user turn's image lies after it)."""
+    eng = engine_for(tiny)
+    system = {"role": "system", "content": [{"type": "text", "text": "Answer briefly and politely."}]}
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
+    prompt = eng.process_images(messages=[system, user], images=[image(40, 30, 1)])
+    ids = prompt.prompt_token_ids
+    n = eng.system_prefix_len([system, user], ids)
+    assert 0 < n <= prompt.items[0].offset
+    assert ids[:n] == eng.apply_chat_template([system], add_generation_prompt=False)
+    assert eng.system_prefix_len([user], ids) == 0  # no system turn: nothing to share

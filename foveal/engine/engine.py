@@ -290,29 +290,25 @@ class Engine:
             n += 1
         if n == 0:
             return 0
-        head = messages[:n]
         try:
-            if self.is_multimodal:
-                text = self.mm_processor.render_chat(head, add_generation_prompt=False, **template_kwargs)
-                pre = self.mm_processor.process(text, [], add_special_tokens=False).prompt_token_ids
-            else:
-                text = self.tokenizer.apply_chat_template(
-                    head, tokenize=False, add_generation_prompt=False, **template_kwargs
-                )
-                pre = self.tokenize(text, add_special_tokens=False)
+            pre = self.apply_chat_template(messages[:n], add_generation_prompt=False, **template_kwargs)
         except Exception:  # a template that cannot render a system-only chat: share nothing
             return 0
         return len(pre) if 0 < len(pre) <= len(ids) and ids[: len(pre)] == pre else 0
 
-    def apply_chat_template(self, messages: list[dict], **template_kwargs) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+    ) -> list[int]:
         if not messages:
             raise ValueError("messages must not be empty")
         if self.is_multimodal:
-            return self.process_images(messages=messages, **template_kwargs).prompt_token_ids
+            return self.process_images(
+                messages=messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+            ).prompt_token_ids
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use a plain prompt")
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
         return self.tokenize(text, add_special_tokens=False)
 
