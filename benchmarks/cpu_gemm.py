@@ -1,5 +1,7 @@
 """Times the linear shapes of one SmolLM2 decode step on this CPU: fp32, native bf16, and bf16 through
-Foveal's upcast path (foveal/layers/linear.py), plus fp32 GEMM efficiency against N at M=32.
+Foveal's CPU path (foveal/layers/linear.py: kept fp32 copies, oneDNN-packed where available), plus fp32
+GEMM efficiency against N at M=32 and at a prefill-sized M=2048, MKL's `F.linear` vs a oneDNN-packed
+weight.
 
     python benchmarks/cpu_gemm.py
 
@@ -41,18 +43,29 @@ def main() -> None:
         "native_bf16": lin.cpu_has_native(torch.bfloat16),
         "fp32_ms": bench(lambda: F.linear(x, w)),
         "bf16_native_ms": bench(lambda: F.linear(xb, wb)),
-        "bf16_upcast_ms": bench(lambda: lin._upcast_linear(xb, wb, None)),
+        "bf16_foveal_ms": bench(lambda: lin._upcast_linear(xb, wb, None)),
     }
-    gflops = {}
-    for nn in (192, 576, 960, 1536, 2048, 3072, 4096, 8192, 49152):
-        ww = torch.randn(nn, k)
-        gflops[nn] = round(2 * m * nn * k / bench(lambda ww=ww: F.linear(x, ww), 10) / 1e6, 1)
-    res["fp32_gflops_by_n_at_m32"] = gflops
+    res["onednn_packing"] = lin.onednn_packing()
+    for rows in (32, 2048):
+        xx = torch.randn(rows, k)
+        for name, packed in (("mkl", False), ("onednn", True)):
+            if packed and not res["onednn_packing"]:
+                continue
+            gflops = {}
+            for nn in (192, 576, 960, 1536, 3072, 49152):
+                ww = torch.randn(nn, k)
+                f = (lambda ww=ww: F.linear(xx, ww)) if not packed else (
+                    lambda p=lin._pack(ww): torch.ops.mkldnn._linear_pointwise(xx, p, None, "none", [], "")
+                )
+                gflops[nn] = round(2 * rows * nn * k / bench(f, 10 if rows == 32 else 3) / 1e6, 1)
+            res[f"fp32_gflops_by_n_m{rows}_{name}"] = gflops
     print(
         f"M={m} K={k} N={n}: fp32 {res['fp32_ms']:.2f} ms, bf16 native {res['bf16_native_ms']:.2f} ms, "
-        f"bf16 upcast {res['bf16_upcast_ms']:.2f} ms"
+        f"bf16 Foveal path {res['bf16_foveal_ms']:.2f} ms"
     )
-    print("fp32 GFLOP/s by N (M=32, K=576):", gflops)
+    for key, val in res.items():
+        if key.startswith("fp32_gflops"):
+            print(f"{key} (K={k}):", val)
     print(json.dumps({k_: (round(v, 3) if isinstance(v, float) else v) for k_, v in res.items()}))
 
 

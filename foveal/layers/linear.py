@@ -2,16 +2,20 @@
 
 On CPUs without native bf16/fp16 matrix instructions (no AVX512-BF16, AMX or AVX512-FP16), PyTorch
 emulates half-precision GEMMs several times slower than fp32. There we compute half-precision linears
-as fp32 GEMMs on upcast copies and round the result back: the same arithmetic a bf16 GEMM does
-(half-precision inputs, fp32 accumulation, half-precision output), 3-5x faster, and the weights stay
-stored in half precision. A single row (batch-1 decode) is cheaper natively, so it stays native.
-The upcast weight goes into one reused scratch buffer: a fresh 100 MB allocation per call costs more
-in page faults than the conversion itself (measured 5x on the LM head).
+as fp32 GEMMs on fp32 copies of the weights and round the result back: the same arithmetic a bf16 GEMM
+does (half-precision inputs, fp32 accumulation, half-precision output), 3-5x faster, and the weights
+stay stored in half precision. A single row (batch-1 decode) is cheaper natively, so it stays native.
 
-At decode sizes the per-call upcast costs about as much as the GEMM itself (SmolLM2-135M, 32 rows: ~70
-of ~400 ms per step), so the fp32 copy of each weight is kept (on the weight, refreshed if the weight is
-modified in place) while all kept copies fit `FP32_CACHE_BYTES`; weights past the budget (big models)
-keep the per-call upcast. Same arithmetic either way.
+The fp32 copy of each weight is made once and kept (on the weight, refreshed if the weight is modified
+in place) while all kept copies fit `FP32_CACHE_BYTES`. Where PyTorch has oneDNN, the kept copy is
+prepacked in oneDNN's blocked layout: on the AVX2 dev host its fp32 GEMMs ran 1.3-1.5x faster than
+MKL's `F.linear` at both decode (32 rows) and prefill (2,048 rows) sizes, since MKL repacks the weight
+on every call (`benchmarks/cpu_gemm.py`). Weights past the budget (big models) are upcast per call into
+one reused scratch buffer, in cache-sized row chunks (a fresh 100 MB allocation per call costs more in
+page faults than the conversion itself; chunks measured 15-35% faster than one big upcast + GEMM).
+Results equal one fp32-accumulated GEMM up to summation order.
+
+fp32 models take the same oneDNN-packed copies (same budget) for 4+ rows: that is the default CPU dtype.
 """
 
 from __future__ import annotations
@@ -58,8 +62,25 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+@functools.cache
+def onednn_packing() -> bool:
+    """Whether this PyTorch can prepack fp32 weights for oneDNN (checked once on a tiny GEMM)."""
+    try:
+        w, x = torch.randn(8, 16), torch.randn(4, 16)
+        got = torch.ops.mkldnn._linear_pointwise(x, _pack(w), None, "none", [], "")
+        return bool(torch.allclose(got, F.linear(x, w), atol=1e-5))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _pack(w32: torch.Tensor) -> torch.Tensor:
+    # the hint is the batch oneDNN tunes the blocking for; any row count works (32: decode-sized)
+    return torch.ops.mkldnn._reorder_linear_weight(w32, 32)
+
+
 def _kept_fp32(weight: torch.Tensor) -> torch.Tensor | None:
-    """The kept fp32 copy of `weight` (made on first use while the budget allows), or None."""
+    """The kept fp32 copy of `weight` (made on first use while the budget allows; oneDNN-packed where
+    available), or None."""
     hit = getattr(weight, "_foveal_fp32", None)
     version = _version(weight)
     if hit is not None and hit[0] == version:
@@ -71,7 +92,9 @@ def _kept_fp32(weight: torch.Tensor) -> torch.Tensor | None:
                 return None
             _cached["bytes"] += need
             weakref.finalize(weight, _release, need)  # the budget frees up with the weight
-        copy = weight.float()
+        copy = weight.float().contiguous()
+        if onednn_packing():
+            copy = _pack(copy)
         weight._foveal_fp32 = (version, copy)
     return copy
 
@@ -89,25 +112,30 @@ def _upcast(weight: torch.Tensor) -> torch.Tensor:
     return buf[: weight.numel()].view(weight.shape).copy_(weight)
 
 
+def _kept_linear(x: torch.Tensor, kept: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if kept.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), kept, bias, "none", [], "")
+    return F.linear(x, kept, bias)
+
+
 def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     xf = x.float()
     bf = None if bias is None else bias.float()
-    n, k = weight.shape
     kept = _kept_fp32(weight)
+    if kept is not None:
+        return _kept_linear(xf, kept, bf).to(x.dtype)
+    n, k = weight.shape
     rows = max(128, _CHUNK_BYTES // (4 * k))
     if n <= 2 * rows:
-        return F.linear(xf, kept if kept is not None else _upcast(weight), bf).to(x.dtype)
-    # Large weights (the LM head, fused gate/up) go in cache-sized row chunks: each chunk's weights stay
-    # in cache for the GEMM (upcast: measured 15-35% faster than one big upcast + GEMM; kept fp32 copy:
-    # the 49,152 x 576 LM head at 32 rows runs ~1.4x faster in chunks than in one GEMM). Each chunk
-    # computes W_chunk @ x^T into contiguous rows of the transposed output: no strided copy per chunk
-    # (LM head at 32 rows: 29.5 vs 37.7 ms writing out[:, lo:hi]); one transposing cast at the end.
+        return F.linear(xf, _upcast(weight), bf).to(x.dtype)
+    # Large weights (the LM head, fused gate/up) in row chunks, each upcast chunk still in cache for its
+    # GEMM. Each chunk computes W_chunk @ x^T into contiguous rows of the transposed output (no strided
+    # copy per chunk: LM head at 32 rows 29.5 vs 37.7 ms writing out[:, lo:hi]); one transposing cast.
     x2 = xf.reshape(-1, k)
     out_t = torch.empty(n, x2.shape[0], dtype=torch.float32, device=x.device)
     for lo in range(0, n, rows):
         hi = min(n, lo + rows)
-        w = kept[lo:hi] if kept is not None else _upcast(weight[lo:hi])
-        torch.mm(w, x2.t(), out=out_t[lo:hi])
+        torch.mm(_upcast(weight[lo:hi]), x2.t(), out=out_t[lo:hi])
     if bf is not None:
         out_t += bf[:, None]
     out = out_t.t().to(x.dtype, memory_format=torch.contiguous_format)
@@ -115,13 +143,18 @@ def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if (
-        weight.dtype in _HALF
-        and weight.device.type == "cpu"
-        and x.shape[0] >= _MIN_UPCAST_ROWS
-        and not cpu_has_native(weight.dtype)
-    ):
-        return _upcast_linear(x, weight, bias)
+    if weight.device.type == "cpu" and x.shape[0] >= _MIN_UPCAST_ROWS:
+        if weight.dtype in _HALF and not cpu_has_native(weight.dtype):
+            return _upcast_linear(x, weight, bias)
+        if (
+            weight.dtype == torch.float32
+            and x.dtype == torch.float32
+            and onednn_packing()
+            and not (weight.requires_grad and torch.is_grad_enabled())  # the packed GEMM has no autograd
+        ):
+            kept = _kept_fp32(weight)  # fp32 weights: a oneDNN-packed copy, same budget
+            if kept is not None:
+                return _kept_linear(x, kept, bias)
     return F.linear(x, weight, bias)
 
 
