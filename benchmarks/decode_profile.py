@@ -21,6 +21,7 @@ import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from foveal.worker.cpu_malloc import keep_freed_memory  # noqa: E402
 from tests.tiny import Harness  # noqa: E402
 
 
@@ -37,6 +38,7 @@ def main() -> None:
         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     )  # fmt: skip
     cfg.architectures = ["LlamaForCausalLM"]
+    keep_freed_memory()  # as the engine does on CPU
     torch.manual_seed(0)
     hf = tf.AutoModelForCausalLM.from_config(cfg)
     h = Harness(
