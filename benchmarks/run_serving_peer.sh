@@ -3,7 +3,7 @@
 # 16 slots) and `foveal serve`, at concurrency 16 (32 requests) and 1 (4 requests), 128 prompt words /
 # 128 output tokens, streaming /v1/completions, ignore_eos. One server at a time.
 # Usage: LLAMA_SERVER=/path/to/llama-server [DTYPES="bfloat16 float32"] [SKIP_LLAMA=1] \
-#          bash benchmarks/run_serving_peer.sh
+#          [FOVEAL_ARGS="--max-num-batched-tokens 512"] bash benchmarks/run_serving_peer.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -49,10 +49,10 @@ if [ -z "${SKIP_LLAMA:-}" ]; then
 fi
 
 for dtype in ${DTYPES:-bfloat16}; do
-  $PY -m foveal.cli serve --port "$PORT" --dtype "$dtype" --max-num-seqs 16 --log-level WARNING &
+  $PY -m foveal.cli serve --port "$PORT" --dtype "$dtype" --max-num-seqs 16 --log-level WARNING ${FOVEAL_ARGS:-} &
   SERVER=$!
   wait_ready
-  run_load "foveal-$dtype"
+  run_load "foveal-$dtype${FOVEAL_ARGS:+ $FOVEAL_ARGS}"
   kill $SERVER; wait $SERVER 2>/dev/null || true
   wait_closed
 done

@@ -61,7 +61,7 @@ async def one(client: httpx.AsyncClient, args, prompt: str, out: list[dict]) -> 
     }
     if args.ignore_eos:
         body["ignore_eos"] = True
-    t0 = time.perf_counter()
+    sent, t0 = time.time(), time.perf_counter()
     stamps: list[float] = []
     usage = None
     async with client.stream("POST", "/completions", json=body) as r:
@@ -82,6 +82,7 @@ async def one(client: httpx.AsyncClient, args, prompt: str, out: list[dict]) -> 
     end = time.perf_counter()
     out.append(
         {
+            "sent": sent,
             "ttft": (stamps[0] - t0) if stamps else float("nan"),
             "itl": [b - a for a, b in zip(stamps, stamps[1:])],
             "latency": end - t0,
@@ -140,6 +141,12 @@ def run(args) -> dict:
     ok = [r for r in results if "error" not in r]
     out_tokens = sum(r["completion_tokens"] for r in ok)
     itl = [x for r in ok for x in r["itl"]]
+    if args.dump:
+        first = min(r["sent"] for r in ok) if ok else 0.0
+        with open(args.dump, "w") as f:
+            for r in sorted(ok, key=lambda r: r["sent"]):
+                rec = {"sent_s": r["sent"] - first, "ttft_s": r["ttft"], "latency_s": r["latency"]}
+                f.write(json.dumps({k: round(v, 4) for k, v in rec.items()}) + "\n")
     return {
         "benchmark": "serving",
         "base_url": args.base_url,
@@ -173,6 +180,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=0, help="client processes (0: one per 32 streams)")
+    ap.add_argument("--dump", default=None, help="write each request's send time, TTFT and latency (JSON lines)")
     args = ap.parse_args()
     res = run(args)
     print(f"\nconcurrency {res['concurrency']}, {res['num_requests']} requests, {res['failed']} failed")

@@ -50,7 +50,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="KV pool element type; fp8/int8 quantize K/V (per-token scales) to hold ~2x the tokens",
     )
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="per-step token budget (prefill chunks + decodes); default 2048 on CUDA, 256 on CPU",
+    )
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--attention-backend", default="auto")
     g.add_argument(

@@ -49,13 +49,23 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # the per-step token budget (prefill chunks + decodes)
+    # the per-step token budget (prefill chunks + decodes); default: 2048 on CUDA, 256 on CPU, where a
+    # step's time grows with every token (GEMMs run at full rate from ~128 rows) and a big prefill step
+    # stalls every running stream (SmolLM2-135M on the 2-vCPU host: 16 streams, TTFT p50 5.5 s at 2048,
+    # 2.7 s at 256, same throughput; benchmarks/RESULTS.md)
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     # images encoded per step, in embedding tokens (default: the token budget); one image always passes
     max_encoder_tokens_per_step: int | None = None
     # schedule step N+1 while the device runs step N (default: on for CUDA, off on CPU, where the
     # device is the host and nothing would overlap)
     async_scheduling: bool | None = None
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """This config with the device's default token budget where none was given."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return dataclasses.replace(self, max_num_batched_tokens=2048 if device_type == "cuda" else 256)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +162,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         s, c = self.scheduler, self.cache
-        if s.max_num_batched_tokens < 1:
+        if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if s.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")

@@ -57,6 +57,7 @@ def test_bf16_runs_on_cuda(tiny_folder):
     folder, _ = tiny_folder
     llm = LLM(str(folder), device="cuda", kv_cache_memory=64 * 2**20)
     assert llm.engine.dtype == torch.bfloat16
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 2048  # the CUDA default
     outs = llm.generate(
         [[5, 6, 7]] * 4, SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True)
     )

@@ -101,7 +101,7 @@ def test_preemption_frees_latest_and_requeues_first():
 
 def test_finish_is_idempotent_and_frees():
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    s = Scheduler(SchedulerConfig(), kv, 100)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=2048), kv, 100)
     a = req("a", 5)
     s.add(a)
     s.update(s.schedule(), {"a": 3})

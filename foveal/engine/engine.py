@@ -8,9 +8,10 @@ error delta; a failed forward pass aborts only the requests in that batch.
 
 from __future__ import annotations
 
+
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -90,6 +91,7 @@ class Engine:
         cfg = self.config
         device = resolve_device(cfg.model.device)
         dtype = resolve_dtype(cfg.model.dtype, device)
+        cfg = self.config = replace(cfg, scheduler=cfg.scheduler.for_device(device.type))
         if device.type == "cpu":
             from foveal.worker.cpu_malloc import keep_freed_memory
 

@@ -41,6 +41,8 @@ class Scheduler:
         encoder_cache=None,
         atomic_mm_spans: bool = False,
     ):
+        if config.max_num_batched_tokens is None:
+            raise ValueError("the scheduler needs a token budget: use SchedulerConfig.for_device(...)")
         self.config = config
         self.encoder_cache = encoder_cache
         self.atomic_mm_spans = atomic_mm_spans
