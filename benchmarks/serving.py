@@ -104,7 +104,10 @@ async def _client(args, prompts: list[str], concurrency: int, start_at: float) -
 
         async def guarded(p: str) -> None:
             async with sem:
-                await one(c, args, p, results)
+                try:
+                    await one(c, args, p, results)
+                except httpx.HTTPError as e:  # a dropped connection fails this request, not the run
+                    results.append({"error": f"{type(e).__name__}: {e}"[:200]})
 
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0, cpu0 = time.time(), time.process_time()

@@ -20,8 +20,9 @@ for part in "$@"; do
     tests)
       TESTS=${TESTS:-tests/test_gpu.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_cuda_graphs.py tests/test_async_scheduling.py}
       timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$LOG/tests.txt" | tail -15
-      [ "${KERNEL_BENCH:-1}" = 1 ] && timeout 180 python3 benchmarks/attention_kernels.py 2>&1 \
-        | tee "$LOG/attention_kernels.txt" | tail -30
+      if [ "${KERNEL_BENCH:-1}" = 1 ]; then
+        timeout 180 python3 benchmarks/attention_kernels.py 2>&1 | tee "$LOG/attention_kernels.txt" | tail -30
+      fi
       ;;
     foveal)
       timeout ${T_FOVEAL:-540} python3 benchmarks/gpu_workloads.py ${WORKLOADS:+--workloads $WORKLOADS} ${PROFILE:+--profile} ${ASYNC:+--async-scheduling $ASYNC} \
