@@ -32,6 +32,14 @@ def bench(f, n: int = 20) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
+def _gemm(x: torch.Tensor, w: torch.Tensor, packed: bool):
+    """x @ w^T through MKL's F.linear, or through a oneDNN-packed copy of w (Foveal's CPU path)."""
+    if not packed:
+        return lambda: F.linear(x, w)
+    p = lin._pack(w)
+    return lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+
 def main() -> None:
     torch.manual_seed(0)
     m, k, n = 32, 576, 1536
@@ -54,10 +62,9 @@ def main() -> None:
             gflops = {}
             for nn in (192, 576, 960, 1536, 3072, 49152):
                 ww = torch.randn(nn, k)
-                f = (lambda ww=ww: F.linear(xx, ww)) if not packed else (
-                    lambda p=lin._pack(ww): torch.ops.mkldnn._linear_pointwise(xx, p, None, "none", [], "")
+                gflops[nn] = round(
+                    2 * rows * nn * k / bench(_gemm(xx, ww, packed), 10 if rows == 32 else 3) / 1e6, 1
                 )
-                gflops[nn] = round(2 * rows * nn * k / bench(f, 10 if rows == 32 else 3) / 1e6, 1)
             res[f"fp32_gflops_by_n_m{rows}_{name}"] = gflops
     print(
         f"M={m} K={k} N={n}: fp32 {res['fp32_ms']:.2f} ms, bf16 native {res['bf16_native_ms']:.2f} ms, "

@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=0, help="client processes (0: one per 32 streams)")
-    ap.add_argument("--dump", default=None, help="write each request's send time, TTFT and latency (JSON lines)")
+    ap.add_argument("--dump", default=None, help="JSON lines: each request's send time, TTFT, latency")
     args = ap.parse_args()
     res = run(args)
     print(f"\nconcurrency {res['concurrency']}, {res['num_requests']} requests, {res['failed']} failed")

@@ -8,7 +8,6 @@ error delta; a failed forward pass aborts only the requests in that batch.
 
 from __future__ import annotations
 
-
 import logging
 import time
 from dataclasses import dataclass, replace

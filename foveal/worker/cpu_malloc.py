@@ -39,4 +39,5 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    return bool(ok) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
