@@ -3,6 +3,11 @@ through the scheduler and paged cache without a tokenizer; `--profile` adds a cP
 
     python benchmarks/decode_profile.py --dtype bfloat16 [--profile]
 
+The prompts are prefilled in steps of `--budget` tokens (default 8192: one step for 32 prompts); each
+prefill step's time and minor page faults are printed. `--keep-freed-memory` first sets glibc's malloc to
+keep freed memory (mmap threshold 32 MiB, trim threshold 1 GiB), the A/B of a change tried and dropped
+in session 5 (benchmarks/RESULTS.md): fewer page faults and faster prefill, slower decode steps.
+
 Last line: one JSON object.
 """
 
@@ -10,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import json
 import os
 import pstats
+import resource
 import sys
 import time
 
@@ -21,7 +28,6 @@ import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from foveal.worker.cpu_malloc import keep_freed_memory  # noqa: E402
 from tests.tiny import Harness  # noqa: E402
 
 
@@ -30,6 +36,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--budget", type=int, default=8192, help="prefill tokens per step")
+    ap.add_argument("--keep-freed-memory", action="store_true", help="glibc mallopt: keep freed memory")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     cfg = tf.LlamaConfig(
@@ -38,11 +46,14 @@ def main() -> None:
         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     )  # fmt: skip
     cfg.architectures = ["LlamaForCausalLM"]
-    keep_freed_memory()  # as the engine does on CPU
+    if a.keep_freed_memory:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB from the heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
     torch.manual_seed(0)
     hf = tf.AutoModelForCausalLM.from_config(cfg)
     h = Harness(
-        hf, num_blocks=1200, block_size=16, budget=8192, max_num_seqs=256, dtype=getattr(torch, a.dtype)
+        hf, num_blocks=1200, block_size=16, budget=a.budget, max_num_seqs=256, dtype=getattr(torch, a.dtype)
     )
     for i in range(a.batch):
         h.add(f"r{i}", torch.randint(100, 49000, (128,)).tolist(), max_tokens=1000)
@@ -52,9 +63,13 @@ def main() -> None:
         out = h.runner.execute(batch)
         h.sched.update(batch, out.sampled)
 
-    t = time.perf_counter()
-    step()
-    prefill = time.perf_counter() - t
+    prefill_steps = []  # (seconds, minor page faults) per step until every prompt is prefilled
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in [*h.sched.waiting, *h.sched.running]):
+        f0, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        step()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        prefill_steps.append((round(time.perf_counter() - t, 2), faults))
+    prefill = sum(s for s, _ in prefill_steps)
     times = []
     for _ in range(a.steps):
         t = time.perf_counter()
@@ -68,9 +83,11 @@ def main() -> None:
             step()
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(15)
-    print(f"prefill {a.batch}x128: {prefill:.2f} s; decode step median {med * 1e3:.0f} ms")
-    print(json.dumps({"benchmark": "decode_profile", "dtype": a.dtype, "batch": a.batch,
-                      "prefill_s": round(prefill, 2), "decode_step_ms": round(med * 1e3, 1)}))  # fmt: skip
+    print(f"prefill {a.batch}x128: {prefill:.2f} s in steps (s, page faults) {prefill_steps}; "
+          f"decode step median {med * 1e3:.0f} ms")  # fmt: skip
+    print(json.dumps({"benchmark": "decode_profile", "dtype": a.dtype, "batch": a.batch, "budget": a.budget,
+                      "keep_freed_memory": a.keep_freed_memory, "prefill_s": round(prefill, 2),
+                      "prefill_steps": prefill_steps, "decode_step_ms": round(med * 1e3, 1)}))  # fmt: skip
 
 
 if __name__ == "__main__":

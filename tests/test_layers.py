@@ -102,26 +102,3 @@ def test_kept_copy_follows_the_weight_and_the_budget(monkeypatch, no_native_half
     del w
     gc.collect()
     assert lin._cached["bytes"] == before - 300 * 64 * 4  # freed with the weight
-
-
-def test_cpu_malloc_keeps_freed_tensor_memory():
-    """After `keep_freed_memory()` (the engine applies it on CPU), a burst of 16 live 4 MiB tensors, freed
-    and allocated again, reuses the same pages: no page faults from the third burst on. Untuned, glibc
-    trims the freed heap top each time (measured here: 16,445 / 16,381 / 15,329 / 1,024 faults for four
-    bursts; tuned: 16,383 / 7,168 / 0 / 0)."""
-    import resource
-    import sys
-
-    from foveal.worker.cpu_malloc import keep_freed_memory
-
-    if not sys.platform.startswith("linux") or not keep_freed_memory():
-        pytest.skip("glibc malloc tuning not available here")
-
-    def burst() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        ts = [torch.empty(1 << 20).fill_(1.0) for _ in range(16)]  # 16 x 4 MiB live at once
-        del ts
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    faults = [burst() for _ in range(4)]
-    assert faults[2] + faults[3] < 100, faults

@@ -91,10 +91,6 @@ class Engine:
         device = resolve_device(cfg.model.device)
         dtype = resolve_dtype(cfg.model.dtype, device)
         cfg = self.config = replace(cfg, scheduler=cfg.scheduler.for_device(device.type))
-        if device.type == "cpu":
-            from foveal.worker.cpu_malloc import keep_freed_memory
-
-            keep_freed_memory()  # every op's output is a fresh host allocation: stop page-faulting them
         if cfg.model.seed is not None:
             torch.manual_seed(cfg.model.seed)
         t0 = time.perf_counter()

@@ -8,9 +8,10 @@ stay stored in half precision. A single row (batch-1 decode) is cheaper natively
 
 The fp32 copy of each weight is made once and kept (on the weight, refreshed if the weight is modified
 in place) while all kept copies fit `FP32_CACHE_BYTES`. Where PyTorch has oneDNN, the kept copy is
-prepacked in oneDNN's blocked layout: on the AVX2 dev host its fp32 GEMMs ran 1.3-1.5x faster than
-MKL's `F.linear` at both decode (32 rows) and prefill (2,048 rows) sizes, since MKL repacks the weight
-on every call (`benchmarks/cpu_gemm.py`). Weights past the budget (big models) are upcast per call into
+prepacked in oneDNN's blocked layout (MKL's `F.linear` repacks the weight on every call). On the AVX2
+dev host (`benchmarks/cpu_gemm.py`, benchmarks/RESULTS.md) the packed fp32 GEMMs ran 0.85-2.8x MKL's at
+32 rows (faster on every SmolLM2 shape but the 192-wide one) and 0.95-1.4x at 2,048 rows; the
+decode_profile prefill step 17.9 -> 13.7 s. Weights past the budget (big models) are upcast per call into
 one reused scratch buffer, in cache-sized row chunks (a fresh 100 MB allocation per call costs more in
 page faults than the conversion itself; chunks measured 15-35% faster than one big upcast + GEMM).
 Results equal one fp32-accumulated GEMM up to summation order.
