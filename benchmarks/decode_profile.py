@@ -1,7 +1,11 @@
 """Decode-step time of Foveal on a SmolLM2-135M-shaped random model (32 sequences x 128-token prompts),
 through the scheduler and paged cache without a tokenizer; `--profile` adds a cProfile table.
 
-    python benchmarks/decode_profile.py --dtype bfloat16 [--profile]
+    python benchmarks/decode_profile.py --dtype bfloat16 [--profile] [--attention-backend torch|cpu|both]
+
+`--attention-backend both` alternates the torch and cpu backends step by step in one process (same
+sequences, same cache) and reports each one's median decode step: an A/B that this host's drift
+(+-15% between runs) cannot bias.
 
 The prompts are prefilled in steps of `--budget` tokens (default 8192: one step for 32 prompts); each
 prefill step's time and minor page faults are printed. `--keep-freed-memory` first sets glibc's malloc to
@@ -28,6 +32,7 @@ import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from foveal.attention import get_backend  # noqa: E402
 from tests.tiny import Harness  # noqa: E402
 
 
@@ -39,6 +44,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8192, help="prefill tokens per step")
     ap.add_argument("--keep-freed-memory", action="store_true", help="glibc mallopt: keep freed memory")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--attention-backend", default="torch", choices=["torch", "cpu", "both"])
     a = ap.parse_args()
     cfg = tf.LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -52,9 +58,17 @@ def main() -> None:
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
     torch.manual_seed(0)
     hf = tf.AutoModelForCausalLM.from_config(cfg)
+    names = ["torch", "cpu"] if a.attention_backend == "both" else [a.attention_backend]
     h = Harness(
-        hf, num_blocks=1200, block_size=16, budget=a.budget, max_num_seqs=256, dtype=getattr(torch, a.dtype)
+        hf,
+        num_blocks=1200,
+        block_size=16,
+        budget=a.budget,
+        max_num_seqs=256,
+        dtype=getattr(torch, a.dtype),
+        backend=names[0],
     )
+    backends = {n: get_backend(n, "cpu") for n in names}
     for i in range(a.batch):
         h.add(f"r{i}", torch.randint(100, 49000, (128,)).tolist(), max_tokens=1000)
 
@@ -70,12 +84,15 @@ def main() -> None:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         prefill_steps.append((round(time.perf_counter() - t, 2), faults))
     prefill = sum(s for s, _ in prefill_steps)
-    times = []
-    for _ in range(a.steps):
+    times = {n: [] for n in names}
+    for i in range(a.steps * len(names)):
+        name = names[i % len(names)]
+        h.use_backend(backends[name])
         t = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t)
-    med = sorted(times)[len(times) // 2]
+        times[name].append(time.perf_counter() - t)
+    medians = {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}
+    med = medians[names[-1]]
     if a.profile:
         pr = cProfile.Profile()
         pr.enable()
@@ -83,11 +100,13 @@ def main() -> None:
             step()
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+    by_backend = {n: round(m * 1e3, 1) for n, m in medians.items()}
     print(f"prefill {a.batch}x128: {prefill:.2f} s in steps (s, page faults) {prefill_steps}; "
-          f"decode step median {med * 1e3:.0f} ms")  # fmt: skip
+          f"decode step median (ms) by attention backend {by_backend}")  # fmt: skip
     print(json.dumps({"benchmark": "decode_profile", "dtype": a.dtype, "batch": a.batch, "budget": a.budget,
                       "keep_freed_memory": a.keep_freed_memory, "prefill_s": round(prefill, 2),
-                      "prefill_steps": prefill_steps, "decode_step_ms": round(med * 1e3, 1)}))  # fmt: skip
+                      "prefill_steps": prefill_steps, "decode_step_ms": round(med * 1e3, 1),
+                      "decode_step_ms_by_backend": by_backend}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -57,7 +57,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="per-step token budget (prefill chunks + decodes); default 2048 on CUDA, 256 on CPU",
     )
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--attention-backend", default="auto")
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="auto (triton on CUDA; on CPU, cpu: a native decode kernel built at first use, else torch), "
+        "torch, cpu or triton",
+    )
     g.add_argument(
         "--no-prefix-cache",
         dest="enable_prefix_caching",

@@ -140,7 +140,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: str = "auto"  # auto | torch
+    attention_backend: str = "auto"  # auto | torch | cpu | triton (auto: triton on CUDA, cpu on CPU)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

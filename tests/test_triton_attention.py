@@ -10,96 +10,14 @@ Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); with CUDA the 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from foveal.attention import get_backend
-from foveal.attention.base import AttentionBatch
 from foveal.attention.kv_quant import QuantizedKVCache
 from foveal.attention.torch_backend import TorchAttentionBackend
 from foveal.attention.triton_backend import TritonAttentionBackend
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SCALE = 0.3
-
-
-class Case:
-    """Sequences as (cached context, new tokens), decodes first; a paged cache of junk holding the
-    contexts under shuffled block ids; the step's q/k/v (views of one fused tensor) and its batch."""
-
-    def __init__(self, seqs, *, num_kv=2, group=2, head_dim=32, bs=16, dtype=torch.float32, seed=0, nd=None):
-        g = torch.Generator().manual_seed(seed)
-        self.num_heads = num_kv * group
-        need = [math.ceil((c + n) / bs) for c, n in seqs]
-        num_blocks = sum(need) + 3  # block 0 stays unused: the padding block of tables
-        order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-        tables = []
-        for n in need:
-            tables.append(order[:n])
-            order = order[n:]
-        self.cache = (torch.randn(2, num_blocks * bs, num_kv, head_dim, generator=g) * 10).to(dtype)
-        slots = []
-        for (ctx, n), table in zip(seqs, tables):
-            pos_slots = [table[p // bs] * bs + p % bs for p in range(ctx + n)]
-            self.cache[:, pos_slots[:ctx]] = torch.randn(2, ctx, num_kv, head_dim, generator=g).to(dtype)
-            slots.extend(pos_slots[ctx:])
-        total = sum(n for _, n in seqs)
-        qkv = torch.randn(total, self.num_heads + 2 * num_kv, head_dim, generator=g).to(dtype)
-        self.q, self.k, self.v = qkv.split([self.num_heads, num_kv, num_kv], dim=1)
-        self.batch = AttentionBatch(
-            query_lens=[n for _, n in seqs],
-            context_lens=[c for c, _ in seqs],
-            block_tables=tables,
-            # decodes: the leading one-token rows, unless told (a 1-token verify chunk is a prefill)
-            num_decodes=nd
-            if nd is not None
-            else next((i for i, (_, n) in enumerate(seqs) if n != 1), len(seqs)),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_size=bs,
-        )
-        self.to(DEVICE)
-
-    def to(self, device):
-        for name in ("cache", "q", "k", "v"):
-            setattr(self, name, getattr(self, name).to(device))
-        self.batch.slot_mapping = self.batch.slot_mapping.to(device)
-        return self
-
-    def run(self, backend, cache, meta=None, **kw):
-        meta = backend.plan(self.batch, DEVICE) if meta is None else meta
-        return backend.forward(self.q, self.k, self.v, cache, meta, SCALE, **kw)
-
-
-def tolerance(dtype):
-    return dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
-
-
-def compare(case: Case, backend=None, **kw):
-    """Triton == torch on the outputs and on the cache after the store."""
-    backend = backend or TritonAttentionBackend()
-    c_ref, c_tri = case.cache.clone(), case.cache.clone()
-    ref = case.run(TorchAttentionBackend(), c_ref, **kw)
-    out = case.run(backend, c_tri, **kw)
-    assert out.dtype == case.q.dtype and out.shape == case.q.shape
-    torch.testing.assert_close(out, ref, **tolerance(case.q.dtype))
-    assert torch.equal(c_tri, c_ref), "cache after the store differs"
-
-
-# (context, new tokens): 17 is no multiple of either block size; 150 crosses several splits
-DECODES = [(0, 1), (5, 1), (17, 1), (150, 1)]
-FRESH = [(0, 11), (0, 23)]
-CHUNKS = [(9, 7), (32, 16)]  # prefix hits / later chunks
-VERIFY = [(20, 1), (33, 2), (50, 4)]  # 1..k+1 tokens after a context, in the prefill section
-MIXED = [(3, 1), (40, 1), (0, 13), (21, 6), (6, 2)]
-
-SHAPES = [  # num_kv, group, head_dim, block_size
-    pytest.param(2, 2, 32, 16, id="kv2g2-d32-bs16"),
-    pytest.param(1, 4, 48, 4, id="kv1g4-d48-bs4"),
-    pytest.param(2, 1, 32, 4, id="kv2g1-d32-bs4"),
-    pytest.param(4, 7, 32, 16, id="kv4g7-d32-bs16"),  # Qwen2.5-VL-7B: 28 heads over 4 KV heads
-]
+from tests.attention_cases import CHUNKS, DECODES, DEVICE, FRESH, MIXED, SCALE, SHAPES, VERIFY, Case, compare
 
 
 @pytest.mark.parametrize("num_kv,group,head_dim,bs", SHAPES)
@@ -112,11 +30,11 @@ def test_decode_matches_torch(num_kv, group, head_dim, bs):
 @pytest.mark.parametrize("num_kv,group,head_dim,bs", SHAPES)
 def test_prefill_matches_torch(num_kv, group, head_dim, bs):
     kw = dict(num_kv=num_kv, group=group, head_dim=head_dim, bs=bs)
-    compare(Case(FRESH + CHUNKS, **kw))
+    compare(Case(FRESH + CHUNKS, **kw), TritonAttentionBackend())
 
 
 def test_short_queries_after_context():
-    compare(Case(VERIFY, num_kv=1, group=4, head_dim=48, bs=4, nd=0))
+    compare(Case(VERIFY, num_kv=1, group=4, head_dim=48, bs=4, nd=0), TritonAttentionBackend())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -134,7 +52,7 @@ def test_sliding_window(window):
 
 def test_softcap_with_and_without_window():
     case = Case(MIXED, group=4, num_kv=1, seed=3)
-    compare(case, softcap=2.0)
+    compare(case, TritonAttentionBackend(), softcap=2.0)
     compare(case, TritonAttentionBackend(split_tokens=8), softcap=2.0, window=7)
 
 
@@ -196,8 +114,8 @@ def test_cuda_graph_replay_matches_eager():
     assert torch.equal(cache, ref_cache)
 
 
-def test_auto_picks_torch_on_cpu():
-    assert get_backend("auto", torch.device("cpu")).name == "torch"
+def test_auto_picks_triton_only_on_cuda():
+    assert get_backend("auto", torch.device("cpu")).name in ("cpu", "torch")  # tests/test_cpu_attention.py
     assert get_backend("triton", DEVICE).name == "triton"
 
 

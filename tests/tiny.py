@@ -94,10 +94,18 @@ class Harness:
     """Our model + paged cache + scheduler, fed token ids directly."""
 
     def __init__(
-        self, hf_model, *, num_blocks=64, block_size=4, budget=512, max_num_seqs=16, dtype=torch.float32
+        self,
+        hf_model,
+        *,
+        num_blocks=64,
+        block_size=4,
+        budget=512,
+        max_num_seqs=16,
+        dtype=torch.float32,
+        backend="torch",
     ):
         cfg = hf_model.config
-        backend = get_backend("torch", "cpu")
+        backend = get_backend(backend, "cpu")
         self.model = build_model(
             cfg,
             backend,
@@ -111,6 +119,13 @@ class Harness:
         self.kv = KVCacheManager(num_blocks, block_size)
         self.sched = Scheduler(SchedulerConfig(budget, max_num_seqs), self.kv, cfg.max_position_embeddings)
         self.runner = ModelRunner(self.model, caches, backend, block_size, "cpu", cfg.vocab_size)
+
+    def use_backend(self, backend) -> None:
+        """Swap the attention backend (same cache layout) between steps: in-process A/B runs."""
+        self.runner.backend = backend
+        for m in self.model.modules():
+            if hasattr(m, "backend"):
+                m.backend = backend
 
     def add(self, rid: str, ids: list[int], max_tokens: int = 32) -> Request:
         req = Request(rid, list(ids), SamplingParams(temperature=0.0, max_tokens=max_tokens))

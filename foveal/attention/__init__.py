@@ -11,6 +11,7 @@ from foveal.attention.base import AttentionBackend, AttentionBatch
 
 _BACKENDS = {
     "torch": "foveal.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "foveal.attention.cpu_backend:CpuAttentionBackend",
     "triton": "foveal.attention.triton_backend:TritonAttentionBackend",
 }
 
@@ -27,10 +28,21 @@ def _triton_available() -> bool:
     return True
 
 
+def _cpu_kernel_available() -> bool:
+    from foveal.attention import cpu_native
+
+    return cpu_native.kernel() is not None
+
+
 def get_backend(name: str, device) -> AttentionBackend:
-    """'auto' picks triton on CUDA when it imports, else torch (triton is imported only then)."""
+    """'auto' picks triton on CUDA when it imports (triton is imported only then); on CPU, cpu (torch
+    plus the native decode kernel) when the kernel builds, else torch."""
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" and _triton_available() else "torch"
+        kind = torch.device(device).type
+        if kind == "cuda":
+            name = "triton" if _triton_available() else "torch"
+        else:
+            name = "cpu" if kind == "cpu" and _cpu_kernel_available() else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
     module, cls = _BACKENDS[name].split(":")

@@ -32,6 +32,7 @@ rotated in and the output back out. A plain tensor pool takes the unquantized pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,7 @@ class TorchAttentionMetadata:
     seqs: list[_Seq]
     device: torch.device
     windowed: dict[int, tuple[_Decode | None, list[_Prefill]]] = field(default_factory=dict)
+    extra: Any = None  # what a backend built on this one plans for itself (cpu_backend: decode tables)
 
 
 def _allowed(q0: int, q_len: int, k0: int, k_len: int, spans, window: int | None) -> torch.Tensor:
@@ -187,6 +189,11 @@ class TorchAttentionBackend:
             start += s.q_len
         return TorchAttentionMetadata(batch.slot_mapping, bs, nd, decode, prefills, seqs, device)
 
+    def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap) -> bool:
+        """Hook for backends built on this one: attend the decode rows into `out` and return True, or
+        return False for the gather + SDPA path below (the oracle)."""
+        return False
+
     def forward(
         self,
         q,
@@ -222,9 +229,9 @@ class TorchAttentionBackend:
                 return (k_blocks, v_blocks)[i].index_select(0, ids)
 
         out = torch.empty_like(q)
-        decode, prefills = _layout(meta, window)
         nd = meta.num_decodes
-        if nd:
+        if nd and not self._decode_in_place(q[:nd], kv_cache, meta, out[:nd], scale, window, softcap):
+            decode = _layout(meta, window)[0]
             # a single-token query never needs its spans: it sees every earlier token anyway
             qd = q[:nd].view(nd, num_kv, group, head_dim)
             kd = blocks_of(0, decode.blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)
@@ -235,7 +242,7 @@ class TorchAttentionBackend:
                 decode.bias = bias.masked_fill_(~decode.mask, float("-inf"))
             od = _attend(qd, kd, vd, decode.bias, False, scale, softcap, gqa=False)
             out[:nd] = od.reshape(nd, num_heads, head_dim)
-        for p in prefills:
+        for p in _layout(meta, window)[1]:
             # 4-D inputs ([1, heads, len, dim]) take the CPU flash kernel; 3-D falls back to ~2x slower math
             s, e = p.start, p.start + p.q_len
             qp = q[s:e].transpose(0, 1)[None]

@@ -180,7 +180,7 @@ class Engine:
         self.async_scheduling = device.type == "cuda" if overlap is None else overlap
         log.info(
             "loaded %s (%s, %s) on %s in %.2f s; KV pool (%s): %d tokens in %d blocks of %d (%.1f MiB), "
-            "max_model_len %d",
+            "max_model_len %d; attention backend %s",
             ckpt.name,
             ckpt.format,
             str(dtype).removeprefix("torch."),
@@ -192,6 +192,7 @@ class Engine:
             bs,
             num_blocks * block_bytes / 2**20,
             max_len,
+            backend.name,
         )
         return self
 

@@ -1,0 +1,152 @@
+/* Paged decode attention for CPUs: one query token per sequence, keys and values read in place from
+ * the paged pool (no gather), fp32 accumulation, online softmax over chunks of keys. Compiled at first
+ * use by foveal/attention/cpu_native.py (gcc/cc -O3 -march=native); the torch backend is the oracle
+ * and the fallback.
+ *
+ * One task = one (sequence, kv head): its G = H / KVH query heads share every key and value row, so
+ * each row is loaded and converted once per task. Tasks are spread over OpenMP threads (the runtime
+ * PyTorch already loaded: same libgomp.so.1, same thread pool).
+ *
+ *   q      [nd, H, D]           rows q_tok apart, heads D apart
+ *   k, v   [slots, KVH, D]      slot = table[pos / bs] * bs + pos % bs; rows `slot_stride` apart
+ *   tables [nd, table_stride]   int64 block ids
+ *   starts [nd]                 first visible position (sliding windows; 0 otherwise)
+ *   lens   [nd]                 keys of each sequence (its context + this token)
+ *   out    [nd, H, D]           contiguous
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+static inline float f16_load(_Float16 x) { return (float)x; }
+static inline _Float16 f16_store(float x) { return (_Float16)x; }
+
+static inline float dot(const float *restrict a, const float *restrict b, int D) {
+    float s = 0.0f;
+    for (int d = 0; d < D; d++) s += a[d] * b[d]; /* vectorized: built with -fassociative-math */
+    return s;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int D) {
+    for (int d = 0; d < D; d++) y[d] += a * x[d];
+}
+
+static inline void scale_row(float *restrict y, float a, int D) {
+    for (int d = 0; d < D; d++) y[d] *= a;
+}
+
+#define DEFINE_LOAD_ROW(NAME, T, LOAD)                                                                \
+    static inline void NAME(float *restrict dst, const T *restrict src, int D) {                     \
+        for (int d = 0; d < D; d++) dst[d] = LOAD(src[d]);                                            \
+    }
+DEFINE_LOAD_ROW(row_f32, float, f32_load)
+DEFINE_LOAD_ROW(row_bf16, uint16_t, bf16_to_f32)
+DEFINE_LOAD_ROW(row_f16, _Float16, f16_load)
+
+/* Asks for the rows of positions [p0, p1) of one pool ahead of their use: the blocks of a sequence sit
+ * anywhere in the pool, so the hardware prefetcher cannot guess the next one. */
+static inline void prefetch_rows(const char *base, const int64_t *table, int64_t p0, int64_t p1, int bs,
+                                 int64_t slot_bytes, int64_t head_off, int64_t row_bytes) {
+    for (int64_t pos = p0; pos < p1; pos++) {
+        const char *row = base + (table[pos / bs] * bs + pos % bs) * slot_bytes + head_off;
+        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o);
+    }
+}
+
+/* Positions per chunk: the chunk's rows (all heads of the task, fp32) stay within ~64 KB (L2). */
+static inline int chunk_for(int heads, int D) {
+    int c = 16384 / (heads * D);
+    return c < 8 ? 8 : (c > 64 ? 64 : c);
+}
+
+#define DEFINE_DECODE(NAME, T, LOAD_ROW, STORE)                                                         \
+    void NAME(const T *q, int64_t q_tok, const T *k, const T *v, int64_t slot_stride,                \
+              const int64_t *tables, int64_t table_stride, const int64_t *starts, const int64_t *lens, \
+              T *out, int nd, int H, int KVH, int D, int bs, float scale, float softcap,             \
+              int nthreads) {                                                                         \
+        const int G = H / KVH;                                                                        \
+        /* a task = one sequence and a range of its kv heads: whole sequences when there are enough \
+           of them (every key block is then read front to back), else split by heads */              \
+        int parts = 1;                                                                                \
+        while (parts < KVH && nd * parts < 4 * nthreads) parts++;                                     \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                       \
+        for (int task = 0; task < nd * parts; task++) {                                               \
+            const int b = task / parts, part = task % parts;                                          \
+            const int h0 = part * KVH / parts, h1 = (part + 1) * KVH / parts, nh = h1 - h0;           \
+            const int CH = chunk_for(nh, D);                                                          \
+            float qf[nh * G * D], acc[nh * G * D], m[nh * G], l[nh * G], s[nh * G * CH];              \
+            float rows[CH * nh * D];                                                                  \
+            for (int r = 0; r < nh * G; r++) {                                                        \
+                LOAD_ROW(qf + r * D, q + b * q_tok + (int64_t)(h0 * G + r) * D, D);                   \
+                scale_row(qf + r * D, scale, D);                                                      \
+                m[r] = -INFINITY;                                                                     \
+                l[r] = 0.0f;                                                                          \
+            }                                                                                         \
+            memset(acc, 0, sizeof(acc));                                                              \
+            const int64_t *table = tables + b * table_stride;                                         \
+            const int64_t end = lens[b];                                                              \
+            for (int64_t p0 = starts[b]; p0 < end; p0 += CH) {                                        \
+                const int n = (int)(end - p0 < CH ? end - p0 : CH);                                   \
+                for (int j = 0; j < n; j++) {                                                         \
+                    const int64_t pos = p0 + j, slot = table[pos / bs] * bs + pos % bs;               \
+                    LOAD_ROW(rows + j * nh * D, k + slot * slot_stride + (int64_t)h0 * D, nh * D);    \
+                }                                                                                     \
+                prefetch_rows((const char *)v, table, p0, p0 + n, bs, slot_stride * sizeof(T),        \
+                              h0 * D * sizeof(T), nh * D * sizeof(T));                                \
+                for (int r = 0; r < nh * G; r++) {                                                    \
+                    const float *kh = rows + (r / G) * D;                                             \
+                    float *sr = s + r * CH, mx = m[r];                                                \
+                    for (int j = 0; j < n; j++) {                                                     \
+                        float x = dot(qf + r * D, kh + j * nh * D, D);                                \
+                        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);                         \
+                        sr[j] = x;                                                                    \
+                        mx = x > mx ? x : mx;                                                         \
+                    }                                                                                 \
+                    const float corr = expf(m[r] - mx);                                               \
+                    m[r] = mx;                                                                        \
+                    l[r] *= corr;                                                                     \
+                    scale_row(acc + r * D, corr, D);                                                  \
+                    for (int j = 0; j < n; j++) {                                                     \
+                        sr[j] = expf(sr[j] - mx);                                                     \
+                        l[r] += sr[j];                                                                \
+                    }                                                                                 \
+                }                                                                                     \
+                for (int j = 0; j < n; j++) {                                                         \
+                    const int64_t pos = p0 + j, slot = table[pos / bs] * bs + pos % bs;               \
+                    LOAD_ROW(rows + j * nh * D, v + slot * slot_stride + (int64_t)h0 * D, nh * D);    \
+                }                                                                                     \
+                prefetch_rows((const char *)k, table, p0 + n, p0 + n + CH < end ? p0 + n + CH : end, bs, \
+                              slot_stride * sizeof(T), h0 * D * sizeof(T), nh * D * sizeof(T));       \
+                for (int r = 0; r < nh * G; r++) {                                                    \
+                    const float *vh = rows + (r / G) * D;                                             \
+                    for (int j = 0; j < n; j++) axpy(acc + r * D, s[r * CH + j], vh + j * nh * D, D); \
+                }                                                                                     \
+            }                                                                                         \
+            for (int r = 0; r < nh * G; r++) {                                                        \
+                T *o = out + ((int64_t)b * H + h0 * G + r) * D;                                       \
+                const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;                                   \
+                for (int d = 0; d < D; d++) o[d] = STORE(acc[r * D + d] * inv);                       \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+DEFINE_DECODE(foveal_decode_f32, float, row_f32, f32_store)
+DEFINE_DECODE(foveal_decode_bf16, uint16_t, row_bf16, f32_to_bf16)
+DEFINE_DECODE(foveal_decode_f16, _Float16, row_f16, f16_store)

@@ -1,0 +1,129 @@
+"""Builds and loads the CPU decode-attention kernel (cpu_decode.c) with the system C compiler, once per
+source/compiler/CPU, into the cache directory (foveal.config.cache_dir()/kernels); later processes
+load the built library directly. Where no compiler works, `kernel()` is None and the CPU backend
+falls back to the torch backend's path (logged once). Plain ctypes: no torch headers to compile (the
+build takes about a second), and ctypes releases the GIL during the call.
+
+    kernel().decode(q, k_pool, v_pool, tables, starts, lens, out, scale, softcap)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from foveal.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+# reassociation lets the dot products vectorize; no -ffast-math (the softmax needs -inf)
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+]
+_FUNCS = {
+    torch.float32: "foveal_decode_f32",
+    torch.bfloat16: "foveal_decode_bf16",
+    torch.float16: "foveal_decode_f16",
+}
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_ARGTYPES = [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _F, _I]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=300
+        )
+        os.replace(tmp, target)  # atomic: a concurrent process sees the old state or the whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class DecodeKernel:
+    def __init__(self, lib: ctypes.CDLL):
+        self._fns = {}
+        for dtype, name in _FUNCS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = _ARGTYPES, None
+            self._fns[dtype] = fn
+
+    def decode(
+        self,
+        q: torch.Tensor,  # [nd, H, D]
+        k_pool: torch.Tensor,  # [slots, KVH, D]
+        v_pool: torch.Tensor,
+        tables: torch.Tensor,  # [nd, max_blocks] int64
+        starts: torch.Tensor,  # [nd] int64: first visible position
+        lens: torch.Tensor,  # [nd] int64: keys per sequence
+        out: torch.Tensor,  # [nd, H, D], contiguous
+        block_size: int,
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        nd, heads, dim = q.shape
+        kv_heads = k_pool.shape[1]
+        if q.stride(2) != 1 or q.stride(1) != dim:
+            q = q.contiguous()
+        for t in (k_pool, v_pool):
+            if t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) != k_pool.stride(0):
+                raise ValueError("the KV pool must be [slots, kv_heads, head_dim] with rows in place")
+        if not (out.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.long):
+            raise ValueError("out and tables must be contiguous (tables int64)")
+        if not (q.dtype == k_pool.dtype == v_pool.dtype == out.dtype) or q.dtype not in self._fns:
+            raise ValueError(f"unsupported dtypes {q.dtype}/{k_pool.dtype}/{out.dtype}")
+        self._fns[q.dtype](
+            q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),
+            tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            nd, heads, kv_heads, dim, block_size, scale, softcap or 0.0, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+@functools.cache
+def kernel() -> DecodeKernel | None:
+    """The built kernel, or None (no compiler, a failed build: logged once)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("no C compiler found: CPU decode attention runs on torch SDPA")
+        return None
+    key = hashlib.sha256(
+        b"\0".join([SOURCE.read_bytes(), cc.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    target = Path(cache_dir()) / "kernels" / f"cpu_decode-{key}.so"
+    try:
+        if not target.exists():
+            _build(cc, target)
+        return DecodeKernel(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("CPU decode kernel unavailable (%s %s): using torch SDPA", e, detail.decode()[-500:])
+        return None

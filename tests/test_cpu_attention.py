@@ -1,0 +1,133 @@
+"""The cpu attention backend (torch backend + the native decode kernel, foveal/attention/cpu_decode.c)
+against the torch backend on the paged cases of tests/attention_cases.py: decode rows over every
+shape (GQA groups 1-7, head_dim 48, block sizes 4 and 16), few rows (tasks split by kv heads) and
+many (whole sequences), fp32/bf16/fp16, long contexts (several key chunks), sliding windows, softcap,
+mixed steps whose prefill chunks take the torch path; the fallbacks (quantized pools, no compiler).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foveal.attention import cpu_native, get_backend
+from foveal.attention.cpu_backend import CpuAttentionBackend
+from foveal.attention.kv_quant import QuantizedKVCache
+from foveal.attention.torch_backend import TorchAttentionBackend
+from tests.attention_cases import DECODES, MIXED, SCALE, SHAPES, Case, compare
+
+CPU = torch.device("cpu")
+kernel = cpu_native.kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the cpu backend is the torch one")
+
+
+def cpu_case(seqs, **kw):
+    return Case(seqs, device=CPU, **kw)
+
+
+def native_calls(backend: CpuAttentionBackend, monkeypatch) -> list:
+    calls = []
+    real = backend.kernel.decode
+
+    def counted(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(backend.kernel, "decode", counted)
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_kv,group,head_dim,bs", SHAPES)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+def test_decode_matches_torch(num_kv, group, head_dim, bs, dtype, monkeypatch):
+    backend = CpuAttentionBackend()
+    calls = native_calls(backend, monkeypatch)
+    # 4 rows: tasks split by kv heads; 12 rows: one task per sequence; 300 keys: several chunks
+    for seqs in (DECODES, DECODES * 2 + [(300, 1)] * 4):
+        compare(cpu_case(seqs, num_kv=num_kv, group=group, head_dim=head_dim, bs=bs, dtype=dtype), backend)
+    assert calls == [4, 12]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mixed_decode_and_prefill(dtype, monkeypatch):
+    backend = CpuAttentionBackend()
+    calls = native_calls(backend, monkeypatch)
+    compare(cpu_case(MIXED + [(0, 30)], group=4, dtype=dtype, seed=1), backend)
+    assert calls == [2]  # the two decode rows; the prefill chunks took the torch path
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [1, 5, 16, 200])
+def test_sliding_window(window):
+    case = cpu_case(
+        DECODES[1:] + [(180, 1), (0, 20), (30, 9)], num_kv=1, group=4, head_dim=48, bs=4, seed=window
+    )
+    compare(case, CpuAttentionBackend(), window=window)
+
+
+@needs_kernel
+def test_softcap_with_and_without_window():
+    case = cpu_case(MIXED + [(90, 1)] * 3, group=4, num_kv=1, seed=3)
+    compare(case, CpuAttentionBackend(), softcap=2.0)
+    compare(case, CpuAttentionBackend(), softcap=2.0, window=7)
+
+
+@needs_kernel
+def test_layers_share_the_step_plan():
+    """One plan per step, many layers (windowed and not): each layer equals its own torch run."""
+    case = cpu_case([(40, 1), (9, 1), (0, 5)], group=2, seed=8)
+    backend, ref = CpuAttentionBackend(), TorchAttentionBackend()
+    meta, meta_ref = backend.plan(case.batch, CPU), ref.plan(case.batch, CPU)
+    for window in (None, 6, None, 3):
+        c, c_ref = case.cache.clone(), case.cache.clone()
+        out = backend.forward(case.q, case.k, case.v, c, meta, SCALE, window=window)
+        want = ref.forward(case.q, case.k, case.v, c_ref, meta_ref, SCALE, window=window)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+def test_quantized_cache_takes_the_torch_path():
+    case = cpu_case([(7, 1), (30, 1), (0, 9)], num_kv=2, group=2, head_dim=32, bs=4, seed=6)
+    outs = []
+    for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
+        pool = QuantizedKVCache("int8", case.cache.shape[1], 2, 32, device=CPU)
+        outs.append(backend.forward(case.q, case.k, case.v, pool, backend.plan(case.batch, CPU), SCALE))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_auto_backend_on_cpu():
+    assert get_backend("auto", CPU).name == ("torch" if kernel is None else "cpu")
+    assert get_backend("cpu", CPU).name == "cpu"
+
+
+def test_no_compiler_falls_back(monkeypatch, tmp_path):
+    """A machine without a working C compiler gets the torch path, not an error."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("FOVEAL_CACHE_DIR", str(tmp_path))
+    cpu_native.kernel.cache_clear()
+    try:
+        assert cpu_native.kernel() is None
+        assert get_backend("auto", CPU).name == "torch"
+        backend = CpuAttentionBackend()  # asked for by name: runs, on the torch path
+        compare(cpu_case(DECODES, seed=2), backend)
+        assert not list(tmp_path.glob("kernels/*.so"))
+    finally:
+        cpu_native.kernel.cache_clear()
+
+
+@needs_kernel
+def test_built_once_per_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FOVEAL_CACHE_DIR", str(tmp_path))
+    cpu_native.kernel.cache_clear()
+    try:
+        assert cpu_native.kernel() is not None
+        (built,) = tmp_path.glob("kernels/cpu_decode-*.so")
+        stamp = built.stat().st_mtime_ns
+        cpu_native.kernel.cache_clear()
+        assert cpu_native.kernel() is not None
+        assert built.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    finally:
+        cpu_native.kernel.cache_clear()
