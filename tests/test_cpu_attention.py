@@ -131,3 +131,15 @@ def test_built_once_per_cache_dir(monkeypatch, tmp_path):
         assert built.stat().st_mtime_ns == stamp  # loaded, not rebuilt
     finally:
         cpu_native.kernel.cache_clear()
+
+
+@needs_kernel
+def test_nan_key_poisons_its_rows_as_in_sdpa():
+    """A NaN in the cache reaches the output (not masked into a plausible number by the kernel's exp)."""
+    case = cpu_case([(20, 1), (20, 1)], num_kv=2, group=2, seed=9)
+    table = case.batch.block_tables[0]
+    case.cache[0, table[0] * 16 + 3, 1] = float("nan")  # sequence 0, position 3, kv head 1
+    outs = [case.run(b, case.cache.clone()) for b in (TorchAttentionBackend(), CpuAttentionBackend())]
+    for out in outs:
+        assert out[0, 2:].isnan().all() and not out[0, :2].isnan().any() and not out[1].isnan().any()
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5, equal_nan=True)
