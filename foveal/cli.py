@@ -54,7 +54,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="per-step token budget (prefill chunks + decodes); default 2048 on CUDA, 256 on CPU",
+        help="per-step token budget (prefill chunks + decodes); default 2048, 128 for `serve` on CPU",
     )
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument(
@@ -179,7 +179,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             allowed_local_media_path=a.allowed_local_media_path,
             media_fetch_timeout=a.media_fetch_timeout,
         )
-        ecfg = EngineConfig.from_kwargs(**_engine_kwargs(a))
+        ecfg = EngineConfig.from_kwargs(serving=True, **_engine_kwargs(a))
         logging.getLogger(__name__).info("engine config: %s", ecfg)
         engine = Engine(ecfg).start(progress=True)  # the model loads before the port opens
     except (ValueError, ModelLoadError, FileNotFoundError) as e:

@@ -49,11 +49,15 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    # the per-step token budget (prefill chunks + decodes); default: 2048 on CUDA, 256 on CPU, where a
-    # step's time grows with every token (GEMMs run at full rate from ~128 rows) and a big prefill step
-    # stalls every running stream (SmolLM2-135M on the 2-vCPU host: 16 streams, TTFT p50 5.5 s at 2048,
-    # 2.7 s at 256, same throughput; benchmarks/RESULTS.md)
+    # the per-step token budget (prefill chunks + decodes); default 2048, but 128 for a server on CPU
+    # (`serving`), where a step's time grows with every token (GEMMs run at full rate from ~128 rows) and
+    # a big prefill step stalls every running stream (SmolLM2-135M on the 2-vCPU host, 16 streams: TTFT
+    # p50 5.5 s at 2048, 2.7 s at 256; with the CPU decode kernel 2.3-2.4 s at 256, 1.8-1.9 s at 128, at
+    # the same or higher throughput). Offline runs keep 2048: at 128 the offline benchmark lost 15%
+    # (its last prompts start late and finish in small batches). benchmarks/RESULTS.md. The budget also
+    # caps the sequences decoding in one step: requests past it wait in the queue.
     max_num_batched_tokens: int | None = None
+    serving: bool = False  # set by `foveal serve`: defaults favour time to first token (see above)
     max_num_seqs: int = 256
     # images encoded per step, in embedding tokens (default: the token budget); one image always passes
     max_encoder_tokens_per_step: int | None = None
@@ -62,10 +66,11 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def for_device(self, device_type: str) -> SchedulerConfig:
-        """This config with the device's default token budget where none was given."""
+        """This config with the default token budget for the device (and for serving) where none was given."""
         if self.max_num_batched_tokens is not None:
             return self
-        return dataclasses.replace(self, max_num_batched_tokens=2048 if device_type == "cuda" else 256)
+        budget = 128 if self.serving and device_type == "cpu" else 2048
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,3 +86,7 @@ def test_serve_loads_then_answers_and_stops_on_sigterm():
         out, _ = p.communicate(timeout=30)
     assert p.returncode in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal after a clean stop
     assert "Application shutdown complete" in out and "Traceback" not in out
+    from foveal.attention import cpu_native
+
+    backend = "torch" if cpu_native.kernel() is None else "cpu"
+    assert f"attention backend {backend}; 128 tokens per step" in out  # the serving defaults on CPU

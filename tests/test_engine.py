@@ -211,12 +211,22 @@ def test_preemption_on_real_model_gives_same_greedy_tokens(llm_fp32):
     assert tight.engine.kv.num_used_blocks == 0
 
 
-def test_token_budget_default_depends_on_the_device(llm_fp32):
-    """No --max-num-batched-tokens: 256 per step on CPU (2048 on CUDA, tests/test_gpu.py); a given value
-    is kept as it is."""
+def test_token_budget_default_depends_on_device_and_use(llm_fp32):
+    """No --max-num-batched-tokens: 2048 per step, but 128 for a server on CPU (`foveal serve` sets
+    `serving`; tests/test_server.py checks the running server, tests/test_gpu.py CUDA); a given value is
+    kept as it is."""
     from foveal.config import EngineConfig
 
     assert EngineConfig.from_kwargs().scheduler.max_num_batched_tokens is None
-    assert llm_fp32.engine.config.scheduler.max_num_batched_tokens == 256
-    assert llm_fp32.engine.scheduler.config.max_num_batched_tokens == 256
+    assert llm_fp32.engine.config.scheduler.max_num_batched_tokens == 2048  # offline LLM on CPU
+    assert llm_fp32.engine.scheduler.config.max_num_batched_tokens == 2048
+    serving = EngineConfig.from_kwargs(serving=True).scheduler
+    assert serving.for_device("cpu").max_num_batched_tokens == 128
+    assert serving.for_device("cuda").max_num_batched_tokens == 2048
     assert EngineConfig.from_kwargs(max_num_batched_tokens=64).scheduler.max_num_batched_tokens == 64
+    assert (
+        EngineConfig.from_kwargs(max_num_batched_tokens=64, serving=True)
+        .scheduler.for_device("cpu")
+        .max_num_batched_tokens
+        == 64
+    )

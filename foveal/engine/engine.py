@@ -180,7 +180,7 @@ class Engine:
         self.async_scheduling = device.type == "cuda" if overlap is None else overlap
         log.info(
             "loaded %s (%s, %s) on %s in %.2f s; KV pool (%s): %d tokens in %d blocks of %d (%.1f MiB), "
-            "max_model_len %d; attention backend %s",
+            "max_model_len %d; attention backend %s; %d tokens per step",
             ckpt.name,
             ckpt.format,
             str(dtype).removeprefix("torch."),
@@ -193,6 +193,7 @@ class Engine:
             num_blocks * block_bytes / 2**20,
             max_len,
             backend.name,
+            cfg.scheduler.max_num_batched_tokens,
         )
         return self
 
