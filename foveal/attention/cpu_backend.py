@@ -1,8 +1,9 @@
 """The torch backend with decode rows on a native CPU kernel (cpu_native: cpu_decode.c), which reads
 keys and values in place from the paged pool: no gather, no padding mask, fp32 accumulation.
 
-On the 2-vCPU AVX2 host the gather + SDPA of a SmolLM2 decode step (32 rows, ~170 keys each, bf16)
-took 1.6-2.5 ms per layer, the kernel ~0.5 ms (benchmarks/RESULTS.md). Prefill chunks, quantized
+On the 2-vCPU AVX2 host, in a SmolLM2 decode step (32 rows, ~170 keys each, bf16), the gather + SDPA
+took ~2.3 ms per layer and the kernel takes ~0.9 ms; the step went from 275 to 220 ms
+(benchmarks/RESULTS.md, `decode_profile.py --attention-backend both`). Prefill chunks, quantized
 pools (int8/fp8) and devices other than the CPU take the torch path unchanged; so does everything
 when the kernel cannot be built (no C compiler).
 """
