@@ -62,31 +62,39 @@ def test_mixed_decode_and_prefill(dtype, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("window", [1, 5, 16, 200])
-def test_sliding_window(window):
+def test_sliding_window(window, monkeypatch):
     case = cpu_case(
         DECODES[1:] + [(180, 1), (0, 20), (30, 9)], num_kv=1, group=4, head_dim=48, bs=4, seed=window
     )
-    compare(case, CpuAttentionBackend(), window=window)
+    backend = CpuAttentionBackend()
+    calls = native_calls(backend, monkeypatch)
+    compare(case, backend, window=window)
+    assert calls == [4]
 
 
 @needs_kernel
-def test_softcap_with_and_without_window():
-    case = cpu_case(MIXED + [(90, 1)] * 3, group=4, num_kv=1, seed=3)
-    compare(case, CpuAttentionBackend(), softcap=2.0)
-    compare(case, CpuAttentionBackend(), softcap=2.0, window=7)
+def test_softcap_with_and_without_window(monkeypatch):
+    case = cpu_case([(90, 1)] * 3 + MIXED, group=4, num_kv=1, seed=3)  # 5 decode rows, then prefills
+    backend = CpuAttentionBackend()
+    calls = native_calls(backend, monkeypatch)
+    compare(case, backend, softcap=2.0)
+    compare(case, backend, softcap=2.0, window=7)
+    assert calls == [5, 5]
 
 
 @needs_kernel
-def test_layers_share_the_step_plan():
+def test_layers_share_the_step_plan(monkeypatch):
     """One plan per step, many layers (windowed and not): each layer equals its own torch run."""
     case = cpu_case([(40, 1), (9, 1), (0, 5)], group=2, seed=8)
     backend, ref = CpuAttentionBackend(), TorchAttentionBackend()
+    calls = native_calls(backend, monkeypatch)
     meta, meta_ref = backend.plan(case.batch, CPU), ref.plan(case.batch, CPU)
     for window in (None, 6, None, 3):
         c, c_ref = case.cache.clone(), case.cache.clone()
         out = backend.forward(case.q, case.k, case.v, c, meta, SCALE, window=window)
         want = ref.forward(case.q, case.k, case.v, c_ref, meta_ref, SCALE, window=window)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    assert calls == [2] * 4
 
 
 def test_quantized_cache_takes_the_torch_path():
@@ -139,7 +147,9 @@ def test_nan_key_poisons_its_rows_as_in_sdpa():
     case = cpu_case([(20, 1), (20, 1)], num_kv=2, group=2, seed=9)
     table = case.batch.block_tables[0]
     case.cache[0, table[0] * 16 + 3, 1] = float("nan")  # sequence 0, position 3, kv head 1
-    outs = [case.run(b, case.cache.clone()) for b in (TorchAttentionBackend(), CpuAttentionBackend())]
+    native = CpuAttentionBackend()
+    assert native.plan(case.batch, CPU).extra is not None  # the decode rows take the kernel
+    outs = [case.run(b, case.cache.clone()) for b in (TorchAttentionBackend(), native)]
     for out in outs:
         assert out[0, 2:].isnan().all() and not out[0, :2].isnan().any() and not out[1].isnan().any()
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5, equal_nan=True)

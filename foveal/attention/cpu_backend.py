@@ -37,9 +37,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta = super().plan(batch, device)
         nd = batch.num_decodes
         if nd and self.kernel is not None and torch.device(device).type == "cpu":
-            rows = batch.block_tables[:nd]
-            width = max(map(len, rows))
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long)
+            # the torch plan's decode block ids are the padded tables, row-major
+            tables = meta.decode.blocks.view(nd, -1)
             lens = torch.tensor([c + 1 for c in batch.context_lens[:nd]], dtype=torch.long)
             meta.extra = _DecodeTables(tables, lens, {None: torch.zeros(nd, dtype=torch.long)})
         return meta

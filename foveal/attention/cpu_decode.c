@@ -3,9 +3,10 @@
  * use by foveal/attention/cpu_native.py (gcc/cc -O3 -march=native); the torch backend is the oracle
  * and the fallback.
  *
- * One task = one (sequence, kv head): its G = H / KVH query heads share every key and value row, so
- * each row is loaded and converted once per task. Tasks are spread over OpenMP threads (the runtime
- * PyTorch already loaded: same libgomp.so.1, same thread pool).
+ * One task = one sequence (all its kv heads, so each key block is read front to back), or a range of
+ * its kv heads when there are too few sequences to keep every thread busy. The G = H / KVH query heads
+ * of a kv head share each key and value row, which is loaded and converted once per task. Tasks are
+ * spread over OpenMP threads (the runtime PyTorch already loaded: same libgomp.so.1, same thread pool).
  *
  *   q      [nd, H, D]           rows q_tok apart, heads D apart
  *   k, v   [slots, KVH, D]      slot = table[pos / bs] * bs + pos % bs; rows `slot_stride` apart
