@@ -30,6 +30,9 @@ class ModelConfig:
     revision: str | None = None
     load_format: str = "auto"  # auto | dummy (random weights from a config alone: benchmarks)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    # none: every weight dequantized to `dtype`; gguf: a GGUF's Q4_0/Q4_1/Q8_0 linear weights run as
+    # stored, on CPUs with AVX2 (layers/quant.py: int8 activations per block of 32, as llama.cpp)
+    quantization: str = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +190,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"unknown dtype {self.model.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.model.quantization not in ("none", "gguf"):
+            raise ValueError(f"unknown quantization {self.model.quantization!r}; use none or gguf")
         if self.model.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.model.load_format!r}; use auto or dummy")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:

@@ -1,8 +1,5 @@
-"""Builds and loads the CPU decode-attention kernel (cpu_decode.c) with the system C compiler, once per
-source/compiler/CPU, into the cache directory (foveal.config.cache_dir()/kernels); later processes
-load the built library directly. Where no compiler works, `kernel()` is None and the CPU backend
-falls back to the torch backend's path (logged once). Plain ctypes: no torch headers to compile (the
-build takes about a second), and ctypes releases the GIL during the call.
+"""Loads the CPU decode-attention kernel (cpu_decode.c, built through foveal.native). Where no compiler
+works, `kernel()` is None and the CPU backend falls back to the torch backend's path (logged once).
 
     kernel().decode(q, k_pool, v_pool, tables, starts, lens, out, scale, softcap)
 """
@@ -11,32 +8,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from foveal.config import cache_dir
-
-log = logging.getLogger(__name__)
+from foveal import native
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-# reassociation lets the dot products vectorize; no -ffast-math (the softmax needs -inf)
-FLAGS = [
-    "-O3",
-    "-march=native",
-    "-fopenmp",
-    "-fassociative-math",
-    "-fno-signed-zeros",
-    "-fno-trapping-math",
-    "-shared",
-    "-fPIC",
-]
 _FUNCS = {
     torch.float32: "foveal_decode_f32",
     torch.bfloat16: "foveal_decode_bf16",
@@ -44,28 +22,6 @@ _FUNCS = {
 }
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _F, _I]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build(cc: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=300
-        )
-        os.replace(tmp, target)  # atomic: a concurrent process sees the old state or the whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class DecodeKernel:
@@ -111,19 +67,5 @@ class DecodeKernel:
 @functools.cache
 def kernel() -> DecodeKernel | None:
     """The built kernel, or None (no compiler, a failed build: logged once)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.info("no C compiler found: CPU decode attention runs on torch SDPA")
-        return None
-    key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), cc.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()])
-    ).hexdigest()[:16]
-    target = Path(cache_dir()) / "kernels" / f"cpu_decode-{key}.so"
-    try:
-        if not target.exists():
-            _build(cc, target)
-        return DecodeKernel(ctypes.CDLL(str(target)))
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("CPU decode kernel unavailable (%s %s): using torch SDPA", e, detail.decode()[-500:])
-        return None
+    lib = native.load(SOURCE, "CPU decode-attention kernel")
+    return None if lib is None else DecodeKernel(lib)

@@ -83,6 +83,7 @@ class Engine:
     # -- start-up ---------------------------------------------------------------------------------
     def start(self, progress: bool = False) -> Engine:
         from foveal.attention import get_backend
+        from foveal.layers import quant
         from foveal.loader import load_checkpoint
         from foveal.models import build_model, max_context
         from foveal.worker.model_runner import ModelRunner
@@ -101,6 +102,7 @@ class Engine:
             progress=progress,
             revision=cfg.model.revision,
             load_format=cfg.model.load_format,
+            keep_quantized=self._quantize(device),
         )
         hf = ckpt.hf_config
         max_len = cfg.model.max_model_len or max_context(hf)
@@ -180,7 +182,7 @@ class Engine:
         self.async_scheduling = device.type == "cuda" if overlap is None else overlap
         log.info(
             "loaded %s (%s, %s) on %s in %.2f s; KV pool (%s): %d tokens in %d blocks of %d (%.1f MiB), "
-            "max_model_len %d; attention backend %s; %d tokens per step",
+            "max_model_len %d; attention backend %s; %d tokens per step; %s",
             ckpt.name,
             ckpt.format,
             str(dtype).removeprefix("torch."),
@@ -194,8 +196,22 @@ class Engine:
             max_len,
             backend.name,
             cfg.scheduler.max_num_batched_tokens,
+            quant.describe(self.model),
         )
         return self
+
+    def _quantize(self, device: torch.device) -> bool:
+        """Whether GGUF-quantized linears run as stored (`quantization gguf` on a CPU with the kernel)."""
+        if self.config.model.quantization == "none":
+            return False
+        if device.type != "cpu":
+            raise ValueError(f"quantization gguf runs on CPUs only (the device is {device}); use none")
+        from foveal.layers import quant
+
+        if quant.kernel() is None:
+            log.warning("quantization gguf needs an AVX2 CPU and a C compiler: weights are dequantized")
+            return False
+        return True
 
     def _use_graphs(self, device: torch.device, backend) -> bool:
         from foveal.worker.cuda_graphs import supports_graphs

@@ -17,6 +17,9 @@ page faults than the conversion itself; chunks measured 15-35% faster than one b
 Results equal one fp32-accumulated GEMM up to summation order.
 
 fp32 models take the same oneDNN-packed copies (same budget) for 4+ rows: that is the default CPU dtype.
+
+Weights loaded from a GGUF file in Q4_0 / Q4_1 / Q8_0 carry a packed copy of their blocks
+(`_foveal_quant`, models/weights.py) and run on the quantized kernel instead (layers/quant.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foveal.layers import quant
+
+_QUANT_INPUT = (torch.float32, torch.bfloat16)
 _HALF = (torch.bfloat16, torch.float16)
 _MIN_UPCAST_ROWS = 4
 _CHUNK_BYTES = 1 << 20
@@ -144,6 +150,9 @@ def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    qw = getattr(weight, "_foveal_quant", None)
+    if qw is not None and x.device.type == "cpu" and x.dtype in _QUANT_INPUT and quant.kernel() is not None:
+        return qw.linear(x, bias)  # a GGUF block-quantized weight, run as stored (layers/quant.py)
     if weight.device.type == "cpu" and x.shape[0] >= _MIN_UPCAST_ROWS:
         if weight.dtype in _HALF and not cpu_has_native(weight.dtype):
             return _upcast_linear(x, weight, bias)

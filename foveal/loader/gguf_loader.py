@@ -74,9 +74,17 @@ class GGUFFile:
         return len(self.names)
 
     def weights(
-        self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        self,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        keep_quantized: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named tensors, dequantized to `dtype`. With keep_quantized, each 2-D tensor stored in a type
+        the quantized-linear kernel runs (layers/quant.py: Q4_0, Q4_1, Q8_0) also carries its raw blocks,
+        rows in HF order, as `tensor.gguf_blocks = (type name, uint8 [rows, bytes per row])`."""
         from gguf.quants import dequantize
+
+        from foveal.layers.quant import TYPES
 
         cfg = self.hf_config
         qk_heads = {".attn_q.": cfg.num_attention_heads, ".attn_k.": cfg.num_key_value_heads}
@@ -95,11 +103,18 @@ class GGUFFile:
             if not arr.flags.writeable:  # F32 tensors come back as views into the read-only mmap
                 arr = arr.copy()
             w = torch.from_numpy(arr)
+            raw = None
+            if keep_quantized and t.tensor_type.name in TYPES and w.dim() == 2:
+                raw = torch.from_numpy(t.data.reshape(w.shape[0], -1).copy())
             if self.arch.permuted_qk:
                 for marker, n_head in qk_heads.items():
                     if marker in t.name:
                         w = unpermute_qk(w, n_head)
-            yield name, w.to(dtype).to(device)
+                        raw = None if raw is None else unpermute_qk(raw, n_head)  # whole rows move
+            w = w.to(dtype).to(device)
+            if raw is not None:
+                w.gguf_blocks = (t.tensor_type.name, raw)
+            yield name, w
 
 
 def open_gguf(path: str) -> GGUFFile:

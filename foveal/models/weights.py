@@ -17,6 +17,7 @@ class ParamFiller:
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
         self.filled: dict[str, int] = {}
+        self.quantized: dict[str, list] = {}  # target -> [(row offset, GGUF type, raw rows)]
 
     def put(self, target: str, tensor: torch.Tensor, source: str, offset: int = 0, rows: int | None = None):
         """Copy `tensor` into parameter `target` (rows [offset, offset+rows) of it when rows is given)."""
@@ -36,11 +37,29 @@ class ParamFiller:
             else:
                 p[offset : offset + rows].copy_(tensor)
         self.filled[target] = self.filled.get(target, 0) + (p.shape[0] if rows is None else rows)
+        if (blocks := getattr(tensor, "gguf_blocks", None)) is not None:
+            self.quantized.setdefault(target, []).append((offset, *blocks))
 
     def check_complete(self) -> None:
         missing = [n for n, p in self.params.items() if self.filled.get(n, 0) != p.shape[0]]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+        self._attach_quantized()
+
+    def _attach_quantized(self) -> None:
+        """Parameters whose every row came with raw GGUF blocks get the packed quantized weight that
+        `layers.linear.linear` runs (`param._foveal_quant`); the dequantized values stay in the
+        parameter (embedding lookups, other devices)."""
+        if not self.quantized:
+            return
+        from foveal.layers.quant import assemble
+
+        for target, pieces in self.quantized.items():
+            p = self.params[target]
+            if p.dim() == 2 and p.device.type == "cpu":
+                qw = assemble(pieces, p.shape[0], p.shape[1])
+                if qw is not None:
+                    p._foveal_quant = qw
 
 
 # HF checkpoint names that we store fused: (our parameter suffix, shard index within it)

@@ -1,0 +1,164 @@
+/* 4-bit block-quantized linear layers on x86 CPUs with AVX2 (Foveal; built and loaded by
+ * foveal/layers/quant.py through foveal/native.py).
+ *
+ * Weights: blocks of 32 along K, w[n, k] = d[n, b] * q[n, k] + m[n, b] with q in 0..15 (GGUF Q4_1 as
+ * stored; Q4_0 has m = -8 d; Q8_0 is two such planes, see quant.py). Packed per panel of 8 output
+ * columns, block after block: 128 bytes of nibbles (byte j of the 32-byte row g holds column
+ * (j / 4) % 8's k = 4 g + j % 4 in its low nibble and k = 16 + 4 g + j % 4 in its high nibble), then
+ * d[8] and m[8] as floats: 192 bytes per block per panel.
+ *
+ * Activations: each row quantized per block of 32 to int8 a = round(x / s), s = max|x| / 127 (as
+ * llama.cpp's Q8_1), with sum[b] = s * sum(a) kept for the m term:
+ *     y[n] = sum_b  d[n,b] s[b] (q . a)_b  +  m[n,b] sum[b]
+ * (q . a) over one block is exact in int16 (|q a| <= 15 * 127, 8 pairs of products per lane: 30480 <
+ * 32767), so a block costs 8 vpmaddubsw, one vpmaddwd and one float FMA per row and 8 columns.
+ * Row tiles of 4 x 8 columns; OpenMP over column panels (each panel's weights read once per call).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+#define PANEL 8
+#define BLOCK_BYTES (128 + 64)
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One row of K values (K % 32 == 0) -> int8 a[K], scale[K/32], sum[K/32]. */
+static void quantize_row(const float *x, int64_t K, int8_t *a, float *scale, float *sum) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int total = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)nearbyintf(xb[j] * inv);
+            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            a[b * QK + j] = (int8_t)v;
+            total += v;
+        }
+        scale[b] = s;
+        sum[b] = s * (float)total;
+    }
+}
+
+/* x: [M, K] rows at stride ldx (elements), f32 (is_bf16 = 0) or bf16. reps > 1 repeats each row's
+ * quantized K values reps times (a row of length reps * K: the planes of a Q8_0 weight). */
+void foveal_quantize_rows(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K, int reps,
+                          int8_t *a, float *scale, float *sum, int nthreads) {
+    const int64_t KR = K * reps, BR = KR / QK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) {
+        float buf[K > 0 ? K : 1];
+        const float *row;
+        if (is_bf16) {
+            const uint16_t *h = (const uint16_t *)x + m * ldx;
+            for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
+            row = buf;
+        } else {
+            row = (const float *)x + m * ldx;
+        }
+        quantize_row(row, K, a + m * KR, scale + m * BR, sum + m * BR);
+        for (int r = 1; r < reps; r++) {
+            memcpy(a + m * KR + r * K, a + m * KR, K);
+            memcpy(scale + m * BR + r * (K / QK), scale + m * BR, K / QK * sizeof(float));
+            memcpy(sum + m * BR + r * (K / QK), sum + m * BR, K / QK * sizeof(float));
+        }
+    }
+}
+
+/* y[M, N] (stride ldy, f32 or bf16) = dequant(W) x^T (+ bias[N], f32); K % 32 == 0. */
+void foveal_gemm_q4(const int8_t *a, const float *scale, const float *sum, int64_t M, int64_t K,
+                    const uint8_t *w, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16,
+                    int nthreads) {
+    const int64_t nb = K / QK, panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *wp = w + p * nb * BLOCK_BYTES;
+        const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+        const int64_t n0 = p * PANEL, nv = N - n0 < PANEL ? N - n0 : PANEL;
+        __m256 bv = _mm256_setzero_ps();
+        if (bias) {
+            float t[PANEL] = {0};
+            memcpy(t, bias + n0, nv * sizeof(float));
+            bv = _mm256_loadu_ps(t);
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int64_t rows[4];
+            for (int r = 0; r < 4; r++) rows[r] = m0 + r < M ? m0 + r : M - 1;
+            const int8_t *a0 = a + rows[0] * K, *a1 = a + rows[1] * K, *a2 = a + rows[2] * K,
+                         *a3 = a + rows[3] * K;
+            __m256 f0 = bv, f1 = bv, f2 = bv, f3 = bv;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = wp + b * BLOCK_BYTES;
+                _mm_prefetch((const char *)(wb + 4 * BLOCK_BYTES), _MM_HINT_T0);
+                __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+#pragma GCC unroll 1
+                for (int g = 0; g < 4; g++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * g));
+                    const __m256i lo = _mm256_and_si256(v, low4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    const int64_t k = b * QK + 4 * g;
+#define ROW(s, ar)                                                                                      \
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t *)(ar + k))));   \
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(ar + k + 16))));
+                    ROW(s0, a0) ROW(s1, a1) ROW(s2, a2) ROW(s3, a3)
+#undef ROW
+                }
+                const __m256 d = _mm256_loadu_ps((const float *)(wb + 128));
+#define FIN(f, s, r)                                                                                    \
+    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones)),                               \
+                        _mm256_mul_ps(d, _mm256_set1_ps(scale[rows[r] * nb + b])), f);
+                FIN(f0, s0, 0) FIN(f1, s1, 1) FIN(f2, s2, 2) FIN(f3, s3, 3)
+#undef FIN
+            }
+            /* the m terms in a second pass, two chains per row (one FMA chain per row in the loop
+             * above kept the block loop latency-bound) */
+            __m256 g0 = _mm256_setzero_ps(), g1 = g0, g2 = g0, g3 = g0;
+            int64_t b = 0;
+            for (; b + 1 < nb; b += 2) {
+                const __m256 mn0 = _mm256_loadu_ps((const float *)(wp + b * BLOCK_BYTES + 160));
+                const __m256 mn1 = _mm256_loadu_ps((const float *)(wp + (b + 1) * BLOCK_BYTES + 160));
+#define MT(f, g, r)                                                                                     \
+    f = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[r] * nb + b]), f);                                 \
+    g = _mm256_fmadd_ps(mn1, _mm256_set1_ps(sum[rows[r] * nb + b + 1]), g);
+                MT(f0, g0, 0) MT(f1, g1, 1) MT(f2, g2, 2) MT(f3, g3, 3)
+#undef MT
+            }
+            if (b < nb) {
+                const __m256 mn0 = _mm256_loadu_ps((const float *)(wp + b * BLOCK_BYTES + 160));
+                f0 = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[0] * nb + b]), f0);
+                f1 = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[1] * nb + b]), f1);
+                f2 = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[2] * nb + b]), f2);
+                f3 = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[3] * nb + b]), f3);
+            }
+            f0 = _mm256_add_ps(f0, g0), f1 = _mm256_add_ps(f1, g1);
+            f2 = _mm256_add_ps(f2, g2), f3 = _mm256_add_ps(f3, g3);
+            const __m256 f[4] = {f0, f1, f2, f3};
+            for (int r = 0; r < 4 && m0 + r < M; r++) {
+                float t[PANEL];
+                _mm256_storeu_ps(t, f[r]);
+                if (y_bf16) {
+                    uint16_t *o = (uint16_t *)y + (m0 + r) * ldy + n0;
+                    for (int j = 0; j < nv; j++) o[j] = f32_to_bf16(t[j]);
+                } else {
+                    memcpy((float *)y + (m0 + r) * ldy + n0, t, nv * sizeof(float));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,209 @@
+"""Linear layers on block-quantized weights, computed by a native AVX2 kernel (cpu_quant.c) on CPUs.
+
+A GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 weights run as stored, the way llama.cpp runs them: the
+activations are quantized per block of 32 to int8 (llama.cpp's Q8_1) and the block dot products are
+exact integer sums, so the result is the dequantized weights times the int8-rounded activations
+(relative error ~0.3% per layer against the fp32 product; benchmarks/RESULTS.md). On this repo's AVX2
+host a 32-row GEMM runs ~2x the fp32 GEMM on the dequantized weights, and the weights take 0.75 byte
+each instead of 4.
+
+One format serves all three types: blocks of 32 along K with w = d q + m, q in 0..15 (Q4_1 as stored;
+Q4_0 has m = -8 d; a Q8_0 weight q8 = 16 hi + lo - 128 becomes two such planes side by side along K,
+[hi | lo] with d' = 16 d, m' = -128 d and d, 0, so the activations are read twice).
+
+    qw = QuantWeight.from_gguf(raw_rows, "Q4_1", rows=N, cols=K)
+    y = qw.linear(x)        # x [M, K] f32/bf16 -> y [M, N] same dtype
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from foveal import native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_quant.c")
+QK = 32
+PANEL = 8
+# GGUF block layouts: bytes per block of 32 weights
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+TYPES = tuple(BLOCK_BYTES)
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL):
+        self.quantize = lib.foveal_quantize_rows
+        self.quantize.argtypes = [_P, _I64, _I, _I64, _I64, _I, _P, _P, _P, _I]
+        self.quantize.restype = None
+        self.gemm = lib.foveal_gemm_q4
+        self.gemm.argtypes = [_P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _I64, _I, _I]
+        self.gemm.restype = None
+
+
+@functools.cache
+def kernel() -> _Kernel | None:
+    """The built kernel, or None (no AVX2/FMA, no compiler, a failed build: logged once)."""
+    if not {"avx2", "fma"} <= native.cpu_flags():
+        log.info("this CPU has no AVX2/FMA: quantized GGUF weights are dequantized")
+        return None
+    lib = native.load(SOURCE, "quantized-linear kernel")
+    return None if lib is None else _Kernel(lib)
+
+
+def _blocks(raw: torch.Tensor, rows: int, cols: int, kind: str) -> torch.Tensor:
+    if cols % QK:
+        raise ValueError(f"{kind} weight with {cols} columns: not a multiple of {QK}")
+    raw = raw.reshape(rows, -1)
+    if raw.dtype != torch.uint8 or raw.shape[1] != cols // QK * BLOCK_BYTES[kind]:
+        raise ValueError(f"{kind} weight [{rows}, {cols}]: {tuple(raw.shape)} {raw.dtype} raw bytes")
+    return raw.reshape(rows, cols // QK, BLOCK_BYTES[kind])
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 fields [..., 2] (uint8) -> float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """GGUF 4-bit fields [..., 16] -> q [..., 32]: element j < 16 in byte j's low nibble, j + 16 high."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def planes_from_gguf(raw: torch.Tensor, kind: str, rows: int, cols: int):
+    """(q [N, K'] uint8 in 0..15, d [N, K'/32], m [N, K'/32] float32, reps): reps = K' / cols."""
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"no quantized kernel for {kind}; supported: {', '.join(TYPES)}")
+    b = _blocks(raw, rows, cols, kind)
+    d = _half(b[..., 0:2])
+    if kind == "Q4_1":
+        return _nibbles(b[..., 4:]).reshape(rows, cols), d, _half(b[..., 2:4]), 1
+    if kind == "Q4_0":
+        return _nibbles(b[..., 2:]).reshape(rows, cols), d, -8 * d, 1
+    # Q8_0: q8 + 128 = 16 hi + lo
+    u = (b[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(rows, cols)
+    q = torch.cat([u >> 4, u & 15], dim=1)
+    return q, torch.cat([16 * d, d], dim=1), torch.cat([-128 * d, torch.zeros_like(d)], dim=1), 2
+
+
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout (see cpu_quant.c): panels of 8 columns, per block 128 bytes of nibbles
+    then d[8], m[8] as float32."""
+    n, k = q.shape
+    nb, panels = k // QK, -(-n // PANEL)
+    pad = panels * PANEL - n
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        d = torch.cat([d, d.new_zeros(pad, nb)])
+        m = torch.cat([m, m.new_zeros(pad, nb)])
+    # q[p*8 + c, b*32 + h*16 + g*4 + j] -> byte (p, b, g, c, j), nibble h
+    q = q.reshape(panels, PANEL, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+    nib = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(panels, nb, 128)
+
+    def scales(t):
+        return t.reshape(panels, PANEL, nb).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([nib, scales(d), scales(m)], dim=2).contiguous()
+
+
+class QuantWeight:
+    """A block-quantized weight [N, K], packed for the kernel."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, reps: int, kind: str):
+        self.out_features, self.in_features = q.shape[0], q.shape[1] // reps
+        self.reps, self.kind = reps, kind
+        self.packed = pack(q, d.float(), m.float())
+
+    @classmethod
+    def from_gguf(cls, raw: torch.Tensor | np.ndarray, kind: str, rows: int, cols: int) -> QuantWeight:
+        raw = torch.as_tensor(np.ascontiguousarray(raw)) if isinstance(raw, np.ndarray) else raw
+        return cls(*planes_from_gguf(raw, kind, rows, cols), kind)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 [N, K] (tests, fallbacks)."""
+        p = self.packed
+        panels, nb = p.shape[0], p.shape[1]
+        nib = p[:, :, :128].reshape(panels, nb, 4, PANEL, 4)
+        q = torch.stack([nib & 15, nib >> 4], dim=2)  # (p, b, h, g, c, j)
+        q = q.permute(0, 4, 1, 2, 3, 5).reshape(panels * PANEL, nb * QK).float()
+        d = p[:, :, 128:160].contiguous().view(torch.float32).transpose(1, 2).reshape(-1, nb)
+        m = p[:, :, 160:192].contiguous().view(torch.float32).transpose(1, 2).reshape(-1, nb)
+        w = q.reshape(-1, nb, QK) * d[..., None] + m[..., None]
+        w = w.reshape(-1, nb * QK)[: self.out_features]
+        k = self.in_features
+        return sum(w[:, r * k : (r + 1) * k] for r in range(self.reps))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        kern = kernel()
+        if kern is None:
+            raise RuntimeError("the quantized-linear kernel is not available on this machine")
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+            raise ValueError(f"quantized linear takes float32/bfloat16 CPU input, not {x.dtype}/{x.device}")
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[1] != self.in_features:
+            raise ValueError(f"input has {x2.shape[1]} features, the weight {self.in_features}")
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        rows, k = x2.shape
+        kr = k * self.reps
+        a = torch.empty(rows, kr, dtype=torch.int8)
+        scale = torch.empty(rows, kr // QK)
+        total = torch.empty(rows, kr // QK)
+        out = torch.empty(rows, self.out_features, dtype=x.dtype)
+        if bias is not None:
+            bias = bias.float().contiguous()
+        threads = torch.get_num_threads()
+        is_bf16 = int(x.dtype == torch.bfloat16)
+        kern.quantize(
+            x2.data_ptr(), x2.stride(0), is_bf16, rows, k, self.reps,
+            a.data_ptr(), scale.data_ptr(), total.data_ptr(), threads,
+        )  # fmt: skip
+        kern.gemm(
+            a.data_ptr(), scale.data_ptr(), total.data_ptr(), rows, kr, self.packed.data_ptr(),
+            self.out_features, None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            is_bf16, threads,
+        )  # fmt: skip
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+def assemble(pieces: list[tuple[int, str, torch.Tensor]], rows: int, cols: int) -> QuantWeight | None:
+    """One QuantWeight [rows, cols] from raw GGUF row ranges (offset, type, uint8 [n, bytes]) that
+    together cover every row (the shards of a fused q/k/v or gate/up weight); None where they cannot
+    share one (a Q8_0 shard next to Q4 ones) or do not cover the rows."""
+    pieces = sorted(pieces, key=lambda p: p[0])
+    parts, at = [], 0
+    for offset, kind, raw in pieces:
+        if offset != at:
+            return None
+        parts.append(planes_from_gguf(raw, kind, raw.shape[0], cols))
+        at += raw.shape[0]
+    if at != rows or len({p[3] for p in parts}) != 1:
+        return None
+    q, d, m = (torch.cat([p[i] for p in parts]) for i in range(3))
+    return QuantWeight(q, d, m, parts[0][3], "+".join(sorted({p[1] for p in pieces})))
+
+
+def describe(module: torch.nn.Module) -> str:
+    """For the start-up log: which weights run quantized."""
+    kinds: dict[str, int] = {}
+    nbytes = 0
+    for p in module.parameters():
+        if (qw := getattr(p, "_foveal_quant", None)) is not None:
+            kinds[qw.kind] = kinds.get(qw.kind, 0) + 1
+            nbytes += qw.nbytes
+    if not kinds:
+        return "dense weights"
+    types = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    return f"{sum(kinds.values())} quantized weights ({types}; {nbytes / 2**20:.0f} MiB packed)"

@@ -1,0 +1,83 @@
+"""Native CPU kernels: C sources in the package, built with the system C compiler at first use and
+loaded with ctypes (no torch headers: a build takes about a second; ctypes releases the GIL during a
+call). Each build is cached in foveal.config.cache_dir()/kernels, keyed by source, compiler, flags and
+the CPU's flags, so later processes load it directly. Where no compiler works, `load` returns None and
+logs why once per source; callers keep a PyTorch path for that case.
+
+    lib = load(Path(__file__).with_name("my_kernel.c"), "my kernel")
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from foveal.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+# reassociation lets reductions vectorize; no -ffast-math (softmax needs -inf, NaN must propagate)
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(source), "-lm"], check=True, capture_output=True, timeout=300
+        )
+        os.replace(tmp, target)  # atomic: a concurrent process sees the old state or the whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(source: Path, what: str) -> ctypes.CDLL | None:
+    """The built library of `source`, or None (no compiler, a failed build: logged)."""
+    cc = compiler()
+    if cc is None:
+        log.info("no C compiler found: the %s runs on PyTorch", what)
+        return None
+    parts = [cc, " ".join(FLAGS), " ".join(sorted(cpu_flags()))]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *(p.encode() for p in parts)])).hexdigest()[:16]
+    target = Path(cache_dir()) / "kernels" / f"{source.stem}-{key}.so"
+    try:
+        if not target.exists():
+            _build(cc, source, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("%s unavailable (%s %s): using PyTorch", what, e, detail.decode()[-500:])
+        return None

@@ -1,0 +1,165 @@
+"""The quantized-linear kernel (layers/cpu_quant.c via layers/quant.py) against straightforward formulas:
+GGUF blocks unpacked as gguf's own dequantize does, and y = dequant(W) @ q8(x)^T with x rounded to int8
+per block of 32 (what llama.cpp's Q8_1 does); then the engine on the real GGUF model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from foveal.layers import linear as lin
+from foveal.layers import quant
+
+needs_kernel = pytest.mark.skipif(quant.kernel() is None, reason="no AVX2 CPU or C compiler")
+KINDS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def gguf_weight(kind: str, n: int, k: int, seed: int = 0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    raw = quantize(w.numpy(), GGMLQuantizationType[kind])
+    return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]))
+
+
+def q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernel quantizes activations: per block of 32, scale max|x| / 127."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    s = xb.abs().amax(-1, keepdim=True) / 127
+    a = torch.where(s > 0, torch.round(xb / s.clamp_min(1e-30)), 0).clamp(-127, 127)
+    return (a * s).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unpacks_gguf_blocks_as_gguf_does(kind):
+    raw, w = gguf_weight(kind, 21, 96)
+    qw = quant.QuantWeight.from_gguf(raw, kind, 21, 96)
+    assert (qw.out_features, qw.in_features) == (21, 96)
+    torch.testing.assert_close(qw.dequantize(), w, rtol=0, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m,n,k", [(1, 8, 32), (3, 13, 64), (4, 24, 96), (5, 100, 576), (33, 40, 160)])
+def test_kernel_matches_formula(kind, m, n, k):
+    raw, w = gguf_weight(kind, n, k, seed=m)
+    qw = quant.QuantWeight.from_gguf(raw, kind, n, k)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    if k > 32:
+        x[0, :32] = 0.0  # an all-zero block (scale 0)
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        got = qw.linear(x, b)
+        want = q8_blocks(x) @ w.t() + (0 if b is None else b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    exact = x @ w.t()
+    assert (qw.linear(x) - exact).norm() / exact.norm() < 0.02  # what int8 activations cost
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_in_bf16_out(kind):
+    raw, w = gguf_weight(kind, 24, 64)
+    qw = quant.QuantWeight.from_gguf(raw, kind, 24, 64)
+    x = torch.randn(6, 64).bfloat16()
+    got = qw.linear(x)
+    assert got.dtype == torch.bfloat16
+    want = (q8_blocks(x) @ w.t()).bfloat16()
+    # one bf16 rounding of an fp32 sum whose terms (the planes of Q8_0) may cancel
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2e-3 * scale)
+
+
+@needs_kernel
+def test_strided_and_batched_input():
+    raw, w = gguf_weight("Q4_1", 16, 64)
+    qw = quant.QuantWeight.from_gguf(raw, "Q4_1", 16, 64)
+    wide = torch.randn(5, 128)
+    x = wide[:, 32:96]  # rows at stride 128
+    torch.testing.assert_close(qw.linear(x), qw.linear(x.contiguous()), rtol=0, atol=0)
+    torch.testing.assert_close(qw.linear(x.reshape(5, 1, 64)).squeeze(1), qw.linear(x), rtol=0, atol=0)
+    rows = [qw.linear(x[i : i + 1]) for i in range(5)]  # each row alone == in the batch, bit for bit
+    torch.testing.assert_close(torch.cat(rows), qw.linear(x), rtol=0, atol=0)
+
+
+def test_assemble_fused_shards():
+    shards = [("Q4_1", 16, 1), ("Q4_1", 8, 2), ("Q4_0", 8, 3)]
+    (rq, wq), (rk, wk), (rv, wv) = (gguf_weight(t, n, 64, s) for t, n, s in shards)
+    qw = quant.assemble([(24, "Q4_0", rv), (0, "Q4_1", rq), (16, "Q4_1", rk)], 32, 64)
+    torch.testing.assert_close(qw.dequantize(), torch.cat([wq, wk, wv]), rtol=0, atol=1e-6)
+    assert qw.kind == "Q4_0+Q4_1"
+    r8, _ = gguf_weight("Q8_0", 8, 64)
+    assert quant.assemble([(0, "Q4_1", rq), (16, "Q8_0", r8)], 24, 64) is None  # cannot share one layout
+    assert quant.assemble([(0, "Q4_1", rq), (24, "Q4_0", rv)], 32, 64) is None  # rows 16-23 missing
+
+
+def test_bad_shapes_are_named():
+    raw, _ = gguf_weight("Q4_1", 8, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.QuantWeight.from_gguf(raw, "Q4_1", 8, 48)
+    with pytest.raises(ValueError, match="no quantized kernel for Q6_K"):
+        quant.planes_from_gguf(raw, "Q6_K", 8, 64)
+    if quant.kernel() is not None:
+        qw = quant.QuantWeight.from_gguf(raw, "Q4_1", 8, 64)
+        with pytest.raises(ValueError, match="96 features, the weight 64"):
+            qw.linear(torch.randn(2, 96))
+
+
+@needs_kernel
+def test_linear_dispatch_and_fallback(monkeypatch):
+    raw, w = gguf_weight("Q4_1", 16, 64)
+    weight = w.clone()
+    weight._foveal_quant = quant.QuantWeight.from_gguf(raw, "Q4_1", 16, 64)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(lin.linear(x, weight), weight._foveal_quant.linear(x), rtol=0, atol=0)
+    monkeypatch.setattr(quant, "kernel", lambda: None)  # a machine without the kernel: dense weights
+    torch.testing.assert_close(lin.linear(x, weight), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def llm_q4(smollm_path):
+    """The embedded model with its Q4_1 / Q8_0 weights run as stored."""
+    if quant.kernel() is None:
+        pytest.skip("no AVX2 CPU or C compiler")
+    from foveal.engine.llm import LLM
+
+    return LLM(dtype="float32", quantization="gguf", kv_cache_memory=64 * 2**20)
+
+
+def _first_logprobs(llm, ids):
+    from foveal import SamplingParams
+
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=10))[0].outputs[0]
+    return {t.token_id: t.logprob for t in out.logprobs[0].top}
+
+
+def test_real_model_quantized_next_token_close_to_dense(llm_q4, llm_fp32):
+    assert quant.describe(llm_q4.engine.model).startswith("121 quantized weights (120 Q4_1, 1 Q8_0;")
+    assert quant.describe(llm_fp32.engine.model) == "dense weights"
+    for text in ("The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"):
+        ids = llm_q4.tokenizer.encode(text)
+        q, d = _first_logprobs(llm_q4, ids), _first_logprobs(llm_fp32, ids)
+        assert max(q, key=q.get) == max(d, key=d.get), text
+        shared = q.keys() & d.keys()
+        assert len(shared) >= 7, text
+        top = max(d, key=d.get)
+        assert abs(q[top] - d[top]) < 0.1, (text, q, d)
+        # int8 activations over 30 layers move the tail by up to ~0.35 nats (a broken pack: whole nats)
+        assert max(abs(q[t] - d[t]) for t in shared) < 0.6, (text, q, d)
+
+
+def test_real_model_quantized_batched_equals_single(llm_q4):
+    from foveal import SamplingParams
+
+    texts = ("Once upon a time", "The three primary colors are", "1, 2, 3,")
+    prompts = [llm_q4.tokenizer.encode(t) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
+    together = llm_q4.generate(prompts, params)
+    for p, both in zip(prompts, together):
+        alone = llm_q4.generate([p], params)[0].outputs[0]
+        assert alone.token_ids == both.outputs[0].token_ids
+        got = [lp.logprob for lp in both.outputs[0].logprobs]
+        want = [lp.logprob for lp in alone.logprobs]
+        assert got == pytest.approx(want, abs=1e-4)
+    assert llm_q4.engine.kv.num_used_blocks == 0
