@@ -81,6 +81,79 @@ void foveal_quantize_rows(const void *x, int64_t ldx, int is_bf16, int64_t M, in
     }
 }
 
+/* R (1..4) rows from m0 times one panel of 8 columns: out[r * 8 + j] (float). R is a constant in each
+ * call site, so the row loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const int R, const int8_t *a, const float *scale,
+                                                       const float *sum, int64_t m0, int64_t K,
+                                                       const uint8_t *wp, __m256 bv, float *out) {
+    const int64_t nb = K / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int8_t *ar[4];
+    const float *sr[4], *ur[4];
+    __m256 f[4], g[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        ar[r] = a + (m0 + r) * K;
+        sr[r] = scale + (m0 + r) * nb;
+        ur[r] = sum + (m0 + r) * nb;
+        f[r] = bv;
+        g[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = wp + b * BLOCK_BYTES;
+        _mm_prefetch((const char *)(wb + 4 * BLOCK_BYTES), _MM_HINT_T0);
+        __m256i s[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int q = 0; q < 4; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * q));
+            const __m256i lo = _mm256_and_si256(v, low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            const int64_t k = b * QK + 4 * q;
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i alo = _mm256_set1_epi32(*(const int32_t *)(ar[r] + k));
+                const __m256i ahi = _mm256_set1_epi32(*(const int32_t *)(ar[r] + k + 16));
+                s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, alo));
+                s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, ahi));
+            }
+        }
+        const __m256 d = _mm256_loadu_ps((const float *)(wb + 128));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones)),
+                                   _mm256_mul_ps(d, _mm256_set1_ps(sr[r][b])), f[r]);
+    }
+    /* the m terms in a second pass, two chains per row (a second FMA per block on the chain above kept
+     * the block loop latency-bound) */
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m256 m0v = _mm256_loadu_ps((const float *)(wp + b * BLOCK_BYTES + 160));
+        const __m256 m1v = _mm256_loadu_ps((const float *)(wp + (b + 1) * BLOCK_BYTES + 160));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            f[r] = _mm256_fmadd_ps(m0v, _mm256_set1_ps(ur[r][b]), f[r]);
+            g[r] = _mm256_fmadd_ps(m1v, _mm256_set1_ps(ur[r][b + 1]), g[r]);
+        }
+    }
+    if (b < nb) {
+        const __m256 m0v = _mm256_loadu_ps((const float *)(wp + b * BLOCK_BYTES + 160));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) f[r] = _mm256_fmadd_ps(m0v, _mm256_set1_ps(ur[r][b]), f[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PANEL, _mm256_add_ps(f[r], g[r]));
+}
+
+static inline void store_bf16x8(uint16_t *o, __m256 v) { /* round to nearest even, as f32_to_bf16 */
+    __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+    _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(packed));
+}
+
 /* y[M, N] (stride ldy, f32 or bf16) = dequant(W) x^T (+ bias[N], f32); K % 32 == 0. */
 void foveal_gemm_q4(const int8_t *a, const float *scale, const float *sum, int64_t M, int64_t K,
                     const uint8_t *w, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16,
@@ -89,7 +162,6 @@ void foveal_gemm_q4(const int8_t *a, const float *scale, const float *sum, int64
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *wp = w + p * nb * BLOCK_BYTES;
-        const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
         const int64_t n0 = p * PANEL, nv = N - n0 < PANEL ? N - n0 : PANEL;
         __m256 bv = _mm256_setzero_ps();
         if (bias) {
@@ -97,64 +169,21 @@ void foveal_gemm_q4(const int8_t *a, const float *scale, const float *sum, int64
             memcpy(t, bias + n0, nv * sizeof(float));
             bv = _mm256_loadu_ps(t);
         }
+        float out[4 * PANEL];
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int64_t rows[4];
-            for (int r = 0; r < 4; r++) rows[r] = m0 + r < M ? m0 + r : M - 1;
-            const int8_t *a0 = a + rows[0] * K, *a1 = a + rows[1] * K, *a2 = a + rows[2] * K,
-                         *a3 = a + rows[3] * K;
-            __m256 f0 = bv, f1 = bv, f2 = bv, f3 = bv;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *wb = wp + b * BLOCK_BYTES;
-                _mm_prefetch((const char *)(wb + 4 * BLOCK_BYTES), _MM_HINT_T0);
-                __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
-#pragma GCC unroll 1
-                for (int g = 0; g < 4; g++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * g));
-                    const __m256i lo = _mm256_and_si256(v, low4);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                    const int64_t k = b * QK + 4 * g;
-#define ROW(s, ar)                                                                                      \
-    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t *)(ar + k))));   \
-    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(ar + k + 16))));
-                    ROW(s0, a0) ROW(s1, a1) ROW(s2, a2) ROW(s3, a3)
-#undef ROW
-                }
-                const __m256 d = _mm256_loadu_ps((const float *)(wb + 128));
-#define FIN(f, s, r)                                                                                    \
-    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones)),                               \
-                        _mm256_mul_ps(d, _mm256_set1_ps(scale[rows[r] * nb + b])), f);
-                FIN(f0, s0, 0) FIN(f1, s1, 1) FIN(f2, s2, 2) FIN(f3, s3, 3)
-#undef FIN
+            const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
+            switch (rows) {
+            case 4: tile(4, a, scale, sum, m0, K, wp, bv, out); break;
+            case 3: tile(3, a, scale, sum, m0, K, wp, bv, out); break;
+            case 2: tile(2, a, scale, sum, m0, K, wp, bv, out); break;
+            default: tile(1, a, scale, sum, m0, K, wp, bv, out); break;
             }
-            /* the m terms in a second pass, two chains per row (one FMA chain per row in the loop
-             * above kept the block loop latency-bound) */
-            __m256 g0 = _mm256_setzero_ps(), g1 = g0, g2 = g0, g3 = g0;
-            int64_t b = 0;
-            for (; b + 1 < nb; b += 2) {
-                const __m256 mn0 = _mm256_loadu_ps((const float *)(wp + b * BLOCK_BYTES + 160));
-                const __m256 mn1 = _mm256_loadu_ps((const float *)(wp + (b + 1) * BLOCK_BYTES + 160));
-#define MT(f, g, r)                                                                                     \
-    f = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[r] * nb + b]), f);                                 \
-    g = _mm256_fmadd_ps(mn1, _mm256_set1_ps(sum[rows[r] * nb + b + 1]), g);
-                MT(f0, g0, 0) MT(f1, g1, 1) MT(f2, g2, 2) MT(f3, g3, 3)
-#undef MT
-            }
-            if (b < nb) {
-                const __m256 mn0 = _mm256_loadu_ps((const float *)(wp + b * BLOCK_BYTES + 160));
-                f0 = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[0] * nb + b]), f0);
-                f1 = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[1] * nb + b]), f1);
-                f2 = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[2] * nb + b]), f2);
-                f3 = _mm256_fmadd_ps(mn0, _mm256_set1_ps(sum[rows[3] * nb + b]), f3);
-            }
-            f0 = _mm256_add_ps(f0, g0), f1 = _mm256_add_ps(f1, g1);
-            f2 = _mm256_add_ps(f2, g2), f3 = _mm256_add_ps(f3, g3);
-            const __m256 f[4] = {f0, f1, f2, f3};
-            for (int r = 0; r < 4 && m0 + r < M; r++) {
-                float t[PANEL];
-                _mm256_storeu_ps(t, f[r]);
+            for (int r = 0; r < rows; r++) {
+                const float *t = out + r * PANEL;
                 if (y_bf16) {
                     uint16_t *o = (uint16_t *)y + (m0 + r) * ldy + n0;
-                    for (int j = 0; j < nv; j++) o[j] = f32_to_bf16(t[j]);
+                    if (nv == PANEL) store_bf16x8(o, _mm256_loadu_ps(t));
+                    else for (int j = 0; j < nv; j++) o[j] = f32_to_bf16(t[j]);
                 } else {
                     memcpy((float *)y + (m0 + r) * ldy + n0, t, nv * sizeof(float));
                 }
