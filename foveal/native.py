@@ -50,13 +50,13 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(cc: str, source: Path, target: Path) -> None:
+def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(source), "-lm"], check=True, capture_output=True, timeout=300
+            [cc, *flags, "-o", tmp, str(source), "-lm"], check=True, capture_output=True, timeout=300
         )
         os.replace(tmp, target)  # atomic: a concurrent process sees the old state or the whole library
     finally:
@@ -64,18 +64,20 @@ def _build(cc: str, source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def load(source: Path, what: str) -> ctypes.CDLL | None:
-    """The built library of `source`, or None (no compiler, a failed build: logged)."""
+def load(source: Path, what: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The built library of `source` (FLAGS + extra_flags), or None (no compiler, a failed build:
+    logged)."""
+    flags = (*FLAGS, *extra_flags)
     cc = compiler()
     if cc is None:
         log.info("no C compiler found: the %s runs on PyTorch", what)
         return None
-    parts = [cc, " ".join(FLAGS), " ".join(sorted(cpu_flags()))]
+    parts = [cc, " ".join(flags), " ".join(sorted(cpu_flags()))]
     key = hashlib.sha256(b"\0".join([source.read_bytes(), *(p.encode() for p in parts)])).hexdigest()[:16]
     target = Path(cache_dir()) / "kernels" / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
-            _build(cc, source, target)
+            _build(cc, source, target, flags)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""

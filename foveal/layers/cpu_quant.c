@@ -56,28 +56,25 @@ static void quantize_row(const float *x, int64_t K, int8_t *a, float *scale, flo
     }
 }
 
-/* x: [M, K] rows at stride ldx (elements), f32 (is_bf16 = 0) or bf16. reps > 1 repeats each row's
+/* Row m of x ([M, K] rows ldx elements apart, f32 or bf16) -> a, scale, sum; reps > 1 repeats the row's
  * quantized K values reps times (a row of length reps * K: the planes of a Q8_0 weight). */
-void foveal_quantize_rows(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K, int reps,
-                          int8_t *a, float *scale, float *sum, int nthreads) {
+static void quantize_x_row(const void *x, int64_t ldx, int is_bf16, int64_t m, int64_t K, int reps,
+                           int8_t *a, float *scale, float *sum) {
     const int64_t KR = K * reps, BR = KR / QK;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) {
-        float buf[K > 0 ? K : 1];
-        const float *row;
-        if (is_bf16) {
-            const uint16_t *h = (const uint16_t *)x + m * ldx;
-            for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
-            row = buf;
-        } else {
-            row = (const float *)x + m * ldx;
-        }
-        quantize_row(row, K, a + m * KR, scale + m * BR, sum + m * BR);
-        for (int r = 1; r < reps; r++) {
-            memcpy(a + m * KR + r * K, a + m * KR, K);
-            memcpy(scale + m * BR + r * (K / QK), scale + m * BR, K / QK * sizeof(float));
-            memcpy(sum + m * BR + r * (K / QK), sum + m * BR, K / QK * sizeof(float));
-        }
+    float buf[K > 0 ? K : 1];
+    const float *row;
+    if (is_bf16) {
+        const uint16_t *h = (const uint16_t *)x + m * ldx;
+        for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
+        row = buf;
+    } else {
+        row = (const float *)x + m * ldx;
+    }
+    quantize_row(row, K, a + m * KR, scale + m * BR, sum + m * BR);
+    for (int r = 1; r < reps; r++) {
+        memcpy(a + m * KR + r * K, a + m * KR, K);
+        memcpy(scale + m * BR + r * (K / QK), scale + m * BR, K / QK * sizeof(float));
+        memcpy(sum + m * BR + r * (K / QK), sum + m * BR, K / QK * sizeof(float));
     }
 }
 
@@ -154,40 +151,53 @@ static inline void store_bf16x8(uint16_t *o, __m256 v) { /* round to nearest eve
     _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(packed));
 }
 
-/* y[M, N] (stride ldy, f32 or bf16) = dequant(W) x^T (+ bias[N], f32); K % 32 == 0. */
-void foveal_gemm_q4(const int8_t *a, const float *scale, const float *sum, int64_t M, int64_t K,
-                    const uint8_t *w, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16,
-                    int nthreads) {
-    const int64_t nb = K / QK, panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const uint8_t *wp = w + p * nb * BLOCK_BYTES;
-        const int64_t n0 = p * PANEL, nv = N - n0 < PANEL ? N - n0 : PANEL;
-        __m256 bv = _mm256_setzero_ps();
-        if (bias) {
-            float t[PANEL] = {0};
-            memcpy(t, bias + n0, nv * sizeof(float));
-            bv = _mm256_loadu_ps(t);
+/* Output columns [8 p, 8 p + 8) of y for all M rows. */
+static void panel(int64_t p, const int8_t *a, const float *scale, const float *sum, int64_t M, int64_t K,
+                  const uint8_t *w, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16) {
+    const int64_t nb = K / QK;
+    const uint8_t *wp = w + p * nb * BLOCK_BYTES;
+    const int64_t n0 = p * PANEL, nv = N - n0 < PANEL ? N - n0 : PANEL;
+    __m256 bv = _mm256_setzero_ps();
+    if (bias) {
+        float t[PANEL] = {0};
+        memcpy(t, bias + n0, nv * sizeof(float));
+        bv = _mm256_loadu_ps(t);
+    }
+    float out[4 * PANEL];
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
+        switch (rows) {
+        case 4: tile(4, a, scale, sum, m0, K, wp, bv, out); break;
+        case 3: tile(3, a, scale, sum, m0, K, wp, bv, out); break;
+        case 2: tile(2, a, scale, sum, m0, K, wp, bv, out); break;
+        default: tile(1, a, scale, sum, m0, K, wp, bv, out); break;
         }
-        float out[4 * PANEL];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
-            switch (rows) {
-            case 4: tile(4, a, scale, sum, m0, K, wp, bv, out); break;
-            case 3: tile(3, a, scale, sum, m0, K, wp, bv, out); break;
-            case 2: tile(2, a, scale, sum, m0, K, wp, bv, out); break;
-            default: tile(1, a, scale, sum, m0, K, wp, bv, out); break;
-            }
-            for (int r = 0; r < rows; r++) {
-                const float *t = out + r * PANEL;
-                if (y_bf16) {
-                    uint16_t *o = (uint16_t *)y + (m0 + r) * ldy + n0;
-                    if (nv == PANEL) store_bf16x8(o, _mm256_loadu_ps(t));
-                    else for (int j = 0; j < nv; j++) o[j] = f32_to_bf16(t[j]);
-                } else {
-                    memcpy((float *)y + (m0 + r) * ldy + n0, t, nv * sizeof(float));
-                }
+        for (int r = 0; r < rows; r++) {
+            const float *t = out + r * PANEL;
+            if (y_bf16) {
+                uint16_t *o = (uint16_t *)y + (m0 + r) * ldy + n0;
+                if (nv == PANEL) store_bf16x8(o, _mm256_loadu_ps(t));
+                else for (int j = 0; j < nv; j++) o[j] = f32_to_bf16(t[j]);
+            } else {
+                memcpy((float *)y + (m0 + r) * ldy + n0, t, nv * sizeof(float));
             }
         }
+    }
+}
+
+/* y[M, N] (rows ldy apart, f32 or bf16 as x) = dequant(W) q8(x)^T (+ bias[N], f32), K % 32 == 0, with
+ * scratch a [M, reps K], scale and sum [M, reps K / 32]. One parallel region: rows are quantized, then
+ * (after the barrier) each thread computes its share of the column panels. */
+void foveal_qlinear(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K, int reps, int8_t *a,
+                    float *scale, float *sum, const uint8_t *w, int64_t N, const float *bias, void *y,
+                    int64_t ldy, int nthreads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_x_row(x, ldx, is_bf16, m, K, reps, a, scale, sum);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++)
+            panel(p, a, scale, sum, M, K * reps, w, N, bias, y, ldy, is_bf16);
     }
 }

@@ -151,7 +151,7 @@ def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     qw = getattr(weight, "_foveal_quant", None)
-    if qw is not None and x.device.type == "cpu" and x.dtype in _QUANT_INPUT and quant.kernel() is not None:
+    if qw is not None and x.is_cpu and x.dtype in _QUANT_INPUT and quant.kernel() is not None:
         return qw.linear(x, bias)  # a GGUF block-quantized weight, run as stored (layers/quant.py)
     if weight.device.type == "cpu" and x.shape[0] >= _MIN_UPCAST_ROWS:
         if weight.dtype in _HALF and not cpu_has_native(weight.dtype):

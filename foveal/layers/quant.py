@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -36,26 +37,40 @@ PANEL = 8
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 TYPES = tuple(BLOCK_BYTES)
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-
-
-class _Kernel:
-    def __init__(self, lib: ctypes.CDLL):
-        self.quantize = lib.foveal_quantize_rows
-        self.quantize.argtypes = [_P, _I64, _I, _I64, _I64, _I, _P, _P, _P, _I]
-        self.quantize.restype = None
-        self.gemm = lib.foveal_gemm_q4
-        self.gemm.argtypes = [_P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _I64, _I, _I]
-        self.gemm.restype = None
+_INPUT = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's is_bf16 flag
 
 
 @functools.cache
-def kernel() -> _Kernel | None:
-    """The built kernel, or None (no AVX2/FMA, no compiler, a failed build: logged once)."""
+def kernel():
+    """The built kernel's entry (foveal_qlinear), or None (no AVX2/FMA, no compiler, a failed build:
+    logged once)."""
     if not {"avx2", "fma"} <= native.cpu_flags():
         log.info("this CPU has no AVX2/FMA: quantized GGUF weights are dequantized")
         return None
     lib = native.load(SOURCE, "quantized-linear kernel")
-    return None if lib is None else _Kernel(lib)
+    if lib is None:
+        return None
+    fn = lib.foveal_qlinear
+    fn.argtypes = [_P, _I64, _I, _I64, _I64, _I, _P, _P, _P, _P, _I64, _P, _P, _I64, _I]
+    fn.restype = None
+    return fn
+
+
+_scratch = threading.local()
+
+
+def _scratch_for(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This thread's int8 activations [rows, k] and per-block scales and sums [rows, k / 32], reused
+    across calls (grown when a call needs more)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf[0].numel() < rows * k:
+        n = max(rows * k, 64 * 1024)
+        buf = _scratch.buf = (
+            torch.empty(n, dtype=torch.int8),
+            torch.empty(n // QK),
+            torch.empty(n // QK),
+        )
+    return buf
 
 
 def _blocks(raw: torch.Tensor, rows: int, cols: int, kind: str) -> torch.Tensor:
@@ -145,37 +160,30 @@ class QuantWeight:
         return sum(w[:, r * k : (r + 1) * k] for r in range(self.reps))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        kern = kernel()
-        if kern is None:
+        """x [..., K] (float32/bfloat16, CPU) -> [..., N] in x's dtype. Written for per-call cost: a
+        decode step makes ~120 of these calls."""
+        fn = kernel()
+        if fn is None:
             raise RuntimeError("the quantized-linear kernel is not available on this machine")
-        if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        if x.dtype not in _INPUT or not x.is_cpu:
             raise ValueError(f"quantized linear takes float32/bfloat16 CPU input, not {x.dtype}/{x.device}")
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.shape[1] != self.in_features:
-            raise ValueError(f"input has {x2.shape[1]} features, the weight {self.in_features}")
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        rows, k = x2.shape
+        if k != self.in_features:
+            raise ValueError(f"input has {k} features, the weight {self.in_features}")
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        rows, k = x2.shape
-        kr = k * self.reps
-        a = torch.empty(rows, kr, dtype=torch.int8)
-        scale = torch.empty(rows, kr // QK)
-        total = torch.empty(rows, kr // QK)
-        out = torch.empty(rows, self.out_features, dtype=x.dtype)
+        a, scale, total = _scratch_for(rows, k * self.reps)
+        out = torch.empty((rows, self.out_features), dtype=x.dtype)
         if bias is not None:
             bias = bias.float().contiguous()
-        threads = torch.get_num_threads()
-        is_bf16 = int(x.dtype == torch.bfloat16)
-        kern.quantize(
-            x2.data_ptr(), x2.stride(0), is_bf16, rows, k, self.reps,
-            a.data_ptr(), scale.data_ptr(), total.data_ptr(), threads,
+        fn(
+            x2.data_ptr(), x2.stride(0), _INPUT[x.dtype], rows, k, self.reps, a.data_ptr(), scale.data_ptr(),
+            total.data_ptr(), self.packed.data_ptr(), self.out_features,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), self.out_features,
+            torch.get_num_threads(),
         )  # fmt: skip
-        kern.gemm(
-            a.data_ptr(), scale.data_ptr(), total.data_ptr(), rows, kr, self.packed.data_ptr(),
-            self.out_features, None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-            is_bf16, threads,
-        )  # fmt: skip
-        return out.reshape(*shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 def assemble(pieces: list[tuple[int, str, torch.Tensor]], rows: int, cols: int) -> QuantWeight | None:

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from foveal.layers import fused
+from foveal.layers import cpu_fused, fused
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -133,4 +133,6 @@ def apply_rotary_qk(
     the qkv buffer, which saves a pass); the CPU path returns new tensors as apply_rotary does."""
     if q.is_cuda and fused.use_fused(q):
         return fused.rotary_qk_(q, k, cos, sin)
+    if cpu_fused.use(q) and (out := cpu_fused.rotary_qk(q, k, cos, sin)) is not None:
+        return out
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

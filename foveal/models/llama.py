@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foveal.layers import fused
+from foveal.layers import cpu_fused, fused
 from foveal.layers.linear import Linear, linear
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import RotaryEmbedding, apply_rotary_qk
@@ -91,6 +91,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda and fused.use_fused(gate_up):
             return self.down_proj(fused.silu_and_mul(gate_up))
+        if cpu_fused.use(gate_up) and (h := cpu_fused.silu_and_mul(gate_up)) is not None:
+            return self.down_proj(h)
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -1,0 +1,118 @@
+/* Elementwise glue of a decoder layer on CPUs, one call per op instead of 4-10 PyTorch ops (Foveal;
+ * built by foveal/native.py, wrapped by foveal/layers/cpu_fused.py). Each function rounds where the
+ * PyTorch reference path rounds (layers/norm.py, rotary.py, models/llama.py's MLP), so results match it
+ * up to float summation order. T is float (f32) or uint16_t (bf16); rows are `ld*` elements apart. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float ld_f32(float x) { return x; }
+static inline float st_f32(float x) { return x; }
+static inline float rnd_f32(float x) { return x; }
+static inline float rnd_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+/* e^x for x <= 0, branch-free (vectorizes): e^x = 2^i e^f with i = rint(x log2 e) and f = x - i ln 2 in
+ * two steps (Cody-Waite: ln 2 split so i ln2_hi is exact), |f| <= ln(2) / 2, e^f by its Taylor series
+ * to degree 7 (relative error < 1e-8). 0 below -87 (where torch's silu(x) = x / (1 + e^-x) is -0 too). */
+static inline float exp_nonpositive(float x0) {
+    const float x = x0 < -87.0f ? -87.0f : x0;
+    const float i = __builtin_rintf(x * 1.4426950408889634f);
+    const float f = (x - i * 0.693145751953125f) - i * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * f + 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)(i == i ? i : 0.0f) + 127) << 23;
+    float pow2;
+    memcpy(&pow2, &bits, 4);
+    return x0 < -87.0f ? 0.0f : p * pow2;
+}
+
+#define DEFINE_OPS(SUF, T, LD, ST, RND)                                                                \
+    /* res_out = x + res (rounded), out = w * norm(res_out) (RMSNorm in fp32, cast, then w); without  \
+       res: out = w * norm(x) */                                                                       \
+    void foveal_rms_norm_##SUF(const T *x, int64_t ldx, const T *res, int64_t ldr, T *res_out,        \
+                               const T *w, T *out, int64_t rows, int64_t n, float eps, int nthreads) { \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (rows > 4)")             \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            const T *xr = x + r * ldx;                                                                \
+            T *orow = out + r * n;                                                                    \
+            float buf[n];                                                                             \
+            float ss = 0.0f;                                                                          \
+            if (res) {                                                                                \
+                const T *rr = res + r * ldr;                                                          \
+                T *ro = res_out + r * n;                                                              \
+                for (int64_t i = 0; i < n; i++) {                                                     \
+                    const float v = RND(LD(xr[i]) + LD(rr[i]));                                       \
+                    ro[i] = ST(v);                                                                    \
+                    buf[i] = v;                                                                       \
+                }                                                                                     \
+            } else {                                                                                  \
+                for (int64_t i = 0; i < n; i++) buf[i] = LD(xr[i]);                                  \
+            }                                                                                         \
+            float part[8] = {0};                                                                      \
+            int64_t i8 = 0;                                                                           \
+            for (; i8 + 8 <= n; i8 += 8)                                                              \
+                for (int j = 0; j < 8; j++) part[j] += buf[i8 + j] * buf[i8 + j];                     \
+            for (; i8 < n; i8++) part[0] += buf[i8] * buf[i8];                                        \
+            for (int j = 0; j < 8; j++) ss += part[j];                                                \
+            const float inv = 1.0f / sqrtf(ss / (float)n + eps);                                      \
+            for (int64_t i = 0; i < n; i++) orow[i] = ST(LD(w[i]) * RND(buf[i] * inv));              \
+        }                                                                                             \
+    }                                                                                                 \
+                                                                                                      \
+    /* rotate-half rotary on heads of D: out[t, h] = x*cos + rot(x)*sin, each product rounded as the \
+       reference's separate ops; x rows ldx apart (a view into the qkv buffer), cos/sin [T, D] */    \
+    void foveal_rotary_##SUF(const T *x, int64_t ldx, const T *cos, const T *sin, T *out, int64_t rows, \
+                             int64_t heads, int64_t D, int nthreads) {                                \
+        const int64_t half = D / 2;                                                                   \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (rows > 4)")             \
+        for (int64_t t = 0; t < rows; t++) {                                                          \
+            const T *c = cos + t * D, *s = sin + t * D;                                               \
+            for (int64_t h = 0; h < heads; h++) {                                                     \
+                const T *xh = x + t * ldx + h * D;                                                    \
+                T *o = out + (t * heads + h) * D;                                                     \
+                for (int64_t i = 0; i < half; i++) {                                                  \
+                    const float x1 = LD(xh[i]), x2 = LD(xh[i + half]);                                \
+                    o[i] = ST(RND(x1 * LD(c[i])) + RND(-x2 * LD(s[i])));                              \
+                    o[i + half] = ST(RND(x2 * LD(c[i + half])) + RND(x1 * LD(s[i + half])));          \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+                                                                                                      \
+    /* out[t, i] = silu(x[t, i]) * x[t, n + i], silu rounded before the product (as F.silu(g) * u) */ \
+    void foveal_silu_mul_##SUF(const T *x, int64_t ldx, T *out, int64_t rows, int64_t n, int nthreads) { \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (rows > 4)")             \
+        for (int64_t t = 0; t < rows; t++) {                                                          \
+            const T *g = x + t * ldx, *u = g + n;                                                     \
+            T *o = out + t * n;                                                                       \
+            for (int64_t i = 0; i < n; i++) {                                                         \
+                const float v = LD(g[i]);                                                             \
+                const float e = exp_nonpositive(-fabsf(v));                                           \
+                const float sig = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);                     \
+                o[i] = ST(RND(v * sig) * LD(u[i]));                                                   \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+DEFINE_OPS(f32, float, ld_f32, st_f32, rnd_f32)
+DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, rnd_bf16)
