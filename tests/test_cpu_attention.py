@@ -52,6 +52,19 @@ def test_decode_matches_torch(num_kv, group, head_dim, bs, dtype, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [36, 64, 128, 192])
+def test_head_dims_of_each_kernel_path(head_dim, monkeypatch):
+    """36: plain loops; 64 / 128 / 192: four-key dot products and P V in 64-wide register slices
+    (one, two, three per head); SmolLM2 and most models run 64 or 128."""
+    backend = CpuAttentionBackend()
+    calls = native_calls(backend, monkeypatch)
+    seqs = DECODES * 2 + [(300, 1)] * 3 + [(5, 1)]  # key counts that are and are not multiples of 4
+    for dtype in (torch.float32, torch.bfloat16):
+        compare(cpu_case(seqs, num_kv=3, group=3, head_dim=head_dim, bs=16, dtype=dtype, seed=3), backend)
+    assert calls == [len(seqs)] * 2
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_mixed_decode_and_prefill(dtype, monkeypatch):
     backend = CpuAttentionBackend()

@@ -76,6 +76,46 @@ static inline void scale_row(float *restrict y, float a, int D) {
     for (int d = 0; d < D; d++) y[d] *= a;
 }
 
+/* Register-blocked forms of the two products (GCC/Clang vector extensions; plain loops where D does
+ * not fit them): four keys' dot products at once (four independent accumulator chains instead of one
+ * long one per key), and P V with a 64-wide slice of the output accumulated in registers across keys
+ * (axpy stores and reloads it for every key). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f ld8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+/* out[i] = q . k[i * ks], i < 4; D % 8 == 0 */
+static inline void dot4(const float *restrict q, const float *restrict k, int64_t ks, int D,
+                        float *restrict out) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int d = 0; d < D; d += 8) {
+        const v8f qv = ld8(q + d);
+        a0 += qv * ld8(k + d);
+        a1 += qv * ld8(k + ks + d);
+        a2 += qv * ld8(k + 2 * ks + d);
+        a3 += qv * ld8(k + 3 * ks + d);
+    }
+    out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
+}
+
+/* acc[0:64] += sum_j p[j] v[j * vs : j * vs + 64] */
+static inline void pv64(float *restrict acc, const float *restrict p, const float *restrict v, int64_t vs,
+                        int n) {
+    v8f a[8];
+    for (int i = 0; i < 8; i++) a[i] = ld8(acc + 8 * i);
+    for (int j = 0; j < n; j++) {
+        const float *vr = v + j * vs;
+        for (int i = 0; i < 8; i++) a[i] += p[j] * ld8(vr + 8 * i);
+    }
+    memcpy(acc, a, sizeof(a));
+}
+
 #define DEFINE_LOAD_ROW(NAME, T, LOAD)                                                                \
     static inline void NAME(float *restrict dst, const T *restrict src, int D) {                     \
         for (int d = 0; d < D; d++) dst[d] = LOAD(src[d]);                                            \
@@ -137,8 +177,12 @@ static inline int chunk_for(int heads, int D) {
                 for (int r = 0; r < nh * G; r++) {                                                    \
                     const float *kh = rows + (r / G) * D;                                             \
                     float *sr = s + r * CH, mx = m[r];                                                \
-                    for (int j = 0; j < n; j++) {                                                     \
-                        float x = dot(qf + r * D, kh + j * nh * D, D);                                \
+                    int j = 0;                                                                        \
+                    if (D % 8 == 0)                                                                   \
+                        for (; j + 4 <= n; j += 4) dot4(qf + r * D, kh + j * nh * D, nh * D, D, sr + j); \
+                    for (; j < n; j++) sr[j] = dot(qf + r * D, kh + j * nh * D, D);                   \
+                    for (j = 0; j < n; j++) {                                                         \
+                        float x = sr[j];                                                              \
                         if (softcap > 0.0f) x = softcap * tanhf(x / softcap);                         \
                         sr[j] = x;                                                                    \
                         mx = x > mx ? x : mx;                                                         \
@@ -160,7 +204,11 @@ static inline int chunk_for(int heads, int D) {
                               slot_stride * sizeof(T), h0 * D * sizeof(T), nh * D * sizeof(T));       \
                 for (int r = 0; r < nh * G; r++) {                                                    \
                     const float *vh = rows + (r / G) * D;                                             \
-                    for (int j = 0; j < n; j++) axpy(acc + r * D, s[r * CH + j], vh + j * nh * D, D); \
+                    if (D % 64 == 0)                                                                  \
+                        for (int d0 = 0; d0 < D; d0 += 64)                                            \
+                            pv64(acc + r * D + d0, s + r * CH, vh + d0, nh * D, n);                   \
+                    else                                                                              \
+                        for (int j = 0; j < n; j++) axpy(acc + r * D, s[r * CH + j], vh + j * nh * D, D); \
                 }                                                                                     \
             }                                                                                         \
             for (int r = 0; r < nh * G; r++) {                                                        \
