@@ -13,11 +13,11 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN; branch-free */
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 
 static inline float ld_f32(float x) { return x; }
