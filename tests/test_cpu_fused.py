@@ -41,7 +41,7 @@ def norm_layer(n: int, dtype) -> RMSNorm:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 64), (7, 96), (33, 576)])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (33, 576)])  # 100: an 8-wide body and a tail
 def test_rms_norm(dtype, shape):
     norm = norm_layer(shape[-1], dtype)
     x, r = rand(*shape, dtype=dtype, seed=2), rand(*shape, dtype=dtype, seed=3, scale=4.0)
@@ -73,7 +73,7 @@ def test_rms_norm_on_head_views_and_fallbacks():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,inter", [(1, 64), (7, 96), (33, 1536)])
+@pytest.mark.parametrize("rows,inter", [(1, 64), (7, 99), (33, 1536)])
 def test_silu_and_mul(dtype, rows, inter):
     wide = rand(rows, 2 * inter + 32, dtype=dtype, seed=6, scale=4.0)
     gate_up = wide[:, : 2 * inter]  # rows strided as in a bigger buffer
@@ -94,7 +94,7 @@ def cos_sin(t: int, hd: int, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,h,kvh,hd", [(1, 4, 2, 64), (9, 6, 2, 32), (33, 9, 3, 64)])
+@pytest.mark.parametrize("t,h,kvh,hd", [(1, 4, 2, 64), (9, 6, 2, 20), (33, 9, 3, 64)])
 def test_rotary_on_qkv_views(dtype, t, h, kvh, hd):
     qkv = rand(t, (h + 2 * kvh) * hd, dtype=dtype, seed=9, scale=2.0)
     q, k, v = qkv.split([h * hd, kvh * hd, kvh * hd], dim=-1)
