@@ -22,6 +22,18 @@ def test_generate_answers_on_default_model():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France is Paris."
     assert "tok/s" in r.stderr and "loaded" in r.stderr  # load time is logged
+    assert "dense weights" in r.stderr and "--quantization gguf runs" in r.stderr  # the hint
+
+
+def test_generate_with_quantized_gguf_weights():
+    from foveal.layers import quant
+
+    if quant.kernel() is None:
+        pytest.skip("no AVX2 CPU or C compiler")
+    r = run("generate", "--quantization", "gguf", "--prompt", "Name a primary color.", "--max-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    assert "121 quantized weights (120 Q4_1, 1 Q8_0;" in r.stderr
+    assert r.stdout.strip()
 
 
 @pytest.mark.parametrize(
@@ -30,6 +42,7 @@ def test_generate_answers_on_default_model():
         (["--model", "/nonexistent/model.gguf"], "does not exist"),
         (["--top-p", "0"], "top_p"),
         (["--max-tokens", "0"], "max_tokens"),
+        (["--quantization", "int4"], "invalid choice"),
     ],
 )
 def test_generate_reports_bad_input_cleanly(args, message):

@@ -198,6 +198,10 @@ class Engine:
             cfg.scheduler.max_num_batched_tokens,
             quant.describe(self.model),
         )
+        if ckpt.format == "gguf" and device.type == "cpu" and cfg.model.quantization == "none":
+            log.info("--quantization gguf runs a GGUF's Q4_0/Q4_1/Q8_0 weights as stored (faster on CPU)")
+        elif ckpt.format != "gguf" and cfg.model.quantization == "gguf":
+            log.warning("--quantization gguf applies to GGUF files: the %s weights stay dense", ckpt.format)
         return self
 
     def _quantize(self, device: torch.device) -> bool:
