@@ -118,3 +118,11 @@ def test_switch_turns_the_cpu_path_off(monkeypatch):
     q, k = torch.randn(3, 2, 64), torch.randn(3, 1, 64)
     cos, sin = torch.ones(3, 1, 64), torch.zeros(3, 1, 64)
     reference(lambda: (norm(x), norm.forward_residual(x, x), apply_rotary_qk(q, k, cos, sin)))
+
+
+def test_rotary_on_separate_q_and_k():
+    """q and k not adjacent in one buffer (e.g. after Qwen3's q/k norm): one call each."""
+    q, k = rand(5, 4, 64, dtype=torch.bfloat16, seed=10), rand(5, 2, 64, dtype=torch.bfloat16, seed=11)
+    cos, sin = cos_sin(5, 64, torch.bfloat16)
+    out_q, out_k = cpu_fused.rotary_qk(q, k, cos, sin)
+    assert torch.equal(out_q, apply_rotary(q, cos, sin)) and torch.equal(out_k, apply_rotary(k, cos, sin))

@@ -25,6 +25,52 @@ static inline float st_f32(float x) { return x; }
 static inline float rnd_f32(float x) { return x; }
 static inline float rnd_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+/* 8-wide forms for the rotary (GCC did not vectorize its scalar loop: ~8 ns per element in bf16) */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+static inline v8f as_f(v8u u) {
+    v8f f;
+    memcpy(&f, &u, 32);
+    return f;
+}
+
+static inline v8u as_u(v8f f) {
+    v8u u;
+    memcpy(&u, &f, 32);
+    return u;
+}
+
+static inline v8f ld8_f32(const float *p) {
+    v8f v;
+    memcpy(&v, p, 32);
+    return v;
+}
+
+static inline void st8_f32(float *p, v8f v) { memcpy(p, &v, 32); }
+static inline v8f rnd8_f32(v8f v) { return v; }
+
+static inline v8f ld8_bf16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, 16);
+    return as_f(__builtin_convertvector(h, v8u) << 16);
+}
+
+static inline v8u bf16_bits8(v8f f) { /* f32_to_bf16, 8 at a time (in the low 16 bits) */
+    const v8u u = as_u(f);
+    const v8u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    const v8u nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u);
+    return (quiet & nan) | (rounded & ~nan);
+}
+
+static inline void st8_bf16(uint16_t *p, v8f v) {
+    const v8h h = __builtin_convertvector(bf16_bits8(v), v8h);
+    memcpy(p, &h, 16);
+}
+
+static inline v8f rnd8_bf16(v8f v) { return as_f(bf16_bits8(v) << 16); }
+
 /* e^x for x <= 0, branch-free (vectorizes): e^x = 2^i e^f with i = rint(x log2 e) and f = x - i ln 2 in
  * two steps (Cody-Waite: ln 2 split so i ln2_hi is exact), |f| <= ln(2) / 2, e^f by its Taylor series
  * to degree 7 (relative error < 1e-8). 0 below -87 (where torch's silu(x) = x / (1 + e^-x) is -0 too). */
@@ -46,7 +92,7 @@ static inline float exp_nonpositive(float x0) {
     return x0 < -87.0f ? 0.0f : p * pow2;
 }
 
-#define DEFINE_OPS(SUF, T, LD, ST, RND)                                                                \
+#define DEFINE_OPS(SUF, T, LD, ST, RND, LD8, ST8, RND8)                                                                \
     /* res_out = x + res (rounded), out = w * norm(res_out) (RMSNorm in fp32, cast, then w); without  \
        res: out = w * norm(x) */                                                                       \
     void foveal_rms_norm_##SUF(const T *x, int64_t ldx, const T *res, int64_t ldr, T *res_out,        \
@@ -90,7 +136,13 @@ static inline float exp_nonpositive(float x0) {
             for (int64_t h = 0; h < heads; h++) {                                                     \
                 const T *xh = x + t * ldx + h * D;                                                    \
                 T *o = out + (t * heads + h) * D;                                                     \
-                for (int64_t i = 0; i < half; i++) {                                                  \
+                int64_t i = 0;                                                                        \
+                for (; i + 8 <= half; i += 8) {                                                       \
+                    const v8f x1 = LD8(xh + i), x2 = LD8(xh + i + half);                              \
+                    ST8(o + i, RND8(x1 * LD8(c + i)) + RND8(-x2 * LD8(s + i)));                       \
+                    ST8(o + i + half, RND8(x2 * LD8(c + i + half)) + RND8(x1 * LD8(s + i + half)));   \
+                }                                                                                     \
+                for (; i < half; i++) {                                                               \
                     const float x1 = LD(xh[i]), x2 = LD(xh[i + half]);                                \
                     o[i] = ST(RND(x1 * LD(c[i])) + RND(-x2 * LD(s[i])));                              \
                     o[i + half] = ST(RND(x2 * LD(c[i + half])) + RND(x1 * LD(s[i + half])));          \
@@ -114,5 +166,5 @@ static inline float exp_nonpositive(float x0) {
         }                                                                                             \
     }
 
-DEFINE_OPS(f32, float, ld_f32, st_f32, rnd_f32)
-DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, rnd_bf16)
+DEFINE_OPS(f32, float, ld_f32, st_f32, rnd_f32, ld8_f32, st8_f32, rnd8_f32)
+DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, rnd_bf16, ld8_bf16, st8_bf16, rnd8_bf16)

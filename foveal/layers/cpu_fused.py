@@ -96,9 +96,10 @@ def _norm(x, residual, weight, eps):
     return out if residual is None else (out, res_out.view(x.shape))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    t, heads, d = x.shape
-    out = torch.empty(t, heads, d, dtype=x.dtype)
+def _rotate(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`heads` heads of D per row from x's first element (rows x.stride(0) apart) -> [T, heads, D]."""
+    t, _, d = x.shape
+    out = torch.empty((t, heads, d), dtype=x.dtype)
     kernel()["rotary", x.dtype](
         x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, heads, d,
         torch.get_num_threads(),
@@ -108,15 +109,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def rotary_qk(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Rotate-half rotary of q [T, H, D] and k [T, KVH, D] (views into a qkv buffer are fine) with
-    cos/sin [T, 1, D]; new tensors, or None where the layout does not fit."""
-    t, _, d = q.shape
+    cos/sin [T, 1, D]; new tensors, or None where the layout does not fit. When k's heads follow q's
+    in each row (the fused qkv buffer), one call rotates both."""
+    t, h, d = q.shape
     for x in (q, k):
         if x.stride(2) != 1 or x.stride(1) != d or x.dtype != q.dtype:
             return None
     if cos.dtype != q.dtype or sin.dtype != q.dtype or cos.numel() != t * d or sin.numel() != t * d:
         return None
     cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    if k.stride(0) == q.stride(0) and k.data_ptr() == q.data_ptr() + h * d * q.element_size():
+        both = _rotate(q, h + k.shape[1], cos, sin)
+        return both[:, :h], both[:, h:]
+    return _rotate(q, h, cos, sin), _rotate(k, k.shape[1], cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:

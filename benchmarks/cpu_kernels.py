@@ -1,0 +1,142 @@
+"""The native CPU kernels against the PyTorch code they replace, on SmolLM2-135M shapes, each pair timed
+alternately in one process (this host drifts by +-15% between runs):
+
+  quantized linear (layers/cpu_quant.c, Q4_1; the LM head Q8_0) vs oneDNN fp32 on the dequantized
+      weights (the dense CPU path), at 1, 16 and 128 rows, bf16 activations
+  decode attention (attention/cpu_decode.c) vs the torch backend's gather + SDPA, 16 sequences
+  fused glue (layers/cpu_fused.c): residual add + RMSNorm, rotary, SiLU-and-mul vs their PyTorch ops
+
+    python benchmarks/cpu_kernels.py [--rows 1 16 128]
+
+Prints a table, then one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from foveal.layers import fused, linear  # noqa: E402
+from foveal.layers.norm import RMSNorm  # noqa: E402
+from foveal.layers.quant import QuantWeight  # noqa: E402
+from foveal.layers.rotary import apply_rotary_qk  # noqa: E402
+
+SHAPES = {  # name: (N, K, GGUF type) of SmolLM2-135M's linears (q/k/v and gate/up fused)
+    "qkv": (960, 576, "Q4_1"),
+    "o": (576, 576, "Q4_1"),
+    "gate_up": (3072, 576, "Q4_1"),
+    "down": (576, 1536, "Q4_1"),
+    "lm_head": (49152, 576, "Q8_0"),
+}
+
+
+def ab(a, b, calls: int, reps: int = 5) -> tuple[float, float]:
+    """Median microseconds per call of a and of b, timed alternately."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(reps):
+        for f, out in ((a, ta), (b, tb)):
+            t = time.perf_counter()
+            for _ in range(calls):
+                f()
+            out.append((time.perf_counter() - t) / calls * 1e6)
+    return sorted(ta)[reps // 2], sorted(tb)[reps // 2]
+
+
+def linears(rows: list[int]) -> list[dict]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    out = []
+    for name, (n, k, kind) in SHAPES.items():
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
+        raw = quantize(w.numpy(), GGMLQuantizationType[kind])
+        qw = QuantWeight.from_gguf(raw, kind, n, k)
+        dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])).bfloat16()
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            calls = max(3, int(3e8 / (m * n * k)))
+            tq, td = ab(lambda: qw.linear(x), lambda: linear.linear(x, dense), calls)  # noqa: B023
+            out.append({"op": f"linear {name}", "rows": m, "native_us": tq, "torch_us": td})
+    return out
+
+
+def attention(seqs: int = 16, ctx: int = 200) -> dict:
+    from foveal.attention import get_backend
+    from tests.attention_cases import Case
+
+    cpu = torch.device("cpu")
+    case = Case([(ctx, 1)] * seqs, num_kv=3, group=3, head_dim=64, bs=16, dtype=torch.bfloat16, device=cpu)
+    runs = []
+    for backend in (get_backend("cpu", cpu), get_backend("torch", cpu)):
+        meta = backend.plan(case.batch, cpu)  # planned once per step in the engine, not per layer
+        runs.append(lambda b=backend, m=meta: case.run(b, case.cache, m))
+    tn, tt = ab(*runs, calls=50)
+    return {"op": f"decode attention {seqs} seqs x {ctx} keys", "rows": seqs, "native_us": tn, "torch_us": tt}
+
+
+def glue(rows: int) -> list[dict]:
+    dt = torch.bfloat16
+    norm = RMSNorm(576, 1e-5).to(dt)
+    x, r = torch.randn(rows, 576).to(dt), torch.randn(rows, 576).to(dt)
+    qkv = torch.randn(rows, 960).to(dt)
+    q, k = qkv[:, :576].view(rows, 9, 64), qkv[:, 576:768].view(rows, 3, 64)
+    cos, sin = torch.randn(rows, 1, 64).to(dt), torch.randn(rows, 1, 64).to(dt)
+    gate_up = torch.randn(rows, 3072).to(dt)
+
+    def silu_mul():
+        from foveal.layers import cpu_fused
+
+        if cpu_fused.use(gate_up):
+            return cpu_fused.silu_and_mul(gate_up)
+        g, u = gate_up.split(1536, dim=-1)
+        return F.silu(g) * u
+
+    out = []
+    for name, f in (
+        ("add + RMSNorm", lambda: norm.forward_residual(x, r)),
+        ("rotary q, k", lambda: apply_rotary_qk(q, k, cos, sin)),
+        ("SiLU-and-mul", silu_mul),
+    ):
+
+        def off(f=f):
+            fused.set_fused_ops(False)
+            try:
+                return f()
+            finally:
+                fused.set_fused_ops(True)
+
+        with torch.no_grad():
+            tn, tt = ab(f, off, calls=500)
+        out.append({"op": name, "rows": rows, "native_us": tn, "torch_us": tt})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
+    a = ap.parse_args()
+    results = linears(a.rows) + [attention()] + glue(16)
+    print(f"{'op':<36}{'rows':>6}{'native us':>12}{'torch us':>12}{'speed-up':>10}")
+    for r in results:
+        r["native_us"], r["torch_us"] = round(r["native_us"], 1), round(r["torch_us"], 1)
+        r["speedup"] = round(r["torch_us"] / r["native_us"], 2)
+        print(
+            f"{r['op']:<36}{r['rows']:>6}{r['native_us']:>12.1f}{r['torch_us']:>12.1f}{r['speedup']:>9.2f}x"
+        )
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    summary = {"benchmark": "cpu_kernels", "commit": commit.strip(), "threads": torch.get_num_threads()}
+    print(json.dumps({**summary, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
