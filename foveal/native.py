@@ -64,16 +64,20 @@ def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> None:
             os.unlink(tmp)
 
 
+HEADER = Path(__file__).with_name("native.h")  # helpers every kernel includes
+
+
 def load(source: Path, what: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The built library of `source` (FLAGS + extra_flags), or None (no compiler, a failed build:
     logged)."""
-    flags = (*FLAGS, *extra_flags)
+    flags = (*FLAGS, f"-I{HEADER.parent}", *extra_flags)
     cc = compiler()
     if cc is None:
         log.info("no C compiler found: the %s runs on PyTorch", what)
         return None
     parts = [cc, " ".join(flags), " ".join(sorted(cpu_flags()))]
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *(p.encode() for p in parts)])).hexdigest()[:16]
+    code = source.read_bytes() + HEADER.read_bytes()
+    key = hashlib.sha256(b"\0".join([code, *(p.encode() for p in parts)])).hexdigest()[:16]
     target = Path(cache_dir()) / "kernels" / f"{source.stem}-{key}.so"
     try:
         if not target.exists():

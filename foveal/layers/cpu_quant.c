@@ -19,23 +19,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native.h"
+
 #define QK 32
 #define PANEL 8
 #define BLOCK_BYTES (128 + 64)
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* One row of K values (K % 32 == 0) -> int8 a[K], scale[K/32], sum[K/32]. */
 static void quantize_row(const float *x, int64_t K, int8_t *a, float *scale, float *sum) {
