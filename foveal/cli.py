@@ -29,7 +29,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default="none",
         choices=["none", "gguf"],
         help="gguf: a GGUF's Q4_0/Q4_1/Q8_0 linears run as stored on AVX2 CPUs, with int8 activations "
-        "as llama.cpp (~1.6x throughput on the 2-vCPU dev host; outputs differ slightly); none: "
+        "as llama.cpp (1.5-1.8x throughput on the 2-vCPU dev host; outputs differ slightly); none: "
         "dequantize every weight to --dtype",
     )
     g.add_argument("--device", default="auto")

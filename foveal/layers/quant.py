@@ -6,9 +6,9 @@ block dot products are exact integer sums, so the result is the dequantized weig
 int8-rounded activations: ~0.5% relative error per layer on random data, up to ~1.5% on SmolLM2's
 activations, and next-token log-probabilities within ~0.35 nats of the dense model's
 (tests/test_quant_linear.py). Each row is quantized on its own, so a row's result does not depend on
-the batch. Packed Q4 weights take 0.75 byte per weight (fp32 copies: 4). On the 2-vCPU AVX2 dev host the
-GEMMs ran 1.0-1.7x the oneDNN fp32 GEMM on the dequantized weights in isolation, and SmolLM2's offline
-16-stream throughput rose ~1.6x (benchmarks/RESULTS.md).
+the batch. Packed Q4 weights take 0.75 byte per weight (fp32 copies: 4). On the 2-vCPU AVX2 dev host
+SmolLM2's linears ran 1.3-3.7x the dense CPU path at 1-16 rows and 1.4-1.7x at 128 (the Q8_0 LM head
+0.85x there; benchmarks/cpu_kernels.py), and 16-stream throughput rose 1.5-1.8x (benchmarks/RESULTS.md).
 
 One format serves all three types: blocks of 32 along K with w = d q + m, q in 0..15 (Q4_1 as stored;
 Q4_0 has m = -8 d; a Q8_0 weight q8 = 16 hi + lo - 128 becomes two such planes side by side along K,
