@@ -134,8 +134,17 @@ def _first_logprobs(llm, ids):
     return {t.token_id: t.logprob for t in out.logprobs[0].top}
 
 
+def test_real_model_packs_equal_its_dense_weights(llm_q4):
+    """Every pack (fused q/k/v and gate/up shards, llama.cpp's q/k row order undone, the Q8_0 head)
+    unpacks to the parameter the loader dequantized."""
+    model = llm_q4.engine.model
+    assert quant.describe(model).startswith("121 quantized weights (120 Q4_1, 1 Q8_0;")
+    for name, p in model.named_parameters():
+        if (qw := getattr(p, "_foveal_quant", None)) is not None:
+            torch.testing.assert_close(qw.dequantize(), p.float(), rtol=0, atol=1e-6, msg=name)
+
+
 def test_real_model_quantized_next_token_close_to_dense(llm_q4, llm_fp32):
-    assert quant.describe(llm_q4.engine.model).startswith("121 quantized weights (120 Q4_1, 1 Q8_0;")
     assert quant.describe(llm_fp32.engine.model) == "dense weights"
     for text in ("The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"):
         ids = llm_q4.tokenizer.encode(text)

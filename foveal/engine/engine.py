@@ -102,7 +102,7 @@ class Engine:
             progress=progress,
             revision=cfg.model.revision,
             load_format=cfg.model.load_format,
-            keep_quantized=self._quantize(device),
+            keep_blocks=quant.TYPES if self._quantize(device) else (),
         )
         hf = ckpt.hf_config
         max_len = cfg.model.max_model_len or max_context(hf)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +42,11 @@ def load_checkpoint(
     progress: bool = False,
     revision: str | None = None,
     load_format: str = "auto",
-    keep_quantized: bool = False,
+    keep_blocks: Collection[str] = (),
 ) -> Checkpoint:
     """Config and tokenizer now; weights as an iterator that reads one tensor per step (none for
-    load_format "dummy": see dummy.py). `keep_quantized`: GGUF weights in a type the quantized-linear
-    kernel runs also carry their raw blocks (gguf_loader.GGUFFile.weights)."""
+    load_format "dummy": see dummy.py). `keep_blocks`: GGUF weights stored in these types also carry
+    their raw blocks (gguf_loader.GGUFFile.weights)."""
     device = torch.device(device)
     t0 = time.perf_counter()
     if load_format == "dummy":
@@ -60,13 +60,13 @@ def load_checkpoint(
             path = default_model_path()
         except FileNotFoundError as e:
             raise ModelLoadError(str(e)) from e
-        ckpt = _load_gguf(path, DEFAULT_MODEL_NAME, dtype, device, progress, keep_quantized)
+        ckpt = _load_gguf(path, DEFAULT_MODEL_NAME, dtype, device, progress, keep_blocks)
     else:
         local = os.path.abspath(os.path.expanduser(model))
         if os.path.exists(local):
             if revision is not None:
                 log.warning("--revision %s is ignored for the local path %s", revision, local)
-            ckpt = _load_local(local, dtype, device, progress, keep_quantized)
+            ckpt = _load_local(local, dtype, device, progress, keep_blocks)
         elif model.lower().endswith(".gguf") or not _looks_like_repo_id(model):
             raise ModelLoadError(f"model path {model!r} does not exist")
         else:
@@ -91,7 +91,7 @@ def _looks_like_repo_id(model: str) -> bool:
 
 
 def _load_local(
-    path: str, dtype: torch.dtype, device: torch.device, progress: bool, keep_quantized: bool = False
+    path: str, dtype: torch.dtype, device: torch.device, progress: bool, keep_blocks: Collection[str] = ()
 ) -> Checkpoint:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
@@ -102,7 +102,7 @@ def _load_local(
     if path.lower().endswith(".gguf") or _has_gguf_magic(path):
         name = os.path.basename(path)
         name = name[:-5] if name.lower().endswith(".gguf") else name
-        return _load_gguf(path, name, dtype, device, progress, keep_quantized)
+        return _load_gguf(path, name, dtype, device, progress, keep_blocks)
     raise ModelLoadError(
         f"model file {path} is not a GGUF file; pass a .gguf file, a folder with config.json and "
         "safetensors weights, or a Hugging Face repo id"
@@ -127,14 +127,19 @@ def _load_dummy(path: str) -> Checkpoint:
 
 
 def _load_gguf(
-    path: str, name: str, dtype: torch.dtype, device: torch.device, progress: bool, keep_quantized: bool
+    path: str,
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool,
+    keep_blocks: Collection[str],
 ) -> Checkpoint:
     from foveal.loader.gguf_loader import open_gguf
     from foveal.loader.gguf_tokenizer import load_gguf_tokenizer
 
     g = open_gguf(path)
     tokenizer = load_gguf_tokenizer(path)
-    weights = _stream(g.weights(dtype, device, keep_quantized), g.num_tensors, name, progress)
+    weights = _stream(g.weights(dtype, device, keep_blocks), g.num_tensors, name, progress)
     return Checkpoint(g.hf_config, tokenizer, weights, source=path, format="gguf", name=name)
 
 

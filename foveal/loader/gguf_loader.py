@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,14 +77,12 @@ class GGUFFile:
         self,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        keep_quantized: bool = False,
+        keep_blocks: Collection[str] = (),
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named tensors, dequantized to `dtype`. With keep_quantized, each 2-D tensor stored in a type
-        the quantized-linear kernel runs (layers/quant.py: Q4_0, Q4_1, Q8_0) also carries its raw blocks,
-        rows in HF order, as `tensor.gguf_blocks = (type name, uint8 [rows, bytes per row])`."""
+        """HF-named tensors, dequantized to `dtype`. Each 2-D tensor stored in one of the GGUF types named
+        in `keep_blocks` (e.g. "Q4_1") also carries its raw blocks, rows in HF order, as
+        `tensor.gguf_blocks = (type name, uint8 [rows, bytes per row])` (for layers/quant.py)."""
         from gguf.quants import dequantize
-
-        from foveal.layers.quant import TYPES
 
         cfg = self.hf_config
         qk_heads = {".attn_q.": cfg.num_attention_heads, ".attn_k.": cfg.num_key_value_heads}
@@ -104,7 +102,7 @@ class GGUFFile:
                 arr = arr.copy()
             w = torch.from_numpy(arr)
             raw = None
-            if keep_quantized and t.tensor_type.name in TYPES and w.dim() == 2:
+            if t.tensor_type.name in keep_blocks and w.dim() == 2:
                 raw = torch.from_numpy(t.data.reshape(w.shape[0], -1).copy())
             if self.arch.permuted_qk:
                 for marker, n_head in qk_heads.items():
