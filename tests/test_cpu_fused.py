@@ -11,17 +11,28 @@ import torch.nn.functional as F
 from foveal.layers import cpu_fused, fused
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import apply_rotary, apply_rotary_qk
+from tests import test_fused_ops as shared
 from tests.test_fused_ops import max_ulps
 
 pytestmark = pytest.mark.skipif(cpu_fused.kernel() is None, reason="no C compiler")
 DTYPES = [torch.bfloat16, torch.float32]
-NORM_ULPS = {torch.bfloat16: 2, torch.float32: 8}
-SILU_ULPS = {torch.bfloat16: 1, torch.float32: 8}
-ROTARY_ULPS = {torch.bfloat16: 0, torch.float32: 4}  # fp32: the compiler may fuse a product into an FMA
 
 
 def rand(*shape, dtype, seed=0, scale=1.0):
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+    return shared.rand(*shape, dtype=dtype, seed=seed, scale=scale, device="cpu")
+
+
+def norm_layer(n: int, dtype) -> RMSNorm:
+    return shared.norm_layer(n, dtype, device="cpu")
+
+
+def cos_sin(t: int, hd: int, dtype):
+    return shared.cos_sin(t, hd, dtype, device="cpu")
+
+
+NORM_ULPS = {torch.bfloat16: 2, torch.float32: 8}
+SILU_ULPS = {torch.bfloat16: 1, torch.float32: 8}
+ROTARY_ULPS = {torch.bfloat16: 0, torch.float32: 4}  # fp32: the compiler may fuse a product into an FMA
 
 
 def reference(fn, *args):
@@ -31,13 +42,6 @@ def reference(fn, *args):
             return fn(*args)
     finally:
         fused.set_fused_ops(True)
-
-
-def norm_layer(n: int, dtype) -> RMSNorm:
-    norm = RMSNorm(n, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.2 * torch.randn(n, generator=torch.Generator().manual_seed(1)))
-    return norm.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -84,13 +88,6 @@ def test_silu_and_mul(dtype, rows, inter):
     assert torch.isnan(got[0, 0]) and torch.isnan(want[0, 0])
     got[0, 0] = want[0, 0] = 0
     assert max_ulps(got, want) <= SILU_ULPS[dtype]
-
-
-def cos_sin(t: int, hd: int, dtype):
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-    pos = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(8)).float()
-    emb = torch.cat((torch.outer(pos, inv),) * 2, dim=-1)
-    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

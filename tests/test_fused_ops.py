@@ -63,16 +63,16 @@ def max_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(int_t).long() - b.view(int_t).long()).abs().max())
 
 
-def rand(*shape, dtype, seed=0, scale=1.0):
+def rand(*shape, dtype, seed=0, scale=1.0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+    return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
 
 
-def norm_layer(n: int, dtype) -> RMSNorm:
+def norm_layer(n: int, dtype, device=DEVICE) -> RMSNorm:
     norm = RMSNorm(n, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.2 * torch.randn(n, generator=torch.Generator().manual_seed(1)))
-    return norm.to(DEVICE, dtype)
+    return norm.to(device, dtype)
 
 
 @pytest.fixture
@@ -134,13 +134,13 @@ def test_silu_and_mul_on_row_strided_input():
     assert max_ulps(fused.silu_and_mul(gate_up), F.silu(gate) * up) <= ULPS[torch.bfloat16][1]
 
 
-def cos_sin(t: int, hd: int, dtype, seed: int = 8):
+def cos_sin(t: int, hd: int, dtype, seed: int = 8, device=DEVICE):
     """A real rope table's rows (both halves equal) at random positions."""
     g = torch.Generator().manual_seed(seed)
     inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
     freqs = torch.outer(torch.randint(0, 4096, (t,), generator=g).float(), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(DEVICE, dtype).unsqueeze(1), emb.sin().to(DEVICE, dtype).unsqueeze(1)
+    return emb.cos().to(device, dtype).unsqueeze(1), emb.sin().to(device, dtype).unsqueeze(1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

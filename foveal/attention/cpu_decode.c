@@ -26,29 +26,6 @@ static inline float f32_store(float x) { return x; }
 static inline float f16_load(_Float16 x) { return (float)x; }
 static inline _Float16 f16_store(float x) { return (_Float16)x; }
 
-/* exp(x) for finite x <= 0 (a score minus its running max), branch-free so the loops over keys
- * vectorize: 2^(x log2 e) = 2^i * 2^f with i = round(x log2 e), |f| <= 1/2, and 2^f by its Taylor
- * series to degree 7 (relative error < 1e-8 before fp32 rounding). Below -87 the result is ~0; NaN
- * passes through. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.4426950408889634f;
-    const float i = __builtin_rintf(t);
-    const float f = (t - i) * 0.6931471805599453f; /* f ln 2: e^f = 2^(t - i) */
-    float p = 1.0f / 5040.0f;
-    p = p * f + 1.0f / 720.0f;
-    p = p * f + 1.0f / 120.0f;
-    p = p * f + 1.0f / 24.0f;
-    p = p * f + 1.0f / 6.0f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)(i == i ? i : 0.0f) + 127) << 23;
-    float pow2;
-    memcpy(&pow2, &bits, 4);
-    return x == x ? p * pow2 : x; /* a NaN score stays NaN, as in SDPA */
-}
-
 static inline float dot(const float *restrict a, const float *restrict b, int D) {
     float s = 0.0f;
     for (int d = 0; d < D; d++) s += a[d] * b[d]; /* vectorized: built with -fassociative-math */
