@@ -58,6 +58,25 @@ def test_kernel_matches_formula(kind, m, n, k):
 
 
 @needs_kernel
+def test_int8_weights_at_the_int16_limits():
+    """Q8_0 q = -128 / 127 against activations at +-127: every vpmaddubsw pair sum is 2 * 128 * 127, so
+    accumulating two of them in int16 (or q = -128 losing its sign) would show."""
+    n, k = 16, 64
+    q = torch.full((n, k), 127, dtype=torch.int8)
+    q[:, ::2] = -128
+    q[1::2] *= -1  # -128 * -1 stays -128 in int8: rows of -128 / -127 too
+    d = torch.full((n, k // 32, 1), 0.01, dtype=torch.float16).view(torch.uint8)
+    raw = torch.cat([d, q.view(torch.uint8).reshape(n, k // 32, 32)], dim=2).reshape(n, -1)
+    qw = quant.QuantWeight.from_gguf(raw, "Q8_0", n, k)
+    w = q.float() * torch.tensor(0.01, dtype=torch.float16).float()
+    torch.testing.assert_close(qw.dequantize(), w, rtol=0, atol=0)
+    x = torch.where(torch.arange(k) % 2 == 0, -1.0, 1.0).repeat(5, 1)
+    x[1] *= -1
+    want = q8_blocks(x) @ w.t()
+    torch.testing.assert_close(qw.linear(x), want, rtol=1e-6, atol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_in_bf16_out(kind):
     raw, w = gguf_weight(kind, 24, 64)

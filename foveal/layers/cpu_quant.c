@@ -1,17 +1,19 @@
-/* 4-bit block-quantized linear layers on x86 CPUs with AVX2 (Foveal; built and loaded by
+/* Block-quantized linear layers on x86 CPUs with AVX2 (Foveal; built and loaded by
  * foveal/layers/quant.py through foveal/native.py).
  *
- * Weights: blocks of 32 along K, w[n, k] = d[n, b] * q[n, k] + m[n, b] with q in 0..15 (GGUF Q4_1 as
- * stored; Q4_0 has m = -8 d; Q8_0 is two such planes, see quant.py). Packed per panel of 8 output
- * columns, block after block: 128 bytes of nibbles (byte j of the 32-byte row g holds column
- * (j / 4) % 8's k = 4 g + j % 4 in its low nibble and k = 16 + 4 g + j % 4 in its high nibble), then
- * d[8] and m[8] as floats: 192 bytes per block per panel.
+ * 4-bit weights: blocks of 32 along K, w[n, k] = d[n, b] * q[n, k] + m[n, b] with q in 0..15 (GGUF Q4_1
+ * as stored; Q4_0 has m = -8 d). Packed per panel of 8 output columns, block after block: 128 bytes of
+ * nibbles (byte j of the 32-byte row g holds column (j / 4) % 8's k = 4 g + j % 4 in its low nibble and
+ * k = 16 + 4 g + j % 4 in its high nibble), then d[8] and m[8] as floats: 192 bytes per block per panel.
+ * int8 weights (Q8_0): w = d q, q in -128..127; per block 256 bytes (byte j of the 32-byte row g holds
+ * column j / 4's k = 4 g + j % 4), then d[8]: 288 bytes.
  *
  * Activations: each row quantized per block of 32 to int8 a = round(x / s), s = max|x| / 127 (as
  * llama.cpp's Q8_1), with sum[b] = s * sum(a) kept for the m term:
  *     y[n] = sum_b  d[n,b] s[b] (q . a)_b  +  m[n,b] sum[b]
- * (q . a) over one block is exact in int16 (|q a| <= 15 * 127, 8 pairs of products per lane: 30480 <
- * 32767), so a block costs 8 vpmaddubsw, one vpmaddwd and one float FMA per row and 8 columns.
+ * For 4-bit q, (q . a) over one block is exact in int16 (|q a| <= 15 * 127, 8 pairs of products per
+ * lane: 30480 < 32767), so a block costs 8 vpmaddubsw, one vpmaddwd and one float FMA per row and 8
+ * columns; int8 q needs a vpsignb and a vpmaddwd per vpmaddubsw (tile8).
  * Row tiles of 4 x 8 columns; OpenMP over column panels (each panel's weights read once per call).
  */
 #include <immintrin.h>
@@ -23,52 +25,50 @@
 
 #define QK 32
 #define PANEL 8
-#define BLOCK_BYTES (128 + 64)
+#define Q4_BLOCK (128 + 64) /* nibbles, d[8], m[8] */
+#define Q8_BLOCK (256 + 32) /* int8 weights, d[8] */
 
-/* One row of K values (K % 32 == 0) -> int8 a[K], scale[K/32], sum[K/32]. */
-static void quantize_row(const float *x, int64_t K, int8_t *a, float *scale, float *sum) {
-    for (int64_t b = 0; b < K / QK; b++) {
-        const float *xb = x + b * QK;
-        float amax = 0.f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int total = 0;
-        for (int j = 0; j < QK; j++) {
-            int v = (int)nearbyintf(xb[j] * inv);
-            v = v > 127 ? 127 : (v < -127 ? -127 : v);
-            a[b * QK + j] = (int8_t)v;
-            total += v;
-        }
-        scale[b] = s;
-        sum[b] = s * (float)total;
-    }
-}
-
-/* Row m of x ([M, K] rows ldx elements apart, f32 or bf16) -> a, scale, sum; reps > 1 repeats the row's
- * quantized K values reps times (a row of length reps * K: the planes of a Q8_0 weight). */
-static void quantize_x_row(const void *x, int64_t ldx, int is_bf16, int64_t m, int64_t K, int reps,
-                           int8_t *a, float *scale, float *sum) {
-    const int64_t KR = K * reps, BR = KR / QK;
-    float buf[K > 0 ? K : 1];
-    const float *row;
+static inline __m256 load8(const void *x, int is_bf16, int64_t i) {
     if (is_bf16) {
-        const uint16_t *h = (const uint16_t *)x + m * ldx;
-        for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
-        row = buf;
-    } else {
-        row = (const float *)x + m * ldx;
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
-    quantize_row(row, K, a + m * KR, scale + m * BR, sum + m * BR);
-    for (int r = 1; r < reps; r++) {
-        memcpy(a + m * KR + r * K, a + m * KR, K);
-        memcpy(scale + m * BR + r * (K / QK), scale + m * BR, K / QK * sizeof(float));
-        memcpy(sum + m * BR + r * (K / QK), sum + m * BR, K / QK * sizeof(float));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+/* One row of K values (f32 or bf16, K % 32 == 0) -> int8 a[K], scale[K/32], sum[K/32]: per block
+ * s = max|x| / 127, a = x * (127 / max|x|) rounded to nearest even (the default rounding mode), in
+ * -127..127. */
+static void quantize_row(const void *x, int is_bf16, int64_t K, int8_t *a, float *scale, float *sum) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), floor8 = _mm256_set1_epi8(-127);
+    for (int64_t b = 0; b < K / QK; b++) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = load8(x, is_bf16, b * QK + 8 * i);
+        const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                        _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        /* bytes of q0 q1 q2 q3 by 128-bit lane after the packs; the permute puts them in order */
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        const __m256i bytes = _mm256_max_epi8(_mm256_permutevar8x32_epi32(packed, order), floor8);
+        _mm256_storeu_si256((__m256i *)(a + b * QK), bytes);
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+        scale[b] = amax / 127.f;
+        sum[b] = scale[b] * (float)_mm_cvtsi128_si32(t4);
     }
 }
 
-/* R (1..4) rows from m0 times one panel of 8 columns: out[r * 8 + j] (float). R is a constant in each
- * call site, so the row loops unroll and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void tile(const int R, const int8_t *a, const float *scale,
+/* R (1..4) rows from m0 times one panel of 8 columns of 4-bit weights: out[r * 8 + j] (float). R is a
+ * constant in each call site, so the row loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile4(const int R, const int8_t *a, const float *scale,
                                                        const float *sum, int64_t m0, int64_t K,
                                                        const uint8_t *wp, __m256 bv, float *out) {
     const int64_t nb = K / QK;
@@ -85,8 +85,8 @@ static inline __attribute__((always_inline)) void tile(const int R, const int8_t
         g[r] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = wp + b * BLOCK_BYTES;
-        _mm_prefetch((const char *)(wb + 4 * BLOCK_BYTES), _MM_HINT_T0);
+        const uint8_t *wb = wp + b * Q4_BLOCK;
+        _mm_prefetch((const char *)(wb + 4 * Q4_BLOCK), _MM_HINT_T0);
         __m256i s[4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
@@ -114,8 +114,8 @@ static inline __attribute__((always_inline)) void tile(const int R, const int8_t
      * the block loop latency-bound) */
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
-        const __m256 m0v = _mm256_loadu_ps((const float *)(wp + b * BLOCK_BYTES + 160));
-        const __m256 m1v = _mm256_loadu_ps((const float *)(wp + (b + 1) * BLOCK_BYTES + 160));
+        const __m256 m0v = _mm256_loadu_ps((const float *)(wp + b * Q4_BLOCK + 160));
+        const __m256 m1v = _mm256_loadu_ps((const float *)(wp + (b + 1) * Q4_BLOCK + 160));
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             f[r] = _mm256_fmadd_ps(m0v, _mm256_set1_ps(ur[r][b]), f[r]);
@@ -123,12 +123,56 @@ static inline __attribute__((always_inline)) void tile(const int R, const int8_t
         }
     }
     if (b < nb) {
-        const __m256 m0v = _mm256_loadu_ps((const float *)(wp + b * BLOCK_BYTES + 160));
+        const __m256 m0v = _mm256_loadu_ps((const float *)(wp + b * Q4_BLOCK + 160));
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) f[r] = _mm256_fmadd_ps(m0v, _mm256_set1_ps(ur[r][b]), f[r]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PANEL, _mm256_add_ps(f[r], g[r]));
+}
+
+/* R (1..4) rows from m0 times one panel of 8 columns of int8 weights (Q8_0): w a = |w| (sign(w) a), so
+ * vpmaddubsw takes |w| <= 128 as unsigned and its pair sums stay below 2 * 128 * 127 < 32768; each is
+ * widened to int32 at once (two would overflow). */
+static inline __attribute__((always_inline)) void tile8(const int R, const int8_t *a, const float *scale,
+                                                        int64_t m0, int64_t K, const uint8_t *wp, __m256 bv,
+                                                        float *out) {
+    const int64_t nb = K / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *ar[4];
+    const float *sr[4];
+    __m256 f[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        ar[r] = a + (m0 + r) * K;
+        sr[r] = scale + (m0 + r) * nb;
+        f[r] = bv;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = wp + b * Q8_BLOCK;
+        _mm_prefetch((const char *)(wb + 4 * Q8_BLOCK), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 4 * Q8_BLOCK + 128), _MM_HINT_T0);
+        __m256i s[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int q = 0; q < 8; q++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + 32 * q));
+            const __m256i aw = _mm256_abs_epi8(w);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i x4 = _mm256_set1_epi32(*(const int32_t *)(ar[r] + b * QK + 4 * q));
+                const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x4, w));
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
+            }
+        }
+        const __m256 d = _mm256_loadu_ps((const float *)(wb + 256));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(sr[r][b])), f[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PANEL, f[r]);
 }
 
 static inline void store_bf16x8(uint16_t *o, __m256 v) { /* round to nearest even, as f32_to_bf16 */
@@ -139,11 +183,14 @@ static inline void store_bf16x8(uint16_t *o, __m256 v) { /* round to nearest eve
     _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(packed));
 }
 
-/* Output columns [8 p, 8 p + 8) of y for all M rows. */
+#define TILE(R)                                                                                                \
+    (int8 ? tile8(R, a, scale, m0, K, wp, bv, out) : tile4(R, a, scale, sum, m0, K, wp, bv, out))
+
+/* Output columns [8 p, 8 p + 8) of y for all M rows; int8: Q8_BLOCK blocks, else Q4_BLOCK. */
 static void panel(int64_t p, const int8_t *a, const float *scale, const float *sum, int64_t M, int64_t K,
-                  const uint8_t *w, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16) {
-    const int64_t nb = K / QK;
-    const uint8_t *wp = w + p * nb * BLOCK_BYTES;
+                  const uint8_t *w, int int8, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16) {
+    const int64_t nb = K / QK, panel_bytes = nb * (int8 ? Q8_BLOCK : Q4_BLOCK);
+    const uint8_t *wp = w + p * panel_bytes;
     const int64_t n0 = p * PANEL, nv = N - n0 < PANEL ? N - n0 : PANEL;
     __m256 bv = _mm256_setzero_ps();
     if (bias) {
@@ -153,17 +200,17 @@ static void panel(int64_t p, const int8_t *a, const float *scale, const float *s
     }
     /* the next panel's weights (the model's weights stream from DRAM: 20% of a 16-row GEMM's time went
      * to waiting for them with only the in-panel prefetch below) */
-    const char *next = (const char *)(wp + nb * BLOCK_BYTES);
+    const char *next = (const char *)(wp + panel_bytes);
     if (p + 1 < (N + PANEL - 1) / PANEL)
-        for (int64_t o = 0; o < nb * BLOCK_BYTES; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+        for (int64_t o = 0; o < panel_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
     float out[4 * PANEL];
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
         switch (rows) {
-        case 4: tile(4, a, scale, sum, m0, K, wp, bv, out); break;
-        case 3: tile(3, a, scale, sum, m0, K, wp, bv, out); break;
-        case 2: tile(2, a, scale, sum, m0, K, wp, bv, out); break;
-        default: tile(1, a, scale, sum, m0, K, wp, bv, out); break;
+        case 4: TILE(4); break;
+        case 3: TILE(3); break;
+        case 2: TILE(2); break;
+        default: TILE(1); break;
         }
         for (int r = 0; r < rows; r++) {
             const float *t = out + r * PANEL;
@@ -178,19 +225,21 @@ static void panel(int64_t p, const int8_t *a, const float *scale, const float *s
     }
 }
 
-/* y[M, N] (rows ldy apart, f32 or bf16 as x) = dequant(W) q8(x)^T (+ bias[N], f32), K % 32 == 0, with
- * scratch a [M, reps K], scale and sum [M, reps K / 32]. One parallel region: rows are quantized, then
- * (after the barrier) each thread computes its share of the column panels. */
-void foveal_qlinear(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K, int reps, int8_t *a,
-                    float *scale, float *sum, const uint8_t *w, int64_t N, const float *bias, void *y,
-                    int64_t ldy, int nthreads) {
-    const int64_t panels = (N + PANEL - 1) / PANEL;
+/* y[M, N] (rows ldy apart, f32 or bf16 as x) = dequant(W) q8(x)^T (+ bias[N], f32), K % 32 == 0, W
+ * packed as 4-bit (int8 = 0) or int8 weights, with scratch a [M, K], scale and sum [M, K / 32]. One
+ * parallel region: rows are quantized, then (after the barrier) each thread computes its share of the
+ * column panels. */
+void foveal_qlinear(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K, int8_t *a, float *scale,
+                    float *sum, const uint8_t *w, int int8, int64_t N, const float *bias, void *y, int64_t ldy,
+                    int nthreads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, nb = K / QK;
+    const size_t esize = is_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_x_row(x, ldx, is_bf16, m, K, reps, a, scale, sum);
+        for (int64_t m = 0; m < M; m++)
+            quantize_row((const char *)x + m * ldx * esize, is_bf16, K, a + m * K, scale + m * nb, sum + m * nb);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++)
-            panel(p, a, scale, sum, M, K * reps, w, N, bias, y, ldy, is_bf16);
+        for (int64_t p = 0; p < panels; p++) panel(p, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16);
     }
 }

@@ -10,9 +10,8 @@ the batch. Packed Q4 weights take 0.75 byte per weight (fp32 copies: 4). On the 
 SmolLM2's linears ran 1.3-3.7x the dense CPU path at 1-16 rows and 1.4-1.7x at 128 (the Q8_0 LM head
 0.85x there; benchmarks/cpu_kernels.py), and 16-stream throughput rose 1.5-1.8x (benchmarks/RESULTS.md).
 
-One format serves all three types: blocks of 32 along K with w = d q + m, q in 0..15 (Q4_1 as stored;
-Q4_0 has m = -8 d; a Q8_0 weight q8 = 16 hi + lo - 128 becomes two such planes side by side along K,
-[hi | lo] with d' = 16 d, m' = -128 d and d, 0, so the activations are read twice).
+Two packed formats, blocks of 32 along K: 4-bit with w = d q + m, q in 0..15 (Q4_1 as stored; Q4_0
+has m = -8 d), and int8 with w = d q (Q8_0: the tied LM head of most small GGUFs).
 
     qw = QuantWeight.from_gguf(raw_rows, "Q4_1", rows=N, cols=K)
     y = qw.linear(x)        # x [M, K] f32/bf16 -> y [M, N] same dtype
@@ -54,7 +53,7 @@ def kernel():
     if lib is None:
         return None
     fn = lib.foveal_qlinear
-    fn.argtypes = [_P, _I64, _I, _I64, _I64, _I, _P, _P, _P, _P, _I64, _P, _P, _I64, _I]
+    fn.argtypes = [_P, _I64, _I, _I64, _I64, _P, _P, _P, _P, _I, _I64, _P, _P, _I64, _I]
     fn.restype = None
     return fn
 
@@ -96,48 +95,52 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def planes_from_gguf(raw: torch.Tensor, kind: str, rows: int, cols: int):
-    """(q [N, K'] uint8 in 0..15, d [N, K'/32], m [N, K'/32] float32, reps): reps = K' / cols."""
+    """(q [N, K], d [N, K/32] float32, m [N, K/32] float32 or None): 4-bit q in 0..15 with w = d q + m,
+    or (Q8_0, m None) int8 q with w = d q."""
     if kind not in BLOCK_BYTES:
         raise ValueError(f"no quantized kernel for {kind}; supported: {', '.join(TYPES)}")
     b = _blocks(raw, rows, cols, kind)
     d = _half(b[..., 0:2])
     if kind == "Q4_1":
-        return _nibbles(b[..., 4:]).reshape(rows, cols), d, _half(b[..., 2:4]), 1
+        return _nibbles(b[..., 4:]).reshape(rows, cols), d, _half(b[..., 2:4])
     if kind == "Q4_0":
-        return _nibbles(b[..., 2:]).reshape(rows, cols), d, -8 * d, 1
-    # Q8_0: q8 + 128 = 16 hi + lo
-    u = (b[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(rows, cols)
-    q = torch.cat([u >> 4, u & 15], dim=1)
-    return q, torch.cat([16 * d, d], dim=1), torch.cat([-128 * d, torch.zeros_like(d)], dim=1), 2
+        return _nibbles(b[..., 2:]).reshape(rows, cols), d, -8 * d
+    return b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols), d, None
 
 
-def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout (see cpu_quant.c): panels of 8 columns, per block 128 bytes of nibbles
-    then d[8], m[8] as float32."""
-    n, k = q.shape
-    nb, panels = k // QK, -(-n // PANEL)
-    pad = panels * PANEL - n
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, k)])
-        d = torch.cat([d, d.new_zeros(pad, nb)])
-        m = torch.cat([m, m.new_zeros(pad, nb)])
-    # q[p*8 + c, b*32 + h*16 + g*4 + j] -> byte (p, b, g, c, j), nibble h
-    q = q.reshape(panels, PANEL, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
-    nib = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(panels, nb, 128)
+def _panels(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    """[N, ...] -> [N rounded up to PANEL, ...], padded with `fill`."""
+    pad = -t.shape[0] % PANEL
+    return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)]) if pad else t
+
+
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's layout (see cpu_quant.c): panels of 8 columns, per block of 32 along K the weights
+    (4-bit: 128 bytes of nibbles; int8: 256 bytes) then d[8] (and for 4-bit m[8]) as float32."""
+    k = q.shape[1]
+    nb = k // QK
+    q, d = _panels(q), _panels(d.float())
+    panels = q.shape[0] // PANEL
 
     def scales(t):
         return t.reshape(panels, PANEL, nb).transpose(1, 2).contiguous().view(torch.uint8)
 
-    return torch.cat([nib, scales(d), scales(m)], dim=2).contiguous()
+    if m is None:  # int8: q[p*8 + c, b*32 + g*4 + j] -> byte (p, b, g, c, j)
+        w = q.view(torch.uint8).reshape(panels, PANEL, nb, 8, 4).permute(0, 2, 3, 1, 4)
+        return torch.cat([w.reshape(panels, nb, 256), scales(d)], dim=2).contiguous()
+    # 4-bit: q[p*8 + c, b*32 + h*16 + g*4 + j] -> byte (p, b, g, c, j), nibble h
+    q = q.reshape(panels, PANEL, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+    nib = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(panels, nb, 128)
+    return torch.cat([nib, scales(d), scales(_panels(m.float()))], dim=2).contiguous()
 
 
 class QuantWeight:
-    """A block-quantized weight [N, K], packed for the kernel."""
+    """A block-quantized weight [N, K], packed for the kernel: 4-bit (Q4_0, Q4_1) or int8 (Q8_0)."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, reps: int, kind: str):
-        self.out_features, self.in_features = q.shape[0], q.shape[1] // reps
-        self.reps, self.kind = reps, kind
-        self.packed = pack(q, d.float(), m.float())
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, kind: str):
+        self.out_features, self.in_features = q.shape
+        self.int8, self.kind = m is None, kind
+        self.packed = pack(q, d, m)
 
     @classmethod
     def from_gguf(cls, raw: torch.Tensor | np.ndarray, kind: str, rows: int, cols: int) -> QuantWeight:
@@ -152,15 +155,20 @@ class QuantWeight:
         """The weight as float32 [N, K] (tests, fallbacks)."""
         p = self.packed
         panels, nb = p.shape[0], p.shape[1]
-        nib = p[:, :, :128].reshape(panels, nb, 4, PANEL, 4)
-        q = torch.stack([nib & 15, nib >> 4], dim=2)  # (p, b, h, g, c, j)
-        q = q.permute(0, 4, 1, 2, 3, 5).reshape(panels * PANEL, nb * QK).float()
-        d = p[:, :, 128:160].contiguous().view(torch.float32).transpose(1, 2).reshape(-1, nb)
-        m = p[:, :, 160:192].contiguous().view(torch.float32).transpose(1, 2).reshape(-1, nb)
-        w = q.reshape(-1, nb, QK) * d[..., None] + m[..., None]
-        w = w.reshape(-1, nb * QK)[: self.out_features]
-        k = self.in_features
-        return sum(w[:, r * k : (r + 1) * k] for r in range(self.reps))
+        wbytes = 256 if self.int8 else 128
+
+        def scales(at):
+            return p[:, :, at : at + 32].contiguous().view(torch.float32).transpose(1, 2).reshape(-1, nb, 1)
+
+        if self.int8:  # (p, b, g, c, j) -> (p, c, b, g, j)
+            q = p[:, :, :256].contiguous().view(torch.int8).reshape(panels, nb, 8, PANEL, 4)
+            w = q.permute(0, 3, 1, 2, 4).reshape(-1, nb, QK).float() * scales(256)
+        else:
+            nib = p[:, :, :128].reshape(panels, nb, 4, PANEL, 4)
+            q = torch.stack([nib & 15, nib >> 4], dim=2)  # (p, b, h, g, c, j)
+            q = q.permute(0, 4, 1, 2, 3, 5).reshape(-1, nb, QK).float()
+            w = q * scales(wbytes) + scales(wbytes + 32)
+        return w.reshape(-1, nb * QK)[: self.out_features]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] (float32/bfloat16, CPU) -> [..., N] in x's dtype. Written for per-call cost: a
@@ -176,13 +184,13 @@ class QuantWeight:
             raise ValueError(f"input has {k} features, the weight {self.in_features}")
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        a, scale, total = _scratch_for(rows, k * self.reps)
+        a, scale, total = _scratch_for(rows, k)
         out = torch.empty((rows, self.out_features), dtype=x.dtype)
         if bias is not None:
             bias = bias.float().contiguous()
         fn(
-            x2.data_ptr(), x2.stride(0), _INPUT[x.dtype], rows, k, self.reps, a.data_ptr(), scale.data_ptr(),
-            total.data_ptr(), self.packed.data_ptr(), self.out_features,
+            x2.data_ptr(), x2.stride(0), _INPUT[x.dtype], rows, k, a.data_ptr(), scale.data_ptr(),
+            total.data_ptr(), self.packed.data_ptr(), self.int8, self.out_features,
             None if bias is None else bias.data_ptr(), out.data_ptr(), self.out_features,
             torch.get_num_threads(),
         )  # fmt: skip
@@ -200,10 +208,11 @@ def assemble(pieces: list[tuple[int, str, torch.Tensor]], rows: int, cols: int) 
             return None
         parts.append(planes_from_gguf(raw, kind, raw.shape[0], cols))
         at += raw.shape[0]
-    if at != rows or len({p[3] for p in parts}) != 1:
-        return None
-    q, d, m = (torch.cat([p[i] for p in parts]) for i in range(3))
-    return QuantWeight(q, d, m, parts[0][3], "+".join(sorted({p[1] for p in pieces})))
+    if at != rows or len({p[2] is None for p in parts}) != 1:
+        return None  # an int8 shard next to 4-bit ones
+    q, d = (torch.cat([p[i] for p in parts]) for i in range(2))
+    m = None if parts[0][2] is None else torch.cat([p[2] for p in parts])
+    return QuantWeight(q, d, m, "+".join(sorted({p[1] for p in pieces})))
 
 
 def describe(module: torch.nn.Module) -> str:
