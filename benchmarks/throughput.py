@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", choices=["none", "gguf"])
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / recorded CPU decode steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-hf", action="store_true")
     ap.add_argument("--images-per-prompt", type=int, default=0, help="needs a vision-language --model")
@@ -143,6 +144,7 @@ def main() -> None:
         a.model,
         dtype=a.dtype,
         quantization=a.quantization,
+        enforce_eager=a.enforce_eager,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         vision_cache_memory=a.vision_cache_memory,
@@ -174,6 +176,7 @@ def main() -> None:
         "model": llm.engine.model_name,
         "dtype": a.dtype,
         "quantization": a.quantization,
+        "enforce_eager": a.enforce_eager,
         "num_prompts": a.num_prompts,
         "input_len": a.input_len,
         "output_len": a.output_len,

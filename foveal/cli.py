@@ -49,7 +49,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="CUDA: share of GPU memory for weights, activations and the KV pool (the pool gets the rest)",
     )
     g.add_argument(
-        "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (every step runs eagerly)"
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs / recorded CPU decode steps (every step runs eagerly)",
     )
     g.add_argument(
         "--kv-cache-dtype",

@@ -29,7 +29,7 @@ class ModelConfig:
     seed: int = 0  # for unseeded sampling
     revision: str | None = None
     load_format: str = "auto"  # auto | dummy (random weights from a config alone: benchmarks)
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    enforce_eager: bool = False  # no CUDA graphs / recorded CPU decode steps (worker/cpu_graphs.py)
     # none: every weight dequantized to `dtype`; gguf: a GGUF's Q4_0/Q4_1/Q8_0 linear weights run as
     # stored, on CPUs with AVX2 (layers/quant.py: int8 activations per block of 32, as llama.cpp)
     quantization: str = "none"

@@ -5,6 +5,11 @@ the CPU's flags, so later processes load it directly. Where no compiler works, `
 logs why once per source; callers keep a PyTorch path for that case.
 
     lib = load(Path(__file__).with_name("my_kernel.c"), "my kernel")
+    fn = Entry(lib.foveal_my_op, [ctypes.c_void_p, ctypes.c_int64])   # calls a tape can record
+
+While worker.cpu_graphs records a decode step, every Entry call is appended to its tape (the function and
+its arguments: data pointers as ints), and `keep` holds tensors made before the recording whose memory
+a recorded call uses (so they outlive any later replacement).
 """
 
 from __future__ import annotations
@@ -87,3 +92,27 @@ def load(source: Path, what: str, extra_flags: tuple[str, ...] = ()) -> ctypes.C
         detail = getattr(e, "stderr", b"") or b""
         log.warning("%s unavailable (%s %s): using PyTorch", what, e, detail.decode()[-500:])
         return None
+
+
+_tape: list | None = None  # the recording in progress (worker.cpu_graphs), on the engine's thread
+
+
+class Entry:
+    """A native function (a ctypes function, restype void) whose calls a recording tape sees."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn, argtypes: list):
+        fn.argtypes, fn.restype = argtypes, None
+        self.fn = fn
+
+    def __call__(self, *args) -> None:
+        if _tape is not None:
+            _tape.append((self.fn, args, None, None))
+        self.fn(*args)
+
+
+def keep(*tensors) -> None:
+    """Tensors the recording in progress must keep alive (made before it, used by its native calls)."""
+    if _tape is not None:
+        _tape.append((None, tensors, None, None))

@@ -191,3 +191,24 @@ def test_real_model_quantized_batched_equals_single(llm_q4):
         want = [lp.logprob for lp in alone.logprobs]
         assert got == pytest.approx(want, abs=1e-4)
     assert llm_q4.engine.kv.num_used_blocks == 0
+
+
+def test_real_model_recorded_steps_equal_eager(llm_q4):
+    """Recorded decode steps (worker/cpu_graphs.py) on the quantized model: every kernel of the step is
+    native and row-independent, so even padded buckets give eager's tokens and log-probs bit for bit."""
+    from foveal import SamplingParams
+    from foveal.engine.llm import LLM
+    from foveal.worker.cpu_graphs import CpuDecodeGraphs
+
+    eager = LLM(dtype="float32", quantization="gguf", kv_cache_memory=64 * 2**20, enforce_eager=True)
+    texts = ("Once upon a time", "The three primary colors are", "1, 2, 3,", "def add(a, b):", "Paris is")
+    prompts = [llm_q4.tokenizer.encode(t) for t in texts]
+    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (9, 7, 5, 3)]
+    params.append(SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True))
+    graphs = llm_q4.engine.runner.graphs
+    assert isinstance(graphs, CpuDecodeGraphs)
+    got, want = llm_q4.generate(prompts, params), eager.generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [t.logprob for t in g.outputs[0].logprobs] == [t.logprob for t in w.outputs[0].logprobs]
+    assert {4, 8} <= {b for b, t in graphs.tapes.items() if t}  # 5 and 3 rows run padded to 8 and 4

@@ -43,6 +43,42 @@ class CpuAttentionBackend(TorchAttentionBackend):
             meta.extra = _DecodeTables(tables, lens, {None: torch.zeros(nd, dtype=torch.long)})
         return meta
 
+    # -- decode-step graphs (worker.cpu_graphs): static metadata the recorded steps read -----------
+    def graph_metadata(self, max_seqs: int, max_blocks: int, block_size: int, device):
+        """Static buffers for decode-only steps of up to max_seqs rows: slots, block tables, lengths."""
+        if self.kernel is None:
+            raise RuntimeError("decode-step graphs need the native decode kernel")
+
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=torch.long)
+
+        meta = TorchAttentionMetadata(zeros(max_seqs), block_size, max_seqs, None, [], [], device)
+        meta.extra = _DecodeTables(zeros(max_seqs, max_blocks), zeros(max_seqs), {None: zeros(max_seqs)})
+        return meta
+
+    def fill_graph_metadata(
+        self, static: TorchAttentionMetadata, batch: AttentionBatch, padded: int
+    ) -> TorchAttentionMetadata:
+        """Copy a decode-only batch into the static buffers and return metadata over their first
+        `padded` rows. Rows past the batch attend to nothing (length 0) and write their K/V into the
+        null block (slot 0), which no sequence reads."""
+        n, bs, d = len(batch.query_lens), static.block_size, static.extra
+        assert batch.num_decodes == n <= padded <= d.lens.shape[0], (n, padded, d.lens.shape[0])
+        used = max(len(t) for t in batch.block_tables)
+        if used > d.tables.shape[1]:
+            raise ValueError(f"a block table of {used} blocks exceeds the graph's {d.tables.shape[1]}")
+        ctxs, tables = batch.context_lens, batch.block_tables
+        host = torch.zeros(padded, 2 + used, dtype=torch.long)
+        host[:n, 0] = torch.tensor([t[c // bs] * bs + c % bs for c, t in zip(ctxs, tables)])
+        host[:n, 1] = torch.tensor(ctxs) + 1
+        host[:n, 2:] = torch.tensor([t + [0] * (used - len(t)) for t in tables])
+        static.slot_mapping[:padded] = host[:, 0]
+        d.lens[:padded] = host[:, 1]
+        d.tables[:padded, :used] = host[:, 2:]
+        meta = TorchAttentionMetadata(static.slot_mapping[:padded], bs, padded, None, [], [], static.device)
+        meta.extra = _DecodeTables(d.tables[:padded], d.lens[:padded], {None: d.starts[None][:padded]})
+        return meta
+
     def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap) -> bool:
         d = meta.extra
         if d is None or isinstance(kv_cache, QuantizedKVCache) or q.dtype != kv_cache.dtype:

@@ -28,9 +28,7 @@ class DecodeKernel:
     def __init__(self, lib: ctypes.CDLL):
         self._fns = {}
         for dtype, name in _FUNCS.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = _ARGTYPES, None
-            self._fns[dtype] = fn
+            self._fns[dtype] = native.Entry(getattr(lib, name), _ARGTYPES)
 
     def decode(
         self,

@@ -232,6 +232,8 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         if nd and not self._decode_in_place(q[:nd], kv_cache, meta, out[:nd], scale, window, softcap):
             decode = _layout(meta, window)[0]
+            if decode is None:  # graph metadata (cpu_backend) has no gather layout to fall back on
+                raise RuntimeError("decode rows planned for the native kernel, which cannot take them")
             # a single-token query never needs its spans: it sees every earlier token anyway
             qd = q[:nd].view(nd, num_kv, group, head_dim)
             kd = blocks_of(0, decode.blocks).view(nd, -1, num_kv, head_dim).transpose(1, 2)

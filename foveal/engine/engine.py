@@ -158,10 +158,13 @@ class Engine:
         self.runner = ModelRunner(
             self.model, kv_caches, backend, bs, device, self.vocab_size, encoder_cache=self.encoder_cache
         )
+        graphs = None
         if self._use_graphs(device, backend):
-            from foveal.worker.cuda_graphs import DecodeGraphs
-
-            self.runner.graphs = DecodeGraphs(
+            from foveal.worker.cuda_graphs import DecodeGraphs as graphs
+        elif self._use_cpu_graphs(device, backend, kv_caches, dtype):
+            from foveal.worker.cpu_graphs import CpuDecodeGraphs as graphs
+        if graphs is not None:
+            self.runner.graphs = graphs(
                 self.model,
                 kv_caches,
                 backend,
@@ -171,7 +174,7 @@ class Engine:
                 device=device,
             )
             try:
-                self.runner.graphs.capture()
+                self.runner.graphs.capture()  # CUDA: every bucket now; CPU: each at its first step
             except Exception:  # a model that cannot be captured still serves, eagerly
                 log.exception("CUDA graph capture failed; decode steps run eagerly")
                 self.runner.graphs = None
@@ -226,6 +229,15 @@ class Engine:
             log.info("the %s attention backend runs eagerly (no CUDA graphs)", backend.name)
             return False
         return True
+
+    def _use_cpu_graphs(self, device: torch.device, backend, kv_caches, dtype: torch.dtype) -> bool:
+        """Recorded decode steps (worker/cpu_graphs.py): on a CPU whose attention backend has the native
+        decode kernel, over plain K/V pools of the model's dtype (what that kernel reads)."""
+        if device.type != "cpu" or self.config.model.enforce_eager:
+            return False
+        if getattr(backend, "kernel", None) is None or not hasattr(backend, "fill_graph_metadata"):
+            return False
+        return all(isinstance(c, torch.Tensor) and c.dtype == dtype for c in kv_caches)
 
     def _num_blocks(
         self, block_bytes: int, device: torch.device, backend, dtype: torch.dtype, max_len: int

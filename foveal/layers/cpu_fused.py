@@ -40,9 +40,7 @@ def kernel() -> dict | None:
     fns = {}
     for op, sig in _SIGS.items():
         for dtype, suffix in _SUFFIX.items():
-            fn = getattr(lib, f"foveal_{op}_{suffix}")
-            fn.argtypes, fn.restype = sig, None
-            fns[op, dtype] = fn
+            fns[op, dtype] = native.Entry(getattr(lib, f"foveal_{op}_{suffix}"), sig)
     return fns
 
 

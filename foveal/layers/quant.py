@@ -52,10 +52,8 @@ def kernel():
     lib = native.load(SOURCE, "quantized-linear kernel")
     if lib is None:
         return None
-    fn = lib.foveal_qlinear
-    fn.argtypes = [_P, _I64, _I, _I64, _I64, _P, _P, _P, _P, _I, _I64, _P, _P, _I64, _I]
-    fn.restype = None
-    return fn
+    args = [_P, _I64, _I, _I64, _I64, _P, _P, _P, _P, _I, _I64, _P, _P, _I64, _I]
+    return native.Entry(lib.foveal_qlinear, args)
 
 
 _scratch = threading.local()
@@ -185,6 +183,7 @@ class QuantWeight:
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         a, scale, total = _scratch_for(rows, k)
+        native.keep(a, scale, total)  # a later, larger call replaces this thread's scratch
         out = torch.empty((rows, self.out_features), dtype=x.dtype)
         if bias is not None:
             bias = bias.float().contiguous()
