@@ -233,13 +233,16 @@ void foveal_qlinear(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t 
                     float *sum, const uint8_t *w, int int8, int64_t N, const float *bias, void *y, int64_t ldy,
                     int nthreads) {
     const int64_t panels = (N + PANEL - 1) / PANEL, nb = K / QK;
+    const int64_t chunk = panels / (8 * (int64_t)nthreads) > 2 ? panels / (8 * (int64_t)nthreads) : 2;
     const size_t esize = is_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             quantize_row((const char *)x + m * ldx * esize, is_bf16, K, a + m * K, scale + m * nb, sum + m * nb);
-#pragma omp for schedule(static)
+        /* dynamic: a thread the OS preempts (the HTTP server, a client on the same cores) leaves its
+         * remaining panels to the others instead of stalling the whole call at the barrier */
+#pragma omp for schedule(dynamic, chunk)
         for (int64_t p = 0; p < panels; p++) panel(p, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16);
     }
 }
