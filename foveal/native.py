@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from foveal.config import cache_dir
@@ -94,7 +95,8 @@ def load(source: Path, what: str, extra_flags: tuple[str, ...] = ()) -> ctypes.C
         return None
 
 
-_tape: list | None = None  # the recording in progress (worker.cpu_graphs), on the engine's thread
+recording = threading.local()  # .tape: the recording in progress on this thread (worker.cpu_graphs)
+recording.tape = None
 
 
 class Entry:
@@ -107,12 +109,14 @@ class Entry:
         self.fn = fn
 
     def __call__(self, *args) -> None:
-        if _tape is not None:
-            _tape.append((self.fn, args, None, None))
+        tape = getattr(recording, "tape", None)
+        if tape is not None:
+            tape.append((self.fn, args, None, None))
         self.fn(*args)
 
 
 def keep(*tensors) -> None:
     """Tensors the recording in progress must keep alive (made before it, used by its native calls)."""
-    if _tape is not None:
-        _tape.append((None, tensors, None, None))
+    tape = getattr(recording, "tape", None)
+    if tape is not None:
+        tape.append((None, tensors, None, None))

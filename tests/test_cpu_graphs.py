@@ -107,12 +107,12 @@ def test_replay_keeps_its_memory_alive():
     from foveal import native
 
     tape: list = []
-    native._tape = tape
+    native.recording.tape = tape
     try:
         scratch = torch.zeros(8)
         native.keep(scratch)
     finally:
-        native._tape = None
+        native.recording.tape = None
     assert tape == [(None, (scratch,), None, None)]
     native.keep(torch.zeros(1))  # not recording: nothing kept, nothing raised
 

@@ -70,7 +70,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _ALLOC:
             self.tape.append((None, out, None, None))  # kept alive, not replayed
-        elif func.is_view and _aliases(out, args[0]):
+        elif func.is_view and isinstance(args[0], torch.Tensor) and _aliases(out, args[0]):
             self.tape.append((None, (args, kwargs, out), None, None))
         elif func._schema.is_mutable:
             self.tape.append((func, args, kwargs, None))
@@ -152,16 +152,20 @@ class CpuDecodeGraphs(DecodeGraphs):
 
     def _record(self, b: int, meta) -> list | None:
         tape: list = []
-        native._tape = tape
+        native.recording.tape = tape
         try:
             with _Recorder(tape):
                 self._forward(b, meta)
         except NotRecordable as e:
-            log.info("decode steps of %d rows run eagerly: %s", b, e)
+            reason = e
+        else:
+            reason = None
+        finally:
+            native.recording.tape = None
+        if reason is not None:  # the step again, eagerly (its K/V writes are the same values)
+            log.info("decode steps of %d rows run eagerly: %s", b, reason)
             self._forward(b, meta)
             return None
-        finally:
-            native._tape = None
         nbytes = _made_bytes(tape)
         if self.nbytes + nbytes > MAX_BYTES:
             log.info("decode steps of %d rows run eagerly: recorded steps hold %d MiB", b, self.nbytes >> 20)
