@@ -7,8 +7,10 @@ int8-rounded activations: ~0.5% relative error per layer on random data, up to ~
 activations, and next-token log-probabilities within ~0.35 nats of the dense model's
 (tests/test_quant_linear.py). Each row is quantized on its own, so a row's result does not depend on
 the batch. Packed Q4 weights take 0.75 byte per weight (fp32 copies: 4). On the 2-vCPU AVX2 dev host
-SmolLM2's linears ran 1.3-3.7x the dense CPU path at 1-16 rows and 1.4-1.7x at 128 (the Q8_0 LM head
-0.85x there; benchmarks/cpu_kernels.py), and 16-stream throughput rose 1.5-1.8x (benchmarks/RESULTS.md).
+SmolLM2's linears ran 1.3-3.7x the dense CPU path at 1-16 rows and 1.4-1.7x at 128
+(benchmarks/cpu_kernels.py, session 7), the int8 Q8_0 path and vectorized activation quantization of
+session 8 took another 1.1-1.5x, and `foveal serve` gives 2.25x the dense default's throughput at 16
+streams (benchmarks/RESULTS.md).
 
 Two packed formats, blocks of 32 along K: 4-bit with w = d q + m, q in 0..15 (Q4_1 as stored; Q4_0
 has m = -8 d), and int8 with w = d q (Q8_0: the tied LM head of most small GGUFs).
