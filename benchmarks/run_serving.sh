@@ -14,8 +14,9 @@ for _ in $(seq 120); do
   curl -sf "http://127.0.0.1:$PORT/health" | grep -q ready && break
   sleep 1
 done
-for spec in "1 8" "8 32" "32 32"; do
+# each level its own prompts (--seed): a level must not find the previous one's in the prefix cache
+for spec in "1 8 1" "8 32 8" "32 32 32"; do
   set -- $spec
   $PY benchmarks/serving.py --base-url "http://127.0.0.1:$PORT/v1" --concurrency "$1" --num-requests "$2" \
-    --input-len 128 --output-len 128 | tail -1
+    --input-len 128 --output-len 128 --seed "$3" | tail -1
 done

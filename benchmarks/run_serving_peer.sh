@@ -28,11 +28,13 @@ wait_closed() {  # the next server must be able to bind the port (not just find 
 }
 
 run_load() {  # $1 = label
-  for spec in "16 32" "1 4"; do
+  # each level its own prompts (--seed): the 1-stream run must not find the 16-stream run's prompts
+  # in a prefix cache (before session 8 it did: Foveal's 1-stream TTFTs were cache hits)
+  for spec in "16 32 16" "1 4 1"; do
     set -- "$1" $spec
     echo -n "$1 concurrency $2: "
     $PY benchmarks/serving.py --base-url "http://127.0.0.1:$PORT/v1" --concurrency "$2" --num-requests "$3" \
-      --input-len 128 --output-len 128 | tail -1
+      --input-len 128 --output-len 128 --seed "$4" | tail -1
   done
 }
 
