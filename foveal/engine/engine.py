@@ -176,9 +176,10 @@ class Engine:
             try:
                 self.runner.graphs.capture()  # CUDA: every bucket now; CPU: each at its first step
             except Exception:  # a model that cannot be captured still serves, eagerly
-                log.exception("CUDA graph capture failed; decode steps run eagerly")
+                log.exception("decode-step graph capture failed; decode steps run eagerly")
                 self.runner.graphs = None
-                torch.cuda.synchronize(device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
         self.eos_token_ids = self._eos_ids()
         self.device, self.dtype = device, dtype
         overlap = cfg.scheduler.async_scheduling
