@@ -101,9 +101,9 @@ def test_unrecordable_bucket_runs_eagerly(tiny_folder, monkeypatch):
     assert set(tapes) == {1, 2, 4, 6} and not any(tapes.values())
 
 
-def test_replay_keeps_its_memory_alive():
-    """A tape keeps every tensor its native calls point into, including ones made before the recording
-    (native.keep) that a later call replaces."""
+def test_keep_holds_tensors_only_while_recording():
+    """native.keep puts tensors made before the recording (scratch a later call may replace) on the tape,
+    so they outlive the replacement; outside a recording it does nothing."""
     from foveal import native
 
     tape: list = []

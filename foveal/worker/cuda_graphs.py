@@ -18,7 +18,8 @@ backends with `graph_metadata` / `fill_graph_metadata` (Triton) take part; prefi
 and steps with images, run eagerly.
 
 On a CPU device nothing is captured: `run` executes the same static-buffer forward eagerly. Tests use
-that to check the buffers, buckets and padding rows without a GPU.
+that to check the buffers, buckets and padding rows without a GPU. (The engine's CPU counterpart is
+worker/cpu_graphs.py's CpuDecodeGraphs, which records each bucket's step and replays it.)
 """
 
 from __future__ import annotations
