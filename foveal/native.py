@@ -9,11 +9,13 @@ logs why once per source; callers keep a PyTorch path for that case.
 
 While worker.cpu_graphs records a decode step, every Entry call is appended to its tape (the function and
 its arguments: data pointers as ints), and `keep` holds tensors made before the recording whose memory
-a recorded call uses (so they outlive any later replacement).
+a recorded call uses (so they outlive any later replacement). One-time work that a step happens to
+trigger (a weight's packed copy made at first use) runs `outside_recording()`: it belongs to no step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -120,3 +122,17 @@ def keep(*tensors) -> None:
     tape = getattr(recording, "tape", None)
     if tape is not None:
         tape.append((None, tensors, None, None))
+
+
+@contextlib.contextmanager
+def outside_recording():
+    """Run one-time work (caches, packed weights) unrecorded, even inside a recorded step: neither the
+    native tape nor a TorchDispatchMode sees it, and what it makes is no part of the tape."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    tape, recording.tape = getattr(recording, "tape", None), None
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        recording.tape = tape

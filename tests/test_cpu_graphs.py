@@ -124,3 +124,54 @@ def test_tapes_stop_at_their_memory_budget(tiny_folder, monkeypatch):
     monkeypatch.setattr(cpu_graphs, "MAX_BYTES", 1)  # no tape fits: every bucket stays eager
     assert _run(llm) == want
     assert set(graphs.tapes) == {1, 2, 4, 6} and not any(graphs.tapes.values()) and graphs.nbytes == 0
+
+
+def test_a_step_that_fails_to_record_runs_eagerly(tiny_folder, monkeypatch):
+    """Any error while recording (not only an op the recorder knows it cannot follow) costs the bucket
+    its replays, never the batch: the step runs again eagerly and the tokens are the eager ones."""
+    from foveal import native
+
+    want = _run(_llm(tiny_folder, dtype="float32", enforce_eager=True))
+    llm = _llm(tiny_folder, dtype="float32")
+    model = llm.engine.model
+    forward = model.forward
+
+    def fragile(*a, **kw):
+        if native.recording.tape is not None:
+            raise NotImplementedError("Cannot access storage of OpaqueTensorImpl")
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(model, "forward", fragile)
+    assert _run(llm) == want
+    tapes = llm.engine.runner.graphs.tapes
+    assert set(tapes) == {1, 2, 4, 6} and not any(tapes.values())
+
+
+def test_first_use_packing_inside_a_recording_stays_off_the_tape(monkeypatch):
+    """A weight's first 4-row GEMM inside a recorded step makes its oneDNN-packed copy there (the LM
+    head's first 4-row call is a decode step's): the copy is the weight's, made unrecorded, and the
+    tape replays the GEMM alone. onednn_packing's first check inside a recording still says yes."""
+    from foveal import native
+    from foveal.layers import linear as lin
+
+    if not lin.onednn_packing():
+        pytest.skip("this PyTorch cannot prepack for oneDNN")
+    lin.onednn_packing.cache_clear()
+    w, x = torch.randn(48, 32), torch.randn(4, 32)
+    tape: list = []
+    native.recording.tape = tape
+    try:
+        with cpu_graphs._Recorder(tape):
+            out = lin.linear(x, w)
+    finally:
+        native.recording.tape = None
+    assert lin.onednn_packing()  # not cached as False by the recording
+    assert w._foveal_fp32[1].is_mkldnn
+    ops = [str(fn) for fn, *_ in tape if fn is not None]
+    assert not any("reorder" in op or "randn" in op for op in ops), ops
+    assert cpu_graphs._made_bytes(tape) > 0
+    expect = out.clone()
+    out.zero_()
+    cpu_graphs.replay(tape)
+    torch.testing.assert_close(out, expect)
+    torch.testing.assert_close(expect, x @ w.t())

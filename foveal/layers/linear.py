@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foveal import native
 from foveal.layers import quant
 
 _QUANT_INPUT = (torch.float32, torch.bfloat16)
@@ -71,13 +72,15 @@ def _version(t: torch.Tensor) -> int:
 
 @functools.cache
 def onednn_packing() -> bool:
-    """Whether this PyTorch can prepack fp32 weights for oneDNN (checked once on a tiny GEMM)."""
-    try:
-        w, x = torch.randn(8, 16), torch.randn(4, 16)
-        got = torch.ops.mkldnn._linear_pointwise(x, _pack(w), None, "none", [], "")
-        return bool(torch.allclose(got, F.linear(x, w), atol=1e-5))
-    except (AttributeError, RuntimeError):
-        return False
+    """Whether this PyTorch can prepack fp32 weights for oneDNN (checked once on a tiny GEMM, outside
+    any recorded step: under one, its .item() would end the recording and cache False for good)."""
+    with native.outside_recording():
+        try:
+            w, x = torch.randn(8, 16), torch.randn(4, 16)
+            got = torch.ops.mkldnn._linear_pointwise(x, _pack(w), None, "none", [], "")
+            return bool(torch.allclose(got, F.linear(x, w), atol=1e-5))
+        except (AttributeError, RuntimeError):
+            return False
 
 
 def _pack(w32: torch.Tensor) -> torch.Tensor:
@@ -87,7 +90,8 @@ def _pack(w32: torch.Tensor) -> torch.Tensor:
 
 def _kept_fp32(weight: torch.Tensor) -> torch.Tensor | None:
     """The kept fp32 copy of `weight` (made on first use while the budget allows; oneDNN-packed where
-    available), or None."""
+    available), or None. The copy is made outside any recorded step (worker/cpu_graphs.py): it is the
+    weight's, not the step's, and a packed copy is an opaque tensor a tape cannot hold."""
     hit = getattr(weight, "_foveal_fp32", None)
     version = _version(weight)
     if hit is not None and hit[0] == version:
@@ -99,9 +103,10 @@ def _kept_fp32(weight: torch.Tensor) -> torch.Tensor | None:
                 return None
             _cached["bytes"] += need
             weakref.finalize(weight, _release, need)  # the budget frees up with the weight
-        copy = weight.float().contiguous()
-        if onednn_packing():
-            copy = _pack(copy)
+        with native.outside_recording():
+            copy = weight.float().contiguous()
+            if onednn_packing():
+                copy = _pack(copy)
         weight._foveal_fp32 = (version, copy)
     return copy
 

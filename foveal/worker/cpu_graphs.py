@@ -98,6 +98,8 @@ def _made_bytes(tape: list) -> int:
         elif fn is None or kwargs is None or out is None:
             continue  # views, kept tensors, native calls, ops writing their operands
         for t in out if isinstance(out, (tuple, list)) else (out,):
+            if t.is_mkldnn:  # an opaque tensor has no storage to share; it cannot be a view either
+                raise NotRecordable(f"{fn} made an opaque (oneDNN) tensor")
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
@@ -151,22 +153,26 @@ class CpuDecodeGraphs(DecodeGraphs):
         return self.logits[:n]
 
     def _record(self, b: int, meta) -> list | None:
+        """Run bucket b's first step under the recorder; its tape, or None when the step cannot be
+        recorded. Whatever goes wrong while recording (an op a tape cannot follow, a tensor it cannot
+        hold) costs the bucket its replays, never the batch: the step then runs again, eagerly (its K/V
+        writes are the same values), and only an error of the step itself reaches the caller."""
         tape: list = []
         native.recording.tape = tape
         try:
             with _Recorder(tape):
                 self._forward(b, meta)
-        except NotRecordable as e:
-            reason = e
+            nbytes = _made_bytes(tape)
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
         else:
             reason = None
         finally:
             native.recording.tape = None
-        if reason is not None:  # the step again, eagerly (its K/V writes are the same values)
-            log.info("decode steps of %d rows run eagerly: %s", b, reason)
+        if reason is not None:
+            log.warning("decode steps of %d rows run eagerly: recording failed (%s)", b, reason)
             self._forward(b, meta)
             return None
-        nbytes = _made_bytes(tape)
         if self.nbytes + nbytes > MAX_BYTES:
             log.info("decode steps of %d rows run eagerly: recorded steps hold %d MiB", b, self.nbytes >> 20)
             return None
