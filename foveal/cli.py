@@ -165,12 +165,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-
     from foveal.config import EngineConfig, ServerConfig
     from foveal.engine.engine import Engine
     from foveal.loader import ModelLoadError
     from foveal.server.app import create_app
+    from foveal.server.serve import serve
+    from foveal.server.transport import uvicorn_config_kwargs
 
     try:
         scfg = ServerConfig.from_env(
@@ -178,8 +178,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             port=a.port,
             api_key=a.api_key,
             served_model_name=a.served_model_name,
-            max_queued_requests=a.max_queued_requests,
-            request_timeout=a.request_timeout,
+            max_queued_requests=a.max_queued_requests or None,  # 0: unbounded
+            request_timeout=a.request_timeout or None,  # 0: none
             metrics_public=a.metrics_public,
             drain_timeout=a.drain_timeout,
             api_key_file=a.api_key_file,
@@ -189,6 +189,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
             allow_private_media_urls=a.allow_private_media_urls,
             allowed_local_media_path=a.allowed_local_media_path,
             media_fetch_timeout=a.media_fetch_timeout,
+            body_timeout=a.body_timeout,
+            header_timeout=a.header_timeout,
+            max_connections=a.max_connections,
+            keep_alive_timeout=a.keep_alive_timeout,
+            input_timeout=a.input_timeout,
+            trust_request_chat_template=a.trust_request_chat_template,
+            max_request_image_pixels=a.max_request_image_pixels,
+            max_image_pixels_in_flight=a.max_image_pixels_in_flight,
         )
         ecfg = EngineConfig.from_kwargs(serving=True, **_engine_kwargs(a))
         logging.getLogger(__name__).info("engine config: %s", ecfg)
@@ -197,13 +205,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = create_app(engine, scfg)
-    uvicorn.run(
+    serve(  # uvicorn, draining the engine on SIGTERM first (server/serve.py)
         app,
+        drain_timeout=scfg.drain_timeout,
         host=scfg.host,
         port=scfg.port,
         log_level=a.log_level.lower(),
         access_log=False,  # foveal.access logs each request with its request id instead
-        timeout_graceful_shutdown=int(scfg.drain_timeout) + 1,
+        # header deadline, keep-alive idle timeout and connection cap (the body deadline is the app's)
+        **uvicorn_config_kwargs(
+            header_timeout=scfg.header_timeout,
+            keep_alive_timeout=scfg.keep_alive_timeout,
+            max_connections=scfg.max_connections,
+        ),
     )
     return 0
 
@@ -242,10 +256,47 @@ def main(argv: list[str] | None = None) -> int:
         "tenant can then tell that another used the same system prompt)",
     )
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--max-queued-requests", type=int, default=None, help="waiting sequences over this: 429")
-    s.add_argument("--request-timeout", type=float, default=None, help="seconds without output: 504")
     s.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds to finish running requests on stop"
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="waiting sequences over this: 429 (a request of more: 400); 0: unbounded",
+    )
+    s.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds without output, queueing included: 504; 0: none",
+    )
+    s.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish before they end with an error",
+    )
+    s.add_argument(
+        "--input-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's input work (template, tokenizing, images) may take: then a 400",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept chat templates sent in requests (chat_template): they are code the server runs",
+    )
+    s.add_argument(
+        "--max-request-image-pixels",
+        type=int,
+        default=64 * 2**20,
+        help="decoded pixels of all images in one request: 413 over it",
+    )
+    s.add_argument(
+        "--max-image-pixels-in-flight",
+        type=int,
+        default=128 * 2**20,
+        help="decoded image pixels being processed at once across requests: over it a request waits, "
+        "then gets a 429",
     )
     s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--limit-images-per-request", type=int, default=8)
@@ -254,6 +305,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--allowed-local-media-path", default=None, help="serve local image files under this dir")
     s.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per image URL fetch")
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for a request's headers to arrive (from connect or the last response); then closed",
+    )
+    s.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds for a whole request body to arrive: 408"
+    )
+    s.add_argument(
+        "--keep-alive-timeout", type=float, default=5.0, help="seconds an idle keep-alive connection stays"
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections at most; more are refused (503 and closed)",
+    )
     s.set_defaults(func=cmd_serve)
     a = parser.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -90,10 +90,25 @@ class ServerConfig:
     # tenants can then tell (by cached_tokens or timing) that a system prompt was used before
     shared_prefix_cache: bool = False
     served_model_name: str | None = None  # default: the engine's model name
-    max_queued_requests: int | None = None  # waiting sequences over this -> 429
-    request_timeout: float | None = None  # seconds without output before a stream is ended (504)
+    # waiting sequences over this -> 429 (a request that could never fit: 400); None: unbounded
+    max_queued_requests: int | None = 1024
+    # seconds without output (queueing included) before a request is ended (504); None: never
+    request_timeout: float | None = 600.0
+    # input work (templates, tokenizing, image decoding) per request: a deadline, in a pool of its own
+    input_timeout: float = 10.0
+    input_workers: int = 8
+    # chat templates sent by clients (chat_template, chat_template_kwargs.chat_template) are code: only
+    # when the operator says so (vLLM's --trust-request-chat-template)
+    trust_request_chat_template: bool = False
     metrics_public: bool = False
     max_body_bytes: int = 4 * 2**20
+    # slow clients (server/transport.py, server/body.py): a connection's request headers must arrive in
+    # header_timeout s and its body in body_timeout s; idle keep-alive connections close after
+    # keep_alive_timeout s; connections past max_connections are turned away
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int = 1024
     drain_timeout: float = 30.0  # on shutdown, running requests get this long to finish
     # images (vision-language models)
     limit_images_per_request: int = 8
@@ -101,7 +116,12 @@ class ServerConfig:
     allowed_local_media_path: str | None = None  # local image files only under this folder
     media_fetch_timeout: float = 10.0
     max_image_bytes: int = 20 * 2**20
-    max_image_pixels: int = 32 * 2**20
+    max_image_pixels: int = 32 * 2**20  # one image, from its header before decoding
+    max_request_image_pixels: int = 64 * 2**20  # all of one request's images: 413 over it
+    # decoded pixels being processed at once across requests (~7.5 bytes each at the peak: ~1 GiB); a
+    # request that would pass it waits up to image_queue_timeout s, then gets a 429
+    max_image_pixels_in_flight: int = 128 * 2**20
+    image_queue_timeout: float = 10.0
 
     @classmethod
     def from_env(cls, api_key_file: str | None = None, **kwargs) -> ServerConfig:
@@ -118,6 +138,13 @@ class ServerConfig:
             raise ValueError("limit_images_per_request must be >= 0")
         if cfg.media_fetch_timeout <= 0:
             raise ValueError("media_fetch_timeout must be > 0")
+        for name in ("input_timeout", "body_timeout", "header_timeout", "keep_alive_timeout"):
+            if getattr(cfg, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if cfg.input_workers < 1 or cfg.max_connections < 1:
+            raise ValueError("input_workers and max_connections must be >= 1")
+        if cfg.max_request_image_pixels > cfg.max_image_pixels_in_flight:
+            raise ValueError("max_request_image_pixels must be <= max_image_pixels_in_flight")
         return cfg
 
 

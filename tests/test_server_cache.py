@@ -82,18 +82,20 @@ def test_cache_stats_reset_and_prometheus(strict):
     p = PROMPT + "stats"
     cached(strict, "sk-alice", p)
     assert cached(strict, "sk-alice", p)[0] > 0
-    h = {"Authorization": "Bearer sk-alice"}
-    st = httpx.get(strict.url + "/v1/cache/stats", headers=h).json()["prefix_cache"]
+    h, admin = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-admin"}
+    st = httpx.get(strict.url + "/v1/cache/stats", headers=admin).json()["prefix_cache"]
     assert st["enabled"] and st["hit_tokens"] > 0 and st["query_tokens"] >= st["hit_tokens"]
     assert st["cached_blocks"] > 0 and 0 < st["hit_rate"] <= 1 and "evictions" in st
     r = httpx.post(strict.url + "/v1/cache/reset", headers=h)
     assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
-    r = httpx.post(strict.url + "/v1/cache/reset", headers={"Authorization": "Bearer sk-admin"})
+    r = httpx.post(strict.url + "/v1/cache/reset", headers=admin)
     assert r.status_code == 200 and r.json()["prefix_blocks_dropped"] > 0
-    assert httpx.get(strict.url + "/v1/cache/stats", headers=h).json()["prefix_cache"]["cached_blocks"] == 0
+    st = httpx.get(strict.url + "/v1/cache/stats", headers=admin).json()["prefix_cache"]
+    assert st["cached_blocks"] == 0
     assert cached(strict, "sk-alice", p)[0] == 0  # after the reset: recomputed
-    prom = httpx.get(strict.url + "/metrics", headers=h).text
+    prom = httpx.get(strict.url + "/metrics", headers=admin).text
     assert "foveal_prefix_cache_hits_total" in prom and "foveal_prefix_cache_queries_total" in prom
+    assert httpx.get(strict.url + "/metrics", headers=h).status_code == 403  # global figures: admins
     assert strict.engine.kv.num_used_blocks == 0
 
 
@@ -167,3 +169,38 @@ def test_shared_prefix_cache_shares_only_the_system_prompt_and_only_when_enabled
     finally:
         shared.server.should_exit = True
         th.join(15)
+
+
+def test_stats_and_metrics_are_scoped_to_the_callers_tenant(strict):
+    """A non-admin key sees its own tenant's requests and counters, never another's request ids,
+    prompt sizes or cache hits; an admin key sees everything."""
+    carol = PROMPT + "carol's own prompt, long enough to be told apart by its length " * 2
+    ids = {}
+    for key in ("sk-alice", "sk-bob"):
+        r = httpx.post(
+            strict.url + "/v1/completions",
+            json={"prompt": carol if key == "sk-bob" else PROMPT, "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        assert r.status_code == 200
+        ids[key] = r.json()["id"]
+
+    def get(path, key):
+        r = httpx.get(strict.url + path, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    mine = get("/v1/metrics", "sk-alice")
+    text = json.dumps(mine)
+    assert ids["sk-alice"] in text and ids["sk-bob"] not in text
+    assert "num_running" not in mine["summary"] and "kv_cache_usage" not in mine["summary"]
+    assert mine["summary"]["requests_completed"] >= 1
+    everything = json.dumps(get("/v1/metrics", "sk-admin"))
+    assert ids["sk-alice"] in everything and ids["sk-bob"] in everything
+    st = get("/v1/cache/stats", "sk-bob")["prefix_cache"]
+    assert st["scope"] == "tenant" and "cached_blocks" not in st and "free_blocks" not in st
+    bob = get("/v1/metrics", "sk-bob")["summary"]
+    assert st["query_tokens"] == bob["prompt_tokens"] and st["hit_tokens"] == bob["cached_prompt_tokens"]
+    assert "vision_cache" not in get("/v1/cache/stats", "sk-bob")
+

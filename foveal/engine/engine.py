@@ -43,6 +43,13 @@ _DTYPES = {
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
+def _longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token covers: its vocabulary string's length (byte-level
+    BPE spells each byte as one character, SentencePiece a space as one), special tokens included."""
+    vocab = tokenizer.get_vocab()
+    return max((len(t) for t in vocab), default=1) or 1
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -148,6 +155,8 @@ class Engine:
         cap = cfg.cache.max_request_kv_tokens
         # what one request may hold: its context, or less where the operator says so
         self.max_request_tokens = min(max_len, cap) if cap else max_len
+        # no text longer than this can tokenize to a prompt that fits: refused before tokenizing it
+        self.max_prompt_chars = self.max_request_tokens * _longest_token_chars(self.tokenizer)
         self.scheduler = Scheduler(
             cfg.scheduler,
             kv,
@@ -286,7 +295,17 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_text_length(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def check_text_length(self, text: str) -> None:
+        """Text that cannot fit the context whatever it tokenizes to is refused without tokenizing it
+        (a 4 MB prompt took the tokenizer 5 s of a core to find out)."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt has {len(text)} characters; no text over {self.max_prompt_chars} characters "
+                f"fits in {self.max_request_tokens} tokens"
+            )
 
     def process_images(
         self,
@@ -311,9 +330,11 @@ class Engine:
             if not messages:
                 raise ValueError("messages must not be empty")
             text = self.mm_processor.render_chat(messages, **template_kwargs)
+            self.check_text_length(text)
             return self.mm_processor.process(
                 text, list(images), add_special_tokens=False, pixel_hashes=pixel_hashes
             )
+        self.check_text_length(prompt or "")
         return self.mm_processor.process(prompt or "", list(images), pixel_hashes=pixel_hashes)
 
     def system_prefix_len(self, messages: list[dict], ids: list[int], **template_kwargs) -> int:
@@ -326,8 +347,10 @@ class Engine:
             n += 1
         if n == 0:
             return 0
+        drop = ("add_generation_prompt", "continue_final_message")
+        kw = {k: v for k, v in template_kwargs.items() if k not in drop}
         try:
-            pre = self.apply_chat_template(messages[:n], add_generation_prompt=False, **template_kwargs)
+            pre = self.apply_chat_template(messages[:n], add_generation_prompt=False, **kw)
         except Exception:  # a template that cannot render a system-only chat: share nothing
             return 0
         return len(pre) if 0 < len(pre) <= len(ids) and ids[: len(pre)] == pre else 0
@@ -544,7 +567,9 @@ class Engine:
                     text += t.detok.flush()
                     if tok in req.params.stop_token_ids:
                         stop_reason = tok
-        except Exception as e:  # this request's failure only
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # this request's failure only (a Rust tokenizer's panic included)
             log.exception("%s: detokenization failed", req.request_id)
             t.error = f"detokenization failed: {type(e).__name__}: {e}"
             self.scheduler.finish(req, FinishReason.ERROR)

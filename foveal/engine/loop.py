@@ -21,16 +21,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from foveal.metrics import FanoutSink, MetricsSink, RequestStats
-from foveal.request import FinishReason, SamplingParams, TokenDelta
+from foveal.request import FinishReason, MultiModalPrompt, SamplingParams, TokenDelta
 
 log = logging.getLogger(__name__)
 
 ADMITTED = "admitted"
-PromptSource = list[int] | Callable[[], list[int]]  # a callable runs on the model thread (templating)
+PromptSource = list[int] | MultiModalPrompt  # token ids, made before submission (never on this thread)
 
 
 @dataclass(slots=True)
@@ -151,15 +150,23 @@ class EngineLoop:
         streaming: bool = False,
         timeout: float | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Queue one request of one or more choices (n > 1 already expanded by the caller, or use
         `expand_n`). Must be called from a running event loop; the stream belongs to it."""
         stream = RequestStream(request_id, len(choices), asyncio.get_running_loop(), timeout)
+        if self.state == "ready" and self._thread is not None and not self._thread.is_alive():
+            self._died("the model thread exited")
+        limit = self.max_queued_requests
+        if limit is not None and len(choices) > limit:  # can never fit the queue: not a retry-later
+            why = f"{len(choices)} sequences (prompts x n) in one request; this server queues at most {limit}"
+            stream.queue.put_nowait(StreamError(why, 400, "invalid_request_error"))
+            return stream
         if self.state != "ready":
             why = self.dead_reason if self.state == "dead" else f"the server is {self.state}"
             stream.queue.put_nowait(StreamError(f"not accepting requests: {why}", 503, "unavailable"))
             return stream
-        stats = RequestStats(request_id, streaming=streaming)
+        stats = RequestStats(request_id, streaming=streaming, tenant=tenant)
         self._cmds.put(("submit", stream, [_Choice(p, s) for p, s in choices], stats, cache_salt))
         return stream
 
@@ -181,16 +188,33 @@ class EngineLoop:
     def num_open(self) -> int:
         return len(self._open)
 
+    def drain(self, timeout: float) -> int:
+        """Stop admitting (state "draining"); let open requests finish for up to `timeout` s; then end
+        every one still open with a final error (503) and free its blocks. Returns how many were cut.
+        Blocks the calling thread (not the model thread)."""
+        if self.state == "ready":
+            self.state = "draining"
+        if self._thread is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        while self._open and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        if not self._open or not self._thread.is_alive():
+            return 0
+        done = threading.Event()
+        cut = [0]
+        err = StreamError(f"the server is shutting down (drain timeout of {timeout:g} s)", 503, "unavailable")
+        self._cmds.put(("cut", err, cut, done))
+        done.wait(10)
+        return cut[0]
+
     def shutdown(self, drain_timeout: float = 0.0) -> None:
-        """Stop admitting; let running requests finish for up to drain_timeout s; abort the rest."""
+        """Stop admitting; let running requests finish for up to drain_timeout s; end the rest with an
+        error; stop the model thread."""
         if self._thread is None:
             self.state = "stopped"
             return
-        if self.state == "ready":
-            self.state = "draining"
-        deadline = time.monotonic() + drain_timeout
-        while self._open and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.02)
+        self.drain(drain_timeout)
         self._cmds.put(("stop",))
         self._thread.join(timeout=10)
         if self.state != "dead":
@@ -222,11 +246,21 @@ class EngineLoop:
                         self._deliver(d, now)
                     self._report_step()
                 self._flush()
-        except Exception as e:  # the engine isolates per-request faults; reaching here is fatal
+        except BaseException as e:  # the engine isolates per-request faults; reaching here is fatal
+            # (a BaseException too: a Rust panic in a tokenizer is one, and a thread that dies quietly
+            # leaves /health "ready" and every stream waiting forever)
             log.exception("engine loop died")
-            self.dead_reason = f"engine failed: {type(e).__name__}: {e}"
-            self.state = "dead"
-        self._close_all(StreamError(self.dead_reason or "the server is shutting down", 503, "unavailable"))
+            self._died(f"engine failed: {type(e).__name__}: {e}")
+        try:
+            why = self.dead_reason or "the server is shutting down"
+            self._close_all(StreamError(why, 503, "unavailable"))
+        except BaseException:
+            log.exception("closing the open requests failed")
+            self._died(self.dead_reason or "closing the open requests failed")
+
+    def _died(self, reason: str) -> None:
+        self.dead_reason = reason
+        self.state = "dead"
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]
@@ -239,6 +273,11 @@ class EngineLoop:
                     self.engine.abort(sid)  # its final ABORT delta comes from the next step
         elif kind == "stop":
             self._stop = True
+        elif kind == "cut":  # the drain deadline: end every open request now
+            err, cut, done = cmd[1:]
+            cut[0] = len(self._open)
+            self._end_open(err)
+            done.set()
         elif kind == "call":
             fn, fut = cmd[1], cmd[2]
             try:
@@ -259,17 +298,10 @@ class EngineLoop:
             log.info("%s rejected: queue full (%d waiting)", rid, eng.num_waiting)
             return
         sub_ids: list[str] = []
-        rendered: dict[int, list[int]] = {}  # a prompt shared by n choices is rendered once
         try:
             for i, ch in enumerate(choices):
-                if callable(ch.prompt):
-                    ids = rendered.get(id(ch.prompt))
-                    if ids is None:
-                        ids = rendered[id(ch.prompt)] = ch.prompt()
-                else:
-                    ids = ch.prompt
                 sid = rid if len(choices) == 1 else f"{rid}-{i}"
-                eng.add_request(ids, dataclasses.replace(ch.params), sid, cache_salt=cache_salt)
+                eng.add_request(ch.prompt, dataclasses.replace(ch.params), sid, cache_salt=cache_salt)
                 sub_ids.append(sid)
         except Exception as e:  # bad input (ValueError, template errors): 400, nothing stays admitted
             for sid in sub_ids:
@@ -343,19 +375,7 @@ class EngineLoop:
 
     def _close_all(self, err: StreamError) -> None:
         """No stream is ever left without a final event."""
-        for rid, o in list(self._open.items()):
-            for sid in o.sub_ids:
-                try:
-                    self.engine.abort(sid)
-                except Exception:
-                    log.exception("%s: abort during close failed", rid)
-                self._sub.pop(sid, None)
-            o.stats.finished = time.perf_counter()
-            o.stats.error = err.message
-            o.stats.finish_reason = "error"
-            self._safe(self.sink.request_finished, o.stats, "failed")
-            self._push(o.stream, err)
-        self._open.clear()
+        self._end_open(err)
         try:  # drain the queued ABORT deltas so the engine holds nothing
             if self.state != "dead":
                 self.engine.step() if self.engine.has_unfinished() else None
@@ -368,6 +388,28 @@ class EngineLoop:
                 break
             if c[0] == "submit":
                 self._push(c[1], err)
+            elif c[0] == "cut":
+                c[3].set()
+            elif c[0] == "call":
+                c[2].set_exception(RuntimeError(f"the engine stopped: {err.message}"))
+        self._flush()
+
+    def _end_open(self, err: StreamError) -> None:
+        """Abort every open request and give each stream `err` as its final item (model thread)."""
+        for rid, o in list(self._open.items()):
+            for sid in o.sub_ids:
+                try:
+                    self.engine.abort(sid)
+                except Exception:
+                    log.exception("%s: abort during close failed", rid)
+                self._sub.pop(sid, None)
+            o.stats.finished = time.perf_counter()
+            o.stats.error = err.message
+            o.stats.finish_reason = "error"
+            self._safe(self.sink.request_finished, o.stats, "failed")
+            self._push(o.stream, err)
+            log.info("%s ended: %s", rid, err.message)
+        self._open.clear()
         self._flush()
 
     def _push(self, stream: RequestStream, item) -> None:

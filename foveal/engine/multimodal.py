@@ -40,7 +40,11 @@ class MultiModalProcessor:
         The processor's template is rendered by the tokenizer: some processors' own apply_chat_template
         reaches for their video half (SmolVLM), which an image-only processor does not have."""
         tok = self.processor.tokenizer
-        template = getattr(self.processor, "chat_template", None) or getattr(tok, "chat_template", None)
+        template = (
+            template_kwargs.pop("chat_template", None)  # a request's own (when the server trusts those)
+            or getattr(self.processor, "chat_template", None)
+            or getattr(tok, "chat_template", None)
+        )
         if not template:
             raise ValueError("this model has no chat template; use a plain prompt")
         return tok.apply_chat_template(

@@ -22,6 +22,7 @@ class RequestStats:
 
     request_id: str
     streaming: bool = False
+    tenant: str | None = None  # who sent it (the API key's tenant); None without auth
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
@@ -104,12 +105,38 @@ class MetricsSink(Protocol):
     def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None) -> None: ...
 
 
-class SummarySink:
-    """Lifetime counters plus the latest and recent requests, as JSON for GET /v1/metrics."""
+@dataclass(slots=True)
+class _TenantTally:
+    started: int = 0
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
 
-    def __init__(self, recent: int = 16):
+    def as_dict(self) -> dict:
+        return {
+            "requests_started": self.started,
+            "requests_completed": self.completed,
+            "requests_failed": self.failed,
+            "requests_in_flight": self.started - self.completed - self.failed,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_prompt_tokens": self.cached_tokens,
+        }
+
+
+class SummarySink:
+    """Lifetime counters plus the latest and recent requests, as JSON for GET /v1/metrics: all of it for
+    an admin, a tenant's own requests and counters for anyone else (one tenant must not see another's
+    request ids, prompt sizes or cache hits)."""
+
+    def __init__(self, recent: int = 16, max_tenants: int = 4096):
         self._lock = threading.Lock()
-        self._recent: deque[dict] = deque(maxlen=recent)
+        self._recent: deque[tuple[str | None, dict]] = deque(maxlen=recent * 4)
+        self._recent_n = recent
+        self._tenants: dict[str | None, _TenantTally] = {}
+        self._max_tenants = max_tenants
         self.started = self.completed = self.failed = self.streaming = 0
         self.prompt_tokens = self.completion_tokens = 0
         self._time_sum = 0.0
@@ -122,10 +149,19 @@ class SummarySink:
         self.vision = None
         self.prefix = None
 
+    def _tally(self, tenant: str | None) -> _TenantTally:
+        t = self._tenants.get(tenant)
+        if t is None:
+            if len(self._tenants) >= self._max_tenants:  # keys are the operator's, but stay bounded
+                self._tenants.pop(next(iter(self._tenants)))
+            t = self._tenants[tenant] = _TenantTally()
+        return t
+
     def request_started(self, stats: RequestStats) -> None:
         with self._lock:
             self.started += 1
             self.streaming += stats.streaming
+            self._tally(stats.tenant).started += 1
 
     def token(self, stats: RequestStats, now: float, num_tokens: int) -> None:
         pass
@@ -133,10 +169,16 @@ class SummarySink:
     def request_finished(self, stats: RequestStats, outcome: str) -> None:
         d = stats.to_dict()
         with self._lock:
+            t = self._tally(stats.tenant)
+            t.prompt_tokens += stats.num_prompt_tokens
+            t.completion_tokens += stats.num_output_tokens
+            t.cached_tokens += stats.num_cached_tokens
             if outcome == "completed":
                 self.completed += 1
+                t.completed += 1
             else:
                 self.failed += 1
+                t.failed += 1
                 self.last_error = stats.error or outcome
             self.prompt_tokens += stats.num_prompt_tokens
             self.completion_tokens += stats.num_output_tokens
@@ -146,17 +188,24 @@ class SummarySink:
             if stats.decode_tps:
                 self._decode_sum += stats.decode_tps
                 self._decode_n += 1
-            self._recent.append(d)
+            self._recent.append((stats.tenant, d))
 
     def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None) -> None:
         self.num_running, self.num_waiting, self.kv_usage = num_running, num_waiting, kv_usage
         self.vision = vision
         self.prefix = prefix
 
+    def tenant_dict(self, tenant: str | None) -> dict:
+        """What one (non-admin) tenant may see: its own recent requests and counters."""
+        with self._lock:
+            recent = [d for t, d in self._recent if t == tenant][-self._recent_n :]
+            tally = self._tenants.get(tenant) or _TenantTally()
+            return {"latest": recent[-1] if recent else None, "recent": recent, "summary": tally.as_dict()}
+
     def to_dict(self) -> dict:
         with self._lock:
             done = self.completed + self.failed
-            recent = list(self._recent)
+            recent = [d for _, d in self._recent][-self._recent_n :]
             return {
                 "latest": recent[-1] if recent else None,
                 "recent": recent,

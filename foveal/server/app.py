@@ -9,9 +9,7 @@ must not call the engine directly except through the EngineLoop (the model threa
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -27,8 +25,11 @@ from foveal.config import ServerConfig
 from foveal.engine.loop import EngineLoop, RequestStream, StreamFailed, expand_n
 from foveal.metrics import FanoutSink, SummarySink
 from foveal.metrics.prometheus import PrometheusSink
-from foveal.server import media, sse
+from foveal.server import openapi, sse
+from foveal.server.body import ClientLeft, read_json
 from foveal.server.errors import APIError, error_response, from_validation
+from foveal.server.inputs import InputWork
+from foveal.server.prompts import Prompts
 from foveal.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -107,33 +108,41 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     names = {model_name, engine.model_name}
     text_of = sse.TokenText(engine.tokenizer)
     created = int(time.time())
-    limits = media.MediaLimits(
-        allow_private_urls=cfg.allow_private_media_urls,
-        allowed_local_path=cfg.allowed_local_media_path,
-        fetch_timeout_s=cfg.media_fetch_timeout,
-        max_bytes=cfg.max_image_bytes,
-        max_pixels=cfg.max_image_pixels,
-    )
+    inputs = InputWork(cfg.input_workers, cfg.input_timeout)
+    prompts = Prompts(engine, cfg, inputs)
 
     @asynccontextmanager
     async def lifespan(app):
+        inputs.start()
         loop.start()
         log.info("serving %s", model_name)
         yield
         await asyncio.to_thread(loop.shutdown, cfg.drain_timeout)
+        inputs.shutdown()
 
     app = FastAPI(title="foveal", lifespan=lifespan)
     app.state.loop, app.state.prometheus, app.state.summary = loop, prom, summary
+    app.state.inputs = inputs
+    openapi.publish_request_bodies(
+        app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return error_response(e)
 
+    @app.exception_handler(ClientLeft)
+    async def _client_left(request: Request, e: ClientLeft):
+        log.info("%s: client left mid-body (%d bytes read)", request.state.request_id, e.received)
+        return Response(status_code=e.status)  # nobody is there to read it
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error_response(
-            APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)
+            APIError(
+                e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind, headers=e.headers
+            )
         )
 
     @app.exception_handler(Exception)
@@ -142,19 +151,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         return error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
     async def parse(request: Request, model_cls):
-        cl = request.headers.get("content-length")
-        if cl and cl.isdigit() and int(cl) > cfg.max_body_bytes:
-            raise APIError(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="body_too_large")
-        chunks, size = [], 0
-        async for c in request.stream():
-            size += len(c)
-            if size > cfg.max_body_bytes:
-                raise APIError(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="body_too_large")
-            chunks.append(c)
-        try:
-            data = json.loads(b"".join(chunks))
-        except ValueError as e:
-            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        data = await read_json(request, cfg.max_body_bytes, cfg.body_timeout)
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:
@@ -212,6 +209,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             streaming=req.stream,
             timeout=cfg.request_timeout,
             cache_salt=cache_salt(request, req),
+            tenant=request.state.tenant,
         )
         await admit(request, stream)
         if req.stream:
@@ -343,54 +341,6 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
 
         return framed(stream, obj, inc, body, req.n)
 
-    def load_image(i: int, url: str):
-        try:
-            img = media.load_image(url, limits)
-        except media.MediaError as e:
-            raise APIError(400, f"image {i + 1}: {e}", param="messages", code="invalid_image") from None
-        return img, media.image_hash(img)
-
-    async def chat_prompt(req: ChatCompletionRequest, rid: str):
-        """Images fetched and decoded, template rendered, processor run: all in the thread pool, so the
-        model thread never waits on them and every problem is a 400 before anything is admitted."""
-        urls = []
-        for i, m in enumerate(req.messages):
-            if m.image_urls and m.role != "user":
-                raise APIError(
-                    400, f"messages[{i}]: image parts are only allowed in user messages", "messages"
-                )
-            urls += m.image_urls
-        if urls and not engine.is_multimodal:
-            raise APIError(
-                400, f"model '{model_name}' is text-only; it does not accept images", param="messages"
-            )
-        if len(urls) > cfg.limit_images_per_request:
-            raise APIError(
-                400,
-                f"{len(urls)} images in one request; this server allows {cfg.limit_images_per_request}",
-                param="messages",
-            )
-        loaded = await asyncio.gather(*(asyncio.to_thread(load_image, i, u) for i, u in enumerate(urls)))
-        messages = [m.as_template_dict(engine.is_multimodal) for m in req.messages]
-        kwargs = req.chat_template_kwargs or {}
-        try:
-            prompt = await asyncio.to_thread(
-                engine.process_images,
-                messages=messages,
-                images=[im for im, _ in loaded],
-                pixel_hashes=[h for _, h in loaded],
-                **kwargs,
-            )
-            if cfg.shared_prefix_cache:
-                prompt.shared_prefix_len = await asyncio.to_thread(
-                    engine.system_prefix_len, messages, prompt.prompt_token_ids, **kwargs
-                )
-            return prompt
-        except Exception as e:  # template and processor errors are the request's fault
-            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            log.info("%s rejected: %s", rid, msg)
-            raise APIError(400, msg, param="messages") from None
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, params = await parse(request, ChatCompletionRequest)
@@ -399,24 +349,17 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         log.info(
             "%s: chat request, %d message(s), n=%d, stream=%s", rid, len(req.messages), params.n, req.stream
         )
-        prompt = await chat_prompt(req, rid)
+        prompt = await prompts.chat(req, rid)
         return await run(request, rid, req, [prompt], params, True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, params = await parse(request, CompletionRequest)
-        p = req.prompt
-        if isinstance(p, str):
-            p = [p]
-        elif p and isinstance(p[0], int):
-            p = [p]
-        # token-id prompts go as they are; text is tokenized on the model thread
-        prompts = [x if isinstance(x, list) else functools.partial(engine.tokenize, x) for x in p]
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        log.info(
-            "%s: completion request, %d prompt(s), n=%d, stream=%s", rid, len(prompts), params.n, req.stream
-        )
-        return await run(request, rid, req, prompts, params, False)
+        request.state.request_id = rid
+        ids = await prompts.completion(req.prompt)  # text tokenized in the input pool
+        log.info("%s: completion request, %d prompt(s), n=%d, stream=%s", rid, len(ids), params.n, req.stream)
+        return await run(request, rid, req, ids, params, False)
 
     @app.get("/v1/models")
     async def models():
@@ -436,18 +379,37 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         return JSONResponse(body, status_code=200 if loop.state == "ready" else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if not (request.state.admin or cfg.metrics_public):  # global figures: admins (or everyone)
+            raise APIError(403, "/metrics needs an admin API key (or --metrics-public)", "permission_error")
         return Response(prom.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/metrics")
-    async def metrics_json():
-        return summary.to_dict()
+    async def metrics_json(request: Request):
+        """Everything for an admin key (or without auth); a tenant's own requests otherwise."""
+        if request.state.admin:
+            return summary.to_dict()
+        return summary.tenant_dict(request.state.tenant)
 
     @app.get("/v1/cache/stats")
-    async def cache_stats():
+    async def cache_stats(request: Request):
         """Prefix cache (lookups and hits in prompt tokens, cached/free blocks, evictions) and vision
-        cache. Plain counters read off the model thread: a snapshot, not a transaction."""
-        return engine.cache_stats()
+        cache for an admin key (plain counters read off the model thread: a snapshot, not a
+        transaction); for any other key, its own tenant's prompt and cached tokens only."""
+        if request.state.admin:
+            return engine.cache_stats()
+        mine = summary.tenant_dict(request.state.tenant)["summary"]
+        q, hit = mine["prompt_tokens"], mine["cached_prompt_tokens"]
+        return {
+            "prefix_cache": {
+                "enabled": engine.kv.prefix_caching,
+                "block_size": engine.kv.block_size,
+                "query_tokens": q,
+                "hit_tokens": hit,
+                "hit_rate": hit / q if q else 0.0,
+                "scope": "tenant",
+            }
+        }
 
     @app.post("/v1/cache/reset")
     async def cache_reset(request: Request):

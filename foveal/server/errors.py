@@ -34,7 +34,15 @@ def from_validation(err: ValidationError) -> APIError:
     """The first pydantic error, phrased for an API user: `field.path: what is wrong`."""
     errors = err.errors(include_url=False)
     # for a union field the deepest error is the most specific (e.g. a bad content part's type)
-    first = max(errors, key=lambda e: len([x for x in e.get("loc", ()) if not _is_union_tag(x)]))
+    # (and of equally deep ones, a broken constraint over a type mismatch: the value had the right type
+    # for that member, so that member is what the client meant)
+    first = max(
+        errors,
+        key=lambda e: (
+            len([x for x in e.get("loc", ()) if not _is_union_tag(x)]),
+            not e.get("type", "").endswith("_type"),
+        ),
+    )
     loc = [str(x) for x in first.get("loc", ()) if not _is_union_tag(x)]
     # a discriminated union repeats its tag ('image_url.image_url.url'): drop the repeat
     loc = [x for i, x in enumerate(loc) if i == 0 or x != loc[i - 1]]
@@ -54,7 +62,8 @@ def from_validation(err: ValidationError) -> APIError:
 
 
 def _is_union_tag(x) -> bool:
-    # pydantic puts the union member's type name in loc (e.g. 'str', 'list[int]'); drop those
+    # pydantic puts the union member's type name in loc (e.g. 'str', 'list[int]',
+    # 'function-before[_integral(), int]'); drop those, and only those ('functions' is a field name)
     return isinstance(x, str) and (
-        x in ("str", "int", "float", "bool") or "[" in x or x.startswith("function")
+        x in ("str", "int", "float", "bool") or "[" in x or x.startswith("constrained-")
     )

@@ -84,16 +84,29 @@ def read_media_bytes(url: str, limits: MediaLimits) -> bytes:
 
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
     """Decode the first frame to RGB, refusing oversized images from their header alone."""
+    return decode_opened(open_image(data, limits))
+
+
+def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
+    """Read the image's header only (no pixels decoded): its size is known, and refused over the limit."""
     try:
         img = Image.open(io.BytesIO(data), formats=_open_formats())
-        w, h = img.size
-        if w * h > limits.max_pixels:
-            raise MediaError(f"image is {w}x{h} = {w * h} pixels, over the limit of {limits.max_pixels}")
-        img.load()  # Image.open leaves frame 0 current, so animations decode their first frame only
-    except MediaError:
-        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise MediaError("image has too many pixels (decompression bomb check)") from e
     except UnidentifiedImageError as e:
         raise MediaError(f"not a valid image (supported formats: {', '.join(_open_formats())})") from e
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, EOFError, struct.error ...
+        raise MediaError(f"corrupt or truncated image: {_short(str(e) or type(e).__name__)}") from e
+    w, h = img.size
+    if w * h > limits.max_pixels:
+        raise MediaError(f"image is {w}x{h} = {w * h} pixels, over the limit of {limits.max_pixels}")
+    return img
+
+
+def decode_opened(img: Image.Image) -> Image.Image:
+    """An opened image's first frame, decoded, as RGB."""
+    try:
+        img.load()  # Image.open leaves frame 0 current, so animations decode their first frame only
     # PIL's own guard (its MAX_IMAGE_PIXELS) fires only when max_pixels is set above it. The warning is
     # an exception only where warnings are errors; we do not set a filter here because warning filters
     # are process-global and this runs on many threads at once.

@@ -6,15 +6,33 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from foveal.request import MAX_TOP_LOGPROBS, SamplingParams
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
+
+def _integral(v):
+    """JSON does not tell 5 from 5.0 (JSON Schema counts both as integers): a float with no fraction
+    passes as an int; anything else goes on to strict int validation (true stays a bool: refused)."""
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+def _integral_list(v):
+    if isinstance(v, list) and any(type(x) is float for x in v):
+        return [_integral(x) for x in v]
+    return v
+
+
+_INTEGRAL = BeforeValidator(_integral)  # after any Field(...) in an Annotated: JSON Schema keeps "minimum"
+TokenIds = Annotated[list[int], BeforeValidator(_integral_list), Field(min_length=1)]
+
 Prob = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MAX_N = 16
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024  # OpenAI allows 4 stop strings; vLLM any number
+MAX_LOGIT_BIAS = 300  # entries
 
 
 class TextPart(BaseModel):
@@ -76,20 +94,31 @@ class _Common(BaseModel):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
-    seed: int | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL] = 1
+    # the detokenizer matches every stop string after every token: their count and size are bounded
+    stop: (
+        Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)
+        ]
+        | None
+    ) = None
+    seed: Annotated[int, _INTEGRAL] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # applied to its row at every step: bounded
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)]
+        | None
+    ) = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # extras users of vLLM expect
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1), _INTEGRAL] | None = None
     min_p: Prob | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0), _INTEGRAL] = 0
     ignore_eos: bool = False
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's field
 
@@ -130,11 +159,15 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1), _INTEGRAL] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), _INTEGRAL] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), _INTEGRAL] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's fields: the template's generation prompt, or continuing the last (assistant) message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless the server trusts request templates
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -149,17 +182,15 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request (each with n choices)
 class CompletionRequest(_Common):
     prompt: (
         str
-        | Annotated[list[int], Field(min_length=1)]
+        | TokenIds
         | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
-        | Annotated[
-            list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)
-        ]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, Field(ge=1), _INTEGRAL] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), _INTEGRAL] | None = None
     echo: Literal[False] = False
     suffix: None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(ge=1), _INTEGRAL] | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:

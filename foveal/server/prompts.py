@@ -1,0 +1,227 @@
+"""Request bodies -> prompts (token ids, images): chat templates, tokenizing, image fetch and decode. All of
+it runs before admission, off the model thread and the event loop (server/inputs.py's pool, with a
+deadline), so every problem is a 4xx before a stream starts and one slow input fails alone.
+
+Bounds on the work one request may cause:
+- text: refused unhashed when too long to fit the context whatever it tokenizes to (Engine.tokenize);
+- chat templates: the model's own only, unless the operator trusts request templates
+  (--trust-request-chat-template, vLLM's flag): a template is code, and a nested loop in one renders
+  for as long as it likes;
+- images: each one's pixels (from its header, before decoding), the pixels of one request, and the
+  pixels being decoded and processed at once across requests (a request past that waits briefly, then
+  gets a 429), so eight 30-megapixel PNGs in 0.8 MB of body cannot take gigabytes per request.
+This module must not touch the model thread: it calls only the engine's request-side methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from foveal.config import ServerConfig
+from foveal.server import media
+from foveal.server.errors import APIError
+from foveal.server.inputs import InputWork, InputWorkTooSlow
+from foveal.server.protocol import ChatCompletionRequest
+
+log = logging.getLogger(__name__)
+
+# apply_chat_template arguments a request may not set through chat_template_kwargs: they change what
+# the call returns, not what the template sees (the generation-prompt switches are top-level fields)
+_RESERVED_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+    }
+)
+
+
+class PixelBudget:
+    """Decoded pixels in flight across requests (event-loop side only: no lock needed)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.in_use = 0
+        self._changed = asyncio.Condition()
+
+    async def acquire(self, n: int, timeout: float) -> bool:
+        async with self._changed:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait_for(lambda: self.in_use + n <= self.capacity)
+            except TimeoutError:
+                return False
+            self.in_use += n
+            return True
+
+    async def release(self, n: int) -> None:
+        async with self._changed:
+            self.in_use -= n
+            self._changed.notify_all()
+
+
+class Prompts:
+    def __init__(self, engine, cfg: ServerConfig, inputs: InputWork):
+        self.engine, self.cfg, self.inputs = engine, cfg, inputs
+        self.limits = media.MediaLimits(
+            allow_private_urls=cfg.allow_private_media_urls,
+            allowed_local_path=cfg.allowed_local_media_path,
+            fetch_timeout_s=cfg.media_fetch_timeout,
+            max_bytes=cfg.max_image_bytes,
+            max_pixels=cfg.max_image_pixels,
+        )
+        self.pixels = PixelBudget(cfg.max_image_pixels_in_flight)
+
+    async def _work(self, fn, *args, **kwargs):
+        try:
+            return await self.inputs.run(fn, *args, **kwargs)
+        except InputWorkTooSlow as e:
+            raise APIError(400, str(e), code="input_too_slow") from None
+
+    async def completion(self, prompt) -> list:
+        """A /v1/completions prompt field -> one token-id list per prompt (text tokenized in the pool)."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        texts = [p for p in prompt if isinstance(p, str)]
+        if not texts:
+            return list(prompt)
+        try:
+            ids = iter(await self._work(lambda: [self.engine.tokenize(t) for t in texts]))
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        return [next(ids) if isinstance(p, str) else p for p in prompt]
+
+    def _template_kwargs(self, req: ChatCompletionRequest) -> dict:
+        kwargs = dict(req.chat_template_kwargs or {})
+        bad = sorted(k for k in kwargs if k in _RESERVED_KWARGS)
+        if bad:
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(bad)} (use the request's own fields)",
+                param="chat_template_kwargs",
+            )
+        template = req.chat_template if req.chat_template is not None else kwargs.pop("chat_template", None)
+        if template is not None:
+            if not self.cfg.trust_request_chat_template:
+                raise APIError(
+                    400,
+                    "request-supplied chat templates are refused; the server runs the model's own "
+                    "(an operator may allow them with --trust-request-chat-template)",
+                    param="chat_template",
+                )
+            kwargs["chat_template"] = template
+        if req.continue_final_message:
+            if req.add_generation_prompt:
+                raise APIError(
+                    400,
+                    "continue_final_message needs add_generation_prompt=false",
+                    param="continue_final_message",
+                )
+            if req.messages[-1].role != "assistant":
+                raise APIError(
+                    400,
+                    "continue_final_message needs the last message to be the assistant's",
+                    param="continue_final_message",
+                )
+            kwargs["continue_final_message"] = True
+        kwargs["add_generation_prompt"] = req.add_generation_prompt
+        return kwargs
+
+    async def chat(self, req: ChatCompletionRequest, rid: str):
+        urls = []
+        for i, m in enumerate(req.messages):
+            if m.image_urls and m.role != "user":
+                raise APIError(
+                    400, f"messages[{i}]: image parts are only allowed in user messages", "messages"
+                )
+            urls += m.image_urls
+        eng = self.engine
+        if urls and not eng.is_multimodal:
+            raise APIError(
+                400, f"model '{eng.model_name}' is text-only; it does not accept images", param="messages"
+            )
+        if len(urls) > self.cfg.limit_images_per_request:
+            raise APIError(
+                400,
+                f"{len(urls)} images in one request; this server allows {self.cfg.limit_images_per_request}",
+                param="messages",
+            )
+        kwargs = self._template_kwargs(req)
+        messages = [m.as_template_dict(eng.is_multimodal) for m in req.messages]
+        opened = [await self._open_images(urls)] if urls else []
+        total = sum(im.width * im.height for im in opened[0]) if urls else 0
+        if total > self.cfg.max_request_image_pixels:
+            raise APIError(
+                413,
+                f"the request's images have {total} pixels in all; this server allows "
+                f"{self.cfg.max_request_image_pixels} per request",
+                param="messages",
+                code="images_too_large",
+            )
+        if total and not await self.pixels.acquire(total, self.cfg.image_queue_timeout):
+            log.info("%s: refused, %d image pixels would pass the in-flight budget", rid, total)
+            raise APIError(
+                429,
+                "too many image pixels are being processed; retry later",
+                "rate_limit",
+                headers={"Retry-After": "1"},
+            )
+        try:
+            return await self._render(messages, opened[0] if urls else [], kwargs, rid)
+        finally:
+            if total:
+                await self.pixels.release(total)
+
+    async def _open_images(self, urls: list[str]) -> list:
+        """Fetch every image and read its header (nothing decoded yet): 400 naming the bad one."""
+
+        def one(i, url):
+            try:
+                return media.open_image(media.read_media_bytes(url, self.limits), self.limits)
+            except media.MediaError as e:
+                raise APIError(400, f"image {i + 1}: {e}", param="messages", code="invalid_image") from None
+
+        return await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls)))
+
+    async def _render(self, messages: list[dict], opened: list, kwargs: dict, rid: str):
+        eng = self.engine
+
+        def work():
+            images, hashes = [], []
+            for i, im in enumerate(opened):
+                try:
+                    img = media.decode_opened(im)
+                except media.MediaError as e:
+                    raise APIError(
+                        400, f"image {i + 1}: {e}", param="messages", code="invalid_image"
+                    ) from None
+                images.append(img)
+                hashes.append(media.image_hash(img))
+            prompt = eng.process_images(messages=messages, images=images, pixel_hashes=hashes, **kwargs)
+            if self.cfg.shared_prefix_cache:
+                prompt.shared_prefix_len = eng.system_prefix_len(messages, prompt.prompt_token_ids, **kwargs)
+            return prompt
+
+        try:
+            return await self._work(work)
+        except APIError:
+            raise
+        except Exception as e:  # template and processor errors are the request's fault
+            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            log.info("%s rejected: %s", rid, msg)
+            raise APIError(400, msg, param="messages") from None
