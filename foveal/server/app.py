@@ -122,7 +122,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="foveal", lifespan=lifespan)
     app.state.loop, app.state.prometheus, app.state.summary = loop, prom, summary
-    app.state.inputs = inputs
+    app.state.inputs, app.state.prompts = inputs, prompts
     openapi.publish_request_bodies(
         app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
     )
