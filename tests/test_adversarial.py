@@ -326,3 +326,26 @@ def test_openapi_publishes_the_validated_request_bodies(tiny):
         assert post(tiny, path, bad).status_code == 400
         assert set(doc["paths"][path]["post"]["responses"]) >= {"200", "400", "413", "429"}
     assert json.dumps(doc).count("#/components/schemas/ChatMessage") >= 1
+
+
+def test_the_vision_cache_is_per_tenant(tmp_path_factory):
+    """The same picture from two tenants: each encodes it once (a shared encoder output would tell one
+    tenant, by timing, that another sent that image)."""
+    tiny = build("llava", str(tmp_path_factory.mktemp("llava_tenants")))
+    keys = (("sk-a", "a", False), ("sk-b", "b", False))
+    s, th = _serve({"model": tiny.path}, {"api_keys": keys})
+    try:
+        body = {"messages": user("What?", img_part(data_url(image(40, 30, 7)))), "max_tokens": 2}
+        cache = s.engine.encoder_cache
+        seen = []
+        for key in ("sk-a", "sk-a", "sk-b", "sk-b"):
+            r = post(s, "/v1/chat/completions", body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+            st = cache.stats()
+            seen.append((st.hits, st.misses))
+        # a's repeat reuses its prefix-cached K/V (no encoding at all); b shares neither the K/V nor
+        # the encoder output: it encodes the image itself (unsalted, that was a vision-cache hit)
+        assert seen == [(0, 1), (0, 1), (0, 2), (0, 2)]
+    finally:
+        s.server.should_exit = True
+        th.join(15)

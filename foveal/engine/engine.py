@@ -8,6 +8,7 @@ error delta; a failed forward pass aborts only the requests in that batch.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -41,6 +42,15 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def _salted(item, cache_salt: str | None):
+    """The item keyed for this tenant: its content hash is the vision cache's key, and one tenant must
+    not reuse (or time) the encoder output of another's image."""
+    if not cache_salt:
+        return item
+    h = hashlib.sha256(f"{cache_salt}\x00{item.content_hash}".encode()).hexdigest()
+    return replace(item, content_hash=h)
 
 
 def _longest_token_chars(tokenizer) -> int:
@@ -425,7 +435,7 @@ class Engine:
         if mm is not None:
             req.shared_prefix_len = min(mm.shared_prefix_len, len(ids))
         if mm is not None and mm.items:
-            req.mm_items = list(mm.items)
+            req.mm_items = [_salted(it, cache_salt) for it in mm.items]
             req.mrope_positions, req.mrope_delta = mm.mrope_positions, mm.mrope_delta
         detok = IncrementalDetokenizer(
             self.tokenizer,
