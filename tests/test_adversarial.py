@@ -349,3 +349,19 @@ def test_the_vision_cache_is_per_tenant(tmp_path_factory):
     finally:
         s.server.should_exit = True
         th.join(15)
+
+
+def test_a_client_that_leaves_counts_as_aborted_not_failed(tiny):
+    before = httpx.get(tiny.url + "/v1/metrics").json()["summary"]
+    body = {**CHAT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", tiny.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        next(line for line in r.iter_lines() if '"content":"' in line and '"content":""' not in line)
+    deadline = time.monotonic() + 10
+    while True:
+        after = httpx.get(tiny.url + "/v1/metrics").json()["summary"]
+        if after["requests_aborted"] > before["requests_aborted"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert after["requests_aborted"] == before["requests_aborted"] + 1
+    for k in ("requests_failed", "last_error"):
+        assert after[k] == before[k], k

@@ -110,6 +110,7 @@ class _TenantTally:
     started: int = 0
     completed: int = 0
     failed: int = 0
+    aborted: int = 0  # the client left or cancelled: not a failure of the server
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -119,7 +120,8 @@ class _TenantTally:
             "requests_started": self.started,
             "requests_completed": self.completed,
             "requests_failed": self.failed,
-            "requests_in_flight": self.started - self.completed - self.failed,
+            "requests_aborted": self.aborted,
+            "requests_in_flight": self.started - self.completed - self.failed - self.aborted,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_prompt_tokens": self.cached_tokens,
@@ -137,7 +139,7 @@ class SummarySink:
         self._recent_n = recent
         self._tenants: dict[str | None, _TenantTally] = {}
         self._max_tenants = max_tenants
-        self.started = self.completed = self.failed = self.streaming = 0
+        self.started = self.completed = self.failed = self.aborted = self.streaming = 0
         self.prompt_tokens = self.completion_tokens = 0
         self._time_sum = 0.0
         self._decode_sum, self._decode_n = 0.0, 0
@@ -176,6 +178,9 @@ class SummarySink:
             if outcome == "completed":
                 self.completed += 1
                 t.completed += 1
+            elif outcome == "aborted":
+                self.aborted += 1
+                t.aborted += 1
             else:
                 self.failed += 1
                 t.failed += 1
@@ -204,7 +209,7 @@ class SummarySink:
 
     def to_dict(self) -> dict:
         with self._lock:
-            done = self.completed + self.failed
+            done = self.completed + self.failed + self.aborted
             recent = [d for _, d in self._recent][-self._recent_n :]
             return {
                 "latest": recent[-1] if recent else None,
@@ -213,6 +218,7 @@ class SummarySink:
                     "requests_started": self.started,
                     "requests_completed": self.completed,
                     "requests_failed": self.failed,
+                    "requests_aborted": self.aborted,
                     "requests_in_flight": self.started - done,
                     "streaming_requests": self.streaming,
                     "prompt_tokens": self.prompt_tokens,
