@@ -406,9 +406,6 @@ class Engine:
             ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         limit = self.max_request_tokens
         what = (
             f"the context of {limit} tokens"
@@ -420,6 +417,9 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but {what} leaves no room "
                 "(prompt plus at least one generated token must fit)"
             )
+        vocab = self.vocab_size  # checked after the length: a too-long prompt costs no scan
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         room = limit - len(ids)
         if params.max_tokens is None:
             params.max_tokens = room

@@ -195,6 +195,14 @@ class Prompts:
                 return media.open_image(media.read_media_bytes(url, self.limits), self.limits)
             except media.MediaError as e:
                 raise APIError(400, f"image {i + 1}: {e}", param="messages", code="invalid_image") from None
+            except Exception as e:  # a loader bug this input found: the request fails, with a trace logged
+                log.exception("image %d: loading failed", i + 1)
+                raise APIError(
+                    400,
+                    f"image {i + 1}: cannot be loaded ({type(e).__name__})",
+                    param="messages",
+                    code="invalid_image",
+                ) from None
 
         return await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls)))
 
