@@ -300,6 +300,31 @@ def judge_batch(
 
 
 # -- text faults --------------------------------------------------------------------------------------
+def single_target(fault, fired, ref_ok, t, keys, target_ok, names, bad, st, alive) -> dict:
+    """The record of a scenario whose fault hits one request: it passes when the fault fired once, the
+    target failed as expected, every other request matched the reference and the engine is clean."""
+    return {
+        "fault": fault,
+        "faults_fired": len(fired),
+        "reference_ok": ref_ok,
+        "target": {k: t.get(k) for k in keys},
+        "target_ok": target_ok,
+        "others": len(names),
+        "others_wrong": bad,
+        "after": st,
+        "serving_after": alive,
+        "pass": bool(
+            ref_ok
+            and len(fired) == 1
+            and target_ok
+            and not bad
+            and alive
+            and st["used_blocks"] == 0
+            and st["integrity_error"] is None
+        ),
+    }
+
+
 def text_faults(args) -> list[dict]:
     from foveal.engine.detokenizer import IncrementalDetokenizer
     from foveal.worker.model_runner import ModelRunner
@@ -350,26 +375,18 @@ def text_faults(args) -> list[dict]:
             and "injected detokenizer fault" in (t["error_event"] or "")
         )
         out.append(
-            {
-                "fault": "detokenizer",
-                "faults_fired": len(fired),
-                "reference_ok": ref_ok,
-                "target": {k: t[k] for k in ("status", "finish_reason", "error_event", "done")},
-                "target_ok": target_ok,
-                "others": len(names),
-                "others_wrong": bad,
-                "after": st,
-                "serving_after": alive,
-                "pass": bool(
-                    ref_ok
-                    and len(fired) == 1
-                    and target_ok
-                    and not bad
-                    and alive
-                    and st["used_blocks"] == 0
-                    and st["integrity_error"] is None
-                ),
-            }
+            single_target(
+                "detokenizer",
+                fired,
+                ref_ok,
+                t,
+                ("status", "finish_reason", "error_event", "done"),
+                target_ok,
+                names,
+                bad,
+                st,
+                alive,
+            )
         )
 
         # 2. one forward pass raises: a step with >= 2 sequences, one of them a prefill chunk (a request
@@ -462,26 +479,18 @@ def vlm_faults(args) -> list[dict]:
         alive = probe(srv)
         target_ok = t["status"] == 400 and t.get("error_code") == "invalid_image"
         out.append(
-            {
-                "fault": "image_decode",
-                "faults_fired": len(fired),
-                "reference_ok": ref_ok,
-                "target": {k: t.get(k) for k in ("status", "error_code", "body")},
-                "target_ok": target_ok,
-                "others": len(names),
-                "others_wrong": bad,
-                "after": st,
-                "serving_after": alive,
-                "pass": bool(
-                    ref_ok
-                    and len(fired) == 1
-                    and target_ok
-                    and not bad
-                    and alive
-                    and st["used_blocks"] == 0
-                    and st["integrity_error"] is None
-                ),
-            }
+            single_target(
+                "image_decode",
+                fired,
+                ref_ok,
+                t,
+                ("status", "error_code", "body"),
+                target_ok,
+                names,
+                bad,
+                st,
+                alive,
+            )
         )
 
         # informational: an exception type the loader does not expect (a bug, not bad input)
