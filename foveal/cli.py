@@ -222,7 +222,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foveal", description="Foveal serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text offline for one prompt")
@@ -324,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         help="open connections at most; more are refused (503 and closed)",
     )
     s.set_defaults(func=cmd_serve)
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return a.func(a)
 

@@ -17,7 +17,7 @@ import pytest
 
 from foveal.config import ServerConfig
 from foveal.server.prompts import PixelBudget
-from tests.test_server import _serve
+from tests.test_server import serving
 from tests.test_server_vlm import data_url, img_part, user
 from tests.tiny_vlm import build, image, save_tiny_text_model
 
@@ -32,18 +32,14 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny(folder):
-    s, th = _serve({"model": folder}, {"max_queued_requests": 4})
-    yield s
-    s.server.should_exit = True
-    th.join(15)
+    with serving({"model": folder}, {"max_queued_requests": 4}) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def trusting(folder):
-    s, th = _serve({"model": folder}, {"trust_request_chat_template": True, "input_timeout": 1.0})
-    yield s
-    s.server.should_exit = True
-    th.join(15)
+    with serving({"model": folder}, {"trust_request_chat_template": True, "input_timeout": 1.0}) as s:
+        yield s
 
 
 def post(s, path, body, **kw):
@@ -55,10 +51,8 @@ def post(s, path, body, **kw):
 
 @pytest.fixture(scope="module")
 def real(smollm_path):
-    s, th = _serve({}, {})
-    yield s
-    s.server.should_exit = True
-    th.join(15)
+    with serving({}, {}) as s:
+        yield s
 
 
 def test_worst_input_work_does_not_stall_a_stream(real):
@@ -175,8 +169,7 @@ def test_a_panic_in_one_requests_detokenizer_fails_that_request_only(tiny, monke
 
 
 def test_the_model_thread_dying_ends_every_stream_and_marks_the_server_dead(folder):
-    s, th = _serve({"model": folder}, {})
-    try:
+    with serving({"model": folder}, {}) as s:
         eng = s.engine
         step = eng.step
         calls = [0]
@@ -196,9 +189,6 @@ def test_the_model_thread_dying_ends_every_stream_and_marks_the_server_dead(fold
         assert h.status_code == 503 and h.json()["status"] == "dead" and "panicked" in h.json()["error"]
         r = post(s, "/v1/chat/completions", CHAT, timeout=10)  # no hang: refused at once
         assert r.status_code == 503 and "panicked" in r.json()["error"]["message"]
-    finally:
-        s.server.should_exit = True
-        th.join(15)
 
 
 # -- 5, 8, 9: bad bodies and edges --------------------------------------------------------------------
@@ -257,13 +247,16 @@ def test_continue_final_message(tiny):
 
 
 def test_safe_defaults():
-    from foveal.cli import main
+    """A bounded queue and a request timeout by default, in the config and in `foveal serve`'s flags."""
+    from foveal.cli import build_parser
 
     cfg = ServerConfig()
     assert cfg.max_queued_requests == 1024 and cfg.request_timeout == 600.0
     assert not cfg.trust_request_chat_template
-    with pytest.raises(SystemExit):
-        main(["serve", "--help"])
+    a = build_parser().parse_args(["serve"])
+    assert (a.max_queued_requests, a.request_timeout, a.input_timeout) == (1024, 600.0, 10.0)
+    assert (a.header_timeout, a.body_timeout, a.max_connections) == (10.0, 30.0, 1024)
+    assert not a.trust_request_chat_template
 
 
 # -- 6. images ----------------------------------------------------------------------------------------
@@ -273,10 +266,8 @@ def test_safe_defaults():
 def vlm(tmp_path_factory):
     tiny = build("llava", str(tmp_path_factory.mktemp("llava")))
     kw = {"max_request_image_pixels": 5000, "max_image_pixels_in_flight": 8000, "image_queue_timeout": 0.3}
-    s, th = _serve({"model": tiny.path}, kw)
-    yield s
-    s.server.should_exit = True
-    th.join(15)
+    with serving({"model": tiny.path}, kw) as s:
+        yield s
 
 
 def test_image_pixels_are_budgeted_per_request_and_in_flight(vlm):
@@ -333,8 +324,7 @@ def test_the_vision_cache_is_per_tenant(tmp_path_factory):
     tenant, by timing, that another sent that image)."""
     tiny = build("llava", str(tmp_path_factory.mktemp("llava_tenants")))
     keys = (("sk-a", "a", False), ("sk-b", "b", False))
-    s, th = _serve({"model": tiny.path}, {"api_keys": keys})
-    try:
+    with serving({"model": tiny.path}, {"api_keys": keys}) as s:
         body = {"messages": user("What?", img_part(data_url(image(40, 30, 7)))), "max_tokens": 2}
         cache = s.engine.encoder_cache
         seen = []
@@ -346,9 +336,6 @@ def test_the_vision_cache_is_per_tenant(tmp_path_factory):
         # a's repeat reuses its prefix-cached K/V (no encoding at all); b shares neither the K/V nor
         # the encoder output: it encodes the image itself (unsalted, that was a vision-cache hit)
         assert seen == [(0, 1), (0, 1), (0, 2), (0, 2)]
-    finally:
-        s.server.should_exit = True
-        th.join(15)
 
 
 def test_a_client_that_leaves_counts_as_aborted_not_failed(tiny):

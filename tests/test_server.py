@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -62,21 +63,28 @@ def _serve(engine_kw: dict, server_kw: dict):
     return Served(f"http://127.0.0.1:{port}", engine, app, server), th
 
 
+@contextmanager
+def serving(engine_kw: dict, server_kw: dict):
+    """_serve as a context: the server stops at the end, however the block ends."""
+    s, th = _serve(engine_kw, server_kw)
+    try:
+        yield s
+    finally:
+        s.server.should_exit = True
+        th.join(15)
+
+
 @pytest.fixture(scope="module")
 def srv(smollm_path):
-    s, th = _serve({}, {})
-    yield s
-    s.server.should_exit = True
-    th.join(15)
+    with serving({}, {}) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def small(smollm_path):
     """One running sequence, one waiting, an API key: for 429 and auth."""
-    s, th = _serve({"max_num_seqs": 1}, {"max_queued_requests": 1, "api_key": KEY})
-    yield s
-    s.server.should_exit = True
-    th.join(15)
+    with serving({"max_num_seqs": 1}, {"max_queued_requests": 1, "api_key": KEY}) as s:
+        yield s
 
 
 def _free_soon(engine, within=3.0):

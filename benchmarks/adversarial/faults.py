@@ -300,6 +300,15 @@ def judge_batch(
 
 
 # -- text faults --------------------------------------------------------------------------------------
+def faulted_run(srv, patch: tuple, specs, ref: dict, names: list[str]) -> tuple[dict, list, dict]:
+    """specs run with `patch` (obj, attribute, replacement) in place, from a cold prefix cache: the
+    target's result, the other requests that differ from the reference, the engine's state after."""
+    srv.reset_cache()
+    with patched(*patch):
+        res = run_set(srv, specs)
+    return res["target"], compare(res, ref, names), srv.state()
+
+
 def single_target(fault, fired, ref_ok, t, keys, target_ok, names, bad, st, alive) -> dict:
     """The record of a scenario whose fault hits one request: it passes when the fault fired once, the
     target failed as expected, every other request matched the reference and the engine is clean."""
@@ -361,12 +370,7 @@ def text_faults(args) -> list[dict]:
             },
             0.3,
         )
-        srv.reset_cache()
-        with patched(IncrementalDetokenizer, "add", add):
-            res = run_set(srv, normal + [target])
-        t = res["target"]
-        bad = compare(res, ref, names)
-        st = srv.state()
+        t, bad, st = faulted_run(srv, (IncrementalDetokenizer, "add", add), normal + [target], ref, names)
         alive = probe(srv)
         target_ok = (
             t["status"] == 200
@@ -470,12 +474,7 @@ def vlm_faults(args) -> list[dict]:
             return real_load(self)
 
         target = ("target", image_body("Describe this.", png_url(37, 23, 99), args.max_tokens), 0.3)
-        srv.reset_cache()
-        with patched(ImageFile.ImageFile, "load", load):
-            res = run_set(srv, normal + [target])
-        t = res["target"]
-        bad = compare(res, ref, names)
-        st = srv.state()
+        t, bad, st = faulted_run(srv, (ImageFile.ImageFile, "load", load), normal + [target], ref, names)
         alive = probe(srv)
         target_ok = t["status"] == 400 and t.get("error_code") == "invalid_image"
         out.append(
@@ -505,12 +504,7 @@ def vlm_faults(args) -> list[dict]:
             return real_read(url, limits)
 
         target2 = ("target", image_body("Describe this.", target_url, args.max_tokens), 0.3)
-        srv.reset_cache()
-        with patched(media, "read_media_bytes", read):
-            res = run_set(srv, normal + [target2])
-        t = res["target"]
-        bad = compare(res, ref, names)
-        st = srv.state()
+        t, bad, st = faulted_run(srv, (media, "read_media_bytes", read), normal + [target2], ref, names)
         out.append(
             {
                 "fault": "image_loader_unexpected (info)",

@@ -8,8 +8,10 @@
 Every engine call happens on the model thread, so the engine stays single-threaded. A stream's first
 item is `ADMITTED` or a `StreamError` (the HTTP layer answers 4xx before any header is sent); then
 `(choice_index, TokenDelta)` pairs until every choice has a final delta, or a `StreamError` if the loop
-dies or shuts down. When idle the thread blocks on the command queue. This module must not import
-HTTP code.
+dies or shuts down. When idle the thread blocks on the command queue. Prompts arrive as token ids:
+no input work (templates, tokenizing) runs here. `drain()` stops admissions and, at its deadline, ends
+every open request with a final error; any exit of the thread marks the loop dead and ends them too.
+This module must not import HTTP code.
 """
 
 from __future__ import annotations
