@@ -75,7 +75,7 @@ def main() -> None:
     def step():
         batch = h.sched.schedule()
         out = h.runner.execute(batch)
-        h.sched.update(batch, out.sampled)
+        h.sched.update(batch, out.tokens)
 
     prefill_steps = []  # (seconds, minor page faults) per step until every prompt is prefilled
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in [*h.sched.waiting, *h.sched.running]):

@@ -170,12 +170,79 @@ def read_api_key_file(path: str) -> tuple[tuple[str, str, bool], ...]:
     return tuple(out)
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `--speculative-config` shape (JSON object, same keys):
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4, "quantization": "gguf"}
+    """
+
+    method: str
+    num_speculative_tokens: int = 4  # k: drafts proposed per row and step
+    prompt_lookup_max: int = 4  # ngram: the longest suffix matched
+    prompt_lookup_min: int = 2  # ngram: the shortest
+    model: str | None = None  # draft_model: the draft's checkpoint (shares the target's tokenizer)
+    quantization: str = "none"  # draft_model: as ModelConfig.quantization, for the draft
+    dtype: str = "auto"  # draft_model: its dtype (auto: the target's)
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from a JSON string or a dict (None stays None); ValueError names what is
+        wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s): {', '.join(unknown)}")
+        if "method" not in value:
+            raise ValueError(f"speculative config needs a method: one of {', '.join(SPEC_METHODS)}")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; use {' or '.join(SPEC_METHODS)}")
+
+        def positive_int(name: str, lo: int) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"speculative config {name} must be an integer >= {lo}, got {v!r}")
+
+        positive_int("num_speculative_tokens", 1)
+        if self.num_speculative_tokens > 16:
+            raise ValueError("speculative config num_speculative_tokens must be <= 16")
+        positive_int("prompt_lookup_min", 1)
+        positive_int("prompt_lookup_max", 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative config prompt_lookup_min must be <= prompt_lookup_max")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method draft_model needs "model": the draft checkpoint')
+        if self.quantization not in ("none", "gguf"):
+            raise ValueError(f"speculative config quantization {self.quantization!r}: use none or gguf")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"  # auto | torch | cpu | triton (auto: triton on CUDA, cpu on CPU)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -184,6 +251,8 @@ class EngineConfig:
         Unknown keys raise TypeError naming them, so a typo never silently does nothing.
         """
         parts = {}
+        if "speculative_config" in kwargs:  # vLLM's keyword: a JSON string or a dict
+            kwargs["speculative"] = SpeculativeConfig.parse(kwargs.pop("speculative_config"))
         for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
             names = {f.name for f in dataclasses.fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})

@@ -42,6 +42,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    speculative: bool = True  # may this request speculate when the engine does (False: plain decoding)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -174,15 +175,15 @@ class MultiModalPrompt:
     shared_prefix_len: int = 0
 
 
-PENDING_TOKEN = -1  # a sampled token still on the device (see Request.num_pending)
-
-
 @dataclass(slots=True, eq=False)
 class Request:
     """Engine-side state of one sequence. Owned by the engine thread; nobody else mutates it.
 
-    all_token_ids = prompt + output. num_computed_tokens counts positions whose K/V sit in the cache;
-    after preemption it drops to 0 and the whole sequence is recomputed (prompt and output alike).
+    all_token_ids = prompt + output, the tokens the host knows. With async scheduling up to two more
+    are in flight (`num_pending`: sampled on the device, not yet seen here); they count in num_tokens
+    and num_output_tokens, so the scheduler plans positions past them. num_computed_tokens counts
+    positions whose K/V sit in the cache; after preemption it drops to 0 and the whole sequence is
+    recomputed (prompt and output alike).
     """
 
     request_id: str
@@ -196,15 +197,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # A cache of prompt+output, appended in place, so the runner never re-concatenates lists.
+    # A cache of prompt+output, appended in place, so the scheduler never re-concatenates lists.
     all_token_ids: list[int] = field(default_factory=list)
     mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order, spans disjoint
     # M-RoPE models (Qwen2-VL family): [3, prompt_len] positions; later positions are p + mrope_delta
     mrope_positions: Any = None
     mrope_delta: int = 0
-    # Runner-owned: embeddings of images whose span the prefill has not passed yet (item index -> tensor)
-    mm_embeds: dict[int, Any] = field(default_factory=dict)
-    encoder_time_s: float = 0.0
+    encoder_time_s: float = 0.0  # this request's share of vision-encoder time (the runner reports it)
     # prefix cache: the tenant salt (never shared across salts), block keys computed so far, how many
     # of the request's blocks are published, and the prompt tokens a hit saved at first admission
     cache_salt: str | None = None
@@ -214,11 +213,13 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     num_cached_tokens: int = 0
-    # overlapped steps (async scheduling): tokens being sampled on the device sit in all_token_ids as
-    # PENDING_TOKEN until they arrive (at most two: the step in flight and the one being launched);
-    # `ends_after_pending`: the newest of them reaches a length limit, so nothing more is scheduled
+    # overlapped steps (async scheduling): tokens being sampled on the device (at most two: the step in
+    # flight and the one being launched); `ends_after_pending`: the newest of them reaches a length
+    # limit, so nothing more is scheduled
     num_pending: int = 0
     ends_after_pending: bool = False
+    # speculative decoding: proposals for the positions after the last token, verified by the next step
+    draft_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -230,11 +231,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def is_finished(self) -> bool:
@@ -245,23 +246,23 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def append_pending(self) -> None:
-        self.append_token(PENDING_TOKEN)
         self.num_pending += 1
 
     def fill_pending(self, token_id: int) -> int:
         """The oldest pending token arrived; returns how many output tokens precede and include it."""
-        i = len(self.output_token_ids) - self.num_pending
-        self.output_token_ids[i] = token_id
-        self.all_token_ids[len(self.prompt_token_ids) + i] = token_id
         self.num_pending -= 1
-        return i + 1
+        self.append_token(token_id)
+        return len(self.output_token_ids)
+
+    def drop_output(self, n: int) -> None:
+        """Forget the last n known output tokens (a run cut short after the engine saw a stop)."""
+        if n:
+            del self.output_token_ids[-n:]
+            del self.all_token_ids[-n:]
 
     def drop_pending(self) -> None:
         """Forget tokens still in flight (the request ended before them)."""
-        if self.num_pending:
-            del self.output_token_ids[-self.num_pending :]
-            del self.all_token_ids[-self.num_pending :]
-            self.num_pending = 0
+        self.num_pending = 0
 
 
 @dataclass(slots=True)

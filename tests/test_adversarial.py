@@ -91,7 +91,7 @@ def test_worst_input_work_does_not_stall_a_stream(real):
                 codes.append((await c.post(path, json=body)).status_code)
             end = len(gaps)
             await task
-        return gaps[start:end + 1], end < len(gaps), codes
+        return gaps[start : end + 1], end < len(gaps), codes
 
     gaps, after, codes = asyncio.run(main())
     assert codes == [400, 400, 400]
@@ -208,7 +208,7 @@ def test_deep_json_and_lone_surrogates_are_400s(tiny):
 def test_a_client_leaving_mid_body_is_one_info_line(tiny, caplog):
     with caplog.at_level(logging.INFO):
         with socket.create_connection(("127.0.0.1", int(tiny.url.rsplit(":", 1)[1]))) as sk:
-            sk.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"m")
+            sk.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"m')
             time.sleep(0.3)
         deadline = time.monotonic() + 10
         while not any("client left mid-body" in r.getMessage() for r in caplog.records):

@@ -100,7 +100,7 @@ def test_graph_logits_match_the_torch_backend(tiny_folder):
             eng.add_request(p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         eng.step()  # prefill of all three
         batch = eng.scheduler.schedule()  # the decode step
-        assert all(s.num_tokens == 1 for s in batch.seqs)
+        assert all(s.num_tokens == 1 for s in batch.items)
         logits[name] = eng.runner.compute_logits(batch).float().cpu()
     torch.testing.assert_close(logits["graph"], logits["torch"], rtol=1e-4, atol=1e-4)
 

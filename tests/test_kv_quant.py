@@ -202,13 +202,13 @@ def teacher_forced(engine, prompt: list[int], forced: list[int] | None, n: int) 
     logits: dict[int, torch.Tensor] = {}
     while req.status is not RequestStatus.FINISHED:
         batch = engine.scheduler.schedule()
-        (s,) = batch.seqs
+        (s,) = batch.items
         rows = engine.runner.compute_logits(batch, all_tokens=True)
         logits.update((s.start + j, rows[j]) for j in range(s.num_tokens))
         sampled = {}
-        if s.sample:
+        if s.num_logits:
             n_out = req.num_output_tokens
-            sampled[req.request_id] = int(rows[-1].argmax()) if forced is None else forced[n_out]
+            sampled[req.request_id] = [int(rows[-1].argmax()) if forced is None else forced[n_out]]
         engine.scheduler.update(batch, sampled)
     return logits
 

@@ -27,25 +27,25 @@ def test_prefill_and_decode_match_transformers(family):
     reqs = [h.add(f"r{i}", p) for i, p in enumerate(prompts)]
 
     batch = h.sched.schedule()
-    assert len(batch.seqs) == 3 and batch.num_tokens == 48
+    assert len(batch.items) == 3 and batch.num_tokens == 48
     ours = h.runner.compute_logits(batch, all_tokens=True)
     off = 0
-    for s in batch.seqs:
+    for s in batch.items:
         ref = hf_logits(hf, s.token_ids)
         assert (ours[off : off + s.num_tokens] - ref).abs().max().item() < TOL
         off += s.num_tokens
-    sampled = {s.request.request_id: int(ours[off_end - 1].argmax()) for s, off_end in _ends(batch)}
+    sampled = {s.request_id: [int(ours[off_end - 1].argmax())] for s, off_end in _ends(batch)}
     h.sched.update(batch, sampled)
 
     for _ in range(20):
         batch = h.sched.schedule()
-        assert all(s.num_tokens == 1 for s in batch.seqs)
+        assert all(s.num_tokens == 1 for s in batch.items)
         ours = h.runner.compute_logits(batch)
         sampled = {}
-        for row, s in enumerate(batch.seqs):
-            ref = hf_logits(hf, s.request.all_token_ids)[-1]
+        for row, s in enumerate(batch.items):
+            ref = hf_logits(hf, h.sched.get(s.request_id).all_token_ids)[-1]
             assert (ours[row] - ref).abs().max().item() < TOL, f"{family} decode step mismatch"
-            sampled[s.request.request_id] = int(ref.argmax())
+            sampled[s.request_id] = [int(ref.argmax())]
         h.sched.update(batch, sampled)
     for r in reqs:
         h.sched.finish(r, FinishReason.ABORT)
@@ -55,7 +55,7 @@ def test_prefill_and_decode_match_transformers(family):
 
 def _ends(batch):
     off = 0
-    for s in batch.seqs:
+    for s in batch.items:
         off += s.num_tokens
         yield s, off
 
@@ -81,10 +81,10 @@ def test_chunked_prefill_matches_unchunked(family, budget):
         sampled = {}
         for s, end in _ends(batch):
             rows = logits[end - s.num_tokens : end]
-            if s.request.request_id == "long":
+            if s.request_id == "long":
                 got.setdefault("long", []).extend(rows)
-            if s.sample:
-                sampled[s.request.request_id] = int(rows[-1].argmax())
+            if s.num_logits:
+                sampled[s.request_id] = [int(rows[-1].argmax())]
         h.sched.update(batch, sampled)
         steps += 1
         assert steps < 200

@@ -128,11 +128,11 @@ def test_scheduler_starts_a_hit_after_its_cached_prefix():
     a = req("a", range(1, 18))
     s.add(a)
     batch = s.schedule()
-    s.update(batch, {"a": 7})
+    s.update(batch, {"a": [7]})
     b = req("b", list(range(1, 17)) + [99, 98])
     s.add(b)
     batch = s.schedule()
-    seq_b = next(x for x in batch.seqs if x.request is b)
+    seq_b = next(x for x in batch.items if x.request_id == b.request_id)
     assert (seq_b.start, seq_b.num_tokens) == (16, 2)
     assert b.num_cached_tokens == 16 and b.block_ids[:4] == a.block_ids[:4]
     assert kv.hit_tokens == 16 and kv.query_tokens == 17 + 18

@@ -57,16 +57,16 @@ def test_budget_chunks_prefill_and_mixes_decodes():
     s.add(a)
     s.add(b)
     batch = s.schedule()
-    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in batch.seqs] == [
+    assert [(x.request_id, x.start, x.num_tokens, x.num_logits == 1) for x in batch.items] == [
         ("a", 0, 6, True),
         ("b", 0, 4, False),
     ]
-    s.update(batch, {"a": 7})
+    s.update(batch, {"a": [7]})
     batch = s.schedule()  # decode of a first (1 token), then 9 more tokens of b
-    assert [(x.request.request_id, x.start, x.num_tokens) for x in batch.seqs] == [("a", 6, 1), ("b", 4, 9)]
-    s.update(batch, {"a": 8})
+    assert [(x.request_id, x.start, x.num_tokens) for x in batch.items] == [("a", 6, 1), ("b", 4, 9)]
+    s.update(batch, {"a": [8]})
     batch = s.schedule()
-    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in batch.seqs] == [
+    assert [(x.request_id, x.start, x.num_tokens, x.num_logits == 1) for x in batch.items] == [
         ("a", 7, 1, True),
         ("b", 13, 9, False),
     ]
@@ -79,7 +79,7 @@ def test_max_num_seqs_limits_running():
     for i in range(4):
         s.add(req(f"r{i}", 3))
     batch = s.schedule()
-    assert [x.request.request_id for x in batch.seqs] == ["r0", "r1"]
+    assert [x.request_id for x in batch.items] == ["r0", "r1"]
     assert len(s.waiting) == 2
 
 
@@ -90,10 +90,10 @@ def test_preemption_frees_latest_and_requeues_first():
     s.add(a)
     s.add(b)
     batch = s.schedule()
-    assert len(batch.seqs) == 2 and kv.pool.num_free_blocks == 0
-    s.update(batch, {"a": 1, "b": 1})
+    assert len(batch.items) == 2 and kv.pool.num_free_blocks == 0
+    s.update(batch, {"a": [1], "b": [1]})
     batch = s.schedule()  # a needs a 3rd block: b (latest) is preempted
-    assert batch.preempted == ["b"] and [x.request.request_id for x in batch.seqs] == ["a"]
+    assert batch.preempted == ["b"] and [x.request_id for x in batch.items] == ["a"]
     assert b.status is RequestStatus.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
     assert s.waiting[0] is b and b.all_token_ids == list(range(1, 9)) + [1]
     kv.check_integrity()
@@ -104,7 +104,7 @@ def test_finish_is_idempotent_and_frees():
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=2048), kv, 100)
     a = req("a", 5)
     s.add(a)
-    s.update(s.schedule(), {"a": 3})
+    s.update(s.schedule(), {"a": [3]})
     s.finish(a, FinishReason.ABORT)
     s.finish(a, FinishReason.ABORT)
     assert kv.num_used_blocks == 0 and a.finish_reason is FinishReason.ABORT and s.num_unfinished == 0
@@ -117,7 +117,7 @@ def _greedy_run(h: Harness, prompts, max_tokens):
     while h.sched.num_unfinished:
         batch = h.sched.schedule()
         out = h.runner.execute(batch)
-        h.sched.update(batch, out.sampled)
+        h.sched.update(batch, out.tokens)
         h.kv.check_integrity()
         steps += 1
         assert steps < 2000, "no progress"
@@ -146,3 +146,55 @@ def test_block_hash_chain_depends_on_prefix_and_extra_keys():
     assert len(a) == 2  # the partial third block has no key
     assert a[0] != b[0] and a[1] != c[1]  # a different first block changes every later key
     assert block_hashes(list(range(8)), 4) == a
+
+
+def test_rewind_frees_blocks_past_the_kept_tokens_and_never_cuts_a_published_block():
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    r = req("a", 5)
+    kv.allocate(r, 13)
+    r.num_computed_tokens = 13
+    assert len(r.block_ids) == 4
+    kv.rewind(r, 6)  # positions 0..5 stay: two blocks
+    assert r.num_computed_tokens == 6 and len(r.block_ids) == 2 and kv.num_used_blocks == 2
+    kv.check_integrity()
+    r.num_computed_tokens = 5
+    kv.rewind(r, 5)
+    with pytest.raises(ValueError, match="cannot rewind"):
+        kv.rewind(r, 6)  # past what is computed
+    r.all_token_ids = list(range(1, 9))
+    r.num_computed_tokens = 8
+    kv.allocate(r, 0)
+    kv.publish(r)  # the first two blocks are in the prefix cache now
+    assert r.num_published_blocks == 2
+    with pytest.raises(ValueError, match="published block"):
+        kv.rewind(r, 7)
+    kv.rewind(r, 8)
+    kv.free(r)
+    assert kv.num_used_blocks == 0
+    kv.check_integrity()
+
+
+def test_verify_item_carries_drafts_and_resolve_rewinds_the_rejected():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), kv, 100)
+    a = req("a", 6, max_tokens=20)
+    s.add(a)
+    s.update(s.schedule(), {"a": [50]})
+    a.draft_ids = [51, 52, 53]
+    batch = s.schedule()
+    (item,) = batch.items
+    assert (item.start, item.token_ids, item.num_logits, item.num_drafts) == (6, (50, 51, 52, 53), 4, 3)
+    assert item.is_decode and not item.committed and item.drafts == (51, 52, 53)
+    assert len(a.block_ids) == 3  # positions 0..9 need three blocks of 4
+    s.update(batch, {"a": [51, 60]})  # one draft accepted, then the target's own token
+    assert a.output_token_ids == [50, 51, 60] and a.num_computed_tokens == 8 and a.draft_ids == []
+    assert len(a.block_ids) == 2  # the block that held only rejected drafts went back
+    a.draft_ids = [61, 62]
+    batch = s.schedule()
+    s.update(batch, {"a": [61, 62, 7]})  # a stop token ends the run: nothing after it is kept
+    assert a.output_token_ids == [50, 51, 60, 61, 62, 7] and not a.is_finished
+    a.params.stop_token_ids = [9]
+    a.draft_ids = [9, 10]
+    s.update(s.schedule(), {"a": [9, 10, 11]})
+    assert a.is_finished and a.output_token_ids[-1] == 9 and kv.num_used_blocks == 0
+    kv.check_integrity()

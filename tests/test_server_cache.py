@@ -203,4 +203,3 @@ def test_stats_and_metrics_are_scoped_to_the_callers_tenant(strict):
     bob = get("/v1/metrics", "sk-bob")["summary"]
     assert st["query_tokens"] == bob["prompt_tokens"] and st["hit_tokens"] == bob["cached_prompt_tokens"]
     assert "vision_cache" not in get("/v1/cache/stats", "sk-bob")
-

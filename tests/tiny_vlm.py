@@ -191,17 +191,17 @@ def foveal_greedy(engine, prompts: list, steps: int):
         batch = sched.schedule()
         logits = runner.compute_logits(batch, all_tokens=True)
         sampled, off = {}, 0
-        for s in batch.seqs:
-            rid = s.request.request_id
+        for s in batch.items:
+            rid = s.request_id
             rows = logits[off : off + s.num_tokens]
             off += s.num_tokens
-            if s.start < s.request.num_prompt_tokens:
+            if s.start < len(runner._held[rid].req.prompt_token_ids):
                 prompt_rows[rid].append(rows)
-            elif s.sample:
+            elif s.num_logits:
                 step_logits[rid].append(rows[-1])
-            if s.sample:
-                sampled[rid] = int(rows[-1].argmax())
-                tokens[rid].append(sampled[rid])
+            if s.num_logits:
+                sampled[rid] = [int(rows[-1].argmax())]
+                tokens[rid] += sampled[rid]
         sched.update(batch, sampled)
     engine.kv.check_integrity()
     assert engine.kv.num_used_blocks == 0

@@ -253,8 +253,8 @@ def probe(srv: Served) -> bool:
 
 def batch_desc(batch) -> list[dict]:
     return [
-        {"id": s.request.request_id, "start": s.start, "tokens": s.num_tokens, "sample": s.sample}
-        for s in batch.seqs
+        {"id": s.request_id, "start": s.start, "tokens": s.num_tokens, "logits": s.num_logits}
+        for s in batch.items
     ]
 
 
@@ -263,7 +263,7 @@ def judge_batch(
 ) -> dict:
     """A fault that fails one step: exactly the requests in that step's batch end with an error (event,
     finish_reason "error", then [DONE]); every other one finishes with the reference text."""
-    batch_ids = [s.request.request_id for s in failing[0][0].seqs] if failing else []
+    batch_ids = [s.request_id for s in failing[0][0].items] if failing else []
     failed = {n for n, r in res.items() if r["finish_reason"] == "error" or r["error_event"]}
     in_batch = {n for n, r in res.items() if r["id"] in batch_ids}
     bad = compare(res, ref, [n for n in names if n not in in_batch])
@@ -399,13 +399,13 @@ def text_faults(args) -> list[dict]:
         calls = {"n": 0}
         failing: list = []
 
-        def launch(self, batch, prev=None):
+        def launch(self, batch):
             calls["n"] += 1
-            mixed = any(s.num_tokens > 1 for s in batch.seqs) or args.fault_batch == "any"
-            if not failing and calls["n"] >= args.fault_step and len(batch.seqs) >= 2 and mixed:
+            mixed = any(not s.is_decode for s in batch.items) or args.fault_batch == "any"
+            if not failing and calls["n"] >= args.fault_step and len(batch.items) >= 2 and mixed:
                 failing.append((batch, calls["n"]))
                 raise RuntimeError("injected forward-pass fault")
-            return real_launch(self, batch, prev)
+            return real_launch(self, batch)
 
         srv.reset_cache()
         with patched(ModelRunner, "launch", launch):
@@ -527,10 +527,10 @@ def vlm_faults(args) -> list[dict]:
         failing: list = []
         steps = {"n": 0}
 
-        def launch(self, batch, prev=None):
+        def launch(self, batch):
             steps["n"] += 1
             current[:] = [(batch, steps["n"])]
-            return real_launch(self, batch, prev)
+            return real_launch(self, batch)
 
         def encode(self, needed):
             needed = list(needed)

@@ -1,5 +1,5 @@
 """Maps requests to KV blocks: prefix-cache lookup, how many blocks the next tokens need, allocation,
-publishing full blocks, release.
+publishing full blocks, rewinding rejected drafts, release.
 
 The scheduler asks `find_cached` (the longest cached prefix of a new request), then `can_allocate` and
 `allocate` (a pair, so a failed check changes nothing); after each step `publish` puts the request's
@@ -99,6 +99,24 @@ class KVCacheManager:
         if n:
             req.block_ids.extend(self.pool.allocate(n))
         self._owners[req.request_id] = req
+
+    def rewind(self, req: Request, num_tokens: int) -> None:
+        """Keep only the request's first num_tokens computed positions (rejected drafts): blocks past
+        them go back to the pool. Published blocks hold accepted tokens only, so a rewind never reaches
+        into one (that is a caller's bug: ValueError)."""
+        if not 0 <= num_tokens <= req.num_computed_tokens:
+            raise ValueError(
+                f"cannot rewind {req.request_id} to {num_tokens} of {req.num_computed_tokens} tokens"
+            )
+        if num_tokens < req.num_published_blocks * self.block_size:
+            raise ValueError(
+                f"{req.request_id}: rewinding to {num_tokens} tokens would cut a published block"
+            )
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(req.block_ids):
+            self.pool.free(req.block_ids[keep:][::-1])
+            del req.block_ids[keep:]
+        req.num_computed_tokens = num_tokens
 
     def record_lookup(self, req: Request, num_cached_tokens: int) -> None:
         if self.prefix_caching:

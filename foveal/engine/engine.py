@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -76,6 +76,39 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass(slots=True)
+class SpecStats:
+    """Cumulative speculative-decoding counts (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0  # verify rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: rows whose draft j+1 was accepted
+
+    def record(self, k: int, a: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += a
+        if len(self.accepted_per_pos) < k:
+            self.accepted_per_pos += [0] * (k - len(self.accepted_per_pos))
+        for j in range(a):
+            self.accepted_per_pos[j] += 1
+
+    def as_dict(self) -> dict:
+        n = self.num_drafts
+        return {
+            "num_drafts": n,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens
+            if self.num_draft_tokens
+            else 0.0,
+            # tokens per verify row: the accepted drafts plus the one the target adds
+            "mean_acceptance_length": 1 + self.num_accepted_tokens / n if n else 0.0,
+        }
+
+
+@dataclass(slots=True)
 class _Tracked:
     req: Request
     detok: IncrementalDetokenizer
@@ -93,6 +126,8 @@ class Engine:
         self._pending: list[TokenDelta] = []  # deltas produced outside step() (aborts)
         self._arrivals = 0
         self._inflight = None  # the launched step whose tokens have not been applied (async scheduling)
+        self.proposer = None  # speculative decoding (foveal.spec), set by start() when configured
+        self.spec_stats = SpecStats()
         self.async_scheduling = False  # set by start(): config, else on for CUDA
         # cumulative host time per phase of step() (execute includes the device work it waits for)
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
@@ -174,8 +209,21 @@ class Engine:
             encoder_cache=self.encoder_cache,
             atomic_mm_spans=bool(getattr(self.model, "mm_bidirectional", False)),
         )
+        spec = cfg.speculative
+        self.proposer = None
+        if spec is not None:
+            from foveal.spec.proposer import build_proposer
+
+            self.proposer = build_proposer(spec)
         self.runner = ModelRunner(
-            self.model, kv_caches, backend, bs, device, self.vocab_size, encoder_cache=self.encoder_cache
+            self.model,
+            kv_caches,
+            backend,
+            bs,
+            device,
+            self.vocab_size,
+            encoder_cache=self.encoder_cache,
+            max_tokens_per_row=1 + (spec.num_speculative_tokens if spec else 0),
         )
         graphs = None
         if self._use_graphs(device, backend):
@@ -472,7 +520,8 @@ class Engine:
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.num_unfinished > 0 or self._inflight is not None
+        s = self.scheduler
+        return bool(self._pending) or s.num_unfinished > 0 or self._inflight is not None or s.has_releases
 
     @property
     def kv(self) -> KVCacheManager:
@@ -501,14 +550,18 @@ class Engine:
         if prev is not None and not self._can_overlap():
             deltas += self._resolve(prev)
             prev = None
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = None
+        if batch.empty and batch.finished:
+            self.runner.release(batch.finished)
         if not batch.empty:
             try:
-                launched = self.runner.launch(batch, prev)
+                launched = self.runner.launch(batch)
             except Exception as e:  # a failed forward pass aborts only this batch's requests
-                log.exception("forward pass failed; aborting %d request(s)", len(batch.seqs))
+                log.exception("forward pass failed; aborting %d request(s)", len(batch.items))
                 if prev is not None:
                     deltas += self._resolve(prev)
                 self._inflight = None
@@ -529,30 +582,71 @@ class Engine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the tokens in flight arrive: not when a running
-        request's sampling reads its earlier tokens' values (repetition/frequency/presence penalties)."""
+        request's sampling reads its earlier tokens' values (repetition/frequency/presence penalties),
+        nor when speculating (proposals start from every token, and a verify row's count of new
+        tokens is known only on the host)."""
+        if self.proposer is not None:
+            return False
         return not any(r.params.needs_penalties for r in self.scheduler.running)
+
+    def _propose(self) -> None:
+        """Drafts for every running decode that may speculate; the scheduler gives each 1 + k tokens."""
+        from foveal.spec.proposer import ProposeRow
+
+        reqs, rows = [], []
+        for req in self.scheduler.running:
+            if not req.params.speculative or req.num_pending or req.ends_after_pending:
+                continue
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue  # a prefill chunk still to go
+            # a verify row adds up to k + 1 tokens: stay inside max_tokens and the context
+            room = min(
+                req.params.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
+            if room > 0:
+                reqs.append(req)
+                rows.append(ProposeRow(req.request_id, req.all_token_ids, room))
+        if rows:
+            for req, drafts in zip(reqs, self.proposer.propose(rows)):
+                req.draft_ids = drafts
 
     def _resolve(self, launched) -> list[TokenDelta]:
         """Wait for a launched step's tokens; apply them and emit the deltas."""
         if self._inflight is launched:
             self._inflight = None
-        live = [s.request for s in launched.batch.seqs if s.sample and not s.request.is_finished]
+        live = [
+            self._tracked[s.request_id]
+            for s in launched.batch.items
+            if s.num_logits and s.request_id in self._tracked
+        ]
+        live = [t for t in live if not t.req.is_finished]
         try:
             out = self.runner.collect(launched)
         except Exception as e:  # the device failed this step
-            log.exception("collecting a step failed; aborting %d request(s)", len(launched.batch.seqs))
+            log.exception("collecting a step failed; aborting %d request(s)", len(launched.batch.items))
             return self._abort_batch(launched.batch, e)
-        self.scheduler.resolve(launched.batch, out.sampled)
+        for s in launched.batch.items:
+            if s.num_drafts and s.request_id in out.tokens:
+                a = len(out.tokens[s.request_id]) - 1
+                self.spec_stats.record(s.num_drafts, a)
+                self.proposer.accepted(s.request_id, s.num_drafts, a)
+        for rid, spent in out.encoder_time_s.items():
+            t = self._tracked.get(rid)
+            if t is not None:
+                t.req.encoder_time_s += spent
+        self.scheduler.resolve(launched.batch, out.tokens)
         deltas = []
-        for req in live:
-            if req.request_id in out.sampled:
-                deltas.append(self._emit(req, out.sampled[req.request_id], out.logprobs.get(req.request_id)))
+        for t in live:
+            toks = out.tokens.get(t.req.request_id)
+            if toks:
+                deltas.append(self._emit(t, toks, out.logprobs.get(t.req.request_id)))
         return deltas
 
     def _abort_batch(self, batch, e: Exception) -> list[TokenDelta]:
         deltas = []
-        for s in batch.seqs:
-            t = self._tracked.get(s.request.request_id)
+        for s in batch.items:
+            t = self._tracked.get(s.request_id)
             if t is None or t.req.is_finished:
                 continue
             t.error = f"forward pass failed: {type(e).__name__}: {e}"
@@ -560,23 +654,28 @@ class Engine:
             deltas.append(self._final_delta(t, [], "", None))
         return deltas
 
-    def _emit(self, req: Request, tok: int, lp: TokenLogprobs | None) -> TokenDelta:
-        t = self._tracked[req.request_id]
+    def _emit(self, t: _Tracked, toks: list[int], lps: list[TokenLogprobs] | None) -> TokenDelta:
+        """The delta of a request's new tokens (several after a verify step): text through the
+        detokenizer one token at a time, so a stop string inside the run ends it there."""
+        req = t.req
         stop_reason: str | int | None = None
+        text = ""
         try:
-            text = t.detok.add([tok])
-            if t.detok.stop_matched is not None:
-                self.scheduler.finish(req, FinishReason.STOP)
-                req.finish_reason = (
-                    FinishReason.STOP
-                )  # a stop string wins over a length stop in the same step
+            for j, tok in enumerate(toks):
+                text += t.detok.add([tok])
+                if t.detok.stop_matched is not None:
+                    req.drop_output(len(toks) - j - 1)  # a verify run's tokens after the stop string
+                    del toks[j + 1 :]
+                    self.scheduler.finish(req, FinishReason.STOP)
+                    req.finish_reason = FinishReason.STOP  # a stop string wins over a length stop
+                    break
             if req.is_finished:
                 if t.detok.stop_matched is not None:
                     stop_reason = t.detok.stop_matched
                 else:
                     text += t.detok.flush()
-                    if tok in req.params.stop_token_ids:
-                        stop_reason = tok
+                    if toks[-1] in req.params.stop_token_ids:
+                        stop_reason = toks[-1]
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # this request's failure only (a Rust tokenizer's panic included)
@@ -584,15 +683,18 @@ class Engine:
             t.error = f"detokenization failed: {type(e).__name__}: {e}"
             self.scheduler.finish(req, FinishReason.ERROR)
             text = ""
+        lps = lps[: len(toks)] if lps else None
         if not req.is_finished:
-            return TokenDelta(req.request_id, [tok], text, [lp] if lp else None)
+            return TokenDelta(req.request_id, toks, text, lps)
         if req.finish_reason is FinishReason.ERROR and t.error is None:
             t.error = "request failed"
-        return self._final_delta(t, [tok], text, [lp] if lp else None, stop_reason)
+        return self._final_delta(t, toks, text, lps, stop_reason)
 
     def _final_delta(self, t: _Tracked, toks, text, lps, stop_reason=None) -> TokenDelta:
         req = t.req
         self._tracked.pop(req.request_id, None)
+        if self.proposer is not None:
+            self.proposer.finish(req.request_id)
         if req.status is not RequestStatus.FINISHED:  # defensive: never leave a request half-done
             self.scheduler.finish(req, FinishReason.ERROR)
         return TokenDelta(

@@ -29,8 +29,13 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far; len() is the index of the draw being made
+    output_token_ids: list[int]  # generated so far (the penalties count them)
     eos_token_ids: frozenset[int]
+    index: int | None = None  # the output index of the token being drawn; None: len(output_token_ids)
+
+    @property
+    def draw_index(self) -> int:
+        return len(self.output_token_ids) if self.index is None else self.index
 
 
 @dataclass(slots=True)
@@ -48,7 +53,7 @@ def draw_seed(seed: int, index: int) -> int:
 
 
 def _min_tokens_active(row: SamplingRow) -> bool:
-    return len(row.output_token_ids) < row.params.min_tokens
+    return row.draw_index < row.params.min_tokens
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
@@ -97,7 +102,7 @@ class Sampler:
                 idx = torch.tensor(ng, dtype=torch.long, device=x.device)
                 sub = [rows[i] for i in ng]
                 tokens[idx] = self._draw(self._filter(x[idx], [r.params for r in sub]).softmax(-1), sub)
-        return tokens, self._logprobs(raw, rows, tokens)
+        return tokens, self.logprobs(raw, rows, tokens)
 
     # ---- steps 1-4: masking, bias, penalties -------------------------------------------------------
 
@@ -241,7 +246,7 @@ class Sampler:
             gen = self._generator(probs.device)
             for j in seeded:
                 r = rows[j]
-                gen.manual_seed(draw_seed(r.params.seed, len(r.output_token_ids)))
+                gen.manual_seed(draw_seed(r.params.seed, r.draw_index))
                 q[j].exponential_(generator=gen)
         return probs.div_(q.clamp_min_(1e-20)).argmax(-1)
 
@@ -253,7 +258,7 @@ class Sampler:
 
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
 
-    def _logprobs(
+    def logprobs(
         self, raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor
     ) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * len(rows)

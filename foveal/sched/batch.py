@@ -1,33 +1,83 @@
-"""What the scheduler hands the runner for one step: plain data, decodes first, then prefill chunks."""
+"""What the scheduler hands the runner for one step: plain, frozen data that names requests by id.
+
+The runner never sees a live `Request`: it learns a request once (`NewRequest`, the first step that
+schedules it), keeps what it needs for itself, and forgets it when the request id comes back in
+`finished`. So a batch could be broadcast as-is to other ranks.
+
+One item feeds a run of consecutive positions of one request and says which of them give logits:
+
+    prefill chunk       start=0   tokens [t0 .. t9]         num_logits 0 (more to come) or 1 (the last)
+    decode              start=p   tokens [x]                num_logits 1
+    decode, async       start=p   tokens []  num_pending 1  x is still on the device (the runner's buffer)
+    verify (k drafts)   start=p   tokens [x d1 .. dk]       num_logits 1+k, num_drafts k
+
+Fed positions are start .. start + num_tokens - 1: the host-known `token_ids`, then `num_pending`
+tokens the previous step sampled and the host has not seen yet. A decode item is a short query whose
+every position gives logits; items come decodes first, then prefill chunks (the attention layout).
+Drafts' K/V is provisional: verification keeps the accepted ones and the scheduler rewinds the rest.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from foveal.request import Request
+from foveal.request import MultiModalItem, SamplingParams
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    request: Request
-    start: int  # position of the first new token (= tokens already in the cache)
-    num_tokens: int  # new tokens this step (1 for a decode)
-    sample: bool  # True when this chunk reaches the end of the sequence: sample the next token
+@dataclass(frozen=True, slots=True)
+class ScheduledItem:
+    request_id: str
+    start: int  # position of the first fed token (= tokens of the request already in the cache)
+    token_ids: tuple[int, ...]  # fed tokens the host knows, drafts last
+    block_table: tuple[int, ...]  # the request's blocks, covering every fed position
+    num_logits: int = 0  # the last num_logits fed positions give logits (0: a prefill chunk mid-prompt)
+    num_pending: int = 0  # fed tokens after token_ids that are still on the device
+    num_drafts: int = 0  # the last num_drafts of token_ids are proposals, verified by this step
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def is_decode(self) -> bool:
+        """A short query: every fed position gives logits (a decode, or a verify run of 1 + k)."""
+        return self.num_logits == self.num_tokens
+
+    @property
+    def committed(self) -> bool:
+        """Whether every K/V this item writes is kept (no drafts to verify)."""
+        return self.num_drafts == 0
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts :] if self.num_drafts else ()
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """Everything the runner keeps about a request, sent with the first step that schedules it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    mm_items: tuple[MultiModalItem, ...] = ()
+    mrope_positions: Any = None  # [3, prompt_len] for M-RoPE models; later positions are p + mrope_delta
+    mrope_delta: int = 0
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
+    items: list[ScheduledItem] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # ids the runner may forget (before this step runs)
     preempted: list[str] = field(default_factory=list)  # request ids sent back to the waiting queue
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
+        return sum(s.num_tokens for s in self.items)
 
     @property
     def empty(self) -> bool:
-        return not self.seqs
+        return not self.items

@@ -26,7 +26,7 @@ from collections import deque
 from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.config import SchedulerConfig
 from foveal.request import FinishReason, Request, RequestStatus
-from foveal.sched.batch import ScheduledBatch, ScheduledSeq
+from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._known: set[str] = set()  # request ids the runner has been told about (NewRequest sent)
+        self._forget: list[str] = []  # of those, finished since the last batch: the runner may drop them
+        self._by_id: dict[str, Request] = {}  # unfinished requests
 
     # -- queue management ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+        self._by_id[req.request_id] = req
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request wherever it is and release its blocks (idempotent)."""
@@ -71,8 +75,22 @@ class Scheduler:
                 pass
         self.kv.free(req)
         req.drop_pending()  # tokens of a step still in flight are not part of the output
+        req.draft_ids = []
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self._by_id.pop(req.request_id, None)
+        if req.request_id in self._known:
+            self._known.discard(req.request_id)
+            self._forget.append(req.request_id)
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._by_id.get(request_id)
+
+    @property
+    def has_releases(self) -> bool:
+        """Finished requests the runner has not been told about yet (the next batch carries them)."""
+        return bool(self._forget)
 
     @property
     def num_unfinished(self) -> int:
@@ -91,9 +109,15 @@ class Scheduler:
                 i += 1
                 continue
             start = req.num_computed_tokens
+            if req.draft_ids:
+                if self._verify(req, batch, budget):
+                    budget -= batch.items[-1].num_tokens
+                    i += 1
+                    continue
+                req.draft_ids = []  # no room for them this step: a plain decode
             if req.num_tokens - start == 1 and start < len(req.block_ids) * bs and not req.mm_items:
                 # the common case, a decode whose slot is already allocated: no allocation to check
-                batch.seqs.append(ScheduledSeq(req, start, 1, True))
+                batch.items.append(self._item(req, 1))
                 budget -= 1
                 i += 1
                 continue
@@ -109,7 +133,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # req itself was preempted; everything after it was too
             self.kv.allocate(req, n)
-            batch.seqs.append(self._seq(req, n))
+            batch.items.append(self._item(req, n))
             self._spend_encoder(req, n)
             budget -= n
             i += 1
@@ -133,17 +157,34 @@ class Scheduler:
             if req.num_preemptions == 0 and not req.output_token_ids:
                 req.num_cached_tokens = start
                 self.kv.record_lookup(req, start)
-            batch.seqs.append(self._seq(req, n))
+            if req.request_id not in self._known:
+                self._known.add(req.request_id)
+                batch.new_requests.append(_new_request(req))
+            batch.items.append(self._item(req, n))
             self._spend_encoder(req, n)
             budget -= n
         # Decodes first, then prefill chunks: the layout attention backends expect.
-        batch.seqs.sort(key=lambda s: s.num_tokens != 1)
+        batch.items.sort(key=lambda s: not s.is_decode)
+        batch.finished, self._forget = self._forget, []
         return batch
 
-    def _needs_encoder(self, req: Request, idx: int) -> bool:
-        if idx in req.mm_embeds:
+    def _verify(self, req: Request, batch: ScheduledBatch, budget: int) -> bool:
+        """Schedule a decode with the request's drafts (1 + k tokens) if the budget and the pool allow
+        it without preempting anyone; False leaves everything unchanged."""
+        n = 1 + len(req.draft_ids)
+        if req.num_pending or req.num_tokens - req.num_computed_tokens != 1 or n > budget:
             return False
-        return self.encoder_cache is None or req.mm_items[idx].content_hash not in self.encoder_cache
+        if not self.kv.can_allocate(req, n):
+            return False
+        self.kv.allocate(req, n)
+        batch.items.append(self._item(req, 1))
+        return True
+
+    def _needs_encoder(self, req: Request, idx: int) -> bool:
+        it = req.mm_items[idx]
+        if it.offset < req.num_computed_tokens < it.end:
+            return False  # an earlier chunk entered the span: the runner holds its embeddings
+        return self.encoder_cache is None or it.content_hash not in self.encoder_cache
 
     def _chunk(self, req: Request, n: int, start: int | None = None) -> int:
         """Shorten (or, for an atomic span at the chunk start, lengthen) a chunk of n tokens for images."""
@@ -173,9 +214,22 @@ class Scheduler:
             if it.offset < end and start < it.end and self._needs_encoder(req, idx):
                 self._enc_left -= it.num_embeds
 
-    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+    def _item(self, req: Request, n: int) -> ScheduledItem:
+        """The next n positions of the request (its drafts after them, if any)."""
         start = req.num_computed_tokens
-        return ScheduledSeq(req, start, n, sample=start + n == req.num_tokens)
+        known = req.all_token_ids
+        end = min(start + n, len(known))
+        drafts = req.draft_ids
+        reaches_end = start + n == req.num_tokens
+        return ScheduledItem(
+            req.request_id,
+            start,
+            tuple(known[start:end]) + tuple(drafts),
+            tuple(req.block_ids),
+            num_logits=(1 + len(drafts)) if reaches_end else 0,
+            num_pending=start + n - end,
+            num_drafts=len(drafts),
+        )
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
@@ -190,7 +244,7 @@ class Scheduler:
             "%s preempted (recompute later); %d free blocks", req.request_id, self.kv.pool.num_free_blocks
         )
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+    def update(self, batch: ScheduledBatch, sampled: dict[str, list[int]]) -> list[Request]:
         """advance() then resolve(): a step whose tokens are already known.
 
         Returns the requests that finished in this step (already freed).
@@ -199,39 +253,60 @@ class Scheduler:
         return self.resolve(batch, sampled)
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """The step was launched: its tokens count as computed, and each sampling row gets a pending
-        token, so the next step can be scheduled before this one's tokens reach the host (overlap).
-        A pending token that reaches a length limit ends the request's scheduling."""
-        for s in batch.seqs:
-            req = s.request
-            if req.status is not RequestStatus.RUNNING:
-                continue  # finished or aborted since it was scheduled
+        """The step was launched: its tokens count as computed, and each plain sampling row gets a
+        pending token, so the next step can be scheduled before this one's tokens reach the host
+        (overlap). A pending token that reaches a length limit ends the request's scheduling. A verify
+        row's count of new tokens is known only when it resolves: nothing is pending for it."""
+        for s in batch.items:
+            req = self._live(s)
+            if req is None:
+                continue
             req.num_computed_tokens = s.start + s.num_tokens
-            if s.sample:
+            req.draft_ids = []
+            if s.num_logits and s.committed:
                 req.append_pending()
                 req.ends_after_pending = self._length_stop(req, req.num_output_tokens, req.num_tokens)
 
-    def resolve(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
-        """The step's tokens arrived: fill the pending tokens, publish full blocks, apply token-level stop
-        rules. Returns the requests that finished (already freed; tokens still in flight dropped)."""
+    def _live(self, s: ScheduledItem) -> Request | None:
+        req = self._by_id.get(s.request_id)
+        return req if req is not None and req.status is RequestStatus.RUNNING else None
+
+    def resolve(self, batch: ScheduledBatch, sampled: dict[str, list[int]]) -> list[Request]:
+        """The step's tokens arrived: fill the pending tokens (a verify row: rewind its rejected drafts
+        and append what it accepted), publish full blocks, apply token-level stop rules, truncating a
+        run of several tokens at the first stop. `sampled` maps a request id to its new tokens, and
+        comes back with each run cut where its request stopped. Returns the requests that finished
+        (already freed; tokens still in flight dropped)."""
         finished = []
-        for s in batch.seqs:
-            req = s.request
-            if req.is_finished:
-                continue  # finished or aborted while the step ran
-            tok = None
-            if s.sample:
-                tok = sampled[req.request_id]
-                num_out = req.fill_pending(tok)
-            if req.status is RequestStatus.RUNNING:
-                self.kv.publish(req)  # after the fill: a published block never holds a pending token
-            if tok is None:
+        for s in batch.items:
+            req = self._by_id.get(s.request_id)
+            if req is None or req.is_finished or not s.num_logits:
+                if req is not None and req.status is RequestStatus.RUNNING:
+                    self.kv.publish(req)
                 continue
-            reason = self.check_stop(req, tok, num_out)
+            toks = sampled[s.request_id]
+            if not s.committed:  # keep the K/V of the fed token and the accepted drafts only
+                kept = s.start + 1 + (len(toks) - 1)
+                if req.status is RequestStatus.RUNNING:
+                    self.kv.rewind(req, kept)
+            reason = None
+            for j, tok in enumerate(toks):
+                num_out = req.fill_pending(tok) if s.committed else self._append(req, tok)
+                reason = self.check_stop(req, tok, num_out)
+                if reason is not None:
+                    del toks[j + 1 :]
+                    break
+            if req.status is RequestStatus.RUNNING:
+                self.kv.publish(req)  # after the fill: a published block never holds an unknown token
             if reason is not None:
                 self.finish(req, reason)
                 finished.append(req)
         return finished
+
+    @staticmethod
+    def _append(req: Request, tok: int) -> int:
+        req.append_token(tok)
+        return req.num_output_tokens
 
     def check_stop(self, req: Request, tok: int, num_out: int | None = None) -> FinishReason | None:
         """Why the request ends at `tok`, its num_out-th output token (default: the last one)."""
@@ -248,3 +323,15 @@ class Scheduler:
     def _length_stop(self, req: Request, num_out: int, num_tokens: int) -> bool:
         p = req.params
         return (p.max_tokens is not None and num_out >= p.max_tokens) or num_tokens >= self.max_model_len
+
+
+def _new_request(req: Request) -> NewRequest:
+    return NewRequest(
+        req.request_id,
+        tuple(req.prompt_token_ids),
+        req.params,
+        req.eos_token_ids,
+        tuple(req.mm_items),
+        req.mrope_positions,
+        req.mrope_delta,
+    )

@@ -1,13 +1,19 @@
 """Runs one scheduled step: builds the flat input tensors, plans attention once, encodes the images
-the step's prefill chunks reach (vision cache first), runs the model, computes logits only for rows
-that sample, and samples with each row's own parameters.
+the step's prefill chunks reach (vision cache first), runs the model, computes logits only for the
+positions that give them, samples each row with its own parameters and verifies drafts.
 
-    tokens: [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]     decodes first, then prefill chunks
-    sample:  x  x  x              x          x   (last token of a chunk that reaches the end)
-    images:                 [i i]                 rows of p0 inside an image span take its embeddings
-                                                  (DeepStack models: and add more at early layers)
+    items:   [d0 | d1 | v2 v2 v2 | p0 p0 p0 p0 | p1 p1]   decodes and verify runs first, then prefill
+    logits:    x    x    x  x  x              x       x    (verify: every position; prefill: the last)
+    images:                     [i  i]                     rows of p0 inside an image span take its
+                                                           embeddings (DeepStack: more at early layers)
 
-An image's embeddings stay on its request until the prefill passes the end of its span, so a chunk
+The runner keeps its own state per request (the batch's `NewRequest`, dropped when the id comes back
+in `finished`): sampling parameters, the tokens it has produced (penalties read them), image
+embeddings not yet passed, and a row of the device token buffer. That buffer holds the tokens each
+request's latest step sampled, so a step launched before the previous one's tokens reach the host
+(async scheduling) reads its pending inputs there, on the device.
+
+An image's embeddings stay with the runner until the prefill passes the end of its span, so a chunk
 boundary inside the span neither re-encodes nor depends on the cache keeping the entry.
 """
 
@@ -15,34 +21,47 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from foveal.attention.base import AttentionBatch
 from foveal.device import to_device
-from foveal.request import PENDING_TOKEN, Request, TokenLogprobs
+from foveal.request import TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
-from foveal.sched.batch import ScheduledBatch
+from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
+from foveal.spec.rejection import verify
 
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> its new tokens, in order
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    encoder_time_s: dict[str, float] = field(default_factory=dict)  # vision-encoder time spent per request
+
+
+@dataclass(slots=True)
+class _Held:
+    """What the runner keeps of one request between steps."""
+
+    req: NewRequest
+    slot: int  # its row of the device token buffer
+    output_token_ids: list[int] = field(default_factory=list)  # produced and seen by collect()
+    mm_embeds: dict[int, Any] = field(default_factory=dict)  # image index -> embeddings, until passed
 
 
 @dataclass(slots=True)
 class Launched:
-    """A step whose device work is queued: its tokens reach the host with `collect`. The next step may
-    be launched first; its decode rows whose input is still PENDING_TOKEN read it from `tokens`."""
+    """A step whose device work is queued: its tokens reach the host with `collect`."""
 
     batch: ScheduledBatch
-    requests: list[Request]  # the sampling rows' requests, in row order
-    tokens: torch.Tensor | None = None  # [rows] on the device
-    host: torch.Tensor | None = None  # their host copy (pinned on CUDA), valid once `event` is done
+    rows: list[tuple[str, int, int]] = field(default_factory=list)  # (request id, first row, rows)
+    tokens: torch.Tensor | None = None  # [rows] on the device: each logits row's token
+    accepted: torch.Tensor | None = None  # [len(rows)]: drafts accepted per item (verify steps)
+    host: torch.Tensor | None = None  # tokens (then accepted) on the host, valid once `event` is done
     event: object = None  # torch.cuda.Event, or None (CPU: already done)
-    logprobs: list = field(default_factory=list)
-    row_of: dict[str, int] = field(default_factory=dict)  # request id -> row of `tokens`
+    logprobs: list = field(default_factory=list)  # per logits row
+    encoder_time_s: dict[str, float] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -55,6 +74,7 @@ class ModelRunner:
         device,
         vocab_size: int,
         encoder_cache=None,
+        max_tokens_per_row: int = 1,
     ):
         self.model = model
         self.encoder_cache = encoder_cache
@@ -69,45 +89,82 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(vocab_size)
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
+        self._held: dict[str, _Held] = {}
+        self._free_slots: list[int] = []
+        # [requests, tokens one step may produce per row]: the latest sampled tokens of each request
+        self.token_buffer = torch.zeros(0, max_tokens_per_row, dtype=torch.long, device=self.device)
 
-    @staticmethod
-    def _pending_row(req: Request, prev: Launched | None) -> int:
-        row = None if prev is None else prev.row_of.get(req.request_id)
-        if row is None:
-            raise RuntimeError(f"{req.request_id}: its input token is pending but no step in flight has it")
-        return row
+    # -- per-request state ----------------------------------------------------------------------------
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished requests (idempotent); an empty batch's `finished` comes here alone."""
+        for rid in request_ids:
+            held = self._held.pop(rid, None)
+            if held is not None:
+                self._free_slots.append(held.slot)
 
-    def _prepare(self, batch: ScheduledBatch, prev: Launched | None = None):
+    def _admit(self, batch: ScheduledBatch) -> None:
+        """Forget the finished requests, then learn the new ones (idempotent: a batch may be run twice)."""
+        self.release(batch.finished)
+        for new in batch.new_requests:
+            if new.request_id not in self._held:
+                self._held[new.request_id] = _Held(new, self._slot())
+
+    def _slot(self) -> int:
+        if not self._free_slots:
+            n, w = self.token_buffer.shape
+            grow = torch.zeros(max(16, n), w, dtype=torch.long, device=self.device)
+            self.token_buffer = torch.cat([self.token_buffer, grow])
+            self._free_slots = list(range(self.token_buffer.shape[0] - 1, n - 1, -1))
+        return self._free_slots.pop()
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def _with_pending(self, input_ids: torch.Tensor, src: list[int]) -> torch.Tensor:
+        """input_ids with every position whose `src` entry is >= 0 replaced by that flat index of the
+        token buffer (the tokens of a step the host has not seen yet)."""
+        idx = to_device(torch.tensor(src, dtype=torch.long), self.device)
+        return torch.where(idx >= 0, self.token_buffer.view(-1)[idx.clamp(min=0)], input_ids)
+
+    def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size
+        width = self.token_buffer.shape[1]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        sample_idx: list[int] = []
+        logits_idx: list[int] = []
+        q_lens: list[int] = []
+        ctxs: list[int] = []
+        tables: list[list[int]] = []
         num_decodes = 0
-        pending: list[int] = []  # per row: the row of prev.tokens holding its input, or -1
-        for s in batch.seqs:
-            req = s.request
-            bt = req.block_ids
-            if s.num_tokens == 1:
-                num_decodes += 1
-                p = s.start
-                ids.append(req.all_token_ids[p])
-                if ids[-1] == PENDING_TOKEN:
-                    pending += [-1] * (len(ids) - 1 - len(pending)) + [self._pending_row(req, prev)]
-                pos.append(p)
-                slots.append(bt[p // bs] * bs + p % bs)
+        pending: list[int] = []  # per position: the flat token-buffer index of its input, or -1
+        for s in batch.items:
+            n, base = s.num_tokens, len(ids)
+            ids.extend(s.token_ids)
+            if s.num_pending:
+                slot = self._held[s.request_id].slot
+                pending += [-1] * (len(ids) - len(pending)) + [slot * width + j for j in range(s.num_pending)]
+                ids += [0] * s.num_pending
+            bt = list(s.block_table)
+            r = range(s.start, s.start + n)
+            pos.extend(r)
+            slots.extend(bt[p // bs] * bs + p % bs for p in r)
+            if s.is_decode:  # a short query: one attention row per token, each after the ones before it
+                num_decodes += n
+                q_lens += [1] * n
+                ctxs.extend(r)
+                tables += [bt] * n
             else:
-                r = range(s.start, s.start + s.num_tokens)
-                ids.extend(req.all_token_ids[s.start : s.start + s.num_tokens])
-                pos.extend(r)
-                slots.extend(bt[p // bs] * bs + p % bs for p in r)
-            if s.sample:
-                sample_idx.append(len(ids) - 1)
+                q_lens.append(n)
+                ctxs.append(s.start)
+                tables.append(bt)
+            logits_idx.extend(range(base + n - s.num_logits, base + n))
         dev = self.device
         attn = AttentionBatch(
-            query_lens=[s.num_tokens for s in batch.seqs],
-            context_lens=[s.start for s in batch.seqs],
-            block_tables=[s.request.block_ids for s in batch.seqs],
+            query_lens=q_lens,
+            context_lens=ctxs,
+            block_tables=tables,
             num_decodes=num_decodes,
             slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), dev),
             block_size=bs,
@@ -116,34 +173,39 @@ class ModelRunner:
         meta = self.backend.plan(attn, dev)
         input_ids = to_device(torch.tensor(ids, dtype=torch.long), dev)
         if pending:
-            pending += [-1] * (len(ids) - len(pending))
-            input_ids = _take_pending(input_ids, to_device(torch.tensor(pending), dev), prev)
+            input_ids = self._with_pending(input_ids, pending + [-1] * (len(ids) - len(pending)))
         if self.uses_mrope:
             positions = to_device(self._mrope_positions(batch), dev)
         else:
             positions = to_device(torch.tensor(pos, dtype=torch.long), dev)
-        return input_ids, positions, meta, sample_idx
+        return input_ids, positions, meta, logits_idx
 
     def _bidirectional_spans(self, batch: ScheduledBatch) -> list[list[tuple[int, int]]] | None:
-        """Per sequence, the image spans its chunk overlaps, for models whose image tokens attend both
-        ways (Gemma 3); None when no chunk of the step touches one."""
+        """Per attention row, the image spans its chunk overlaps, for models whose image tokens attend
+        both ways (Gemma 3); None when no chunk of the step touches one. A decode row needs none: a
+        single query token sees every earlier token anyway."""
         if not getattr(self.model, "mm_bidirectional", False):
             return None
-        spans = [
-            [
-                (it.offset, it.end)
-                for it in s.request.mm_items
-                if it.offset < s.start + s.num_tokens and s.start < it.end
-            ]
-            for s in batch.seqs
-        ]
+        spans: list[list[tuple[int, int]]] = []
+        for s in batch.items:
+            if s.is_decode:
+                spans += [[] for _ in range(s.num_tokens)]
+                continue
+            a, b = s.start, s.start + s.num_tokens
+            spans.append(
+                [
+                    (it.offset, it.end)
+                    for it in self._held[s.request_id].req.mm_items
+                    if it.offset < b and a < it.end
+                ]
+            )
         return spans if any(spans) else None
 
     def _mrope_positions(self, batch: ScheduledBatch) -> torch.Tensor:
         """[3, T]: prompt positions from the request's table; generated tokens at p + delta on all axes."""
         parts = []
-        for s in batch.seqs:
-            req = s.request
+        for s in batch.items:
+            req = self._held[s.request_id].req
             a, b = s.start, s.start + s.num_tokens
             table = req.mrope_positions
             n_tab = 0 if table is None else table.shape[1]
@@ -154,24 +216,24 @@ class ModelRunner:
                 parts.append(torch.arange(lo, b).add_(req.mrope_delta).expand(3, -1))
         return torch.cat(parts, dim=1)
 
-    def _image_embeddings(self, batch: ScheduledBatch):
+    def _image_embeddings(self, batch: ScheduledBatch, spent: dict[str, float]):
         """(destination rows, embeddings) for every prefill row inside an image span, or None."""
-        wanted = []  # (request, item index, row of the chunk start, chunk start, chunk end)
+        wanted = []  # (held, item index, row of the chunk start, chunk start, chunk end)
         row = 0
-        for s in batch.seqs:
-            req = s.request
+        for s in batch.items:
+            held = self._held[s.request_id]
             a, b = s.start, s.start + s.num_tokens
-            for idx, it in enumerate(req.mm_items):
+            for idx, it in enumerate(held.req.mm_items):
                 if it.offset < b and a < it.end:
-                    wanted.append((req, idx, row, a, b))
+                    wanted.append((held, idx, row, a, b))
             row += s.num_tokens
         if not wanted:
             return None
-        self._encode_missing([(req, idx) for req, idx, *_ in wanted])
+        self._encode_missing([(held, idx) for held, idx, *_ in wanted], spent)
         dest, src = [], []
-        for req, idx, row, a, b in wanted:
-            it = req.mm_items[idx]
-            emb = req.mm_embeds[idx]
+        for held, idx, row, a, b in wanted:
+            it = held.req.mm_items[idx]
+            emb = held.mm_embeds[idx]
             lo, hi = max(a, it.offset), min(b, it.end)
             if it.embed_index is None:
                 dest.append(torch.arange(row + lo - a, row + hi - a))
@@ -182,65 +244,73 @@ class ModelRunner:
                 dest.append(torch.nonzero(keep).flatten() + (row + lo - a))
                 src.append(emb[ei[keep].to(emb.device)])
             if b >= it.end:  # the prefill has passed this image: the request no longer needs it
-                req.mm_embeds.pop(idx, None)
+                held.mm_embeds.pop(idx, None)
         rows = to_device(torch.cat(dest), self.device)
         return rows, torch.cat(src)
 
-    def _encode_missing(self, needed) -> None:
+    def _encode_missing(self, needed: list[tuple[_Held, int]], spent: dict[str, float]) -> None:
         """Give every (request, item) its embeddings: already held, a vision-cache hit, or encoded now
         (all misses of the step in one encoder call, a repeated image encoded once)."""
         cache = self.encoder_cache
-        todo: dict[str, list] = {}
-        for req, idx in needed:
-            if idx in req.mm_embeds:
+        todo: dict[str, list[tuple[_Held, int]]] = {}
+        for held, idx in needed:
+            if idx in held.mm_embeds:
                 continue
-            it = req.mm_items[idx]
+            it = held.req.mm_items[idx]
             hit = None if it.content_hash in todo or cache is None else cache.get(it.content_hash)
             if hit is not None:
-                req.mm_embeds[idx] = hit
+                held.mm_embeds[idx] = hit
             else:
-                todo.setdefault(it.content_hash, []).append((req, idx))
+                todo.setdefault(it.content_hash, []).append((held, idx))
         if not todo:
             return
         t0 = time.perf_counter()
-        outs = self.model.encode_images([users[0][0].mm_items[users[0][1]].data for users in todo.values()])
+        outs = self.model.encode_images([u[0][0].req.mm_items[u[0][1]].data for u in todo.values()])
         share = (time.perf_counter() - t0) / len(todo)
         self.num_encoded += len(todo)
         for (key, users), emb in zip(todo.items(), outs):
-            expect = users[0][0].mm_items[users[0][1]].num_embeds
+            expect = users[0][0].req.mm_items[users[0][1]].num_embeds
             if emb.shape[0] != expect:
                 raise RuntimeError(f"the encoder gave {emb.shape[0]} embeddings; the image needs {expect}")
             if cache is not None:
                 cache.put(key, emb)
-            for req, idx in users:
-                req.mm_embeds[idx] = emb
-                req.encoder_time_s += share / len(users)
+            for held, idx in users:
+                held.mm_embeds[idx] = emb
+                rid = held.req.request_id
+                spent[rid] = spent.get(rid, 0.0) + share / len(users)
 
-    def _graph_decode(self, batch: ScheduledBatch, prev: Launched | None) -> torch.Tensor | None:
-        """Logits through a CUDA graph when every row is a plain decode (a generated token, so no image
-        rows and no bidirectional spans) and the graphs cover the batch; else None."""
-        seqs = batch.seqs
-        if not self.graphs.fits(len(seqs), max(s.start for s in seqs) + 1):
+    def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Logits through a decode-step graph when every item is a short query of generated tokens (so
+        no image rows and no bidirectional spans) and the graphs cover the batch's rows; else None."""
+        items = batch.items
+        num_rows = sum(s.num_tokens for s in items)
+        if not self.graphs.fits(num_rows, max(s.start + s.num_tokens for s in items)):
             return None
-        ids, pos, rope, pending = [], [], [], []
-        for s in seqs:
-            req = s.request
-            p = s.start
-            if s.num_tokens != 1 or p < len(req.prompt_token_ids):
+        width = self.token_buffer.shape[1]
+        ids, rope, pending, ctxs, tables = [], [], [], [], []
+        for s in items:
+            req = self._held[s.request_id].req
+            if not s.is_decode or s.start < len(req.prompt_token_ids):
                 return None
-            tok = req.all_token_ids[p]
-            ids.append(tok)
-            pending.append(self._pending_row(req, prev) if tok == PENDING_TOKEN else -1)
-            pos.append(p)
-            rope.append(p + req.mrope_delta)  # M-RoPE: generated tokens sit at p + delta on every axis
+            ids.extend(s.token_ids)
+            pending += [-1] * len(s.token_ids)
+            if s.num_pending:
+                slot = self._held[s.request_id].slot
+                ids += [0] * s.num_pending
+                pending += [slot * width + j for j in range(s.num_pending)]
+            r = range(s.start, s.start + s.num_tokens)
+            ctxs.extend(r)
+            rope.extend(p + req.mrope_delta for p in r)  # M-RoPE: generated tokens at p + delta, every axis
+            tables += [list(s.block_table)] * s.num_tokens
         host = to_device(torch.tensor([ids, rope, pending], dtype=torch.long), self.device)
-        has_pending = any(r >= 0 for r in pending)
-        input_ids = _take_pending(host[0], host[2], prev) if has_pending else host[0]
+        input_ids = host[0]
+        if any(r >= 0 for r in pending):
+            input_ids = torch.where(host[2] >= 0, self.token_buffer.view(-1)[host[2].clamp(min=0)], host[0])
         attn = AttentionBatch(
-            query_lens=[1] * len(seqs),
-            context_lens=pos,
-            block_tables=[s.request.block_ids for s in seqs],
-            num_decodes=len(seqs),
+            query_lens=[1] * num_rows,
+            context_lens=ctxs,
+            block_tables=tables,
+            num_decodes=num_rows,
             slot_mapping=None,  # the graph metadata derives slots from positions and block tables
             block_size=self.block_size,
         )
@@ -248,18 +318,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(
-        self, batch: ScheduledBatch, all_tokens: bool = False, prev: Launched | None = None
+        self, batch: ScheduledBatch, all_tokens: bool = False, spent: dict[str, float] | None = None
     ) -> torch.Tensor:
-        """Logits of the sampling rows (in batch order), or of every token when all_tokens (tests).
-        `prev`: the step still in flight, whose tokens are the inputs of this step's pending rows."""
+        """Logits of the positions that give them (in batch order), or of every token when all_tokens
+        (tests). `spent` collects vision-encoder time per request."""
+        self._admit(batch)
         if self.graphs is not None and not all_tokens:
-            logits = self._graph_decode(batch, prev)
+            logits = self._graph_decode(batch)
             if logits is not None:
                 return logits
-        input_ids, positions, meta, sample_idx = self._prepare(batch, prev)
+        input_ids, positions, meta, logits_idx = self._prepare(batch)
         embeds, extra = None, {}
         if hasattr(self.model, "encode_images"):
-            mm = self._image_embeddings(batch)
+            mm = self._image_embeddings(batch, {} if spent is None else spent)
             if mm is not None:
                 embeds = self.model.embed_input_ids(input_ids)
                 rows, values = mm
@@ -269,48 +340,109 @@ class ModelRunner:
                     extra["deepstack"] = (rows, values[:, h:].unflatten(1, (self.deepstack_layers, h)))
         hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, **extra)
         if not all_tokens:
-            hidden = hidden[to_device(torch.tensor(sample_idx, dtype=torch.long), self.device)]
+            hidden = hidden[to_device(torch.tensor(logits_idx, dtype=torch.long), self.device)]
         return self.model.compute_logits(hidden)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.collect(self.launch(batch))
 
-    @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, prev: Launched | None = None) -> Launched:
-        """Queue the step's forward pass and sampling on the device; no wait for the device unless a row
-        asks for logprobs. The sampled tokens start their copy to the host."""
-        sampling = [s.request for s in batch.seqs if s.sample]
-        logits = self.compute_logits(batch, prev=prev)
-        if not sampling:
-            return Launched(batch, [])
-        rows = [
-            SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in sampling
+    def _sampling_rows(self, s: ScheduledItem, held: _Held) -> list[SamplingRow]:
+        """One row per logits position of the item; a verify run's row j sees drafts 1..j as output."""
+        req = held.req
+        first = s.start + s.num_tokens - s.num_logits + 1 - len(req.prompt_token_ids)  # its output index
+        out = held.output_token_ids
+        if not s.num_drafts:
+            return [SamplingRow(req.params, req.prompt_token_ids, out, req.eos_token_ids, first)]
+        drafts = list(s.drafts)
+        penalties = req.params.needs_penalties
+        return [
+            SamplingRow(
+                req.params,
+                req.prompt_token_ids,
+                out + drafts[:j] if penalties else out,
+                req.eos_token_ids,
+                first + j,
+            )
+            for j in range(s.num_logits)
         ]
-        tokens, logprobs = self.sampler.sample(logits, rows)
-        host, event = tokens, None
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        row_of = {r.request_id: i for i, r in enumerate(sampling)}
-        return Launched(batch, sampling, tokens, host, event, logprobs, row_of)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> Launched:
+        """Queue the step's forward pass, sampling and verification on the device; no wait for the
+        device unless a row asks for logprobs. The tokens start their copy to the host."""
+        spent: dict[str, float] = {}
+        logits = self.compute_logits(batch, spent=spent)
+        launched = Launched(batch, encoder_time_s=spent)
+        rows: list[SamplingRow] = []
+        drafts: list[int] = []  # per logits row: the draft it checks, -1 for an item's last row
+        for s in batch.items:
+            if not s.num_logits:
+                continue
+            launched.rows.append((s.request_id, len(rows), s.num_logits))
+            rows += self._sampling_rows(s, self._held[s.request_id])
+            drafts += list(s.drafts) + [-1]
+        if not rows:
+            return launched
+        verifying = len(drafts) > len(launched.rows)
+        if verifying:
+            tokens, launched.accepted = self._verify(logits, rows, launched.rows, drafts)
+        else:
+            tokens, logprobs = self.sampler.sample(logits, rows)
+            launched.logprobs = logprobs
+            # the buffer row of each request: what the next step reads if it is launched before these
+            # tokens reach the host
+            width = self.token_buffer.shape[1]
+            flat = [self._held[rid].slot * width for rid, _, _ in launched.rows]
+            self.token_buffer.view(-1).index_copy_(
+                0, to_device(torch.tensor(flat, dtype=torch.long), self.device), tokens
+            )
+        launched.tokens = tokens
+        if verifying:
+            launched.logprobs = self.sampler.logprobs(logits[:, : self.sampler.vocab_size], rows, tokens)
+        host = tokens if launched.accepted is None else torch.cat([tokens, launched.accepted])
+        if host.is_cuda:
+            pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+            pinned.copy_(host, non_blocking=True)
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+            host = pinned
+        launched.host = host
+        return launched
+
+    def _verify(
+        self, logits: torch.Tensor, rows: list[SamplingRow], items: list[tuple[str, int, int]], drafts
+    ):
+        """Verify every item's drafts against the target's logits (an item without drafts is a k = 0
+        verify: it just samples its one row). Returns (tokens per row, accepted drafts per item)."""
+        x = self.sampler.filtered_logits(logits, rows)
+        ks = [n - 1 for _, _, n in items]
+        firsts = [rows[first] for _, first, _ in items]
+        return verify(
+            x,
+            to_device(torch.tensor(drafts, dtype=torch.long), self.device),
+            ks,
+            [r.params.greedy for r in firsts],
+            [r.params.seed for r in firsts],
+            [r.draw_index for r in firsts],
+        )
 
     def collect(self, launched: Launched) -> RunnerOutput:
         """Wait for a launched step's tokens."""
-        out = RunnerOutput()
-        if not launched.requests:
+        out = RunnerOutput(encoder_time_s=launched.encoder_time_s)
+        if not launched.rows:
             return out
         if launched.event is not None:
             launched.event.synchronize()
-        for req, tok, lp in zip(launched.requests, launched.host.tolist(), launched.logprobs):
-            out.sampled[req.request_id] = tok
-            if lp is not None:
-                out.logprobs[req.request_id] = lp
+        host = launched.host.tolist()
+        num_rows = launched.tokens.shape[0]
+        for i, (rid, first, _) in enumerate(launched.rows):
+            keep = 1 if launched.accepted is None else host[num_rows + i] + 1
+            toks = host[first : first + keep]
+            out.tokens[rid] = toks
+            lps = launched.logprobs[first : first + keep]
+            if lps and lps[0] is not None:
+                out.logprobs[rid] = lps
+            held = self._held.get(rid)
+            if held is not None:
+                held.output_token_ids += toks
         return out
-
-
-def _take_pending(input_ids: torch.Tensor, rows: torch.Tensor, prev: Launched) -> torch.Tensor:
-    """input_ids with every row whose `rows` entry is >= 0 replaced by that row of prev.tokens (on the
-    device: the step in flight has not told the host its tokens yet)."""
-    return torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], input_ids)

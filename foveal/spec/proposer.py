@@ -1,0 +1,70 @@
+"""The proposer protocol, and the n-gram proposer.
+
+Before each step the engine asks the proposer for drafts for the rows that may speculate (running
+decodes with every token known): each `ProposeRow` names the request, all its tokens so far (prompt +
+output, read-only) and how many drafts it may take. After the step's verification the proposer hears
+how many were accepted, and when a request ends it is told to forget it. A proposer owns whatever it
+keeps per request (an n-gram index, a draft model's KV); the engine keeps nothing of it.
+
+    engine step:  propose(rows) -> drafts per row -> schedule 1 + k tokens -> verify -> accepted(...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from foveal.spec.ngram import NgramIndex
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeRow:
+    request_id: str
+    token_ids: Sequence[int]  # prompt + output so far (read-only; the engine's list)
+    max_drafts: int  # the most drafts this row may take now (k, fewer near a length limit)
+
+
+class Proposer(Protocol):
+    num_speculative_tokens: int
+
+    def propose(self, rows: list[ProposeRow]) -> list[list[int]]: ...
+
+    def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None: ...
+
+    def finish(self, request_id: str) -> None: ...
+
+
+class NgramProposer:
+    """vLLM's `ngram` method: the continuation of the most recent earlier occurrence of the row's last
+    n tokens (n from prompt_lookup_max down to prompt_lookup_min), in its own prompt and output."""
+
+    def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_n, self.max_n = min_n, max_n
+        self._index: dict[str, NgramIndex] = {}
+
+    def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
+        out = []
+        for row in rows:
+            idx = self._index.get(row.request_id)
+            if idx is None:
+                idx = self._index[row.request_id] = NgramIndex(self.min_n, self.max_n)
+            idx.extend(row.token_ids[len(idx) :])
+            out.append(idx.propose(min(row.max_drafts, self.num_speculative_tokens)))
+        return out
+
+    def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        pass  # the accepted tokens arrive with the row's token_ids next time
+
+    def finish(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+def build_proposer(config) -> Proposer:
+    """The proposer a SpeculativeConfig names (draft_model needs the engine: see engine.start)."""
+    if config.method == "ngram":
+        return NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+    raise ValueError(f"speculative method {config.method!r} has no proposer here")

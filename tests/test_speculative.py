@@ -1,0 +1,176 @@
+"""Speculative decoding end to end: with a proposer on, greedy output equals plain greedy token for
+token, in batches that mix speculating rows, rows that opted out, prefill chunks, stop strings, stop
+tokens, logprobs and penalties; seeded sampling is reproducible; the KV pool ends idle after many
+speculating requests with cancellations. Tiny random Llama/Qwen3 models (load_format dummy, the
+synthetic tokenizer: every id decodes to " t<id>") and, marked slow, the real SmolLM2."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from foveal import SamplingParams
+from foveal.config import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def folder(request, tmp_path_factory):
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config(request.param)
+    cfg.architectures = ["LlamaForCausalLM" if request.param == "llama" else "Qwen3ForCausalLM"]
+    path = tmp_path_factory.mktemp("spec") / "tiny.json"
+    path.write_text(cfg.to_json_string())
+    return path
+
+
+def _llm(folder, spec=None, **kw):
+    from foveal.engine.llm import LLM
+
+    opts = dict(dtype="float32", num_blocks=160, block_size=4, max_num_seqs=8, max_model_len=160)
+    return LLM(str(folder), load_format="dummy", speculative_config=spec, **{**opts, **kw})
+
+
+def _prompts(n=6, seed=0):
+    """Prompts that repeat themselves (so the n-gram lookup finds matches) and random ones."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        piece = torch.randint(3, 250, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        out.append(piece * 4 if i % 2 == 0 else torch.randint(3, 250, (20,), generator=g).tolist())
+    return out
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params)
+    eng = llm.engine
+    eng.kv.check_integrity()
+    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished()
+    assert eng.runner.num_held == 0  # the runner forgot every finished request
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].logprobs)
+        for o in outs
+    ]
+
+
+def _same(folder, prompts, params, **kw):
+    plain = _run(_llm(folder, **kw), prompts, params)
+    spec_llm = _llm(folder, NGRAM, **kw)
+    spec = _run(spec_llm, prompts, params)
+    for a, b in zip(spec, plain):
+        assert a[:3] == b[:3]
+        if b[3] is not None:  # logprobs of the accepted tokens come from the target: the same values
+            assert [x.token_id for x in a[3]] == [x.token_id for x in b[3]]
+            torch.testing.assert_close(
+                torch.tensor([x.logprob for x in a[3]]),
+                torch.tensor([x.logprob for x in b[3]]),
+                atol=1e-4,
+                rtol=0,
+            )
+    return spec_llm.engine.spec_stats
+
+
+def test_greedy_equals_plain_greedy_and_drafts_are_accepted(folder):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    stats = _same(folder, _prompts(), params)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # speculation actually happened
+    assert stats.num_accepted_tokens < stats.num_draft_tokens or stats.num_drafts > 5
+
+
+def test_mixed_batch_opt_out_stops_logprobs_penalties_chunks(folder):
+    prompts = _prompts(8, seed=1)
+    plain = _llm(folder).generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    # a stop string and a stop token taken from the middle of plain outputs: they fall inside runs
+    stop_text = plain[0].outputs[0].text.split()[12]
+    stop_tok = plain[2].outputs[0].token_ids[9]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculative=False),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.5, presence_penalty=0.3
+        ),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, min_tokens=5),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={7: 3.0}),
+    ]
+    # a small budget: prompts arrive in chunks that share steps with verify rows
+    stats = _same(folder, prompts, params, max_num_batched_tokens=12)
+    assert stats.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_with_speculation(folder):
+    prompts = _prompts(4, seed=2)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=100 + i)
+        for i in range(4)
+    ]
+    a = _run(_llm(folder, NGRAM), prompts, params)
+    b = _run(_llm(folder, NGRAM), prompts[:1], params[:1])  # alone, not in a batch
+    c = _run(_llm(folder, NGRAM), prompts, params)
+    assert a == c and a[0] == b[0]
+
+
+def test_pool_idle_after_many_speculating_requests_with_cancellations(folder):
+    llm = _llm(folder, NGRAM, max_num_seqs=16)
+    eng = llm.engine
+    rng = random.Random(0)
+    prompts = _prompts(8, seed=3)
+    live: list[str] = []
+    done = 0
+    submitted = 0
+    while done < 1000:
+        while submitted < 1000 and len(live) < 24:
+            params = SamplingParams(
+                temperature=rng.choice([0, 0.7]), max_tokens=rng.randint(1, 12), ignore_eos=True
+            )
+            live.append(eng.add_request(rng.choice(prompts), params))
+            submitted += 1
+        if rng.random() < 0.3:
+            eng.abort(live[rng.randrange(len(live))])
+        for d in eng.step():
+            if d.finished:
+                live.remove(d.request_id)
+                done += 1
+    assert not eng.has_unfinished()
+    eng.kv.check_integrity()
+    assert eng.kv.num_used_blocks == 0 and eng.runner.num_held == 0
+    assert eng.spec_stats.num_drafts > 0
+
+
+def test_speculative_config_validation():
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert cfg.num_speculative_tokens == 3 and cfg.prompt_lookup_max == 4
+    for bad, msg in [
+        ('{"method": "medusa"}', "unknown speculative method"),
+        ('{"num_speculative_tokens": 2}', "needs a method"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+        ('{"method": "ngram", "k": 2}', "unknown speculative config key"),
+        ('{"method": "draft_model"}', 'needs "model"'),
+        ("not json", "not valid JSON"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            SpeculativeConfig.parse(bad)
+
+
+@pytest.mark.slow
+def test_real_model_greedy_equals_plain(llm_fp32):
+    from foveal.engine.llm import LLM
+
+    prompts = [
+        "Repeat this text exactly: The quick brown fox jumps over the lazy dog near the river bank. Repeat:",
+        "def add(a, b):\n    return a + b\n\n# the same function, renamed to plus:\n",
+        "Hello, my name is",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params)]
+    spec = LLM(dtype="float32", kv_cache_memory=256 * 2**20, speculative_config=NGRAM)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == plain
+    assert spec.engine.spec_stats.num_accepted_tokens > 10
