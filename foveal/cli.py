@@ -94,7 +94,25 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="schedule the next step while the device runs this one (default: on for CUDA)",
     )
+    g.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding as a JSON object (as in vLLM), e.g. {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; default: off',
+    )
     g.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "INFO"))
+
+
+def _speculative_config(value: str):
+    """--speculative-config: a SpeculativeConfig, or an argparse error naming what is wrong."""
+    from foveal.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(value)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -118,6 +136,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         enable_prefix_caching=a.enable_prefix_caching,
         max_encoder_tokens_per_step=a.max_encoder_tokens_per_step,
         async_scheduling=a.async_scheduling,
+        speculative_config=a.speculative_config,
     )
 
 

@@ -174,3 +174,79 @@ def test_real_model_greedy_equals_plain(llm_fp32):
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     assert got == plain
     assert spec.engine.spec_stats.num_accepted_tokens > 10
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Two tiny Llama checkpoints on disk: the target and a different (differently seeded) draft."""
+    from tests.test_loader import tiny_hf_tokenizer, tiny_model
+
+    out = {}
+    for name, seed in (("target", 0), ("draft", 1)):
+        folder = tmp_path_factory.mktemp(name)
+        tiny_model("llama", seed=seed).save_pretrained(folder)
+        tiny_hf_tokenizer().save_pretrained(folder)
+        out[name] = str(folder)
+    return out
+
+
+def _draft_llm(saved, draft: str | None, **kw):
+    from foveal.engine.llm import LLM
+
+    spec = (
+        None
+        if draft is None
+        else {"method": "draft_model", "model": saved[draft], "num_speculative_tokens": 3}
+    )
+    opts = dict(dtype="float32", num_blocks=160, block_size=4, max_num_seqs=8, max_model_len=160)
+    return LLM(saved["target"], speculative_config=spec, **{**opts, **kw})
+
+
+def test_draft_model_equal_to_target_accepts_every_draft(saved):
+    prompts = _prompts(5, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    # a small budget staggers the prompts: one step's draft batch mixes catch-up chunks and decodes
+    plain = _run(_draft_llm(saved, None, max_num_batched_tokens=16), prompts, params)
+    llm = _draft_llm(saved, "target", max_num_batched_tokens=16)
+    assert _run(llm, prompts, params) == plain
+    st = llm.engine.spec_stats
+    assert st.num_drafts > 0 and st.num_accepted_tokens == st.num_draft_tokens  # 100% at temperature 0
+    assert llm.engine.proposer.kv.num_used_blocks == 0  # the draft's pool is idle too
+
+
+def test_draft_model_greedy_is_lossless_in_mixed_batches(saved):
+    prompts = _prompts(6, seed=5)
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=4),
+    ]
+    plain = _run(_draft_llm(saved, None, max_num_batched_tokens=10), prompts, params)
+    llm = _draft_llm(saved, "draft", max_num_batched_tokens=10)
+    got = _run(llm, prompts, params)
+    assert [g[:3] for g in got] == [p[:3] for p in plain]
+    st = llm.engine.spec_stats
+    assert st.num_drafts > 0 and st.num_accepted_tokens < st.num_draft_tokens  # a different model: rejections
+    assert llm.engine.proposer.kv.num_used_blocks == 0
+
+
+def test_draft_proposer_batches_catch_up_chunks_and_decodes_alike(saved):
+    """One propose() call that mixes a fresh prompt (a long catch-up chunk) with a row that has one
+    unseen token proposes what each row gets alone (the draft batch keeps decodes first)."""
+    from foveal.spec.proposer import ProposeRow
+
+    def fresh():
+        return _draft_llm(saved, "target").engine.proposer
+
+    a, b = list(range(3, 20)), list(range(40, 50))
+    alone = fresh()
+    alone.propose([ProposeRow("b", b, 3)])
+    want_b = alone.propose([ProposeRow("b", b + [77], 3)])[0]  # one unseen token: a decode item
+    want_a = fresh().propose([ProposeRow("a", a, 3)])[0]
+    mixed = fresh()
+    mixed.propose([ProposeRow("b", b, 3)])
+    got = mixed.propose([ProposeRow("a", a, 3), ProposeRow("b", b + [77], 3)])
+    assert got == [want_a, want_b] and len(want_a) == 3

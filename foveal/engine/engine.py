@@ -214,7 +214,15 @@ class Engine:
         if spec is not None:
             from foveal.spec.proposer import build_proposer
 
-            self.proposer = build_proposer(spec)
+            self.proposer = build_proposer(
+                spec,
+                device=device,
+                dtype=dtype,
+                backend=backend,
+                max_model_len=max_len,
+                num_blocks=num_blocks,
+                block_size=bs,
+            )
         self.runner = ModelRunner(
             self.model,
             kv_caches,

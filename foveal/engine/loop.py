@@ -373,7 +373,11 @@ class EngineLoop:
         e = self.engine
         vision = e.encoder_cache.stats() if e.encoder_cache is not None else None
         prefix = (e.kv.query_tokens, e.kv.hit_tokens)
-        self._safe(self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix)
+        spec = None
+        if e.proposer is not None:  # speculating: lifetime totals, and which method drafts
+            spec = e.spec_stats.as_dict()
+            spec["method"] = e.config.speculative.method
+        self._safe(self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec)
 
     def _close_all(self, err: StreamError) -> None:
         """No stream is ever left without a final event."""

@@ -102,7 +102,11 @@ class MetricsSink(Protocol):
     def request_finished(self, stats: RequestStats, outcome: str) -> None: ...
     # vision: the vision cache's EncoderCacheStats (hits, misses, ...), None for text-only models
     # prefix: (prompt tokens looked up, tokens found) in the prefix cache, lifetime totals
-    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None) -> None: ...
+    # spec: speculative decoding's lifetime totals (the engine's SpecStats.as_dict(), plus "method"),
+    # None when the engine does not speculate
+    def step(
+        self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None, spec=None
+    ) -> None: ...
 
 
 @dataclass(slots=True)
@@ -150,6 +154,7 @@ class SummarySink:
         self.encoder_time = 0.0
         self.vision = None
         self.prefix = None
+        self.spec: dict | None = None
 
     def _tally(self, tenant: str | None) -> _TenantTally:
         t = self._tenants.get(tenant)
@@ -195,10 +200,13 @@ class SummarySink:
                 self._decode_n += 1
             self._recent.append((stats.tenant, d))
 
-    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None) -> None:
+    def step(
+        self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None, spec=None
+    ) -> None:
         self.num_running, self.num_waiting, self.kv_usage = num_running, num_waiting, kv_usage
         self.vision = vision
         self.prefix = prefix
+        self.spec = spec
 
     def tenant_dict(self, tenant: str | None) -> dict:
         """What one (non-admin) tenant may see: its own recent requests and counters."""
@@ -234,6 +242,8 @@ class SummarySink:
                     "vision_cache": self.vision.as_dict() if self.vision is not None else None,
                     "prefix_cache_query_tokens": self.prefix[0] if self.prefix else 0,
                     "prefix_cache_hit_tokens": self.prefix[1] if self.prefix else 0,
+                    # global engine figures, like kv_cache_usage: not in a tenant's view
+                    "speculative": dict(self.spec) if self.spec is not None else None,
                 },
             }
 
@@ -256,6 +266,6 @@ class FanoutSink:
         for s in self.sinks:
             s.request_finished(stats, outcome)
 
-    def step(self, num_running, num_waiting, kv_usage, vision=None, prefix=None):
+    def step(self, num_running, num_waiting, kv_usage, vision=None, prefix=None, spec=None):
         for s in self.sinks:
-            s.step(num_running, num_waiting, kv_usage, vision, prefix)
+            s.step(num_running, num_waiting, kv_usage, vision, prefix, spec)

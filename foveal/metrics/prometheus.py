@@ -43,6 +43,9 @@ class PrometheusSink:
             "foveal_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
         )
         self._prefix_seen = (0, 0)
+        self._spec: tuple[Counter, Counter, Counter, Counter] | None = None  # registered at the first report
+        self._spec_seen = (0, 0, 0)  # drafts, draft tokens, accepted tokens already counted
+        self._spec_pos_seen: list[int] = []
 
     def request_started(self, stats: RequestStats) -> None:
         pass
@@ -64,7 +67,9 @@ class PrometheusSink:
         if stats.request_time is not None:
             self.e2e.observe(stats.request_time)
 
-    def step(self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None) -> None:
+    def step(
+        self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None, spec=None
+    ) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
@@ -79,6 +84,38 @@ class PrometheusSink:
             self.prefix_queries.inc(max(0, prefix[0] - q))
             self.prefix_hits.inc(max(0, prefix[1] - h))
             self._prefix_seen = prefix
+        if spec is not None:
+            self._spec_step(spec)
+
+    def _spec_step(self, spec: dict) -> None:
+        """vLLM's spec_decode counters from the engine's lifetime totals (the increase since the last
+        report). Registered only once the engine reports them: a server that does not speculate has no
+        spec series."""
+        if self._spec is None:
+            r = self.registry
+            self._spec = (
+                Counter("foveal_spec_decode_num_drafts", "Verify rows that carried drafts", registry=r),
+                Counter("foveal_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r),
+                Counter("foveal_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r),
+                Counter(
+                    "foveal_spec_decode_num_accepted_tokens_per_pos",
+                    "Rows whose draft at this position (0-based) was accepted",
+                    ["position"],
+                    registry=r,
+                ),
+            )
+        drafts, draft_tokens, accepted, per_pos = self._spec
+        now = (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"])
+        for counter, n, seen in zip((drafts, draft_tokens, accepted), now, self._spec_seen):
+            counter.inc(max(0, n - seen))
+        self._spec_seen = now
+        pos = list(spec.get("accepted_per_pos") or ())
+        seen_pos = self._spec_pos_seen
+        for j, n in enumerate(pos):
+            d = n - (seen_pos[j] if j < len(seen_pos) else 0)
+            if d > 0 or j >= len(seen_pos):  # a new position shows at once, at 0 if need be
+                per_pos.labels(position=str(j)).inc(max(0, d))
+        self._spec_pos_seen = pos
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -121,6 +121,8 @@ class _Common(BaseModel):
     min_tokens: Annotated[int, Field(ge=0), _INTEGRAL] = 0
     ignore_eos: bool = False
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's field
+    # speculate when the server does (--speculative-config); false: plain decoding for this request
+    speculative: bool = True
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         bias = None
@@ -150,6 +152,7 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             stop=stop,
             logprobs=logprobs,
+            speculative=self.speculative,
         )
 
     @property

@@ -61,8 +61,13 @@ class NgramProposer:
         self._index.pop(request_id, None)
 
 
-def build_proposer(config) -> Proposer:
-    """The proposer a SpeculativeConfig names (draft_model needs the engine: see engine.start)."""
+def build_proposer(config, **engine_parts) -> Proposer:
+    """The proposer a SpeculativeConfig names; a draft model takes the target's device, dtype,
+    attention backend, max_model_len and KV geometry (num_blocks, block_size) as keywords."""
+    if config.method == "draft_model":
+        from foveal.spec.draft_model import build_draft_proposer
+
+        return build_draft_proposer(config, **engine_parts)
     if config.method == "ngram":
         return NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max

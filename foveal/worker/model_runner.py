@@ -139,8 +139,12 @@ class ModelRunner:
         tables: list[list[int]] = []
         num_decodes = 0
         pending: list[int] = []  # per position: the flat token-buffer index of its input, or -1
+        prefill_seen = False
         for s in batch.items:
             n, base = s.num_tokens, len(ids)
+            if s.is_decode and prefill_seen:
+                raise ValueError(f"{s.request_id}: decode items must come before prefill chunks in a batch")
+            prefill_seen = prefill_seen or not s.is_decode
             ids.extend(s.token_ids)
             if s.num_pending:
                 slot = self._held[s.request_id].slot

