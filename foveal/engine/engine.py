@@ -244,7 +244,7 @@ class Engine:
                 kv_caches,
                 backend,
                 block_size=bs,
-                max_seqs=cfg.scheduler.max_num_seqs,
+                max_seqs=self._graph_rows(),
                 max_model_len=max_len,
                 device=device,
             )
@@ -282,6 +282,12 @@ class Engine:
         elif ckpt.format != "gguf" and cfg.model.quantization == "gguf":
             log.warning("--quantization gguf applies to GGUF files: the %s weights stay dense", ckpt.format)
         return self
+
+    def _graph_rows(self) -> int:
+        """Rows a decode-step graph covers: every sequence's 1 + k tokens when speculating (verify runs
+        are decode rows)."""
+        spec = self.config.speculative
+        return self.config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
 
     def _quantize(self, device: torch.device) -> bool:
         """Whether GGUF-quantized linears run as stored (`quantization gguf` on a CPU with the kernel)."""
@@ -337,7 +343,7 @@ class Engine:
                 )
                 reserve = 0
                 if self._use_graphs(device, backend):
-                    reserve = DecodeGraphs.reserve_bytes(cfg.scheduler.max_num_seqs, self.vocab_size, dtype)
+                    reserve = DecodeGraphs.reserve_bytes(self._graph_rows(), self.vocab_size, dtype)
                 budget = memory.kv_pool_bytes(device, cfg.cache.gpu_memory_utilization, peak, reserve)
             else:
                 budget = DEFAULT_CPU_KV_BYTES

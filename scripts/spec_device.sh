@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 17 on the H200 (device tool, carry [".whl", "before"]): parts, each fitting one device call.
+#   tests    the speculative tests (greedy with speculation == plain greedy, draft = target accepts all,
+#            the rejection sampler's statistics) and the CUDA/async/graph tests, on CUDA
+#   oracle   benchmarks/speculative.py --oracle: k = 4, acceptance 100/70/40%, batch 1/8/64
+#   w13      W1-W3 (benchmarks/gpu_workloads.py) at this checkout, then at the checkout in before/
+#            (`git archive <base> foveal benchmarks | tar -x -C before`): the step contract's before/after
+# Usage: bash scripts/spec_device.sh tests oracle
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/device_env.sh
+for part in "$@"; do
+  echo "=== $part $(date -u +%H:%M:%S)"
+  case $part in
+    tests)
+      timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider tests/test_spec_verify.py tests/test_speculative.py \
+        tests/test_gpu.py tests/test_cuda_graphs.py tests/test_async_scheduling.py tests/test_triton_attention.py \
+        -k "not real_model" 2>&1 | tail -15
+      ;;
+    oracle)
+      timeout ${T_ORACLE:-420} python3 benchmarks/speculative.py --oracle 2>&1 | grep -v " INFO " | tail -30
+      ;;
+    w13)
+      timeout 270 python3 benchmarks/gpu_workloads.py --workloads w1,w2,w3 2>&1 | grep -v "^\[transformers\]" | tail -25
+      (cd before && PYTHONPATH=/tmp/site:$PWD timeout 270 python3 benchmarks/gpu_workloads.py --workloads w1,w2,w3 2>&1 \
+        | grep -v "^\[transformers\]" | tail -25)
+      ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
