@@ -210,8 +210,8 @@ def oracle_bench(a) -> dict:
     opts = dict(
         load_format="dummy", max_num_seqs=max(a.batches), max_model_len=a.input_len + a.max_tokens + 64
     )
-    if torch.cuda.is_available():  # two engines in one process (plain and speculating): half the memory each
-        opts["gpu_memory_utilization"] = 0.45
+    if torch.cuda.is_available():  # two engines in one process (plain and speculating): a fixed pool each
+        opts["kv_cache_memory"] = 16 * 2**30
     if a.smoke:
         from tests.tiny import tiny_config
 
