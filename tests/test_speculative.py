@@ -78,7 +78,6 @@ def test_greedy_equals_plain_greedy_and_drafts_are_accepted(folder):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     stats = _same(folder, _prompts(), params)
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # speculation actually happened
-    assert stats.num_accepted_tokens < stats.num_draft_tokens or stats.num_drafts > 5
 
 
 def test_mixed_batch_opt_out_stops_logprobs_penalties_chunks(folder):
