@@ -60,7 +60,9 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
 _scratch = threading.local()
 FP32_CACHE_BYTES = 2 << 30  # fp32 weight copies kept for the upcast path, over all models in the process
 _cached = {"bytes": 0}
-_cache_lock = threading.Lock()
+# reentrant: a weight freed by a garbage collection that runs inside the locked region (any allocation
+# there can trigger one) calls _release on this thread while it holds the lock
+_cache_lock = threading.RLock()
 
 
 def _version(t: torch.Tensor) -> int:
