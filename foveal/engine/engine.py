@@ -518,7 +518,14 @@ class Engine:
             return False
         self.scheduler.finish(t.req, FinishReason.ABORT)
         self._pending.append(self._final_delta(t, [], "", None))
+        self._release_finished()
         return True
+
+    def _release_finished(self) -> None:
+        """Let the runner forget the requests that finished (their image embeddings, buffer rows)."""
+        ids = self.scheduler.take_finished()
+        if ids:
+            self.runner.release(ids)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block and image embedding (model thread only). Returns the
@@ -534,8 +541,7 @@ class Engine:
         return out
 
     def has_unfinished(self) -> bool:
-        s = self.scheduler
-        return bool(self._pending) or s.num_unfinished > 0 or self._inflight is not None or s.has_releases
+        return bool(self._pending) or self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     @property
     def kv(self) -> KVCacheManager:
@@ -569,8 +575,6 @@ class Engine:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = None
-        if batch.empty and batch.finished:
-            self.runner.release(batch.finished)
         if not batch.empty:
             try:
                 launched = self.runner.launch(batch)
@@ -587,6 +591,7 @@ class Engine:
         self._inflight = launched
         if launched is not None and not (self.async_scheduling and self._can_overlap()):
             deltas += self._resolve(launched)
+        self._release_finished()
         t = self.step_seconds
         t["schedule"] += t1 - t0
         t["execute"] += t2 - t1

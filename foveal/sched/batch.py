@@ -2,7 +2,8 @@
 
 The runner never sees a live `Request`: it learns a request once (`NewRequest`, the first step that
 schedules it), keeps what it needs for itself, and forgets it when the request id comes back in
-`finished`. So a batch could be broadcast as-is to other ranks.
+`ModelRunner.release` (after the step in which it finished). So a batch could be broadcast as-is
+to other ranks, and a release list beside it.
 
 One item feeds a run of consecutive positions of one request and says which of them give logits:
 
@@ -71,7 +72,6 @@ class NewRequest:
 class ScheduledBatch:
     items: list[ScheduledItem] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)  # ids the runner may forget (before this step runs)
     preempted: list[str] = field(default_factory=list)  # request ids sent back to the waiting queue
 
     @property

@@ -87,10 +87,10 @@ class Scheduler:
         """The unfinished request with this id, or None."""
         return self._by_id.get(request_id)
 
-    @property
-    def has_releases(self) -> bool:
-        """Finished requests the runner has not been told about yet (the next batch carries them)."""
-        return bool(self._forget)
+    def take_finished(self) -> list[str]:
+        """Ids of requests the runner knew that finished since the last call: it may forget them."""
+        ids, self._forget = self._forget, []
+        return ids
 
     @property
     def num_unfinished(self) -> int:
@@ -165,7 +165,6 @@ class Scheduler:
             budget -= n
         # Decodes first, then prefill chunks: the layout attention backends expect.
         batch.items.sort(key=lambda s: not s.is_decode)
-        batch.finished, self._forget = self._forget, []
         return batch
 
     def _verify(self, req: Request, batch: ScheduledBatch, budget: int) -> bool:

@@ -36,12 +36,10 @@ class DraftModelProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.vocab_size = vocab_size
         self._state: dict[str, Request] = {}  # request id -> the draft's view (all_token_ids = fed)
-        self._release: list[str] = []
         self._verified: dict[str, int] = {}  # request id -> leading fed tokens known to be the request's
 
     def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
-        batch = ScheduledBatch(finished=self._release)
-        self._release = []
+        batch = ScheduledBatch()
         live: list[tuple[int, Request, int]] = []  # (row index, state, drafts wanted)
         for i, row in enumerate(rows):
             k = min(row.max_drafts, self.num_speculative_tokens)
@@ -50,8 +48,6 @@ class DraftModelProposer:
                 live.append((i, st, k))
         out: list[list[int]] = [[] for _ in rows]
         if not live:
-            if batch.finished:
-                self.runner.release(batch.finished)
             return out
         batch.items.sort(key=lambda s: not s.is_decode)  # the attention layout: decodes first
         steps = [self.runner.launch(batch)]
@@ -112,7 +108,7 @@ class DraftModelProposer:
         self._verified.pop(request_id, None)
         if st is not None:
             self.kv.free(st)
-            self._release.append(request_id)
+            self.runner.release([request_id])
 
 
 def _item(

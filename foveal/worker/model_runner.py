@@ -96,15 +96,14 @@ class ModelRunner:
 
     # -- per-request state ----------------------------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:
-        """Forget finished requests (idempotent); an empty batch's `finished` comes here alone."""
+        """Forget finished requests (idempotent). A step still in flight may be collected after it."""
         for rid in request_ids:
             held = self._held.pop(rid, None)
             if held is not None:
                 self._free_slots.append(held.slot)
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        """Forget the finished requests, then learn the new ones (idempotent: a batch may be run twice)."""
-        self.release(batch.finished)
+        """Learn the batch's new requests (idempotent: a batch may be run twice)."""
         for new in batch.new_requests:
             if new.request_id not in self._held:
                 self._held[new.request_id] = _Held(new, self._slot())
