@@ -15,7 +15,14 @@ GPU, a benchmark-only oracle proposer on a random-weight Llama-3.1-8B (benchmark
 the target's own greedy continuation (recorded by a plain run first), each draft kept with probability
 `rate` (else replaced, so acceptance ends there), at batch 1, 8 and 64:
 
-    python benchmarks/speculative.py --oracle [--rates 1.0,0.7,0.4] [--batches 1,8,64] [--k 4]
+    python benchmarks/speculative.py --oracle [--dtype float32] [--rates 1.0,0.7,0.4] [--batches 1,8,64]
+
+  On random weights the logits are nearly flat, and in bfloat16 the greedy token depends on the batch
+  shape (a verify run of 1+k rows rounds differently from a 1-row decode step), so the recorded
+  continuation is not what verification computes: run it in float32 for a lossless oracle. `--forced`
+  is a cost benchmark for bfloat16: verification is handed logits in which each proposed draft is the
+  argmax (the model runs unchanged; the step does the same work), so exactly the oracle's runs are
+  accepted; its output is not the plain output (`lossless` false by construction).
     python benchmarks/speculative.py --oracle --smoke     # CPU, a tiny config: checks the script
 
 Ends with one JSON line.
@@ -68,6 +75,8 @@ TASKS = [
 
 
 def commit() -> str:
+    if os.environ.get("FOVEAL_COMMIT"):  # the device copy's git HEAD is not this checkout's
+        return os.environ["FOVEAL_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -180,8 +189,10 @@ class OracleProposer:
     """Benchmark only: proposes the recorded greedy continuation of each request, each draft kept with
     probability `rate` (the first one dropped ends the run of correct drafts, as a rejection would)."""
 
-    def __init__(self, k: int, refs: dict[str, list[int]], rate: float, vocab: int, seed: int = 0):
-        self.num_speculative_tokens = k
+    def __init__(
+        self, k: int, refs: dict[str, list[int]], rate: float, vocab: int, seed: int = 0, forced: bool = False
+    ):
+        self.num_speculative_tokens, self.forced = k, forced
         self.refs, self.rate, self.vocab = refs, rate, vocab
         self.rng = random.Random(seed)
 
@@ -192,7 +203,7 @@ class OracleProposer:
             drafts = self.refs[row.request_id][n : n + min(row.max_drafts, self.num_speculative_tokens)]
             for j in range(len(drafts)):
                 if self.rng.random() >= self.rate:
-                    drafts[j] = (drafts[j] + 1) % self.vocab
+                    drafts[j] = self.vocab - 1 if self.forced else (drafts[j] + 1) % self.vocab
                     drafts = drafts[: j + 1]
                     break
             out.append(drafts)
@@ -205,11 +216,44 @@ class OracleProposer:
         pass
 
 
+def force_acceptance(wrong: int) -> None:
+    """--forced: every draft id but `wrong` (the oracle's dropped draft) becomes its row's argmax
+    before the real verification runs."""
+    from foveal.worker import model_runner
+
+    real = model_runner.verify
+
+    def forced(logits, draft_ids, *args, **kwargs):
+        ids = draft_ids.to(logits.device).long()
+        col = ids.clamp_min(0)[:, None]
+        top = torch.full_like(col, torch.finfo(logits.dtype).max, dtype=logits.dtype)
+        keep = (ids[:, None] >= 0) & (ids[:, None] != wrong)
+        logits = logits.scatter(1, col, torch.where(keep, top, logits.gather(1, col)))
+        return real(logits, draft_ids, *args, **kwargs)
+
+    model_runner.verify = forced
+
+
+def oracle_run(eng, k, prompts, fulls, params, rate, vocab, seed, forced) -> dict[str, list[int]]:
+    """All prompts at once on the speculating engine, the oracle proposing from `fulls`."""
+    refs: dict[str, list[int]] = {}
+    eng.proposer = OracleProposer(k, refs, rate, vocab, seed=seed, forced=forced)
+    outs: dict[str, list[int]] = {}
+    for p, full in zip(prompts, fulls):
+        rid = eng.add_request(p, params)
+        refs[rid], outs[rid] = full, []
+    while eng.has_unfinished():
+        for d in eng.step():
+            outs[d.request_id] += d.token_ids
+    return outs
+
+
 def oracle_bench(a) -> dict:
     cfg = os.path.join(HERE, "configs", "llama-3.1-8b.json")
     opts = dict(
         load_format="dummy", max_num_seqs=max(a.batches), max_model_len=a.input_len + a.max_tokens + 64
     )
+    opts["dtype"] = a.dtype
     if torch.cuda.is_available():  # two engines in one process (plain and speculating): a fixed pool each
         opts["kv_cache_memory"] = 16 * 2**30
     if a.smoke:
@@ -220,11 +264,13 @@ def oracle_bench(a) -> dict:
         cfg = "/tmp/foveal_spec_smoke.json"
         with open(cfg, "w") as f:
             f.write(tiny.to_json_string())
-        opts.update(dtype="float32", num_blocks=4096, block_size=16)
+        opts.update(num_blocks=4096, block_size=16)
     spec = {"method": "ngram", "num_speculative_tokens": a.k}  # its proposer is replaced by the oracle
     plain = LLM(cfg, **opts)
     specd = LLM(cfg, **opts, speculative_config=spec)
     vocab = plain.engine.vocab_size
+    if a.forced:
+        force_acceptance(vocab - 1)
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -235,22 +281,15 @@ def oracle_bench(a) -> dict:
         )  # warm
         ref = run_requests(plain, prompts, params, at_once=True)
         refs_by_prompt = [p + t for p, t in zip(prompts, ref["tokens"])]
+        # warm the speculating engine's verify shapes too (first-use kernel compiles)
+        warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        oracle_run(specd.engine, a.k, prompts, refs_by_prompt, warm, 1.0, vocab, 0, a.forced)
         for rate in a.rates:
             for rep in range(a.reps):
                 eng = specd.engine
-                refs: dict[str, list[int]] = {}
-                eng.proposer = OracleProposer(a.k, refs, rate, vocab, seed=rep)
-                ids = []
-                t0 = time.perf_counter()
-                for p, full in zip(prompts, refs_by_prompt):
-                    rid = eng.add_request(p, params)
-                    refs[rid] = full
-                    ids.append(rid)
                 before = eng.spec_stats.as_dict()
-                outs = {rid: [] for rid in ids}
-                while eng.has_unfinished():
-                    for d in eng.step():
-                        outs[d.request_id] += d.token_ids
+                t0 = time.perf_counter()
+                outs = oracle_run(eng, a.k, prompts, refs_by_prompt, params, rate, vocab, rep, a.forced)
                 wall = time.perf_counter() - t0
                 after = eng.spec_stats.as_dict()
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
@@ -281,6 +320,8 @@ def main() -> None:
     mode.add_argument("--cpu", action="store_true", help="SmolLM2 on CPU: none / ngram / draft")
     mode.add_argument("--oracle", action="store_true", help="GPU: the oracle proposer on dummy Llama-3.1-8B")
     ap.add_argument("--smoke", action="store_true", help="--oracle on CPU with a tiny config")
+    ap.add_argument("--dtype", default="bfloat16", help="--oracle: the target's dtype")
+    ap.add_argument("--forced", action="store_true", help="--oracle: force the oracle's runs to be accepted")
     ap.add_argument("--modes", default="none,ngram,draft")
     ap.add_argument("--batches", default=None, help="comma-separated (cpu: 1,16; oracle: 1,8,64)")
     ap.add_argument("--rates", default="1.0,0.7,0.4")
@@ -294,10 +335,11 @@ def main() -> None:
     a.reps = a.reps or (3 if a.cpu else 2)
     a.max_tokens = a.max_tokens or (128 if a.cpu else 256)
     if a.smoke:
-        a.input_len, a.max_tokens, a.reps = 32, 24, 1
+        a.input_len, a.max_tokens, a.reps, a.dtype = 32, 24, 1, "float32"
     torch.set_num_threads(os.cpu_count() or 1)
     res = cpu_bench(a) if a.cpu else oracle_bench(a)
     res.update(benchmark="speculative", mode="cpu" if a.cpu else "oracle", k=a.k, commit=commit(),
+               dtype=None if a.cpu else a.dtype, forced=a.forced,
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip
     print(json.dumps(res))
 

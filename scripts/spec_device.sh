@@ -2,10 +2,12 @@
 # Issue 17 on the H200 (device tool, carry [".whl", "before"]): parts, each fitting one device call.
 #   tests    the speculative tests (greedy with speculation == plain greedy, draft = target accepts all,
 #            the rejection sampler's statistics) and the CUDA/async/graph tests, on CUDA
-#   oracle   benchmarks/speculative.py --oracle: k = 4, acceptance 100/70/40%, batch 1/8/64
+#   oracle   benchmarks/speculative.py --oracle: k = 4, acceptance 100/70/40%, batch 1/8/64, in float32
+#            (lossless: on random weights bfloat16's greedy token depends on the batch shape)
+#   forced   the same in bfloat16 with --forced: the oracle's runs are accepted by construction (cost)
 #   w13      W1-W3 (benchmarks/gpu_workloads.py) at this checkout, then at the checkout in before/
 #            (`git archive <base> foveal benchmarks | tar -x -C before`): the step contract's before/after
-# Usage: bash scripts/spec_device.sh tests oracle
+# Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/spec_device.sh tests oracle
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
@@ -18,7 +20,10 @@ for part in "$@"; do
         -k "not real_model" 2>&1 | tail -15
       ;;
     oracle)
-      timeout ${T_ORACLE:-420} python3 benchmarks/speculative.py --oracle 2>&1 | grep -v " INFO " | tail -30
+      timeout ${T_ORACLE:-280} python3 benchmarks/speculative.py --oracle --dtype float32 2>&1 | grep -v " INFO " | tail -22
+      ;;
+    forced)
+      timeout ${T_ORACLE:-280} python3 benchmarks/speculative.py --oracle --forced 2>&1 | grep -v " INFO " | tail -22
       ;;
     w13)
       timeout 270 python3 benchmarks/gpu_workloads.py --workloads w1,w2,w3 2>&1 | grep -v "^\[transformers\]" | tail -25
