@@ -5,6 +5,10 @@
 #   oracle   benchmarks/speculative.py --oracle: k = 4, acceptance 100/70/40%, batch 1/8/64, in float32
 #            (lossless: on random weights bfloat16's greedy token depends on the batch shape)
 #   forced   the same in bfloat16 with --forced: the oracle's runs are accepted by construction (cost)
+#   gemm     time one Llama-3.1-8B MLP projection (4096 -> 14336) at 1..320 rows, fp32 and bf16: the
+#            verify step's extra rows are free only while the GEMM stays bandwidth-bound
+#   w3       W3 alone in its own process, this checkout and before/ alternating, 3 times each (the first
+#            run on a fresh machine also fills Triton's kernel cache: compare the later ones)
 #   w13      W1-W3 (benchmarks/gpu_workloads.py) at this checkout, then at the checkout in before/
 #            (`git archive <base> foveal benchmarks | tar -x -C before`): the step contract's before/after
 # Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/spec_device.sh tests oracle
@@ -24,6 +28,31 @@ for part in "$@"; do
       ;;
     forced)
       timeout ${T_ORACLE:-280} python3 benchmarks/speculative.py --oracle --forced 2>&1 | grep -v " INFO " | tail -22
+      ;;
+    gemm)
+      python3 - <<'PY'
+import torch
+for dt in (torch.float32, torch.bfloat16):
+    w = torch.randn(14336, 4096, device="cuda", dtype=dt)
+    for m in (1, 5, 8, 40, 64, 320):
+        x = torch.randn(m, 4096, device="cuda", dtype=dt)
+        for _ in range(10):
+            x @ w.t()
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        s.record()
+        for _ in range(100):
+            x @ w.t()
+        e.record()
+        torch.cuda.synchronize()
+        print(f"{str(dt):15} rows {m:4d}  {s.elapsed_time(e) * 10:8.1f} us")
+PY
+      ;;
+    w3)
+      for i in 1 2 3; do
+        echo "-- after $i"; timeout 100 python3 benchmarks/gpu_workloads.py --workloads w3 2>&1 | grep "^W3:"
+        echo "-- before $i"; (cd before && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=before timeout 100 \
+          python3 benchmarks/gpu_workloads.py --workloads w3 2>&1 | grep "^W3:")
+      done
       ;;
     w13)
       timeout 270 python3 benchmarks/gpu_workloads.py --workloads w1,w2,w3 2>&1 | grep -v "^\[transformers\]" | tail -25

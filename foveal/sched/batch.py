@@ -21,13 +21,15 @@ Drafts' K/V is provisional: verification keeps the accepted ones and the schedul
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from foveal.request import MultiModalItem, SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledItem:
+class ScheduledItem(NamedTuple):
+    """Immutable; a tuple, not a frozen dataclass: one is built per row per step, and a frozen
+    dataclass costs twice as much to build (256 rows: ~0.2 ms a step)."""
+
     request_id: str
     start: int  # position of the first fed token (= tokens of the request already in the cache)
     token_ids: tuple[int, ...]  # fed tokens the host knows, drafts last

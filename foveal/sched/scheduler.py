@@ -99,6 +99,8 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        # decodes first, then prefill chunks: the layout attention backends expect
+        decodes, chunks = batch.items, []
         budget = self.config.max_num_batched_tokens
         self._enc_left = self.encoder_budget
         bs = self.kv.block_size
@@ -110,14 +112,16 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens
             if req.draft_ids:
-                if self._verify(req, batch, budget):
-                    budget -= batch.items[-1].num_tokens
+                if self._verify(req, decodes, budget):
+                    budget -= decodes[-1].num_tokens
                     i += 1
                     continue
                 req.draft_ids = []  # no room for them this step: a plain decode
             if req.num_tokens - start == 1 and start < len(req.block_ids) * bs and not req.mm_items:
                 # the common case, a decode whose slot is already allocated: no allocation to check
-                batch.items.append(self._item(req, 1))
+                known = req.all_token_ids
+                fed = (known[start],) if start < len(known) else ()  # () while its token is in flight
+                decodes.append(ScheduledItem(req.request_id, start, fed, tuple(req.block_ids), 1, 1 - len(fed)))
                 budget -= 1
                 i += 1
                 continue
@@ -133,7 +137,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # req itself was preempted; everything after it was too
             self.kv.allocate(req, n)
-            batch.items.append(self._item(req, n))
+            item = self._item(req, n)
+            (decodes if item.is_decode else chunks).append(item)
             self._spend_encoder(req, n)
             budget -= n
             i += 1
@@ -160,14 +165,14 @@ class Scheduler:
             if req.request_id not in self._known:
                 self._known.add(req.request_id)
                 batch.new_requests.append(_new_request(req))
-            batch.items.append(self._item(req, n))
+            item = self._item(req, n)
+            (decodes if item.is_decode else chunks).append(item)
             self._spend_encoder(req, n)
             budget -= n
-        # Decodes first, then prefill chunks: the layout attention backends expect.
-        batch.items.sort(key=lambda s: not s.is_decode)
+        decodes += chunks
         return batch
 
-    def _verify(self, req: Request, batch: ScheduledBatch, budget: int) -> bool:
+    def _verify(self, req: Request, decodes: list[ScheduledItem], budget: int) -> bool:
         """Schedule a decode with the request's drafts (1 + k tokens) if the budget and the pool allow
         it without preempting anyone; False leaves everything unchanged."""
         n = 1 + len(req.draft_ids)
@@ -176,7 +181,7 @@ class Scheduler:
         if not self.kv.can_allocate(req, n):
             return False
         self.kv.allocate(req, n)
-        batch.items.append(self._item(req, 1))
+        decodes.append(self._item(req, 1))
         return True
 
     def _needs_encoder(self, req: Request, idx: int) -> bool:
