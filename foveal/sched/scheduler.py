@@ -121,7 +121,8 @@ class Scheduler:
                 # the common case, a decode whose slot is already allocated: no allocation to check
                 known = req.all_token_ids
                 fed = (known[start],) if start < len(known) else ()  # () while its token is in flight
-                decodes.append(ScheduledItem(req.request_id, start, fed, tuple(req.block_ids), 1, 1 - len(fed)))
+                bt = tuple(req.block_ids)
+                decodes.append(ScheduledItem(req.request_id, start, fed, bt, 1, 1 - len(fed)))
                 budget -= 1
                 i += 1
                 continue
