@@ -140,10 +140,26 @@ class ModelRunner:
         pending: list[int] = []  # per position: the flat token-buffer index of its input, or -1
         prefill_seen = False
         for s in batch.items:
-            n, base = s.num_tokens, len(ids)
-            if s.is_decode and prefill_seen:
+            n, base = len(s.token_ids) + s.num_pending, len(ids)
+            decode = s.num_logits == n
+            if decode and prefill_seen:
                 raise ValueError(f"{s.request_id}: decode items must come before prefill chunks in a batch")
-            prefill_seen = prefill_seen or not s.is_decode
+            if n == 1 and decode:  # a plain decode (the common row: kept lean, this loop runs for every row)
+                p, bt = s.start, s.block_table
+                if s.num_pending:
+                    pending += [-1] * (base - len(pending)) + [self._held[s.request_id].slot * width]
+                    ids.append(0)
+                else:
+                    ids.append(s.token_ids[0])
+                pos.append(p)
+                slots.append(bt[p // bs] * bs + p % bs)
+                num_decodes += 1
+                q_lens.append(1)
+                ctxs.append(p)
+                tables.append(list(bt))
+                logits_idx.append(base)
+                continue
+            prefill_seen = prefill_seen or not decode
             ids.extend(s.token_ids)
             if s.num_pending:
                 slot = self._held[s.request_id].slot
@@ -153,7 +169,7 @@ class ModelRunner:
             r = range(s.start, s.start + n)
             pos.extend(r)
             slots.extend(bt[p // bs] * bs + p % bs for p in r)
-            if s.is_decode:  # a short query: one attention row per token, each after the ones before it
+            if decode:  # a short query: one attention row per token, each after the ones before it
                 num_decodes += n
                 q_lens += [1] * n
                 ctxs.extend(r)
@@ -292,19 +308,30 @@ class ModelRunner:
         width = self.token_buffer.shape[1]
         ids, rope, pending, ctxs, tables = [], [], [], [], []
         for s in items:
-            req = self._held[s.request_id].req
-            if not s.is_decode or s.start < len(req.prompt_token_ids):
-                return None
+            held = self._held[s.request_id]
+            req, p, n = held.req, s.start, len(s.token_ids) + s.num_pending
+            if s.num_logits != n or p < len(req.prompt_token_ids):
+                return None  # not a short query of generated tokens
+            if n == 1:  # a plain decode (the common row: kept lean, this loop runs for every row)
+                if s.num_pending:
+                    ids.append(0)
+                    pending.append(held.slot * width)
+                else:
+                    ids.append(s.token_ids[0])
+                    pending.append(-1)
+                ctxs.append(p)
+                rope.append(p + req.mrope_delta)  # M-RoPE: generated tokens at p + delta, every axis
+                tables.append(list(s.block_table))
+                continue
             ids.extend(s.token_ids)
             pending += [-1] * len(s.token_ids)
             if s.num_pending:
-                slot = self._held[s.request_id].slot
                 ids += [0] * s.num_pending
-                pending += [slot * width + j for j in range(s.num_pending)]
-            r = range(s.start, s.start + s.num_tokens)
+                pending += [held.slot * width + j for j in range(s.num_pending)]
+            r = range(p, p + n)
             ctxs.extend(r)
-            rope.extend(p + req.mrope_delta for p in r)  # M-RoPE: generated tokens at p + delta, every axis
-            tables += [list(s.block_table)] * s.num_tokens
+            rope.extend(range(p + req.mrope_delta, p + n + req.mrope_delta))
+            tables += [list(s.block_table)] * n
         host = to_device(torch.tensor([ids, rope, pending], dtype=torch.long), self.device)
         input_ids = host[0]
         if any(r >= 0 for r in pending):
@@ -383,7 +410,9 @@ class ModelRunner:
                 continue
             launched.rows.append((s.request_id, len(rows), s.num_logits))
             rows += self._sampling_rows(s, self._held[s.request_id])
-            drafts += list(s.drafts) + [-1]
+            if s.num_drafts:
+                drafts += s.drafts
+            drafts.append(-1)
         if not rows:
             return launched
         verifying = len(drafts) > len(launched.rows)
