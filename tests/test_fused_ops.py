@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from foveal.layers import fused
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import apply_rotary, apply_rotary_qk
+from foveal.models.base import StepContext
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors need the interpreter
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -217,7 +218,7 @@ def _llama_logits(model, backend, steps) -> list[torch.Tensor]:
         )
         flat = torch.tensor([i for s in ids for i in s], device=dev)
         with torch.inference_mode():
-            hidden = model(flat, torch.tensor(pos, device=dev), caches, meta)
+            hidden = model(flat, StepContext(torch.tensor(pos, device=dev), caches, meta))
             out.append(model.compute_logits(hidden).float())
     return out
 

@@ -167,7 +167,7 @@ class Engine:
         self.hf_config = hf
         self.text_config = hf.get_text_config()
         self.vocab_size = self.text_config.vocab_size
-        self.is_multimodal = hasattr(self.model, "encode_images")
+        self.is_multimodal = self.model.is_multimodal
         self.encoder_cache = self.mm_processor = None
         if self.is_multimodal:
             from foveal.cache.encoder_cache import EncoderCache
@@ -207,7 +207,7 @@ class Engine:
             kv,
             max_len,
             encoder_cache=self.encoder_cache,
-            atomic_mm_spans=bool(getattr(self.model, "mm_bidirectional", False)),
+            atomic_mm_spans=self.model.mm_bidirectional,
         )
         spec = cfg.speculative
         self.proposer = None

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foveal.models.base import StepContext
 from foveal.models.gemma3_text import Gemma3ForCausalLM, GemmaRMSNorm
 from foveal.models.vlm import LLAVA_STYLE_PREFIXES, ImageAdapter, VisionLanguageModel, hf_module
 
@@ -83,10 +84,10 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
             input_ids = input_ids.masked_fill(input_ids == self.image_token_id, 0)
         return self.language_model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_input_ids(input_ids)
-        return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds)
+    def forward(self, input_ids, ctx: StepContext) -> torch.Tensor:
+        if ctx.inputs_embeds is None:
+            ctx.inputs_embeds = self.embed_input_ids(input_ids)
+        return self.language_model(input_ids, ctx)
 
     def build_vision(self, device, dtype) -> None:
         from transformers import AutoModel

@@ -30,6 +30,7 @@ from torch import nn
 
 from foveal.layers.linear import Linear, linear
 from foveal.layers.rotary import apply_rotary, inv_frequencies, rope_parameters
+from foveal.models.base import CausalLM, StepContext
 from foveal.models.llama import DecoderShape
 from foveal.models.weights import ParamFiller, decoder_param
 
@@ -174,7 +175,7 @@ class DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     implements_sliding_window = True  # the backend masks windows: max_context need not cap the context
 
     def __init__(self, config, backend, max_positions: int):
@@ -199,11 +200,11 @@ class Gemma3ForCausalLM(nn.Module):
             scale = self._embed_scale[x.dtype] = float(torch.tensor(self.spec.hidden**0.5).to(x.dtype))
         return x * scale
 
-    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
-        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rotary.cos_sin(positions, x.dtype)
-        for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, cache, meta)
+    def forward(self, input_ids, ctx: StepContext) -> torch.Tensor:
+        x = self.embed_input_ids(input_ids) if ctx.inputs_embeds is None else ctx.inputs_embeds
+        rope = self.rotary.cos_sin(ctx.positions, x.dtype)
+        for layer, cache in zip(self.layers, ctx.kv_caches):
+            x = layer(x, rope, cache, ctx.attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from foveal.layers import cpu_fused, fused
 from foveal.layers.linear import Linear, linear
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import RotaryEmbedding, apply_rotary_qk
+from foveal.models.base import CausalLM, StepContext
 from foveal.models.weights import ParamFiller, decoder_param
 
 
@@ -116,7 +117,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     qkv_bias = False
     qk_norm = False
 
@@ -138,16 +139,12 @@ class LlamaForCausalLM(nn.Module):
         """(layers, kv heads, head dim): what the KV pool must hold per token."""
         return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
 
-    def forward(
-        self, input_ids, positions, kv_caches, meta, inputs_embeds=None, deepstack=None
-    ) -> torch.Tensor:
-        """`deepstack` (Qwen3-VL): (rows [R], values [R, k, hidden]); values[:, i] is added to the hidden
-        states of those rows after layer i."""
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        residual = None
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, cos, sin, cache, meta)
+    def forward(self, input_ids, ctx: StepContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if ctx.inputs_embeds is None else ctx.inputs_embeds
+        cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
+        residual, deepstack = None, ctx.deepstack
+        for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
+            x, residual = layer(x, residual, cos, sin, cache, ctx.attn)
             if deepstack is not None and i < deepstack[1].shape[1]:
                 # the layer's output is x + residual; adding to x puts it on that sum
                 x = x.index_add(0, deepstack[0], deepstack[1][:, i].to(x.dtype))

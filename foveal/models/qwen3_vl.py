@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from foveal.layers.rotary import MRotaryEmbedding
+from foveal.models.base import StepContext
 from foveal.models.llama import Qwen3ForCausalLM
 from foveal.models.qwen2_vl import Qwen2VLAdapter
 from foveal.models.vlm import VisionLanguageModel, hf_module
@@ -75,10 +76,9 @@ class Qwen3VLForConditionalGeneration(VisionLanguageModel):
         tie = bool(getattr(self.config, "tie_word_embeddings", False))
         return MRopeQwen3ForCausalLM(text_config, backend, max_positions, tie_embeddings=tie)
 
-    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None, deepstack=None):
-        """`deepstack`: (rows [R], features [R, k, hidden]) for the image rows of this step, or None
-        (text-only steps, decodes)."""
-        return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds, deepstack)
+    def forward(self, input_ids, ctx: StepContext) -> torch.Tensor:
+        """`ctx.deepstack`: the image rows' features of this step, or None (text-only steps, decodes)."""
+        return self.language_model(input_ids, ctx)
 
     def build_vision(self, device, dtype) -> None:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from foveal.models.base import CausalLM, StepContext
 from foveal.models.weights import ParamFiller
 
 # text decoders by transformers model_type (the text_config of a VLM has no `architectures`)
@@ -104,12 +105,11 @@ def _match_level(rest: str, target: str, own: dict[str, set[str]], model: nn.Mod
     return rest
 
 
-class VisionLanguageModel(nn.Module):
+class VisionLanguageModel(CausalLM):
     """Base of our VLMs. Subclasses set `image_token_id`, build their vision modules in `build_vision`
     and implement `encode_images`."""
 
-    uses_mrope = False  # positions are [3, T] (Qwen2-VL family)
-    mm_bidirectional = False  # an image's tokens attend to each other both ways (Gemma 3)
+    is_multimodal = True
     # (checkpoint prefixes) -> our submodule: "text" is the decoder, anything else a module attribute
     PREFIXES: tuple[tuple[tuple[str, ...], str], ...] = ()
 
@@ -134,8 +134,8 @@ class VisionLanguageModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds)
+    def forward(self, input_ids, ctx: StepContext) -> torch.Tensor:
+        return self.language_model(input_ids, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

@@ -145,7 +145,7 @@ def build_draft_proposer(
         device=device,
         weights=ckpt.weights,
     )
-    if hasattr(model, "encode_images"):
+    if model.is_multimodal:
         raise ValueError("a draft model must be a text model")
     layers, kv_heads, head_dim = model.kv_shape
     caches = kv_quant.allocate_kv_caches(

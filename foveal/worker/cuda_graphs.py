@@ -30,6 +30,7 @@ import time
 import torch
 
 from foveal.attention.base import AttentionBatch
+from foveal.models.base import StepContext
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class DecodeGraphs:
         )
 
     def _forward(self, b: int, meta) -> None:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+        hidden = self.model(self.input_ids[:b], StepContext(self.positions[:b], self.kv_caches, meta))
         logits = self.model.compute_logits(hidden)
         if self.logits is None:
             self.logits = logits.new_empty(self.max_seqs, logits.shape[1])

@@ -21,6 +21,7 @@ import torch
 
 from foveal.attention import kv_quant
 from foveal.attention.base import AttentionBatch
+from foveal.models.base import StepContext
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def profile_activation_peak(
     meta = backend.plan(batch, dev)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
     positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
-    hidden = model(ids, positions, caches, meta)
+    hidden = model(ids, StepContext(positions, caches, meta))
     logits = model.compute_logits(hidden[-1:].expand(num_seqs, -1).contiguous())
     del hidden
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)

@@ -27,6 +27,7 @@ import torch
 
 from foveal.attention.base import AttentionBatch
 from foveal.device import to_device
+from foveal.models.base import StepContext
 from foveal.request import TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
@@ -78,10 +79,6 @@ class ModelRunner:
     ):
         self.model = model
         self.encoder_cache = encoder_cache
-        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
-        # DeepStack (Qwen3-VL): image embeddings carry k more hidden-sized vectors per row, added after
-        # decoder layers 0..k-1; only the first `hidden` columns go into the input embeddings
-        self.deepstack_layers = int(getattr(model, "deepstack_layers", 0))
         self.num_encoded = 0  # images run through the encoder (cache misses), for tests and stats
         self.kv_caches = kv_caches
         self.backend = backend
@@ -193,7 +190,7 @@ class ModelRunner:
         input_ids = to_device(torch.tensor(ids, dtype=torch.long), dev)
         if pending:
             input_ids = self._with_pending(input_ids, pending + [-1] * (len(ids) - len(pending)))
-        if self.uses_mrope:
+        if self.model.uses_mrope:
             positions = to_device(self._mrope_positions(batch), dev)
         else:
             positions = to_device(torch.tensor(pos, dtype=torch.long), dev)
@@ -203,7 +200,7 @@ class ModelRunner:
         """Per attention row, the image spans its chunk overlaps, for models whose image tokens attend
         both ways (Gemma 3); None when no chunk of the step touches one. A decode row needs none: a
         single query token sees every earlier token anyway."""
-        if not getattr(self.model, "mm_bidirectional", False):
+        if not self.model.mm_bidirectional:
             return None
         spans: list[list[tuple[int, int]]] = []
         for s in batch.items:
@@ -358,17 +355,19 @@ class ModelRunner:
             if logits is not None:
                 return logits
         input_ids, positions, meta, logits_idx = self._prepare(batch)
-        embeds, extra = None, {}
-        if hasattr(self.model, "encode_images"):
+        ctx = StepContext(positions, self.kv_caches, meta)
+        if self.model.is_multimodal:
             mm = self._image_embeddings(batch, {} if spent is None else spent)
             if mm is not None:
-                embeds = self.model.embed_input_ids(input_ids)
+                embeds = ctx.inputs_embeds = self.model.embed_input_ids(input_ids)
                 rows, values = mm
                 h = embeds.shape[1]
                 embeds.index_copy_(0, rows, values[:, :h].to(embeds.dtype))
-                if self.deepstack_layers:  # the rest of each row: one vector per early decoder layer
-                    extra["deepstack"] = (rows, values[:, h:].unflatten(1, (self.deepstack_layers, h)))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, **extra)
+                # DeepStack (Qwen3-VL): the rest of each row, one hidden-sized vector per early layer
+                k = self.model.deepstack_layers
+                if k:
+                    ctx.deepstack = (rows, values[:, h:].unflatten(1, (k, h)))
+        hidden = self.model(input_ids, ctx)
         if not all_tokens:
             hidden = hidden[to_device(torch.tensor(logits_idx, dtype=torch.long), self.device)]
         return self.model.compute_logits(hidden)

@@ -1,0 +1,48 @@
+"""The contract between the runner and a model: one `StepContext` per forward pass, and the class
+attributes a runner reads (declared here with their defaults, so nobody probes with getattr).
+
+    hidden = model(input_ids, ctx)          # [T, hidden] for the T fed tokens of the step
+    logits = model.compute_logits(hidden)   # of the rows the runner picked
+
+A vision-language model also implements `encode_images(items) -> [embeddings per image]`
+(`is_multimodal`); the runner scatters those embeddings into `ctx.inputs_embeds`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(slots=True)
+class StepContext:
+    """Everything one forward pass needs besides the token ids."""
+
+    positions: torch.Tensor  # [T] token positions; [3, T] for M-RoPE models (`uses_mrope`)
+    kv_caches: list[Any]  # one per decoder layer
+    attn: Any  # the attention backend's metadata for this step (`backend.plan(...)`)
+    inputs_embeds: torch.Tensor | None = None  # [T, hidden]: replaces the embedding lookup (image rows)
+    # DeepStack (Qwen3-VL): (rows [R], values [R, k, hidden]); values[:, i] is added to those rows'
+    # hidden states after decoder layer i
+    deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class CausalLM(nn.Module):
+    """Base of every model the runner drives."""
+
+    uses_mrope = False  # positions are [3, T] (Qwen2-VL family); decodes pass [T] (every axis alike)
+    mm_bidirectional = False  # an image's tokens attend to each other both ways (Gemma 3)
+    deepstack_layers = 0  # image embeddings carry this many more hidden-sized vectors per row
+    is_multimodal = False  # implements encode_images
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
