@@ -18,6 +18,7 @@ Pan-and-scan crops are not supported (the processor default leaves it off): each
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -85,8 +86,8 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         return self.language_model.embed_input_ids(input_ids)
 
     def forward(self, input_ids, ctx: StepContext) -> torch.Tensor:
-        if ctx.inputs_embeds is None:
-            ctx.inputs_embeds = self.embed_input_ids(input_ids)
+        if ctx.inputs_embeds is None:  # the image token id may lie past the text vocabulary
+            ctx = replace(ctx, inputs_embeds=self.embed_input_ids(input_ids))
         return self.language_model(input_ids, ctx)
 
     def build_vision(self, device, dtype) -> None:

@@ -1,0 +1,73 @@
+"""Host time of the engine's step phases at many decode rows: a tiny random Qwen3 on CPU (the model's
+compute is small, so what shows is the scheduler's and runner's Python per row), 256 requests decoding,
+60 steps timed after the prefills; `Scheduler.schedule` and `advance` are timed by wrapping them.
+
+    python benchmarks/host_step.py [--rows 256] [--steps 60]
+
+Run it from another checkout's root (PYTHONPATH=that root) for a before/after; alternate the runs.
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.getcwd())
+
+from foveal import SamplingParams  # noqa: E402
+from foveal.engine.llm import LLM  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=60)
+    a = ap.parse_args()
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                      architectures=["Qwen3ForCausalLM"])  # fmt: skip
+    path = os.path.join(tempfile.mkdtemp(), "config.json")
+    with open(path, "w") as f:
+        f.write(cfg.to_json_string())
+    llm = LLM(path, load_format="dummy", dtype="float32", max_model_len=4096, max_num_seqs=a.rows,
+              max_num_batched_tokens=16384, num_blocks=20000, block_size=16)  # fmt: skip
+    eng, sch = llm.engine, llm.engine.scheduler
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=a.steps + 40)
+    for _ in range(a.rows):
+        eng.add_request([rng.randint(0, 999) for _ in range(rng.randint(100, 1024))], params)
+    while sch.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in sch.running):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    spent = {"schedule": 0.0, "advance": 0.0}
+
+    def timed(name, fn):
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            spent[name] += time.perf_counter() - t0
+            return out
+
+        return call
+
+    sch.schedule, sch.advance = timed("schedule", sch.schedule), timed("advance", sch.advance)
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        eng.step()
+    step = (time.perf_counter() - t0) / a.steps
+    res = {"benchmark": "host_step", "rows": a.rows, "step_ms": round(step * 1e3, 2)}
+    res.update({f"{k}_ms": round(v / a.steps * 1e3, 3) for k, v in spent.items()})
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
