@@ -38,7 +38,9 @@ def main() -> None:
     steps = 2 * a.block * a.repeats
     params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True)
     for _ in range(a.seqs):
-        eng.add_request(torch.randint(100, 49000, (128,), generator=g).tolist(), params)
+        eng.add_request(
+            llm.processor.request(torch.randint(100, 49000, (128,), generator=g).tolist(), params)
+        )
     sched = eng.scheduler
     while sched.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in sched.running):
         eng.step()  # prefill every prompt

@@ -101,7 +101,7 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
     eng.step_seconds["steps"] = 0
     _sync()
     t0 = time.perf_counter()
-    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    ids = [eng.add_request(llm.processor.request(p, sp)) for p, sp in zip(prompts, params)]
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     count: dict[str, int] = dict.fromkeys(ids, 0)
@@ -187,7 +187,7 @@ def report(name: str, r: dict, extra: str = "") -> None:
 # -- workloads -----------------------------------------------------------------------------------
 def w1_w2(a) -> None:
     llm = engine("llama-3.1-8b.json", a, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192)
-    V = llm.engine.vocab_size
+    V = llm.processor.info.vocab_size
     # warm-up: the workloads' shapes at small scale, so Triton's compiles stay out of the timings
     run(llm, random_prompts(4, L(512), V, 99), [greedy(8)] * 4)
     if "w1" in a.workloads:
@@ -226,7 +226,9 @@ def profile(llm: LLM, V: int, batch: int, context: int) -> None:
     from torch.profiler import profile as tprof
 
     eng = llm.engine
-    ids = [eng.add_request(p, greedy(40)) for p in random_prompts(batch, context, V, 7)]
+    ids = [
+        eng.add_request(llm.processor.request(p, greedy(40))) for p in random_prompts(batch, context, V, 7)
+    ]
     while eng.num_waiting:  # prefill everything first: the profile is of decode steps
         eng.step()
     for _ in range(4):
@@ -253,7 +255,7 @@ def profile_first_token(llm: LLM, prompt) -> None:
     eng = llm.engine
     _sync()
     with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        rid = eng.add_request(prompt, greedy(2))
+        rid = eng.add_request(llm.processor.request(prompt, greedy(2)))
         steps = 0
         while not any(d.token_ids for d in eng.step()):
             steps += 1
@@ -283,7 +285,7 @@ def w3(a) -> None:
     """nano-vllm bench.py: random.seed(0); prompts of randint(100, 1024) ids in randint(0, 10000);
     max_tokens randint(100, 1024), temperature 0.6, ignore_eos."""
     llm = engine("qwen3-0.6b.json", a, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384)
-    vocab = min(10000, llm.engine.vocab_size - 1)
+    vocab = min(10000, llm.processor.info.vocab_size - 1)
     # warm-up (bench.py warms up too): a few sequences of the workload's kind, so Triton's compiles
     # stay out of the timing
     rw = random.Random(1)
@@ -304,14 +306,14 @@ def w4(a) -> None:
     from PIL import Image
 
     llm = engine("qwen2.5-vl-7b.json", a, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192)
-    V = min(150000, llm.engine.vocab_size - 10)  # text ids below the special ones
+    V = min(150000, llm.processor.info.vocab_size - 10)  # text ids below the special ones
 
     def image_prompt(i: int):
         g = torch.Generator().manual_seed(1000 + i)
         img = Image.fromarray(torch.randint(0, 256, (448, 448, 3), generator=g, dtype=torch.uint8).numpy())
         text = " ".join(f"t{t}" for t in torch.randint(100, V, (L(64),), generator=g).tolist())
         content = [{"type": "image"}, {"type": "text", "text": text}]
-        return llm.engine.process_images(messages=[{"role": "user", "content": content}], images=[img])
+        return llm.processor.render_chat([{"role": "user", "content": content}], images=[img])
 
     t0 = time.perf_counter()
     warm = image_prompt(999)

@@ -57,7 +57,8 @@ def main() -> None:
     temp = 0.6 if a.sampling else 0.0
     for _ in range(a.num_seqs):
         ids = torch.randint(100, a.vocab, (500,), generator=g).tolist()
-        eng.add_request(ids, SamplingParams(temperature=temp, max_tokens=a.steps + 40, ignore_eos=True))
+        params = SamplingParams(temperature=temp, max_tokens=a.steps + 40, ignore_eos=True)
+        eng.add_request(llm.processor.request(ids, params))
     while eng.num_waiting:
         eng.step()
     for _ in range(3):

@@ -43,7 +43,8 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=a.steps + 40)
     for _ in range(a.rows):
-        eng.add_request([rng.randint(0, 999) for _ in range(rng.randint(100, 1024))], params)
+        ids = [rng.randint(0, 999) for _ in range(rng.randint(100, 1024))]
+        eng.add_request(llm.processor.request(ids, params))
     while sch.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in sch.running):
         eng.step()
     for _ in range(5):

@@ -61,7 +61,7 @@ def system_prompt_case(llm: LLM, system_tokens: int, turns: int) -> list[float]:
             {"role": "system", "content": system},
             {"role": "user", "content": f"Question {i}: summarize."},
         ]
-        ids = llm.engine.apply_chat_template(msgs)
+        ids = llm.processor.apply_chat_template(msgs)
         t = ttft(llm, ids)
         if i:  # turn 0 warms the cache
             out.append(t)
@@ -74,19 +74,20 @@ def image_chat_case(llm: LLM, size: int) -> float:
     g = torch.Generator().manual_seed(1)
     img = Image.fromarray(torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8).numpy())
     turn1 = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
-    p1 = llm.engine.process_images(messages=turn1, images=[img])
+    p1 = llm.processor.render_chat(turn1, images=[img])
     ttft(llm, p1)
     turn2 = turn1 + [
         {"role": "assistant", "content": [{"type": "text", "text": "A picture of noise."}]},
         {"role": "user", "content": [{"type": "text", "text": "What colors dominate?"}]},
     ]
-    return ttft(llm, llm.engine.process_images(messages=turn2, images=[img]))
+    return ttft(llm, llm.processor.render_chat(turn2, images=[img]))
 
 
 def throughput(llm: LLM, n: int, input_len: int, output_len: int, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)  # a fresh seed per round: nothing is shared or reused
     prompts = [
-        torch.randint(100, llm.engine.vocab_size, (input_len,), generator=g).tolist() for _ in range(n)
+        torch.randint(100, llm.processor.info.vocab_size, (input_len,), generator=g).tolist()
+        for _ in range(n)
     ]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
@@ -197,7 +198,7 @@ def main() -> None:
     print(f"time inside the cache's code in one 0%-hit round: {share}")
     summary = {
         "benchmark": "prefix_cache",
-        "model": engines["on"].engine.model_name,
+        "model": engines["on"].processor.info.model_name,
         "dtype": a.dtype,
         "commit": commit.stdout.strip(),
         "threads": torch.get_num_threads(),

@@ -95,7 +95,7 @@ def run_requests(llm: LLM, prompts: list[list[int]], params: SamplingParams, at_
     groups = [prompts] if at_once else [[p] for p in prompts]
     for group in groups:
         first: dict[str, float] = {}
-        ids = [eng.add_request(p, params) for p in group]
+        ids = [eng.add_request(llm.processor.request(p, params)) for p in group]
         for rid in ids:
             outs[rid] = []
         while eng.has_unfinished():
@@ -141,8 +141,8 @@ def cpu_bench(a) -> dict:
     }
     modes = [m for m in a.modes.split(",")]
     llms = {m: LLM(**base, speculative_config=specs[m]) for m in modes}
-    eng0 = llms[modes[0]].engine
-    chats = [eng0.apply_chat_template([{"role": "user", "content": t}]) for t in TASKS]
+    proc = llms[modes[0]].processor
+    chats = [proc.apply_chat_template([{"role": "user", "content": t}]) for t in TASKS]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     rows = []
     for b in a.batches:
@@ -234,13 +234,14 @@ def force_acceptance(wrong: int) -> None:
     model_runner.verify = forced
 
 
-def oracle_run(eng, k, prompts, fulls, params, rate, vocab, seed, forced) -> dict[str, list[int]]:
+def oracle_run(llm, k, prompts, fulls, params, rate, vocab, seed, forced) -> dict[str, list[int]]:
     """All prompts at once on the speculating engine, the oracle proposing from `fulls`."""
+    eng = llm.engine
     refs: dict[str, list[int]] = {}
     eng.proposer = OracleProposer(k, refs, rate, vocab, seed=seed, forced=forced)
     outs: dict[str, list[int]] = {}
     for p, full in zip(prompts, fulls):
-        rid = eng.add_request(p, params)
+        rid = eng.add_request(llm.processor.request(p, params))
         refs[rid], outs[rid] = full, []
     while eng.has_unfinished():
         for d in eng.step():
@@ -268,7 +269,7 @@ def oracle_bench(a) -> dict:
     spec = {"method": "ngram", "num_speculative_tokens": a.k}  # its proposer is replaced by the oracle
     plain = LLM(cfg, **opts)
     specd = LLM(cfg, **opts, speculative_config=spec)
-    vocab = plain.engine.vocab_size
+    vocab = plain.processor.info.vocab_size
     if a.forced:
         force_acceptance(vocab - 1)
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
@@ -283,13 +284,13 @@ def oracle_bench(a) -> dict:
         refs_by_prompt = [p + t for p, t in zip(prompts, ref["tokens"])]
         # warm the speculating engine's verify shapes too (first-use kernel compiles)
         warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        oracle_run(specd.engine, a.k, prompts, refs_by_prompt, warm, 1.0, vocab, 0, a.forced)
+        oracle_run(specd, a.k, prompts, refs_by_prompt, warm, 1.0, vocab, 0, a.forced)
         for rate in a.rates:
             for rep in range(a.reps):
                 eng = specd.engine
                 before = eng.spec_stats.as_dict()
                 t0 = time.perf_counter()
-                outs = oracle_run(eng, a.k, prompts, refs_by_prompt, params, rate, vocab, rep, a.forced)
+                outs = oracle_run(specd, a.k, prompts, refs_by_prompt, params, rate, vocab, rep, a.forced)
                 wall = time.perf_counter() - t0
                 after = eng.spec_stats.as_dict()
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]

@@ -60,9 +60,7 @@ def make_image_prompts(llm: LLM, prompts, k: int, size: str, repeat: bool, seed:
     for i, ids in enumerate(prompts):
         text = llm.tokenizer.decode(ids, skip_special_tokens=True)
         content = [{"type": "image"} for _ in range(k)] + [{"type": "text", "text": text}]
-        out.append(
-            llm.engine.process_images(messages=[{"role": "user", "content": content}], images=pictures(i))
-        )
+        out.append(llm.processor.render_chat([{"role": "user", "content": content}], images=pictures(i)))
     return out
 
 
@@ -149,7 +147,7 @@ def main() -> None:
         max_num_batched_tokens=a.max_num_batched_tokens,
         vision_cache_memory=a.vision_cache_memory,
     )
-    prompts = make_prompts(a.num_prompts, a.input_len, a.range_ratio, llm.engine.vocab_size, a.seed)
+    prompts = make_prompts(a.num_prompts, a.input_len, a.range_ratio, llm.processor.info.vocab_size, a.seed)
     prep_s = None
     if a.images_per_prompt:
         t0 = time.perf_counter()
@@ -173,7 +171,7 @@ def main() -> None:
         print(f"ratio foveal/transformers: {res['ratio']:.2f}x")
     summary = {
         "benchmark": "throughput",
-        "model": llm.engine.model_name,
+        "model": llm.processor.info.model_name,
         "dtype": a.dtype,
         "quantization": a.quantization,
         "enforce_eager": a.enforce_eager,

@@ -156,9 +156,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         )
         llm = LLM(progress=True, **_engine_kwargs(a))
         ids = (
-            llm.engine.apply_chat_template([{"role": "user", "content": a.prompt}])
+            llm.processor.apply_chat_template([{"role": "user", "content": a.prompt}])
             if not a.raw
-            else llm.engine.tokenize(a.prompt)
+            else llm.processor.tokenize(a.prompt)
         )
         t0 = time.perf_counter()
         n = 0
@@ -185,7 +185,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from foveal.config import EngineConfig, ServerConfig
-    from foveal.engine.engine import Engine
+    from foveal.engine.factory import build_engine
     from foveal.loader import ModelLoadError
     from foveal.server.app import create_app
     from foveal.server.serve import serve
@@ -219,11 +219,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         )
         ecfg = EngineConfig.from_kwargs(serving=True, **_engine_kwargs(a))
         logging.getLogger(__name__).info("engine config: %s", ecfg)
-        engine = Engine(ecfg).start(progress=True)  # the model loads before the port opens
+        engine, processor = build_engine(ecfg, progress=True)  # the model loads before the port opens
     except (ValueError, ModelLoadError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, scfg)
+    app = create_app(engine, processor, scfg)
     serve(  # uvicorn, draining the engine on SIGTERM first (server/serve.py)
         app,
         drain_timeout=scfg.drain_timeout,

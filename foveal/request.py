@@ -1,7 +1,10 @@
-"""Per-request data: what a caller asks for (SamplingParams) and what the engine tracks (Request).
+"""Per-request data: what a caller asks for (SamplingParams), the processed request the engine admits
+(EngineRequest), and what the engine tracks (Request).
 
 One request_id follows a request from the API to the logs. This module owns validation of sampling
-values: a bad value raises ValueError with a message naming the field, before anything is admitted.
+values and their limits (one set, the same for the HTTP API and the library): a bad value raises
+InvalidParameter naming the field when the SamplingParams is made, before anything is admitted; the
+checks that need the model's vocabulary run once more in the input processor (`check_vocab`).
 It must not import torch or anything model-specific.
 """
 
@@ -12,16 +15,34 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+# The limits of sampling values (the server's OpenAPI schema publishes these same numbers)
+MAX_N = 16  # choices per prompt
+MAX_TEMPERATURE = 2.0
 MAX_TOP_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_REPETITION_PENALTY = 10.0
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024  # the detokenizer matches every stop string after every token
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS, MAX_BIAS = 300, 100.0  # entries (applied to the row at every step); |bias|
 
 
-@dataclass(slots=True)
+class InvalidParameter(ValueError):
+    """A bad request value; `param` names the field (the HTTP layer's 400 carries it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens for one request. Every row of a batch keeps its own copy.
+    """How to pick tokens for one request: immutable, validated when made (`dataclasses.replace`
+    validates the copy too).
 
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch those filters off.
     logprobs=None returns no logprobs; logprobs=k (0..20) returns the sampled token's logprob plus the
     k most likely tokens (from the raw model distribution, before penalties and temperature).
+    max_tokens=None: as many as the context leaves (the input processor fills it in).
     """
 
     n: int = 1
@@ -37,19 +58,27 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] = ()  # any sequence is taken (a str: one stop string), kept as a tuple
+    stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
     speculative: bool = True  # may this request speculate when the engine does (False: plain decoding)
+    # logit_bias as two parallel tuples (token ids, biases): made once here, read by the sampler each step
+    bias_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    bias_values: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.validate()
+        set_ = object.__setattr__
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        set_(self, "stop", tuple(stop or ()))
+        set_(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.logit_bias, dict):
+            set_(self, "logit_bias", dict(self.logit_bias))  # a copy: the caller's later edits never reach it
+        self._validate()
+        if self.logit_bias:
+            set_(self, "bias_token_ids", tuple(self.logit_bias))
+            set_(self, "bias_values", tuple(float(b) for b in self.logit_bias.values()))
 
     def choices(self) -> list[SamplingParams]:
         """n choices -> n single-sequence params; seeded choices get distinct, reproducible seeds seed+i."""
@@ -63,54 +92,70 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first bad field."""
+    def _bad(self, name: str, why: str):
+        return InvalidParameter(name, f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
 
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if not _is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be >= 0 (0 means greedy)")
+    def _validate(self) -> None:
+        """Raise InvalidParameter naming the first bad field."""
+        bad = self._bad
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be an integer; 0 or -1 disables it")
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be an integer; 0 or -1 disables it")
         if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0 (1 disables it)")
-        if not _is_num(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if not _is_num(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", "must be an integer >= 0")
+            raise bad("min_p", "must be in [0, 1]")
+        rp = self.repetition_penalty
+        if not _is_num(rp) or not 0 < rp <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
         ):
-            bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
+            raise bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if len(self.stop) > MAX_STOPS:
+            raise bad("stop", f"at most {MAX_STOPS} stop strings")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise bad("stop", f"must be non-empty strings of at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must be a mapping of at most {MAX_LOGIT_BIAS} token ids to biases")
             for tok, bias in self.logit_bias.items():
-                if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
-                    bad("logit_bias", f"token id {tok!r} is not in the vocabulary")
-                if not _is_num(bias) or not -100.0 <= bias <= 100.0:
-                    bad("logit_bias", f"bias {bias!r} for token {tok} must be in [-100, 100]")
-        if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if t >= vocab_size:
-                    bad("stop_token_ids", f"token id {t} is not in the vocabulary ({vocab_size})")
+                if not _is_int(tok) or tok < 0:
+                    raise bad("logit_bias", f"token id {tok!r} is not in the vocabulary")
+                if not _is_num(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+                    raise bad("logit_bias", f"bias {bias!r} for token {tok} must be in [-100, 100]")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The checks that need the model: every token id named must be in its vocabulary."""
+        for t in self.bias_token_ids:
+            if t >= vocab_size:
+                raise self._bad("logit_bias", f"token id {t} is not in the vocabulary ({vocab_size})")
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise self._bad("stop_token_ids", f"token id {t} is not in the vocabulary ({vocab_size})")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_num(x: object) -> bool:
@@ -169,9 +214,26 @@ class MultiModalPrompt:
 
     prompt_token_ids: list[int]
     items: list[MultiModalItem]
-    mrope_positions: Any = None  # [3, len(prompt_token_ids)] for M-RoPE models
-    mrope_delta: int = 0
+    # the model family's rotary positions for this prompt where they are not 0, 1, 2, ... (M-RoPE: see
+    # models/qwen2_vl.py); the runner hands it back to the model, never reads it
+    rope: Any = None
     # leading tokens (the system prompt) whose cached blocks may be shared across tenants (opt-in)
+    shared_prefix_len: int = 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EngineRequest:
+    """One sequence, processed and validated on the request side (engine/input_processor.py), ready to
+    admit: what crosses from the server's input pool to the model thread. Nothing here is input work
+    left to do (tokens, image tensors, limits, max_tokens resolved)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # max_tokens filled in (never None)
+    eos_token_ids: frozenset[int] = frozenset()
+    mm_items: tuple[MultiModalItem, ...] = ()  # content hashes already salted with the tenant's salt
+    rope: Any = None  # see MultiModalPrompt.rope
+    cache_salt: str | None = None
     shared_prefix_len: int = 0
 
 
@@ -200,9 +262,7 @@ class Request:
     # A cache of prompt+output, appended in place, so the scheduler never re-concatenates lists.
     all_token_ids: list[int] = field(default_factory=list)
     mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order, spans disjoint
-    # M-RoPE models (Qwen2-VL family): [3, prompt_len] positions; later positions are p + mrope_delta
-    mrope_positions: Any = None
-    mrope_delta: int = 0
+    rope: Any = None  # the model family's rotary positions (MultiModalPrompt.rope)
     encoder_time_s: float = 0.0  # this request's share of vision-encoder time (the runner reports it)
     # prefix cache: the tenant salt (never shared across salts), block keys computed so far, how many
     # of the request's blocks are published, and the prompt tokens a hit saved at first admission
@@ -224,6 +284,21 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @classmethod
+    def admit(cls, r: EngineRequest, arrival: int) -> Request:
+        """The engine-side state of a processed request."""
+        return cls(
+            r.request_id,
+            list(r.prompt_token_ids),
+            r.params,
+            eos_token_ids=r.eos_token_ids,
+            arrival=arrival,
+            mm_items=list(r.mm_items),
+            rope=r.rope,
+            cache_salt=r.cache_salt,
+            shared_prefix_len=r.shared_prefix_len,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -61,8 +61,8 @@ def test_worst_input_work_does_not_stall_a_stream(real):
     (tokenized in the input pool, then refused on its token count) and a 3.9 MB chat (rendered, then
     refused). They all fail alone with a 4xx; the stream's tokens keep coming (the probe saw a 10.7 s
     freeze when the model thread tokenized)."""
-    eng = real.engine
-    longest = ("Rome " * (eng.max_prompt_chars // 5 + 1))[: eng.max_prompt_chars]
+    proc = real.processor
+    longest = ("Rome " * (proc.max_prompt_chars // 5 + 1))[: proc.max_prompt_chars]
     heavy = [
         ("/v1/completions", {"prompt": "x" * 3_900_000, "max_tokens": 1}),
         ("/v1/completions", {"prompt": longest, "max_tokens": 1}),
@@ -237,9 +237,9 @@ def test_continue_final_message(tiny):
     body = {"messages": msgs, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True}
     r = post(tiny, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
-    want = tiny.engine.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    want = tiny.processor.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
     assert r.json()["usage"]["prompt_tokens"] == len(want)
-    assert tiny.engine.tokenizer.decode(want).endswith("Once upon")  # left open for the model to go on
+    assert tiny.processor.tokenizer.decode(want).endswith("Once upon")  # left open for the model to go on
     r = post(tiny, "/v1/chat/completions", {**body, "add_generation_prompt": True})
     assert r.status_code == 400 and "add_generation_prompt=false" in r.json()["error"]["message"]
     r = post(tiny, "/v1/chat/completions", {**body, "messages": msgs[:1]})

@@ -111,9 +111,8 @@ def test_prefix_hits(folder):
 def test_abort_while_a_step_is_in_flight(folder):
     llm = _llm(folder, True)
     eng = llm.engine
-    ids = [
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in _prompts()
-    ]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [eng.add_request(llm.processor.request(p, params)) for p in _prompts()]
     for _ in range(4):
         eng.step()
     assert eng._inflight is not None

@@ -97,7 +97,8 @@ def test_graph_logits_match_the_torch_backend(tiny_folder):
     for name, llm in (("torch", ref), ("graph", graphed)):
         eng = llm.engine
         for p in _prompts():
-            eng.add_request(p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+            eng.add_request(llm.processor.request(p, params))
         eng.step()  # prefill of all three
         batch = eng.scheduler.schedule()  # the decode step
         assert all(s.num_tokens == 1 for s in batch.items)

@@ -67,7 +67,7 @@ def test_engine_runs_a_dummy_model(tmp_path, family):
     from foveal.engine.llm import LLM
 
     llm = LLM(_tiny_json(tmp_path, family), load_format="dummy", num_blocks=64, block_size=4)
-    assert llm.engine.model_name == f"tiny-{family}"
+    assert llm.processor.info.model_name == f"tiny-{family}"
     weights = [p for n, p in llm.engine.model.named_parameters() if "norm" not in n]
     assert all(float(p.detach().float().std()) > 0.01 for p in weights)  # random, not zeros or constants
     out = llm.generate(["t5 t6 t7"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
@@ -85,13 +85,13 @@ def test_per_request_kv_limit_is_checked_at_admission(tmp_path):
     llm = LLM(
         _tiny_json(tmp_path), load_format="dummy", num_blocks=64, block_size=4, max_request_kv_tokens=24
     )
-    eng = llm.engine
-    assert eng.max_model_len > 24 and eng.max_request_tokens == 24
+    eng, info = llm.engine, llm.processor.info
+    assert info.max_model_len > 24 and info.max_request_tokens == 24
     prompt = [5] * 20
     with pytest.raises(ValueError, match="max-request-kv-tokens"):
-        eng.add_request(prompt, SamplingParams(max_tokens=5))
+        llm.processor.request(prompt, SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match="per-request KV limit of 24"):
-        eng.add_request([5] * 24, SamplingParams(max_tokens=1))
+        llm.processor.request([5] * 24, SamplingParams(max_tokens=1))
     out = llm.generate([prompt], SamplingParams(temperature=0, ignore_eos=True, max_tokens=None))[0]
     assert len(out.outputs[0].token_ids) == 4
     assert eng.kv.num_used_blocks == 0
@@ -121,9 +121,8 @@ def test_dummy_vlm_processes_an_image(tmp_path):
     llm = LLM(str(path), load_format="dummy", num_blocks=128, block_size=16)
     g = torch.Generator().manual_seed(0)
     img = Image.fromarray(torch.randint(0, 256, (448, 448, 3), generator=g, dtype=torch.uint8).numpy())
-    mm = llm.engine.process_images(
-        messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "t5 t6"}]}],
-        images=[img],
+    mm = llm.processor.render_chat(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "t5 t6"}]}], images=[img]
     )
     assert mm.prompt_token_ids.count(190) == 256 and len(mm.items) == 1
     out = llm.generate([mm], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]

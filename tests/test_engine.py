@@ -3,14 +3,20 @@ logprobs, streaming, abort, per-request fault isolation and input validation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from foveal import SamplingParams
-from foveal.request import FinishReason
+from foveal.request import FinishReason, InvalidParameter
 
 
 def chat_ids(llm, text):
-    return llm.engine.apply_chat_template([{"role": "user", "content": text}])
+    return llm.processor.apply_chat_template([{"role": "user", "content": text}])
+
+
+def add(llm, prompt, params, request_id=None) -> str:
+    return llm.engine.add_request(llm.processor.request(prompt, params, request_id))
 
 
 OTHERS = [
@@ -98,7 +104,7 @@ def test_stream_equals_generate(llm_fp32):
 
 def test_abort_frees_blocks_at_once(llm_fp32):
     eng = llm_fp32.engine
-    rid = eng.add_request(chat_ids(llm_fp32, "Tell me a long story."), SamplingParams(max_tokens=100))
+    rid = add(llm_fp32, chat_ids(llm_fp32, "Tell me a long story."), SamplingParams(max_tokens=100))
     eng.step()
     eng.step()
     assert eng.kv.num_used_blocks > 0
@@ -107,7 +113,7 @@ def test_abort_frees_blocks_at_once(llm_fp32):
     deltas = eng.step()
     assert [(d.request_id, d.finish_reason) for d in deltas] == [(rid, FinishReason.ABORT)]
     # abort before the first step
-    rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+    rid = add(llm_fp32, [1, 2, 3], SamplingParams(max_tokens=5))
     assert eng.abort(rid)
     assert [d.finish_reason for d in eng.step()] == [FinishReason.ABORT]
 
@@ -116,8 +122,8 @@ def test_fault_in_one_request_leaves_others_intact(llm_fp32, monkeypatch):
     """A detokenizer that raises for one request ends only that request, with an error."""
     eng = llm_fp32.engine
     ok_ids = chat_ids(llm_fp32, "What is the capital of France?")
-    good = eng.add_request(ok_ids, SamplingParams(temperature=0, max_tokens=20))
-    bad = eng.add_request(ok_ids, SamplingParams(temperature=0, max_tokens=20))
+    good = add(llm_fp32, ok_ids, SamplingParams(temperature=0, max_tokens=20))
+    bad = add(llm_fp32, ok_ids, SamplingParams(temperature=0, max_tokens=20))
     det = eng._tracked[bad].detok
 
     def boom(_ids):
@@ -151,25 +157,62 @@ def test_fault_in_one_request_leaves_others_intact(llm_fp32, monkeypatch):
     ],
 )
 def test_bad_sampling_values_are_rejected(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(InvalidParameter, match=field) as e:
         SamplingParams(**kwargs)
+    assert e.value.param == field
+    good = SamplingParams()
+    with pytest.raises(InvalidParameter, match=field):  # a copy is validated too
+        dataclasses.replace(good, **kwargs)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        good.temperature = 0.5
 
 
 def test_bad_requests_are_rejected(llm_fp32):
-    eng = llm_fp32.engine
+    """The input processor refuses bad input before anything is admitted; the engine only checks ids."""
+    proc, eng = llm_fp32.processor, llm_fp32.engine
+    limit = proc.info.max_model_len
     with pytest.raises(ValueError, match="context"):
-        eng.add_request([5] * eng.max_model_len, SamplingParams(max_tokens=1))
+        proc.request([5] * limit, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="exceeds the context"):
-        eng.add_request([5] * 10, SamplingParams(max_tokens=eng.max_model_len))
+        proc.request([5] * 10, SamplingParams(max_tokens=limit))
     with pytest.raises(ValueError, match="empty"):
-        eng.add_request("", SamplingParams())
-    with pytest.raises(ValueError, match="logit_bias"):
-        eng.add_request([5], SamplingParams(logit_bias={10**9: 1.0}))
+        proc.request("", SamplingParams())
+    with pytest.raises(InvalidParameter, match="logit_bias") as e:
+        proc.request([5], SamplingParams(logit_bias={10**9: 1.0}))
+    assert e.value.param == "logit_bias"
+    with pytest.raises(InvalidParameter, match="stop_token_ids"):
+        proc.request([5], SamplingParams(stop_token_ids=[proc.info.vocab_size]))
     with pytest.raises(ValueError, match="token ids"):
-        eng.add_request([5, -1], SamplingParams())
+        proc.request([5, -1], SamplingParams())
     with pytest.raises(ValueError, match="messages"):
         llm_fp32.chat([])
+    with pytest.raises(ValueError, match="requests"):
+        proc.request([5], SamplingParams(n=2))
+    r = proc.request([5, 6], SamplingParams(max_tokens=None), "dup")
+    assert r.params.max_tokens == limit - 2  # what the context leaves, filled in on the request side
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.request_id = "other"
+    eng.add_request(r)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request(r)
+    assert eng.abort("dup")
+    eng.step()
     assert not eng.has_unfinished()
+
+
+def test_n_expands_on_the_request_side(llm_fp32):
+    """requests(): one EngineRequest per choice, named {id}-{i}, seeded choices seed + i; n == 1 keeps
+    the id."""
+    proc = llm_fp32.processor
+    many = proc.requests([1, 2, 3], SamplingParams(n=3, seed=7), "r", cache_salt="t")
+    assert [(r.request_id, r.params.n, r.params.seed) for r in many] == [
+        ("r-0", 1, 7),
+        ("r-1", 1, 8),
+        ("r-2", 1, 9),
+    ]
+    assert all(r.cache_salt == "t" and r.prompt_token_ids == (1, 2, 3) for r in many)
+    (one,) = proc.requests([1, 2, 3], SamplingParams(), "s")
+    assert one.request_id == "s"
 
 
 def test_missing_and_corrupt_model_paths(tmp_path):

@@ -8,12 +8,17 @@ import asyncio
 import pytest
 
 from foveal import SamplingParams
-from foveal.engine.loop import EngineLoop, RequestStream, StreamError, StreamFailed, expand_n
+from foveal.engine.loop import EngineLoop, RequestStream, StreamError, StreamFailed
 from foveal.request import FinishReason, TokenDelta, TokenLogprobs
 
 
 def chat_ids(llm, text):
-    return llm.engine.apply_chat_template([{"role": "user", "content": text}])
+    return llm.processor.apply_chat_template([{"role": "user", "content": text}])
+
+
+def reqs(llm, rid, ids, params):
+    """What the server submits: the request's sequences, processed on the request side."""
+    return llm.processor.requests(ids, params, rid)
 
 
 async def _collect(stream):
@@ -40,7 +45,7 @@ def test_stream_equals_generate_and_n_seeds(llm_fp32):
     ref = llm_fp32.generate([ids], p)[0].outputs
 
     async def go(loop):
-        return await _collect(loop.submit("a", expand_n(ids, p)))
+        return await _collect(loop.submit("a", reqs(llm_fp32, "a", ids, p)))
 
     out = _run_loop(llm_fp32.engine, go)
     for i in range(2):
@@ -56,7 +61,7 @@ def test_a_slow_consumer_reads_merged_deltas(llm_fp32):
     ref = llm_fp32.generate([ids], p)[0].outputs
 
     async def go(loop):
-        s = loop.submit("slow", expand_n(ids, p))
+        s = loop.submit("slow", reqs(llm_fp32, "slow", ids, p))
         await s.admitted()
         out: dict[int, list] = {}
         async for i, d in s.deltas():
@@ -95,17 +100,29 @@ def test_merging_keeps_order_logprobs_and_a_trailing_error():
 
 
 def test_bad_input_is_the_first_item(llm_fp32):
+    """What the loop itself refuses (input was checked on the request side) comes as the stream's first
+    item: an id already open, and more sequences than the queue can ever hold, are 400s; nothing of
+    either stays admitted."""
+    ids = chat_ids(llm_fp32, "Tell me a story.")
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
     async def go(loop):
-        s = loop.submit("bad", [(list(range(10)), SamplingParams(max_tokens=10**6))])
+        first = loop.submit("same", reqs(llm_fp32, "same", ids, long))
+        await first.admitted()
+        again = loop.submit("same", reqs(llm_fp32, "same", ids, long))
         with pytest.raises(StreamFailed) as e:
-            await s.admitted()
-        assert e.value.error.status == 400 and "max_tokens" in e.value.error.message
+            await again.admitted()
+        assert e.value.error.status == 400 and "already in use" in e.value.error.message
+        loop.abort("same")
+        assert (await _collect(first))[0][-1].finish_reason is FinishReason.ABORT
+        many = loop.submit("many", reqs(llm_fp32, "many", ids, SamplingParams(n=3)))
+        with pytest.raises(StreamFailed) as e:
+            await many.admitted()
+        assert e.value.error.status == 400 and "at most 2" in e.value.error.message
+        await asyncio.sleep(0.05)
+        assert llm_fp32.engine.kv.num_used_blocks == 0
 
-        s = loop.submit("bad2", [([10**9], SamplingParams())])  # prompts come tokenized: ids checked
-        with pytest.raises(StreamFailed, match="prompt token ids"):
-            await s.admitted()
-
-    _run_loop(llm_fp32.engine, go)
+    _run_loop(llm_fp32.engine, go, max_queued_requests=2)
 
 
 def test_abort_before_admission_during_run_and_after_finish(llm_fp32):
@@ -113,12 +130,12 @@ def test_abort_before_admission_during_run_and_after_finish(llm_fp32):
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def go(loop):
-        s = loop.submit("early", [(ids, long)])
+        s = loop.submit("early", reqs(llm_fp32, "early", ids, long))
         loop.abort("early")
         loop.abort("early")  # idempotent
         out = await _collect(s)
         assert out[0][-1].finish_reason is FinishReason.ABORT
-        s = loop.submit("mid", [(ids, long)])
+        s = loop.submit("mid", reqs(llm_fp32, "mid", ids, long))
         await s.admitted()
         got = 0
         async for _, d in s.deltas():
@@ -127,7 +144,7 @@ def test_abort_before_admission_during_run_and_after_finish(llm_fp32):
                 loop.abort("mid")
             if d.finished:
                 assert d.finish_reason is FinishReason.ABORT
-        s = loop.submit("done", [(ids, SamplingParams(temperature=0, max_tokens=2))])
+        s = loop.submit("done", reqs(llm_fp32, "done", ids, SamplingParams(temperature=0, max_tokens=2)))
         await _collect(s)
         loop.abort("done")
         loop.abort("never-existed")
@@ -152,11 +169,13 @@ def test_engine_failure_marks_loop_dead_and_ends_streams(llm_fp32, monkeypatch):
     monkeypatch.setattr(eng, "step", flaky)
 
     async def go(loop):
-        s = loop.submit("x", [(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))])
+        s = loop.submit(
+            "x", reqs(llm_fp32, "x", ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        )
         with pytest.raises(StreamFailed, match="device lost"):
             await _collect(s)
         assert loop.state == "dead"
-        s = loop.submit("y", [(ids, SamplingParams())])
+        s = loop.submit("y", reqs(llm_fp32, "y", ids, SamplingParams()))
         with pytest.raises(StreamFailed) as e:
             await s.admitted()
         assert e.value.error.status == 503
@@ -172,7 +191,8 @@ def test_shutdown_aborts_what_does_not_drain(llm_fp32):
     loop = EngineLoop(llm_fp32.engine).start()
 
     async def go():
-        s = loop.submit("slow", [(ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))])
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        s = loop.submit("slow", reqs(llm_fp32, "slow", ids, long))
         await s.admitted()
         await asyncio.to_thread(loop.shutdown, 0.2)
         with pytest.raises(StreamFailed, match="shutting down"):

@@ -71,8 +71,7 @@ def test_bf16_runs_on_cuda(tiny_folder):
 )
 def test_vlm_matches_transformers_on_cuda(family, tmp_path):
     """Every VLM family on CUDA (fp32): prompt logits with two images vs transformers on the CPU."""
-    from foveal.config import EngineConfig
-    from foveal.engine.engine import Engine
+    from foveal.engine.llm import LLM
     from tests.tiny_vlm import all_builders, foveal_greedy, hf_greedy, image
 
     if family not in all_builders():
@@ -80,17 +79,13 @@ def test_vlm_matches_transformers_on_cuda(family, tmp_path):
     from tests.tiny_vlm import build
 
     tiny = build(family, str(tmp_path))
-    eng = Engine(
-        EngineConfig.from_kwargs(
-            model=tiny.path, dtype="float32", device="cuda", num_blocks=256, block_size=4
-        )
-    ).start()
+    llm = LLM(tiny.path, dtype="float32", device="cuda", num_blocks=256, block_size=4)
     im = tiny.image_text
     text, imgs = (
         f"<|user|>Compare {im} with {im} please.\n<|assistant|>",
         [image(56, 56, 2), image(28, 70, 3)],
     )
-    ((logits, toks, _),) = foveal_greedy(eng, [eng.process_images(prompt=text, images=imgs)], 8)
+    ((logits, toks, _),) = foveal_greedy(llm, [llm.processor.render_prompt(text, images=imgs)], 8)
     ref_logits, ref_toks, _ = hf_greedy(tiny, text, imgs, 8)
     assert (logits.float().cpu() - ref_logits).abs().max().item() < 1e-3
     assert toks == ref_toks
@@ -126,14 +121,14 @@ def test_qwen25_vl_shapes_survive_the_w4_request_sequence(tmp_path):
         assert llm.engine.runner.graphs is not None
         vocab = 150000
 
-        def prompt(i: int, engine=llm.engine):
+        def prompt(i: int, processor=llm.processor):
             g = torch.Generator().manual_seed(1000 + i)
             img = Image.fromarray(
                 torch.randint(0, 256, (448, 448, 3), generator=g, dtype=torch.uint8).numpy()
             )
             text = " ".join(f"t{t}" for t in torch.randint(100, vocab, (64,), generator=g).tolist())
             content = [{"type": "image"}, {"type": "text", "text": text}]
-            return engine.process_images(messages=[{"role": "user", "content": content}], images=[img])
+            return processor.render_chat([{"role": "user", "content": content}], images=[img])
 
         p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         out = []

@@ -217,7 +217,9 @@ def teacher_forced(engine, prompt: list[int], forced: list[int] | None, n: int) 
 def reference(llm_fp32):
     """The chat prompt, its greedy continuation and the per-position logits, all from the fp32 pool."""
     eng = llm_fp32.engine
-    prompt = eng.apply_chat_template([{"role": "user", "content": "Continue this story.\n\n" + STORY}])
+    prompt = llm_fp32.processor.apply_chat_template(
+        [{"role": "user", "content": "Continue this story.\n\n" + STORY}]
+    )
     logits = teacher_forced(eng, prompt, None, NUM_DECODE)
     cont = [int(logits[p].argmax()) for p in range(len(prompt) - 1, len(prompt) + NUM_DECODE - 1)]
     return prompt, cont, logits
@@ -299,7 +301,7 @@ def test_prefix_cache_hits_on_quantized_blocks(quantized_llm):
     first = quantized_llm.chat(messages, params)[0].outputs[0].token_ids
     mid = eng.kv.stats()["hit_tokens"]
     second = quantized_llm.chat(messages, params)[0].outputs[0].token_ids
-    n_prompt, bs = len(eng.apply_chat_template(messages)), eng.kv.block_size
+    n_prompt, bs = len(quantized_llm.processor.apply_chat_template(messages)), eng.kv.block_size
     assert mid - before < bs  # at most the chat template's first block was cached before
     # every full block, but one token always runs (it gives the logits)
     assert eng.kv.stats()["hit_tokens"] - mid == (n_prompt - 1) // bs * bs

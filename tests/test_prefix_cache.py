@@ -153,7 +153,7 @@ def test_prefix_hit_equals_miss_on_the_real_model(smollm_path):
     want = [o.outputs[0].token_ids for o in off.chat(turns, params)]
     assert got == want
     # turns 2-4 reuse every full block of the prefix they share with turn 1 (the system prompt)
-    ids = [on.engine.apply_chat_template(t) for t in turns]
+    ids = [on.processor.apply_chat_template(t) for t in turns]
     common = next(i for i, (x, y) in enumerate(zip(ids[0], ids[1])) if x != y)
     bs = on.engine.kv.block_size
     assert on.engine.kv.stats()["hit_tokens"] >= 3 * (common // bs * bs) > 0

@@ -60,7 +60,7 @@ def assert_matches_reference(got: list[int], ref: list[int], margins: list[float
 
 def test_chat_template_matches_transformers(llm_fp32, reference):
     for p, (ids, _, _) in zip(PROMPTS, reference):
-        assert llm_fp32.engine.apply_chat_template([{"role": "user", "content": p}]) == ids
+        assert llm_fp32.processor.apply_chat_template([{"role": "user", "content": p}]) == ids
 
 
 def test_each_prompt_alone_matches_transformers(llm_fp32, reference):
@@ -81,13 +81,14 @@ def test_continuous_batch_matches_transformers(llm_fp32, reference):
 
     got: dict[str, list[int]] = {}
     order = {}
+    proc = llm_fp32.processor
     for k in range(4):
-        order[eng.add_request(reference[k][0], SamplingParams(temperature=0.0, max_tokens=N_TOKENS))] = k
+        order[eng.add_request(proc.request(reference[k][0], params))] = k
     for _ in range(5):
         for d in eng.step():
             got.setdefault(d.request_id, []).extend(d.token_ids)
     for k in range(4, 8):
-        order[eng.add_request(reference[k][0], SamplingParams(temperature=0.0, max_tokens=N_TOKENS))] = k
+        order[eng.add_request(proc.request(reference[k][0], params))] = k
     while eng.has_unfinished():
         for d in eng.step():
             got.setdefault(d.request_id, []).extend(d.token_ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -193,7 +195,7 @@ def test_verify_item_carries_drafts_and_resolve_rewinds_the_rejected():
     batch = s.schedule()
     s.update(batch, {"a": [61, 62, 7]})  # a stop token ends the run: nothing after it is kept
     assert a.output_token_ids == [50, 51, 60, 61, 62, 7] and not a.is_finished
-    a.params.stop_token_ids = [9]
+    a.params = dataclasses.replace(a.params, stop_token_ids=[9])
     a.draft_ids = [9, 10]
     s.update(s.schedule(), {"a": [9, 10, 11]})
     assert a.is_finished and a.output_token_ids[-1] == 9 and kv.num_used_blocks == 0

@@ -18,6 +18,8 @@ import uvicorn
 
 from foveal.config import EngineConfig, ServerConfig
 from foveal.engine.engine import Engine
+from foveal.engine.factory import build_engine
+from foveal.engine.input_processor import InputProcessor
 from foveal.server.app import create_app
 
 KEY = "sk-test-123"
@@ -28,6 +30,7 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 class Served:
     url: str
     engine: Engine
+    processor: InputProcessor
     app: object
     server: uvicorn.Server
 
@@ -38,7 +41,7 @@ class Served:
 
     @property
     def model(self) -> str:
-        return self.engine.model_name
+        return self.processor.info.model_name
 
 
 def _free_port() -> int:
@@ -48,10 +51,10 @@ def _free_port() -> int:
 
 
 def _serve(engine_kw: dict, server_kw: dict):
-    engine = Engine(
+    engine, processor = build_engine(
         EngineConfig.from_kwargs(dtype="float32", kv_cache_memory=128 * 2**20, **engine_kw)
-    ).start()
-    app = create_app(engine, ServerConfig(drain_timeout=1.0, **server_kw))
+    )
+    app = create_app(engine, processor, ServerConfig(drain_timeout=1.0, **server_kw))
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
@@ -60,7 +63,7 @@ def _serve(engine_kw: dict, server_kw: dict):
     while not server.started:
         assert time.monotonic() < deadline and th.is_alive(), "server did not start"
         time.sleep(0.02)
-    return Served(f"http://127.0.0.1:{port}", engine, app, server), th
+    return Served(f"http://127.0.0.1:{port}", engine, processor, app, server), th
 
 
 @contextmanager
@@ -108,7 +111,7 @@ def test_models_health_and_chat_usage(srv):
     assert raw.headers["x-request-id"] == r.id and r.id.startswith("chatcmpl-")
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content.startswith("The capital of France is")
-    n_prompt = len(srv.engine.apply_chat_template(Q))
+    n_prompt = len(srv.processor.apply_chat_template(Q))
     u = r.usage
     assert (u.prompt_tokens, u.total_tokens) == (n_prompt, n_prompt + u.completion_tokens)
     assert u.prompt_tokens_details.cached_tokens == 0
@@ -186,7 +189,7 @@ def test_n2_stop_and_logprobs(srv):
 
 def test_extras_and_logit_bias(srv):
     c = srv.client()
-    ids = srv.engine.tokenize(" Berlin", add_special_tokens=False)
+    ids = srv.processor.tokenize(" Berlin", add_special_tokens=False)
     r = c.chat.completions.create(
         model=srv.model,
         messages=Q,
@@ -272,10 +275,9 @@ def test_disconnect_during_prefill_frees_blocks(srv):
 
 def test_prompt_too_long_is_400_before_stream(srv):
     body = {"model": srv.model, "messages": Q, "max_tokens": 10**6, "stream": True}
-    # validation runs on the model thread between steps: allow for one slow step on a loaded CI box
     r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
-    body = {"model": srv.model, "prompt": [1] * (srv.engine.max_model_len + 5), "stream": True}
+    body = {"model": srv.model, "prompt": [1] * (srv.processor.info.max_model_len + 5), "stream": True}
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
 
@@ -295,6 +297,8 @@ BAD = [
     ("chat", {**M, "max_tokens": 0}, "max_tokens"),
     ("chat", {**M, "max_tokens": 10**7}, "max_tokens"),
     ("chat", {**M, "presence_penalty": 5}, "presence_penalty"),
+    ("chat", {**M, "repetition_penalty": 0}, "repetition_penalty"),
+    ("chat", {**M, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat", {**M, "frequency_penalty": -3}, "frequency_penalty"),
     ("chat", {**M, "logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {**M, "logit_bias": {"999999999": 1}}, "logit_bias"),
@@ -343,6 +347,51 @@ def test_bad_inputs_are_4xx_naming_the_problem(srv):
     r = srv.client().chat.completions.create(model=srv.model, messages=Q, temperature=0, max_tokens=2)
     assert r.choices[0].message.content
     _free_soon(srv.engine)
+
+
+def test_sampling_errors_name_their_field(srv):
+    """A bad sampling value is refused once, by SamplingParams, and the 400's `param` names the field."""
+    for body, param in [
+        ({**M, "temperature": 3.0}, "temperature"),
+        ({**M, "n": 17}, "n"),
+        ({**M, "logit_bias": {"999999999": 1}}, "logit_bias"),
+        ({**M, "stop": ["x"] * 17}, "stop"),
+        ({**M, "top_logprobs": 3}, "top_logprobs"),
+        ({**M, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({**M, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({**M, "repetition_penalty": 0}, "repetition_penalty"),
+    ]:
+        body = {k: v for k, v in body.items() if v is not None}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_input_work_never_runs_on_the_model_thread(srv, monkeypatch):
+    """Templating, tokenizing and request validation (the InputProcessor) run in the input pool; the
+    model thread receives EngineRequests only."""
+    seen: dict[str, set] = {}
+
+    def spy(obj, name):
+        orig = getattr(obj, name)
+
+        def wrapped(*a, **kw):
+            seen.setdefault(name, set()).add(threading.current_thread().name)
+            return orig(*a, **kw)
+
+        monkeypatch.setattr(obj, name, wrapped)
+
+    tok = srv.processor.tokenizer
+    spy(tok, "encode")
+    spy(tok, "apply_chat_template")
+    spy(srv.processor, "request")
+    spy(srv.engine, "add_request")
+    c = srv.client()
+    c.chat.completions.create(model=srv.model, messages=Q, max_tokens=2, n=2)
+    c.completions.create(model=srv.model, prompt=["Once upon", "a time"], max_tokens=2)
+    assert set(seen) == {"encode", "apply_chat_template", "request", "add_request"}
+    for name in ("encode", "apply_chat_template", "request"):
+        assert all(t.startswith("foveal-input") for t in seen[name]), (name, seen[name])
+    assert seen["add_request"] == {"foveal-engine"}
 
 
 def test_fault_in_one_request_leaves_others_intact(srv, monkeypatch):

@@ -152,11 +152,9 @@ def test_shared_prefix_cache_shares_only_the_system_prompt_and_only_when_enabled
     """--shared-prefix-cache: a second tenant reuses the full blocks of the same system prompt and
     nothing after it (its user turn is its own); without the flag nothing crosses tenants."""
     bs = strict.engine.kv.block_size
-    engine = strict.engine
-    sys_len = engine.system_prefix_len(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}],
-        engine.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]),
-    )
+    proc = strict.processor
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]
+    sys_len = proc.system_prefix_len(chat, proc.apply_chat_template(chat))
     assert sys_len > 2 * bs  # the byte tokenizer's template renders the system turn as a token prefix
     assert chat_cached(strict, "sk-alice", "hello there")[0] == 0
     assert chat_cached(strict, "sk-bob", "hello there")[0] == 0  # not enabled: isolated

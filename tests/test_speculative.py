@@ -128,7 +128,7 @@ def test_pool_idle_after_many_speculating_requests_with_cancellations(folder):
             params = SamplingParams(
                 temperature=rng.choice([0, 0.7]), max_tokens=rng.randint(1, 12), ignore_eos=True
             )
-            live.append(eng.add_request(rng.choice(prompts), params))
+            live.append(eng.add_request(llm.processor.request(rng.choice(prompts), params)))
             submitted += 1
         if rng.random() < 0.3:
             eng.abort(live[rng.randrange(len(live))])

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foveal.config import EngineConfig
-from foveal.engine.engine import Engine
+from foveal.engine.llm import LLM
 from tests.tiny_vlm import all_builders, build, foveal_greedy, hf_greedy, image
 
 TOL = 1e-4
@@ -21,7 +20,7 @@ def tiny(request, tmp_path_factory):
     return build(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
-def engine_for(tiny, **kw) -> Engine:
+def engine_for(tiny, **kw) -> LLM:
     # the prefix cache off: these tests compare every prompt position (test_prefix_cache_* turn it on)
     opts = dict(
         model=tiny.path,
@@ -32,7 +31,7 @@ def engine_for(tiny, **kw) -> Engine:
         enable_prefix_caching=False,
     )
     opts.update(kw)
-    return Engine(EngineConfig.from_kwargs(**opts)).start()
+    return LLM(**opts)
 
 
 def cases(tiny):
@@ -45,7 +44,7 @@ def cases(tiny):
     ]
 
 
-def check(tiny, engine, case_list, results):
+def check(tiny, case_list, results):
     for (text, imgs), (logits, toks, steps) in zip(case_list, results):
         ref_logits, ref_toks, ref_steps = hf_greedy(tiny, text, imgs, STEPS)
         assert logits.shape == ref_logits.shape
@@ -56,64 +55,64 @@ def check(tiny, engine, case_list, results):
             assert (a - b).abs().max().item() < TOL
 
 
-def prompts(engine, case_list):
-    return [engine.process_images(prompt=t, images=i) for t, i in case_list]
+def prompts(llm, case_list):
+    return [llm.processor.render_prompt(t, images=i) for t, i in case_list]
 
 
 def test_each_prompt_alone_matches_transformers(tiny):
-    eng = engine_for(tiny)
+    llm = engine_for(tiny)
     cs = cases(tiny)
     for c in cs:
-        check(tiny, eng, [c], foveal_greedy(eng, prompts(eng, [c]), STEPS))
+        check(tiny, [c], foveal_greedy(llm, prompts(llm, [c]), STEPS))
 
 
 def test_batched_image_and_text_requests_match(tiny):
-    eng = engine_for(tiny)
+    llm = engine_for(tiny)
     cs = cases(tiny) + cases(tiny)[::-1]
-    check(tiny, eng, cs, foveal_greedy(eng, prompts(eng, cs), STEPS))
+    check(tiny, cs, foveal_greedy(llm, prompts(llm, cs), STEPS))
 
 
 @pytest.mark.parametrize("budget", [5, 13])
 def test_chunked_prefill_inside_image_spans_matches(tiny, budget):
-    eng = engine_for(tiny, max_num_batched_tokens=budget)
+    llm = engine_for(tiny, max_num_batched_tokens=budget)
     cs = cases(tiny)
-    ps = prompts(eng, cs)
+    ps = prompts(llm, cs)
     # the budget must actually split some image's placeholder run
     # (unless the model keeps image spans whole: Gemma 3's image tokens attend both ways)
     splits = any(it.offset // budget != (it.end - 1) // budget for p in ps for it in p.items)
-    assert splits or eng.model.mm_bidirectional
-    check(tiny, eng, cs, foveal_greedy(eng, ps, STEPS))
+    assert splits or llm.engine.model.mm_bidirectional
+    check(tiny, cs, foveal_greedy(llm, ps, STEPS))
 
 
 def test_repeated_image_hits_vision_cache(tiny):
-    eng = engine_for(tiny)
+    llm = engine_for(tiny)
     text, imgs = cases(tiny)[1]
-    first = foveal_greedy(eng, prompts(eng, [(text, imgs)]), 4)[0]
-    encoded = eng.runner.num_encoded
-    hits = eng.encoder_cache.hits
+    first = foveal_greedy(llm, prompts(llm, [(text, imgs)]), 4)[0]
+    encoded = llm.engine.runner.num_encoded
+    hits = llm.engine.encoder_cache.hits
     # the same pixels in a fresh PIL object: the content hash, not object identity, finds it
-    again = foveal_greedy(eng, prompts(eng, [(text, [image(40, 30, 1)])]), 4)[0]
-    assert eng.runner.num_encoded == encoded, "the encoder ran for a cached image"
-    assert eng.encoder_cache.hits > hits
+    again = foveal_greedy(llm, prompts(llm, [(text, [image(40, 30, 1)])]), 4)[0]
+    assert llm.engine.runner.num_encoded == encoded, "the encoder ran for a cached image"
+    assert llm.engine.encoder_cache.hits > hits
     assert again[1] == first[1] and torch.equal(again[0], first[0])
     # a different image with the same placeholder tokens is a miss
-    foveal_greedy(eng, prompts(eng, [(text, [image(40, 30, 9)])]), 1)
-    assert eng.runner.num_encoded == encoded + 1
+    foveal_greedy(llm, prompts(llm, [(text, [image(40, 30, 9)])]), 1)
+    assert llm.engine.runner.num_encoded == encoded + 1
 
 
 def test_encoder_budget_spreads_images_over_steps(tiny):
     # a budget of one embedding token: each step may start at most one new image
-    eng = engine_for(tiny, max_encoder_tokens_per_step=1)
+    llm = engine_for(tiny, max_encoder_tokens_per_step=1)
     cs = cases(tiny)[2:]
     per_step = []
-    orig = eng.model.encode_images
+    orig = llm.engine.model.encode_images
 
     def counting(items):
         per_step.append(len(items))
         return orig(items)
 
-    eng.model.encode_images = counting
-    check(tiny, eng, cs, foveal_greedy(eng, prompts(eng, cs), STEPS))
+    llm.engine.model.encode_images = counting
+    check(tiny, cs, foveal_greedy(llm, prompts(llm, cs), STEPS))
     assert per_step and max(per_step) == 1 and sum(per_step) == 2
 
 
@@ -159,14 +158,14 @@ def test_prefix_cache_hit_equals_miss_and_keys_on_image_content(tiny):
     assert hit >= len(p.prompt_token_ids) - 4, "the repeated prompt should be served from the cache"
     assert toks == ref_toks
     assert (logits - ref_logits[hit:]).abs().max().item() < TOL
-    assert warm.kv.hit_tokens >= hit
+    assert warm.engine.kv.hit_tokens >= hit
     # a different image with the same placeholder tokens: reuse stops at the first image's block
     other = [image(56, 56, 7), imgs[1]]
     (q,) = prompts(warm, [(text, other)])
     assert q.prompt_token_ids == p.prompt_token_ids
     ((logits2, toks2, _),) = foveal_greedy(warm, [q], STEPS)
-    first_image_block = q.items[0].offset // warm.kv.block_size
-    assert len(q.prompt_token_ids) - logits2.shape[0] <= first_image_block * warm.kv.block_size
+    first_image_block = q.items[0].offset // warm.engine.kv.block_size
+    assert len(q.prompt_token_ids) - logits2.shape[0] <= first_image_block * warm.engine.kv.block_size
     ((ref2, ref_toks2, _),) = foveal_greedy(cold, prompts(cold, [(text, other)]), STEPS)
     assert toks2 == ref_toks2
 
@@ -174,12 +173,12 @@ def test_prefix_cache_hit_equals_miss_and_keys_on_image_content(tiny):
 def test_system_prefix_is_found_in_an_image_chat(tiny):
     """--shared-prefix-cache on a VLM: the leading system turn, rendered alone through the family's
     processor, is a token prefix of the whole image chat (and the user turn's image lies after it)."""
-    eng = engine_for(tiny)
+    llm = engine_for(tiny)
     system = {"role": "system", "content": [{"type": "text", "text": "Answer briefly and politely."}]}
     user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
-    prompt = eng.process_images(messages=[system, user], images=[image(40, 30, 1)])
+    prompt = llm.processor.render_chat([system, user], images=[image(40, 30, 1)])
     ids = prompt.prompt_token_ids
-    n = eng.system_prefix_len([system, user], ids)
+    n = llm.processor.system_prefix_len([system, user], ids)
     assert 0 < n <= prompt.items[0].offset
-    assert ids[:n] == eng.apply_chat_template([system], add_generation_prompt=False)
-    assert eng.system_prefix_len([user], ids) == 0  # no system turn: nothing to share
+    assert ids[:n] == llm.processor.apply_chat_template([system], add_generation_prompt=False)
+    assert llm.processor.system_prefix_len([user], ids) == 0  # no system turn: nothing to share

@@ -174,15 +174,13 @@ def hf_greedy(tiny: TinyVLM, text: str, images: list, steps: int):
     return prompt_logits, tokens[:steps], step_logits[: steps - 1]
 
 
-def foveal_greedy(engine, prompts: list, steps: int):
-    """Drive our engine step by step (greedy, ignore_eos). Per request: prompt logits [L, V] (from all
-    chunks), generated tokens, and the logits behind each generated token after the first."""
+def foveal_greedy(llm, prompts: list, steps: int):
+    """Drive an LLM's engine step by step (greedy, ignore_eos). Per request: prompt logits [L, V] (from
+    all chunks), generated tokens, and the logits behind each generated token after the first."""
     from foveal.request import SamplingParams
 
-    rids = [
-        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
-        for p in prompts
-    ]
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    rids = [engine.add_request(llm.processor.request(p, params)) for p in prompts]
     prompt_rows: dict[str, list[torch.Tensor]] = {r: [] for r in rids}
     tokens: dict[str, list[int]] = {r: [] for r in rids}
     step_logits: dict[str, list[torch.Tensor]] = {r: [] for r in rids}

@@ -80,13 +80,13 @@ class Served:
         import uvicorn
 
         from foveal.config import EngineConfig, ServerConfig
-        from foveal.engine.engine import Engine
+        from foveal.engine.factory import build_engine
         from foveal.server.app import create_app
 
-        self.engine = Engine(
+        self.engine, self.processor = build_engine(
             EngineConfig.from_kwargs(dtype="float32", kv_cache_memory=128 * 2**20, **engine_kw)
-        ).start()
-        self.app = create_app(self.engine, ServerConfig(drain_timeout=1.0, **server_kw))
+        )
+        self.app = create_app(self.engine, self.processor, ServerConfig(drain_timeout=1.0, **server_kw))
         self.url = f"http://127.0.0.1:{free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
         self.server = uvicorn.Server(

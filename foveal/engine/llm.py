@@ -1,18 +1,18 @@
 """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, `LLM.chat(messages)` and
-`LLM.stream(...)`. A thin driver over Engine.step(); no scheduling logic of its own.
+`LLM.stream(...)`. A thin driver: prompts go through the InputProcessor, then Engine.step() runs them;
+no scheduling logic of its own.
 
 Images (vision-language models): chat message parts `{"type": "image", "image": <PIL.Image>}`, or a
-prompt made with `engine.process_images(prompt=..., images=[...])`.
+prompt made with `llm.processor.render_prompt(text, images=[...])`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from foveal.config import EngineConfig
-from foveal.engine.engine import Engine
+from foveal.engine.factory import build_engine
 from foveal.request import (
     FinishReason,
     MultiModalPrompt,
@@ -49,19 +49,19 @@ class LLM:
     `LLM(dtype="bfloat16", max_num_seqs=64, kv_cache_memory=2**30)`."""
 
     def __init__(self, model: str | None = None, *, progress: bool = False, **engine_options):
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_options)).start(progress=progress)
+        config = EngineConfig.from_kwargs(model=model, **engine_options)
+        self.engine, self.processor = build_engine(config, progress=progress)
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.processor.tokenizer
 
     def generate(
         self,
         prompts: PromptLike | list[PromptLike],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        prompts = self._as_list(prompts)
-        return self._run([self._ids(p) for p in prompts], params)
+        return self._run(self._as_list(prompts), params)
 
     def chat(
         self,
@@ -91,13 +91,11 @@ class LLM:
                         parts.append(p)
                 m = {**m, "content": parts}
             msgs.append(m)
-        if not images and not self.engine.is_multimodal:
-            return MultiModalPrompt(self.engine.apply_chat_template(msgs, **kw), [])
-        return self.engine.process_images(messages=msgs, images=images, **kw)
+        return self.processor.render_chat(msgs, images=images, **kw)
 
     def stream(self, prompt: PromptLike, params: SamplingParams | None = None) -> Iterator[TokenDelta]:
         """Yield each step's delta for one prompt (n must be 1) until it finishes."""
-        rid = self.engine.add_request(self._ids(prompt), dataclasses.replace(params or SamplingParams()))
+        rid = self.engine.add_request(self.processor.request(prompt, params))
         try:
             while True:
                 for d in self.engine.step():
@@ -115,24 +113,21 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _ids(self, prompt: PromptLike) -> list[int] | MultiModalPrompt:
-        if isinstance(prompt, MultiModalPrompt):
-            return prompt
-        return self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-
-    def _run(self, prompt_ids: list, params) -> list[RequestOutput]:
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_ids)
-        if len(plist) != len(prompt_ids):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_ids)} prompts")
+    def _run(self, prompts: list[PromptLike], params) -> list[RequestOutput]:
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        # every prompt processed (and validated) before any is admitted
+        rids = [new_request_id("gen") for _ in prompts]
+        batches = [self.processor.requests(p, sp, rid) for p, sp, rid in zip(prompts, plist, rids)]
         results: list[RequestOutput] = []
         where: dict[str, CompletionOutput] = {}
         try:
-            for ids, p in zip(prompt_ids, plist):
-                plain = ids.prompt_token_ids if isinstance(ids, MultiModalPrompt) else ids
-                ro = RequestOutput(new_request_id("gen"), plain, [])
-                for i, sub in enumerate(p.choices()):  # each choice is its own sequence
+            for rid, reqs, p in zip(rids, batches, plist):
+                ro = RequestOutput(rid, list(reqs[0].prompt_token_ids), [])
+                for i, r in enumerate(reqs):  # each choice is its own sequence
                     co = CompletionOutput(i, logprobs=[] if p.logprobs is not None else None)
-                    where[self.engine.add_request(ids, sub)] = co
+                    where[self.engine.add_request(r)] = co
                     ro.outputs.append(co)
                 results.append(ro)
             while self.engine.has_unfinished():

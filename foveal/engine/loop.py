@@ -1,16 +1,17 @@
 """EngineLoop: owns THE model thread and bridges it to asyncio callers.
 
     caller (event loop)                       model thread
-    submit() ── _Submit ──> commands queue ──> drained between steps -> engine.add_request
+    submit() ── requests ─> commands queue ──> drained between steps -> engine.add_request
     abort()  ── _Abort  ──>                                            -> engine.abort
     RequestStream.queue <── one call_soon_threadsafe per event loop per iteration <── step() deltas
 
 Every engine call happens on the model thread, so the engine stays single-threaded. A stream's first
 item is `ADMITTED` or a `StreamError` (the HTTP layer answers 4xx before any header is sent); then
 `(choice_index, TokenDelta)` pairs until every choice has a final delta, or a `StreamError` if the loop
-dies or shuts down. When idle the thread blocks on the command queue. Prompts arrive as token ids:
-no input work (templates, tokenizing) runs here. `drain()` stops admissions and, at its deadline, ends
-every open request with a final error; any exit of the thread marks the loop dead and ends them too.
+dies or shuts down. When idle the thread blocks on the command queue. Requests arrive processed
+(`EngineRequest`s from the InputProcessor, n already expanded): no input work runs here. `drain()`
+stops admissions and, at its deadline, ends every open request with a final error; any exit of the
+thread marks the loop dead and ends them too.
 This module must not import HTTP code.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
@@ -26,12 +26,11 @@ import time
 from dataclasses import dataclass, field
 
 from foveal.metrics import FanoutSink, MetricsSink, RequestStats
-from foveal.request import FinishReason, MultiModalPrompt, SamplingParams, TokenDelta
+from foveal.request import EngineRequest, FinishReason, TokenDelta
 
 log = logging.getLogger(__name__)
 
 ADMITTED = "admitted"
-PromptSource = list[int] | MultiModalPrompt  # token ids, made before submission (never on this thread)
 
 
 @dataclass(slots=True)
@@ -45,12 +44,6 @@ class StreamFailed(Exception):
     def __init__(self, err: StreamError):
         super().__init__(err.message)
         self.error = err
-
-
-@dataclass(slots=True)
-class _Choice:
-    prompt: PromptSource
-    params: SamplingParams
 
 
 class RequestStream:
@@ -147,15 +140,14 @@ class EngineLoop:
     def submit(
         self,
         request_id: str,
-        choices: list[tuple[PromptSource, SamplingParams]],
+        choices: list[EngineRequest],
         *,
         streaming: bool = False,
         timeout: float | None = None,
-        cache_salt: str | None = None,
         tenant: str | None = None,
     ) -> RequestStream:
-        """Queue one request of one or more choices (n > 1 already expanded by the caller, or use
-        `expand_n`). Must be called from a running event loop; the stream belongs to it."""
+        """Queue one request of one or more choices (sequences, each its own EngineRequest; choice i of
+        the stream is choices[i]). Must be called from a running event loop; the stream belongs to it."""
         stream = RequestStream(request_id, len(choices), asyncio.get_running_loop(), timeout)
         if self.state == "ready" and self._thread is not None and not self._thread.is_alive():
             self._died("the model thread exited")
@@ -169,7 +161,7 @@ class EngineLoop:
             stream.queue.put_nowait(StreamError(f"not accepting requests: {why}", 503, "unavailable"))
             return stream
         stats = RequestStats(request_id, streaming=streaming, tenant=tenant)
-        self._cmds.put(("submit", stream, [_Choice(p, s) for p, s in choices], stats, cache_salt))
+        self._cmds.put(("submit", stream, list(choices), stats))
         return stream
 
     def call(self, fn) -> concurrent.futures.Future:
@@ -287,9 +279,7 @@ class EngineLoop:
             except Exception as e:
                 fut.set_exception(e)
 
-    def _admit(
-        self, stream: RequestStream, choices: list[_Choice], stats: RequestStats, cache_salt: str | None
-    ) -> None:
+    def _admit(self, stream: RequestStream, choices: list[EngineRequest], stats: RequestStats) -> None:
         rid = stream.request_id
         if rid in self._open:
             return self._push(stream, StreamError(f"request id {rid!r} is already in use", 400))
@@ -301,11 +291,9 @@ class EngineLoop:
             return
         sub_ids: list[str] = []
         try:
-            for i, ch in enumerate(choices):
-                sid = rid if len(choices) == 1 else f"{rid}-{i}"
-                eng.add_request(ch.prompt, dataclasses.replace(ch.params), sid, cache_salt=cache_salt)
-                sub_ids.append(sid)
-        except Exception as e:  # bad input (ValueError, template errors): 400, nothing stays admitted
+            for ch in choices:
+                sub_ids.append(eng.add_request(ch))
+        except Exception as e:  # an id in use: 400, nothing stays admitted
             for sid in sub_ids:
                 eng.abort(sid)
             self._flush_aborted(sub_ids)
@@ -440,8 +428,3 @@ class EngineLoop:
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     for q, item in items:
         q.put_nowait(item)
-
-
-def expand_n(prompt: PromptSource, params: SamplingParams) -> list[tuple[PromptSource, SamplingParams]]:
-    """n choices -> n sequences; seeded choices get distinct, reproducible seeds (seed + i), as LLM does."""
-    return [(prompt, p) for p in params.choices()]

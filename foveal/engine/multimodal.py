@@ -100,7 +100,5 @@ class MultiModalProcessor:
                     tensor_digest(h, data[key])
             items.append(MultiModalItem("image", first, last - first + 1, n, h.hexdigest(), data, index))
         prompt = MultiModalPrompt(ids, items)
-        mrope = self.adapter.mrope_positions(ids, items)
-        if mrope is not None:
-            prompt.mrope_positions, prompt.mrope_delta = mrope
+        prompt.rope = self.adapter.rope(ids, items)
         return prompt

@@ -46,3 +46,14 @@ class CausalLM(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    # -- rotary positions where they are not the token's index (`uses_mrope`) ------------------------
+    def rope_positions(self, spans: list[tuple[int, int, Any]]) -> torch.Tensor:
+        """[3, T] positions of a step's fed tokens: per item (start, end, rope), `rope` being the
+        request's `MultiModalPrompt.rope` (the family's own data; None for a text-only prompt)."""
+        raise NotImplementedError
+
+    def position_shift(self, rope: Any) -> int:
+        """How far a request's generated tokens sit past their index, on every axis: a decode row's
+        1-D position is index + this (0 unless the family's positions say otherwise)."""
+        return 0

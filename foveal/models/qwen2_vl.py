@@ -5,15 +5,16 @@ whose rotary is M-RoPE: every token has a (temporal, height, width) position.
 Positions: text tokens advance all three axes together; the tokens of an image of t x h x w merged
 cells get (t, h, w) grid coordinates offset by the position where the image starts, and the text after
 it resumes at start + max(h, w). The prompt's [3, L] table is computed on the request side (the
-adapter); generated tokens sit at p + delta on every axis, delta = max position + 1 - L. A text-only
-request has no table and delta 0: plain 1-D positions, as in transformers.
+adapter's `rope`, an `MRope`); generated tokens sit at p + delta on every axis, delta = max position
++ 1 - L. A text-only request has no table and delta 0: plain 1-D positions, as in transformers. The
+runner asks the model (`MRopePositions`) for each step's positions; it never reads the table.
 
 Only images: video inputs are not produced by our processor calls.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -42,9 +43,35 @@ class MRopeQwen2ForCausalLM(Qwen2ForCausalLM):
         self.rotary = MRotaryEmbedding(self.config, self.spec.head_dim, self.rotary.cos.shape[0]).to(device)
 
 
-def mrope_prompt_positions(
-    length: int, spans: list[tuple[int, tuple[int, int, int]]], merge: int
-) -> tuple[torch.Tensor, int]:
+class MRope(NamedTuple):
+    """A prompt's M-RoPE positions: the [3, L] table, and the shift of every later token."""
+
+    table: torch.Tensor
+    delta: int
+
+
+class MRopePositions:
+    """The M-RoPE families' answer to the runner's position questions (models/base.py)."""
+
+    uses_mrope = True
+
+    def rope_positions(self, spans: list[tuple[int, int, MRope | None]]) -> torch.Tensor:
+        """[3, T]: prompt positions from the request's table; later tokens at p + delta on all axes."""
+        parts = []
+        for a, b, rope in spans:
+            n_tab = 0 if rope is None else rope.table.shape[1]
+            if a < n_tab:
+                parts.append(rope.table[:, a : min(b, n_tab)])
+            lo = max(a, n_tab)
+            if lo < b:
+                parts.append(torch.arange(lo, b).add_(rope.delta if rope else 0).expand(3, -1))
+        return torch.cat(parts, dim=1)
+
+    def position_shift(self, rope: MRope | None) -> int:
+        return rope.delta if rope is not None else 0
+
+
+def mrope_prompt_positions(length: int, spans: list[tuple[int, tuple[int, int, int]]], merge: int) -> MRope:
     """[3, length] positions and the delta for a prompt whose images sit at `spans`: (offset, grid t/h/w
     in patches), in prompt order. Every image token is one merged cell of its grid."""
     pos = torch.empty(3, length, dtype=torch.long)
@@ -65,7 +92,7 @@ def mrope_prompt_positions(
         text_start = offset + cells
     pos[:, text_start:] = torch.arange(cur, cur + length - text_start)
     delta = int(pos.max()) + 1 - length if length else 0
-    return pos, delta
+    return MRope(pos, delta)
 
 
 class Qwen2VLAdapter(ImageAdapter):
@@ -89,7 +116,7 @@ class Qwen2VLAdapter(ImageAdapter):
             raise ValueError(f"image grids cover {row} patches but the processor gave {pv.shape[0]}")
         return parts
 
-    def mrope_positions(self, prompt_ids: list[int], items: list) -> tuple[torch.Tensor, int] | None:
+    def rope(self, prompt_ids: list[int], items: list) -> MRope:
         spans = []
         for it in sorted(items, key=lambda it: it.offset):
             t, h, w = (int(x) for x in it.data["image_grid_thw"][0])
@@ -99,9 +126,8 @@ class Qwen2VLAdapter(ImageAdapter):
         return mrope_prompt_positions(len(prompt_ids), spans, self.merge)
 
 
-class Qwen2VLForConditionalGeneration(VisionLanguageModel):
+class Qwen2VLForConditionalGeneration(MRopePositions, VisionLanguageModel):
     mm_adapter = Qwen2VLAdapter
-    uses_mrope = True
     vision_class = "qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel"  # transformers.models.*
     # transformers 5 names first (`model.language_model.`, `model.visual.`), then the older layout whose
     # decoder is the top-level `model.` (so that prefix must come last)

@@ -22,7 +22,7 @@ from torch import nn
 from foveal.layers.rotary import MRotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.models.llama import Qwen3ForCausalLM
-from foveal.models.qwen2_vl import Qwen2VLAdapter
+from foveal.models.qwen2_vl import MRopePositions, Qwen2VLAdapter
 from foveal.models.vlm import VisionLanguageModel, hf_module
 
 
@@ -49,10 +49,9 @@ class MRopeQwen3ForCausalLM(Qwen3ForCausalLM):
         self.rotary = self._rotary(self.rotary.cos.shape[0]).to(device)
 
 
-class Qwen3VLForConditionalGeneration(VisionLanguageModel):
+class Qwen3VLForConditionalGeneration(MRopePositions, VisionLanguageModel):
     # same processor layout (flattened patches + [N, 3] grid) and image positions as Qwen2-VL
     mm_adapter = Qwen2VLAdapter
-    uses_mrope = True
     # Qwen3-VL was released with transformers' nested layout; transformers maps no older names for it
     PREFIXES = (
         (("model.language_model.",), "text"),

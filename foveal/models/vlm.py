@@ -74,7 +74,9 @@ class ImageAdapter:
         """The `images` argument the processor wants for one prompt (some want a nested list)."""
         return images
 
-    def mrope_positions(self, prompt_ids: list[int], items: list) -> tuple[torch.Tensor, int] | None:
+    def rope(self, prompt_ids: list[int], items: list) -> Any:
+        """The family's rotary positions for this prompt (`MultiModalPrompt.rope`), or None when they
+        are the token indices."""
         return None
 
 

@@ -123,12 +123,10 @@ class Sampler:
                 ids = [t for t in ids if 0 <= t < V]
                 mask_r += [i] * len(ids)
                 mask_t += ids
-            if p.logit_bias:
-                for t, b in p.logit_bias.items():
-                    if 0 <= t < V:
-                        bias_r.append(i)
-                        bias_t.append(t)
-                        bias_v.append(float(b))
+            if p.bias_token_ids:  # made when the params were (request side); ids checked against the vocab
+                bias_r += [i] * len(p.bias_token_ids)
+                bias_t += p.bias_token_ids
+                bias_v += p.bias_values
         dev = x.device
         if mask_t:
             x[_long(mask_r, dev), _long(mask_t, dev)] = float("-inf")

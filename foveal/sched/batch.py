@@ -66,8 +66,7 @@ class NewRequest:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     mm_items: tuple[MultiModalItem, ...] = ()
-    mrope_positions: Any = None  # [3, prompt_len] for M-RoPE models; later positions are p + mrope_delta
-    mrope_delta: int = 0
+    rope: Any = None  # the model family's positions for the prompt (MultiModalPrompt.rope), for the model
 
 
 @dataclass(slots=True)

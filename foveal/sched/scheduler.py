@@ -337,6 +337,5 @@ def _new_request(req: Request) -> NewRequest:
         req.params,
         req.eos_token_ids,
         tuple(req.mm_items),
-        req.mrope_positions,
-        req.mrope_delta,
+        req.rope,
     )

@@ -2,8 +2,9 @@
 strict pydantic models, submission to the EngineLoop, whole and streamed (SSE) responses.
 
 Every 4xx is decided before any response byte is sent: the stream's first item is admission or an
-error. A client that goes away (mid-stream or before the first token) aborts its request. This module
-must not call the engine directly except through the EngineLoop (the model thread owns the engine).
+error. A client that goes away (mid-stream or before the first token) aborts its request. The app
+talks to the engine only through its EngineLoop (the model thread owns the engine); request input goes
+through the InputProcessor, in the input pool (server/prompts.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from foveal.config import ServerConfig
-from foveal.engine.loop import EngineLoop, RequestStream, StreamFailed, expand_n
+from foveal.engine.input_processor import InputProcessor
+from foveal.engine.loop import EngineLoop, RequestStream, StreamFailed
 from foveal.metrics import FanoutSink, SummarySink
 from foveal.metrics.prometheus import PrometheusSink
 from foveal.server import openapi, sse
@@ -99,17 +101,20 @@ class _Edge:
         )
 
 
-def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
-    """Build the app around a started Engine. The EngineLoop starts with the app's lifespan."""
+def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = None) -> FastAPI:
+    """Build the app around a started Engine (handed to the EngineLoop, which starts with the app's
+    lifespan) and its InputProcessor (`engine/factory.py` builds the pair)."""
     cfg = cfg or ServerConfig()
     prom, summary = PrometheusSink(), SummarySink()
     loop = EngineLoop(engine, cfg.max_queued_requests, FanoutSink(prom, summary))
-    model_name = cfg.served_model_name or engine.model_name
-    names = {model_name, engine.model_name}
-    text_of = sse.TokenText(engine.tokenizer)
+    del engine  # from here on, only through the loop
+    info = processor.info
+    model_name = cfg.served_model_name or info.model_name
+    names = {model_name, info.model_name}
+    text_of = sse.TokenText(processor.tokenizer)
     created = int(time.time())
     inputs = InputWork(cfg.input_workers, cfg.input_timeout)
-    prompts = Prompts(engine, cfg, inputs)
+    prompts = Prompts(processor, cfg, inputs)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -166,9 +171,9 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                 code="model_not_found",
             )
         try:
-            params = req.sampling_params()
+            params = req.sampling_params()  # validated as it is made (request.py)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         return req, params
 
     async def admit(request: Request, stream: RequestStream) -> None:
@@ -199,17 +204,12 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             return None
         return f"{tenant or ''}\x00{client or ''}"
 
-    async def run(request: Request, rid: str, req, prompts: list, params, chat: bool):
-        """One entry per prompt; choice index = prompt index * n + choice, as OpenAI numbers them."""
+    async def run(request: Request, rid: str, req, choices: list, chat: bool):
+        """choices: the processed sequences; choice index = prompt index * n + choice, as OpenAI
+        numbers them."""
         request.state.request_id = rid
-        choices = [c for p in prompts for c in expand_n(p, params)]
         stream = loop.submit(
-            rid,
-            choices,
-            streaming=req.stream,
-            timeout=cfg.request_timeout,
-            cache_salt=cache_salt(request, req),
-            tenant=request.state.tenant,
+            rid, choices, streaming=req.stream, timeout=cfg.request_timeout, tenant=request.state.tenant
         )
         await admit(request, stream)
         if req.stream:
@@ -349,17 +349,19 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         log.info(
             "%s: chat request, %d message(s), n=%d, stream=%s", rid, len(req.messages), params.n, req.stream
         )
-        prompt = await prompts.chat(req, rid)
-        return await run(request, rid, req, [prompt], params, True)
+        choices = await prompts.chat(req, params, rid, cache_salt(request, req))
+        return await run(request, rid, req, choices, True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, params = await parse(request, CompletionRequest)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         request.state.request_id = rid
-        ids = await prompts.completion(req.prompt)  # text tokenized in the input pool
-        log.info("%s: completion request, %d prompt(s), n=%d, stream=%s", rid, len(ids), params.n, req.stream)
-        return await run(request, rid, req, ids, params, False)
+        choices = await prompts.completion(req.prompt, params, rid, cache_salt(request, req))
+        log.info(
+            "%s: completion request, %d sequence(s), n=%d, stream=%s", rid, len(choices), params.n, req.stream
+        )
+        return await run(request, rid, req, choices, False)
 
     @app.get("/v1/models")
     async def models():
@@ -367,7 +369,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             "object": "model",
             "created": created,
             "owned_by": "foveal",
-            "max_model_len": engine.max_model_len,
+            "max_model_len": info.max_model_len,
         }
         return {"object": "list", "data": [{"id": model_name, **card}]}
 
@@ -397,13 +399,16 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         cache for an admin key (plain counters read off the model thread: a snapshot, not a
         transaction); for any other key, its own tenant's prompt and cached tokens only."""
         if request.state.admin:
-            return engine.cache_stats()
+            try:
+                return await asyncio.wrap_future(loop.call(lambda e: e.cache_stats()))
+            except RuntimeError as e:
+                raise APIError(503, f"cannot read the cache: {e}", "unavailable") from None
         mine = summary.tenant_dict(request.state.tenant)["summary"]
         q, hit = mine["prompt_tokens"], mine["cached_prompt_tokens"]
         return {
             "prefix_cache": {
-                "enabled": engine.kv.prefix_caching,
-                "block_size": engine.kv.block_size,
+                "enabled": info.prefix_caching,
+                "block_size": info.block_size,
                 "query_tokens": q,
                 "hit_tokens": hit,
                 "hit_rate": hit / q if q else 0.0,

@@ -7,8 +7,8 @@ with a deadline, so one slow input fails alone instead of filling the pool or st
 
 A thread cannot be killed, but Python code in it (Jinja renders chat templates as Python) stops at
 the exception raised into it (CPython's PyThreadState_SetAsyncExc). Native code (a Rust tokenizer)
-is bounded by size instead: the engine refuses text that could not fit the context before tokenizing
-it. This module owns the pool and the deadline; it does not know what the work is.
+is bounded by size instead: the InputProcessor refuses text that could not fit the context before
+tokenizing it. This module owns the pool and the deadline; it does not know what the work is.
 """
 
 from __future__ import annotations

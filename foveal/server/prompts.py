@@ -1,16 +1,18 @@
-"""Request bodies -> prompts (token ids, images): chat templates, tokenizing, image fetch and decode. All of
-it runs before admission, off the model thread and the event loop (server/inputs.py's pool, with a
+"""Request bodies -> EngineRequests: chat templates, tokenizing, image fetch and decode, through the
+engine's InputProcessor (which also checks the prompt's limits, fills in max_tokens and expands n). All
+of it runs before admission, off the model thread and the event loop (server/inputs.py's pool, with a
 deadline), so every problem is a 4xx before a stream starts and one slow input fails alone.
 
 Bounds on the work one request may cause:
-- text: refused unhashed when too long to fit the context whatever it tokenizes to (Engine.tokenize);
+- text: refused unhashed when too long to fit the context whatever it tokenizes to
+  (InputProcessor.check_text_length);
 - chat templates: the model's own only, unless the operator trusts request templates
   (--trust-request-chat-template, vLLM's flag): a template is code, and a nested loop in one renders
   for as long as it likes;
 - images: each one's pixels (from its header, before decoding), the pixels of one request, and the
   pixels being decoded and processed at once across requests (a request past that waits briefly, then
   gets a 429), so eight 30-megapixel PNGs in 0.8 MB of body cannot take gigabytes per request.
-This module must not touch the model thread: it calls only the engine's request-side methods.
+This module must not touch the model thread: it calls only the InputProcessor.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import asyncio
 import logging
 
 from foveal.config import ServerConfig
+from foveal.engine.input_processor import InputProcessor
+from foveal.request import EngineRequest, SamplingParams
 from foveal.server import media
 from foveal.server.errors import APIError
 from foveal.server.inputs import InputWork, InputWorkTooSlow
@@ -73,9 +77,13 @@ class PixelBudget:
             self._changed.notify_all()
 
 
+def _bad_input(e: ValueError, param: str) -> APIError:
+    return APIError(400, str(e), param=getattr(e, "param", None) or param)
+
+
 class Prompts:
-    def __init__(self, engine, cfg: ServerConfig, inputs: InputWork):
-        self.engine, self.cfg, self.inputs = engine, cfg, inputs
+    def __init__(self, processor: InputProcessor, cfg: ServerConfig, inputs: InputWork):
+        self.processor, self.cfg, self.inputs = processor, cfg, inputs
         self.limits = media.MediaLimits(
             allow_private_urls=cfg.allow_private_media_urls,
             allowed_local_path=cfg.allowed_local_media_path,
@@ -91,20 +99,26 @@ class Prompts:
         except InputWorkTooSlow as e:
             raise APIError(400, str(e), code="input_too_slow") from None
 
-    async def completion(self, prompt) -> list:
-        """A /v1/completions prompt field -> one token-id list per prompt (text tokenized in the pool)."""
-        if isinstance(prompt, str):
+    async def completion(
+        self, prompt, params: SamplingParams, rid: str, cache_salt: str | None
+    ) -> list[EngineRequest]:
+        """A /v1/completions prompt field -> its sequences: prompt j's choice i is entry j * n + i (text
+        tokenized in the pool). One prompt's sequences are named like the request, several `{id}-{j}`."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
-        texts = [p for p in prompt if isinstance(p, str)]
-        if not texts:
-            return list(prompt)
+        proc = self.processor
+
+        def work():
+            out = []
+            for j, p in enumerate(prompt):
+                sub = rid if len(prompt) == 1 else f"{rid}-{j}"
+                out += proc.requests(p, params, sub, cache_salt)
+            return out
+
         try:
-            ids = iter(await self._work(lambda: [self.engine.tokenize(t) for t in texts]))
+            return await self._work(work)
         except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
-        return [next(ids) if isinstance(p, str) else p for p in prompt]
+            raise _bad_input(e, "prompt") from None
 
     def _template_kwargs(self, req: ChatCompletionRequest) -> dict:
         kwargs = dict(req.chat_template_kwargs or {})
@@ -142,7 +156,9 @@ class Prompts:
         kwargs["add_generation_prompt"] = req.add_generation_prompt
         return kwargs
 
-    async def chat(self, req: ChatCompletionRequest, rid: str):
+    async def chat(
+        self, req: ChatCompletionRequest, params: SamplingParams, rid: str, cache_salt: str | None
+    ) -> list[EngineRequest]:
         urls = []
         for i, m in enumerate(req.messages):
             if m.image_urls and m.role != "user":
@@ -150,10 +166,10 @@ class Prompts:
                     400, f"messages[{i}]: image parts are only allowed in user messages", "messages"
                 )
             urls += m.image_urls
-        eng = self.engine
-        if urls and not eng.is_multimodal:
+        info = self.processor.info
+        if urls and not info.is_multimodal:
             raise APIError(
-                400, f"model '{eng.model_name}' is text-only; it does not accept images", param="messages"
+                400, f"model '{info.model_name}' is text-only; it does not accept images", param="messages"
             )
         if len(urls) > self.cfg.limit_images_per_request:
             raise APIError(
@@ -162,7 +178,7 @@ class Prompts:
                 param="messages",
             )
         kwargs = self._template_kwargs(req)
-        messages = [m.as_template_dict(eng.is_multimodal) for m in req.messages]
+        messages = [m.as_template_dict(info.is_multimodal) for m in req.messages]
         opened = [await self._open_images(urls)] if urls else []
         total = sum(im.width * im.height for im in opened[0]) if urls else 0
         if total > self.cfg.max_request_image_pixels:
@@ -182,7 +198,7 @@ class Prompts:
                 headers={"Retry-After": "1"},
             )
         try:
-            return await self._render(messages, opened[0] if urls else [], kwargs, rid)
+            return await self._render(messages, opened[0] if urls else [], kwargs, rid, params, cache_salt)
         finally:
             if total:
                 await self.pixels.release(total)
@@ -206,8 +222,10 @@ class Prompts:
 
         return await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls)))
 
-    async def _render(self, messages: list[dict], opened: list, kwargs: dict, rid: str):
-        eng = self.engine
+    async def _render(
+        self, messages: list[dict], opened: list, kwargs: dict, rid: str, params, cache_salt
+    ) -> list[EngineRequest]:
+        proc = self.processor
 
         def work():
             images, hashes = [], []
@@ -220,16 +238,19 @@ class Prompts:
                     ) from None
                 images.append(img)
                 hashes.append(media.image_hash(img))
-            prompt = eng.process_images(messages=messages, images=images, pixel_hashes=hashes, **kwargs)
+            prompt = proc.render_chat(messages, images=images, pixel_hashes=hashes, **kwargs)
             if self.cfg.shared_prefix_cache:
-                prompt.shared_prefix_len = eng.system_prefix_len(messages, prompt.prompt_token_ids, **kwargs)
-            return prompt
+                prompt.shared_prefix_len = proc.system_prefix_len(messages, prompt.prompt_token_ids, **kwargs)
+            return proc.requests(prompt, params, rid, cache_salt)
 
         try:
             return await self._work(work)
         except APIError:
             raise
+        except ValueError as e:
+            log.info("%s rejected: %s", rid, e)
+            raise _bad_input(e, "messages") from None
         except Exception as e:  # template and processor errors are the request's fault
-            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            msg = f"{type(e).__name__}: {e}"
             log.info("%s rejected: %s", rid, msg)
             raise APIError(400, msg, param="messages") from None

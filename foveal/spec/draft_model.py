@@ -131,7 +131,7 @@ def build_draft_proposer(
     from foveal.worker.model_runner import ModelRunner
 
     if spec.dtype != "auto":
-        from foveal.engine.engine import resolve_dtype
+        from foveal.engine.factory import resolve_dtype
 
         dtype = resolve_dtype(spec.dtype, device)
     keep = quant.TYPES if spec.quantization == "gguf" and device.type == "cpu" and quant.kernel() else ()

@@ -47,6 +47,7 @@ class _Held:
 
     req: NewRequest
     slot: int  # its row of the device token buffer
+    shift: int = 0  # generated tokens' position past their index (the model's `position_shift`)
     output_token_ids: list[int] = field(default_factory=list)  # produced and seen by collect()
     mm_embeds: dict[int, Any] = field(default_factory=dict)  # image index -> embeddings, until passed
 
@@ -103,7 +104,7 @@ class ModelRunner:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
         for new in batch.new_requests:
             if new.request_id not in self._held:
-                self._held[new.request_id] = _Held(new, self._slot())
+                self._held[new.request_id] = _Held(new, self._slot(), self.model.position_shift(new.rope))
 
     def _slot(self) -> int:
         if not self._free_slots:
@@ -191,7 +192,10 @@ class ModelRunner:
         if pending:
             input_ids = self._with_pending(input_ids, pending + [-1] * (len(ids) - len(pending)))
         if self.model.uses_mrope:
-            positions = to_device(self._mrope_positions(batch), dev)
+            spans = [
+                (s.start, s.start + s.num_tokens, self._held[s.request_id].req.rope) for s in batch.items
+            ]
+            positions = to_device(self.model.rope_positions(spans), dev)
         else:
             positions = to_device(torch.tensor(pos, dtype=torch.long), dev)
         return input_ids, positions, meta, logits_idx
@@ -216,21 +220,6 @@ class ModelRunner:
                 ]
             )
         return spans if any(spans) else None
-
-    def _mrope_positions(self, batch: ScheduledBatch) -> torch.Tensor:
-        """[3, T]: prompt positions from the request's table; generated tokens at p + delta on all axes."""
-        parts = []
-        for s in batch.items:
-            req = self._held[s.request_id].req
-            a, b = s.start, s.start + s.num_tokens
-            table = req.mrope_positions
-            n_tab = 0 if table is None else table.shape[1]
-            if a < n_tab:
-                parts.append(table[:, a : min(b, n_tab)])
-            lo = max(a, n_tab)
-            if lo < b:
-                parts.append(torch.arange(lo, b).add_(req.mrope_delta).expand(3, -1))
-        return torch.cat(parts, dim=1)
 
     def _image_embeddings(self, batch: ScheduledBatch, spent: dict[str, float]):
         """(destination rows, embeddings) for every prefill row inside an image span, or None."""
@@ -317,7 +306,7 @@ class ModelRunner:
                     ids.append(s.token_ids[0])
                     pending.append(-1)
                 ctxs.append(p)
-                rope.append(p + req.mrope_delta)  # M-RoPE: generated tokens at p + delta, every axis
+                rope.append(p + held.shift)  # every axis alike for generated tokens
                 tables.append(list(s.block_table))
                 continue
             ids.extend(s.token_ids)
@@ -327,7 +316,7 @@ class ModelRunner:
                 pending += [held.slot * width + j for j in range(s.num_pending)]
             r = range(p, p + n)
             ctxs.extend(r)
-            rope.extend(range(p + req.mrope_delta, p + n + req.mrope_delta))
+            rope.extend(range(p + held.shift, p + n + held.shift))
             tables += [list(s.block_table)] * n
         host = to_device(torch.tensor([ids, rope, pending], dtype=torch.long), self.device)
         input_ids = host[0]

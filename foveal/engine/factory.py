@@ -1,0 +1,297 @@
+"""The one place an engine is built: config in, a started `Engine` (model thread side) and its
+`InputProcessor` (request side) out, sharing nothing mutable.
+
+    engine, processor = build_engine(EngineConfig.from_kwargs(model=...))
+
+Order: device and dtype; the checkpoint (weights, tokenizer, processor files); the model; the KV pool
+(sized by the memory budget, profiled on CUDA); scheduler, proposer (speculative decoding) and runner;
+decode-step graphs (CUDA graphs, or recorded CPU steps); then the EngineInfo both sides read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from foveal.attention import kv_quant
+from foveal.cache.kv_cache_manager import KVCacheManager
+from foveal.config import EngineConfig
+from foveal.engine.engine import Engine
+from foveal.engine.input_processor import EngineInfo, InputProcessor
+from foveal.sched.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, InputProcessor]:
+    from foveal.attention import get_backend
+    from foveal.layers import quant
+    from foveal.loader import load_checkpoint
+    from foveal.models import build_model, max_context
+    from foveal.worker.model_runner import ModelRunner
+
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    cfg = replace(config, scheduler=config.scheduler.for_device(device.type))
+    if cfg.model.seed is not None:
+        torch.manual_seed(cfg.model.seed)
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint(
+        cfg.model.model,
+        dtype=dtype,
+        device=device,
+        progress=progress,
+        revision=cfg.model.revision,
+        load_format=cfg.model.load_format,
+        keep_blocks=quant.TYPES if _quantize(cfg, device) else (),
+    )
+    hf = ckpt.hf_config
+    max_len = cfg.model.max_model_len or max_context(hf)
+    backend = get_backend(cfg.attention_backend, device)
+    model = build_model(
+        hf, backend, max_positions=max(max_len, 1), dtype=dtype, device=device, weights=ckpt.weights
+    )
+    vocab_size = hf.get_text_config().vocab_size
+    encoder_cache = mm_processor = None
+    if model.is_multimodal:
+        from foveal.cache.encoder_cache import EncoderCache
+        from foveal.engine.multimodal import MultiModalProcessor
+
+        if ckpt.processor is None:
+            raise ValueError(f"{ckpt.name} is a vision-language model but its folder has no processor files")
+        mm_processor = MultiModalProcessor(ckpt.processor, type(model).mm_adapter(hf))
+        encoder_cache = EncoderCache(cfg.cache.vision_cache_memory)
+    load_s = time.perf_counter() - t0
+
+    layers, kv_heads, head_dim = model.kv_shape
+    bs = cfg.cache.block_size
+    kv_dtype = cfg.cache.kv_cache_dtype
+    # from the real layout (quantized values + their scales), so fp8/int8 get ~2x the blocks
+    block_bytes = layers * bs * kv_quant.bytes_per_token(kv_dtype, dtype, kv_heads, head_dim)
+    num_blocks = cfg.cache.num_blocks or _num_blocks(
+        cfg, model, block_bytes, device, backend, dtype, max_len, vocab_size
+    )
+    kv_caches = kv_quant.allocate_kv_caches(
+        kv_dtype, layers, num_blocks * bs, kv_heads, head_dim, dtype, device
+    )
+    kv = KVCacheManager(num_blocks, bs, cfg.cache.enable_prefix_caching)
+    if max_len > kv.capacity_tokens:
+        log.warning(
+            "max_model_len %d exceeds the KV pool (%d tokens); capping it", max_len, kv.capacity_tokens
+        )
+        max_len = kv.capacity_tokens
+    cap = cfg.cache.max_request_kv_tokens
+    info = EngineInfo(
+        model_name=ckpt.name,
+        vocab_size=vocab_size,
+        max_model_len=max_len,
+        # what one request may hold: its context, or less where the operator says so
+        max_request_tokens=min(max_len, cap) if cap else max_len,
+        eos_token_ids=_eos_ids(hf, ckpt.tokenizer),
+        is_multimodal=model.is_multimodal,
+        block_size=bs,
+        prefix_caching=cfg.cache.enable_prefix_caching,
+    )
+    scheduler = Scheduler(
+        cfg.scheduler, kv, max_len, encoder_cache=encoder_cache, atomic_mm_spans=model.mm_bidirectional
+    )
+    spec = cfg.speculative
+    proposer = None
+    if spec is not None:
+        from foveal.spec.proposer import build_proposer
+
+        proposer = build_proposer(
+            spec,
+            device=device,
+            dtype=dtype,
+            backend=backend,
+            max_model_len=max_len,
+            num_blocks=num_blocks,
+            block_size=bs,
+        )
+    runner = ModelRunner(
+        model,
+        kv_caches,
+        backend,
+        bs,
+        device,
+        vocab_size,
+        encoder_cache=encoder_cache,
+        max_tokens_per_row=1 + (spec.num_speculative_tokens if spec else 0),
+    )
+    graphs = None
+    if _use_graphs(cfg, device, backend):
+        from foveal.worker.cuda_graphs import DecodeGraphs as graphs
+    elif _use_cpu_graphs(cfg, device, backend, kv_caches, dtype):
+        from foveal.worker.cpu_graphs import CpuDecodeGraphs as graphs
+    if graphs is not None:
+        runner.graphs = graphs(
+            model,
+            kv_caches,
+            backend,
+            block_size=bs,
+            max_seqs=_graph_rows(cfg),
+            max_model_len=max_len,
+            device=device,
+        )
+        try:
+            runner.graphs.capture()  # CUDA: every bucket now; CPU: each at its first step
+        except Exception:  # a model that cannot be captured still serves, eagerly
+            log.exception("decode-step graph capture failed; decode steps run eagerly")
+            runner.graphs = None
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    overlap = cfg.scheduler.async_scheduling
+    engine = Engine(
+        cfg,
+        info,
+        model=model,
+        tokenizer=ckpt.tokenizer,
+        scheduler=scheduler,
+        runner=runner,
+        proposer=proposer,
+        encoder_cache=encoder_cache,
+        device=device,
+        dtype=dtype,
+        async_scheduling=device.type == "cuda" if overlap is None else overlap,
+    )
+    log.info(
+        "loaded %s (%s, %s) on %s in %.2f s; KV pool (%s): %d tokens in %d blocks of %d (%.1f MiB), "
+        "max_model_len %d; attention backend %s; %d tokens per step; %s",
+        ckpt.name,
+        ckpt.format,
+        str(dtype).removeprefix("torch."),
+        device,
+        load_s,
+        str(dtype).removeprefix("torch.") if kv_dtype == "auto" else kv_dtype,
+        kv.capacity_tokens,
+        num_blocks,
+        bs,
+        num_blocks * block_bytes / 2**20,
+        max_len,
+        backend.name,
+        cfg.scheduler.max_num_batched_tokens,
+        quant.describe(model),
+    )
+    if ckpt.format == "gguf" and device.type == "cpu" and cfg.model.quantization == "none":
+        log.info("--quantization gguf runs a GGUF's Q4_0/Q4_1/Q8_0 weights as stored (faster on CPU)")
+    elif ckpt.format != "gguf" and cfg.model.quantization == "gguf":
+        log.warning("--quantization gguf applies to GGUF files: the %s weights stay dense", ckpt.format)
+    return engine, InputProcessor(info, ckpt.tokenizer, mm_processor)
+
+
+def _graph_rows(cfg: EngineConfig) -> int:
+    """Rows a decode-step graph covers: every sequence's 1 + k tokens when speculating (verify runs
+    are decode rows)."""
+    spec = cfg.speculative
+    return cfg.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+
+
+def _quantize(cfg: EngineConfig, device: torch.device) -> bool:
+    """Whether GGUF-quantized linears run as stored (`quantization gguf` on a CPU with the kernel)."""
+    if cfg.model.quantization == "none":
+        return False
+    if device.type != "cpu":
+        raise ValueError(f"quantization gguf runs on CPUs only (the device is {device}); use none")
+    from foveal.layers import quant
+
+    if quant.kernel() is None:
+        log.warning("quantization gguf needs an AVX2 CPU and a C compiler: weights are dequantized")
+        return False
+    return True
+
+
+def _use_graphs(cfg: EngineConfig, device: torch.device, backend) -> bool:
+    from foveal.worker.cuda_graphs import supports_graphs
+
+    if device.type != "cuda" or cfg.model.enforce_eager:
+        return False
+    if not supports_graphs(backend):
+        log.info("the %s attention backend runs eagerly (no CUDA graphs)", backend.name)
+        return False
+    return True
+
+
+def _use_cpu_graphs(cfg: EngineConfig, device: torch.device, backend, kv_caches, dtype: torch.dtype) -> bool:
+    """Recorded decode steps (worker/cpu_graphs.py): on a CPU whose attention backend has the native
+    decode kernel, over plain K/V pools of the model's dtype (what that kernel reads)."""
+    if device.type != "cpu" or cfg.model.enforce_eager:
+        return False
+    if getattr(backend, "kernel", None) is None or not hasattr(backend, "fill_graph_metadata"):
+        return False
+    return all(isinstance(c, torch.Tensor) and c.dtype == dtype for c in kv_caches)
+
+
+def _num_blocks(
+    cfg: EngineConfig, model, block_bytes: int, device, backend, dtype, max_len: int, vocab_size: int
+) -> int:
+    budget = cfg.cache.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            from foveal.worker import memory
+            from foveal.worker.cuda_graphs import DecodeGraphs
+
+            peak = memory.profile_activation_peak(
+                model,
+                backend,
+                num_tokens=cfg.scheduler.max_num_batched_tokens,
+                num_seqs=cfg.scheduler.max_num_seqs,
+                max_len=max_len,
+                block_size=cfg.cache.block_size,
+                kv_cache_dtype=cfg.cache.kv_cache_dtype,
+                vocab_size=vocab_size,
+            )
+            reserve = 0
+            if _use_graphs(cfg, device, backend):
+                reserve = DecodeGraphs.reserve_bytes(_graph_rows(cfg), vocab_size, dtype)
+            budget = memory.kv_pool_bytes(device, cfg.cache.gpu_memory_utilization, peak, reserve)
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+    n = budget // block_bytes
+    if n < 2:
+        raise ValueError(
+            f"KV cache memory budget {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes"
+        )
+    return int(n)
+
+
+def _eos_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None) or getattr(
+        hf_config.get_text_config(), "eos_token_id", None
+    )
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,219 @@
+"""The request side of the engine: a prompt (text, token ids, chat messages, images) and SamplingParams in,
+validated `EngineRequest`s out. Chat templates, tokenizing, the model's image processor, the prompt's
+limits, `max_tokens` defaults, `n` expansion and the request id all happen here, in the caller's thread
+(the server runs it in its input pool, server/inputs.py), never on the model thread: the engine only
+admits what this made.
+
+    processor.requests(prompt, params, "chatcmpl-1", cache_salt)   ->  [EngineRequest, ...] (one per choice)
+    loop.submit("chatcmpl-1", those)  /  engine.add_request(one)
+
+Bounds on the work one input may cause: text that could not fit the context whatever it tokenizes to
+is refused before tokenizing (`check_text_length`). It holds no engine state, so any number of threads
+may use it at once (the tokenizer and processor are read-only here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+
+from foveal.request import EngineRequest, MultiModalPrompt, SamplingParams, new_request_id
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the request side and the server know of a started engine: fixed at start-up."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    max_request_tokens: int  # prompt + output of one request: the context, or --max-request-kv-tokens
+    eos_token_ids: frozenset[int]
+    is_multimodal: bool = False
+    block_size: int = 16
+    prefix_caching: bool = True
+
+
+def _salted(item, cache_salt: str | None):
+    """The item keyed for this tenant: its content hash is the vision cache's key, and one tenant must
+    not reuse (or time) the encoder output of another's image."""
+    if not cache_salt:
+        return item
+    h = hashlib.sha256(f"{cache_salt}\x00{item.content_hash}".encode()).hexdigest()
+    return replace(item, content_hash=h)
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token covers: its vocabulary string's length (byte-level
+    BPE spells each byte as one character, SentencePiece a space as one), special tokens included."""
+    vocab = tokenizer.get_vocab()
+    return max((len(t) for t in vocab), default=1) or 1
+
+
+class InputProcessor:
+    def __init__(self, info: EngineInfo, tokenizer, mm_processor=None):
+        self.info = info
+        self.tokenizer = tokenizer
+        self.mm_processor = mm_processor  # engine/multimodal.py's, for a vision-language model
+        # no text longer than this can tokenize to a prompt that fits: refused before tokenizing it
+        self.max_prompt_chars = info.max_request_tokens * _longest_token_chars(tokenizer)
+
+    # -- prompts ------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_text_length(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_text_length(self, text: str) -> None:
+        """Text that cannot fit the context whatever it tokenizes to is refused without tokenizing it
+        (a 4 MB prompt took the tokenizer 5 s of a core to find out)."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt has {len(text)} characters; no text over {self.max_prompt_chars} characters "
+                f"fits in {self.info.max_request_tokens} tokens"
+            )
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        *,
+        images=(),
+        pixel_hashes: list[str] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
+    ) -> MultiModalPrompt:
+        """Chat messages (a VLM's may have {"type": "image"} parts, one per image in `images`, in order)
+        -> token ids with expanded placeholders and one item per image."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if self.mm_processor is None:
+            self._text_only(images)
+            if not getattr(self.tokenizer, "chat_template", None) and "chat_template" not in template_kwargs:
+                raise ValueError("this model has no chat template; use a plain prompt")
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+            return MultiModalPrompt(self.tokenize(text, add_special_tokens=False), [])
+        text = self.mm_processor.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        self.check_text_length(text)
+        return self.mm_processor.process(
+            text, list(images), add_special_tokens=False, pixel_hashes=pixel_hashes
+        )
+
+    def render_prompt(
+        self, text: str, *, images=(), pixel_hashes: list[str] | None = None
+    ) -> MultiModalPrompt:
+        """A plain prompt (a VLM's with its image placeholder text, one per image) -> token ids and items."""
+        if self.mm_processor is None:
+            self._text_only(images)
+            return MultiModalPrompt(self.tokenize(text), [])
+        self.check_text_length(text)
+        return self.mm_processor.process(text, list(images), pixel_hashes=pixel_hashes)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+    ) -> list[int]:
+        return self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+        ).prompt_token_ids
+
+    def _text_only(self, images) -> None:
+        if images:
+            raise ValueError(f"{self.info.model_name} is a text-only model; it does not accept images")
+
+    def system_prefix_len(self, messages: list[dict], ids: list[int], **template_kwargs) -> int:
+        """How many leading tokens of `ids` (these messages' rendered chat) are the leading system
+        message(s) alone, as the template renders them without a generation prompt; 0 when there are
+        none, or when that rendering is not a token prefix of `ids` (a template that changes earlier
+        text depending on later messages)."""
+        n = 0
+        while n < len(messages) and messages[n].get("role") in ("system", "developer"):
+            n += 1
+        if n == 0:
+            return 0
+        drop = ("add_generation_prompt", "continue_final_message")
+        kw = {k: v for k, v in template_kwargs.items() if k not in drop}
+        try:
+            pre = self.apply_chat_template(messages[:n], add_generation_prompt=False, **kw)
+        except Exception:  # a template that cannot render a system-only chat: share nothing
+            return 0
+        return len(pre) if 0 < len(pre) <= len(ids) and ids[: len(pre)] == pre else 0
+
+    # -- requests -----------------------------------------------------------------------------------
+    def requests(
+        self,
+        prompt: str | list[int] | MultiModalPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[EngineRequest]:
+        """One request of `params.n` choices -> one EngineRequest per choice: the request id itself for
+        n == 1, `{id}-{i}` otherwise; seeded choices get seeds seed + i. ValueError (InvalidParameter
+        for a sampling field) says what is wrong; nothing is admitted by this."""
+        params = params or SamplingParams()
+        rid = request_id or new_request_id()
+        first = self.request(prompt, replace(params, n=1), rid, cache_salt)
+        if params.n == 1:
+            return [first]
+        return [
+            replace(first, request_id=f"{rid}-{i}", params=replace(first.params, seed=p.seed))
+            for i, p in enumerate(params.choices())
+        ]
+
+    def request(
+        self,
+        prompt: str | list[int] | MultiModalPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> EngineRequest:
+        """One sequence (params.n must be 1). `cache_salt` isolates the prefix cache (and the vision
+        cache): requests with different salts never share a block or an image's embeddings."""
+        params = params or SamplingParams()
+        info = self.info
+        if params.n != 1:
+            raise ValueError("request() makes one sequence; use requests() for n > 1")
+        params.check_vocab(info.vocab_size)
+        if isinstance(prompt, str):
+            prompt = self.render_prompt(prompt)
+        mm = prompt if isinstance(prompt, MultiModalPrompt) else None
+        if mm is not None:
+            ids = mm.prompt_token_ids
+            if mm.items and not info.is_multimodal:
+                raise ValueError(f"{info.model_name} is a text-only model; it does not accept images")
+            if any(it.offset < 0 or it.end > len(ids) for it in mm.items):
+                raise ValueError("an image placeholder span lies outside the prompt")
+        else:
+            ids = prompt
+        if not ids:
+            raise ValueError("the prompt is empty")
+        limit = info.max_request_tokens
+        what = (
+            f"the context of {limit} tokens"
+            if limit == info.max_model_len
+            else f"the per-request KV limit of {limit} tokens (--max-request-kv-tokens)"
+        )
+        if len(ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but {what} leaves no room "
+                "(prompt plus at least one generated token must fit)"
+            )
+        vocab = info.vocab_size  # checked after the length: a too-long prompt costs no scan
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        room = limit - len(ids)
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what}")
+        return EngineRequest(
+            request_id or new_request_id(),
+            tuple(ids),
+            params,
+            eos_token_ids=info.eos_token_ids,
+            mm_items=tuple(_salted(it, cache_salt) for it in mm.items) if mm is not None else (),
+            rope=mm.rope if mm is not None and mm.items else None,
+            cache_salt=cache_salt,
+            shared_prefix_len=min(mm.shared_prefix_len, len(ids)) if mm is not None else 0,
+        )
