@@ -1,0 +1,39 @@
+"""Structured outputs: grammar specs, compiled grammars and per-request matchers, token bitmasks.
+
+spec.py                GrammarSpec, from the request shapes (response_format, structured_outputs)
+backend.py             the GrammarBackend / CompiledGrammar / Matcher protocol; GrammarCache
+llguidance_backend.py  the default backend (imports llguidance: only when asked for, below)
+bitmask.py             packed int32 masks: allocate, apply to logits (torch on CPU, Triton on CUDA)
+"""
+
+from foveal.structured.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarCache,
+    GrammarCacheStats,
+    Matcher,
+)
+from foveal.structured.bitmask import allocate_bitmask, apply_bitmask, bitmask_words
+from foveal.structured.spec import GrammarKind, GrammarSpec
+
+__all__ = [
+    "CompiledGrammar",
+    "GrammarBackend",
+    "GrammarCache",
+    "GrammarCacheStats",
+    "GrammarKind",
+    "GrammarSpec",
+    "LLGuidanceBackend",
+    "Matcher",
+    "allocate_bitmask",
+    "apply_bitmask",
+    "bitmask_words",
+]
+
+
+def __getattr__(name: str):
+    if name == "LLGuidanceBackend":
+        from foveal.structured.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

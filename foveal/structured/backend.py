@@ -1,0 +1,166 @@
+"""The grammar backend protocol, and the cache of compiled grammars.
+
+A backend turns a GrammarSpec into a CompiledGrammar (slow: milliseconds to seconds, so it runs in the
+server's thread pool before admission; a bad schema, regex or grammar is a ValueError naming the
+problem). A compiled grammar is shared by every request with that spec; each request gets its own
+Matcher from it (cheap: call it in the pool too), which the engine drives one step at a time:
+
+    fill_bitmask(row) -> sample under the mask -> accept([token]) -> ... -> is_terminated()
+                                  speculative: validate(drafts) / accept(k) / rollback(k)
+
+Bitmask rows are packed int32 words, bit i of word j = token 32*j + i (1: allowed), `vocab_size`
+tokens wide; foveal/structured/bitmask.py allocates and applies them. EOS ids are allowed exactly when
+the grammar may end here. A Matcher belongs to one request and is not safe to share between threads;
+compiled grammars and the cache are.
+
+GrammarCache keys compiled grammars by spec (its hash, then equality: no collision can swap two
+grammars), evicts the least recently used, and compiles each spec once even when several threads ask
+at the same time. It must not know which backend it holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from foveal.structured.spec import GrammarSpec
+
+
+class Matcher(Protocol):
+    """One request's position in its grammar."""
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        """Write the allowed next tokens into `row`: a contiguous CPU int32 tensor of
+        ceil(vocab_size / 32) words. Stopped or in error: only EOS is allowed."""
+
+    def accept(self, token_ids: Sequence[int]) -> bool:
+        """Advance over the tokens, all or none: False (state unchanged) when one is not allowed.
+        EOS may come last, where the grammar may end. accept() takes any tokenization of allowed
+        text; a mask may be stricter (llguidance offers forced text in its canonical tokens only)."""
+
+    def validate(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens accept() would take (state unchanged): for draft tokens."""
+
+    def rollback(self, k: int) -> None:
+        """Undo the last k accepted tokens (0 <= k <= num_tokens, else ValueError)."""
+
+    def reset(self) -> None:
+        """Back to the start (rolls back every token)."""
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete: no token but EOS may follow (or EOS was accepted). False in error."""
+
+    def is_accepting(self) -> bool:
+        """The output so far is a complete match: EOS is allowed now (more may still follow)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens accepted since the start (EOS included): the most that rollback() can undo."""
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a resource limit hit by a mask or a token), or None. Sticky: a
+        failed matcher only allows EOS and cannot roll back; finish its request with this error."""
+
+
+class CompiledGrammar(Protocol):
+    spec: GrammarSpec
+    warnings: tuple[str, ...]  # e.g. keywords a lenient JSON schema had ignored
+
+    def matcher(self) -> Matcher:
+        """A fresh matcher at the grammar's start (cheap; safe to call from any thread)."""
+
+
+class GrammarBackend(Protocol):
+    name: str
+    vocab_size: int  # bitmask width in tokens: ceil(vocab_size / 32) int32 words per row
+    eos_token_ids: frozenset[int]
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile (thread-safe, may take seconds); ValueError naming the problem if it is invalid."""
+
+    def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
+        """matchers[i].fill_bitmask(bitmask[i]) for every i, possibly in parallel."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarCacheStats:
+    hits: int  # served from the cache (or from a compile another thread had started)
+    misses: int  # compiles started
+    errors: int  # compiles that raised (never cached: a bad spec is compiled, and refused, each time)
+    entries: int
+    compile_seconds: float  # total wall time of compiles, failed ones included
+
+
+class GrammarCache:
+    """LRU of compiled grammars, thread-safe; `get` compiles on a miss (outside the lock)."""
+
+    def __init__(self, backend: GrammarBackend, max_entries: int = 256):
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self.backend = backend
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._pending: dict[GrammarSpec, Future] = {}
+        self._hits = self._misses = self._errors = 0
+        self._compile_s = 0.0
+
+    def get(self, spec: GrammarSpec) -> CompiledGrammar:
+        with self._lock:
+            hit = self._entries.get(spec)
+            if hit is not None:
+                self._entries.move_to_end(spec)
+                self._hits += 1
+                return hit
+            pending = self._pending.get(spec)
+            if pending is None:
+                self._misses += 1
+                mine = self._pending[spec] = Future()
+            else:
+                self._hits += 1
+        if pending is not None:  # another thread compiles it: share its result (or its error)
+            return pending.result()
+        t0 = time.perf_counter()
+        try:
+            grammar = self.backend.compile(spec)
+        except BaseException as e:
+            with self._lock:
+                self._errors += 1
+                self._compile_s += time.perf_counter() - t0
+                del self._pending[spec]
+            mine.set_exception(e)
+            raise
+        with self._lock:
+            self._compile_s += time.perf_counter() - t0
+            del self._pending[spec]
+            self._entries[spec] = grammar
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        mine.set_result(grammar)
+        return grammar
+
+    def __contains__(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return spec in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def stats(self) -> GrammarCacheStats:
+        with self._lock:
+            return GrammarCacheStats(
+                self._hits, self._misses, self._errors, len(self._entries), self._compile_s
+            )

@@ -1,0 +1,273 @@
+"""The llguidance grammar backend (PyPI `llguidance`): GrammarSpec -> compiled grammar -> matchers.
+
+llguidance works on bytes over the tokenizer's whole vocabulary, so any tokenization of allowed text is
+accepted (masks offer text the grammar forces, like the rest of an enum value, in its canonical tokens
+only); JSON schemas, regexes, choices and Lark grammars all become one Earley grammar over a lazily
+built lexer DFA. Every EOS id given to from_tokenizer is allowed exactly when the grammar may end.
+A bad schema, regex or grammar puts the `LLMatcher` in an error state instead of raising: compile()
+turns that into a ValueError. Compiling builds a template matcher and computes its first mask (so the
+lexer's first states are built in the compiling thread); each request's matcher is a deep copy of it
+(microseconds), which shares the template's lexer.
+
+Threads (llguidance 1.9): the tokenizer and compiled grammars may be shared; a matcher is used by one
+thread at a time. Grammar construction and mask computation release the GIL. Errors are built with
+`verbose_errors=False`: a verbose one quotes the grammar and parser state into logs and responses.
+
+Limits: each mask or token step may spend `step_lexer_fuel` (default 200k, ~10 ms) building lexer
+states. Step by step (a mask, then a token) no maskbench schema ran out of it, but accepting hundreds of
+tokens in one call can, which breaks the *shared* lexer (see LLGuidanceGrammar).
+
+It must not know about requests or the engine; it needs a Hugging Face fast tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Iterable, Sequence
+
+import llguidance
+import llguidance.hf
+import torch
+from llguidance import LLMatcher, LLParserLimits
+
+from foveal.structured.bitmask import bitmask_words
+from foveal.structured.spec import GrammarSpec
+
+log = logging.getLogger(__name__)
+
+_ANY_OBJECT = '{"type":"object"}'
+_GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][\w-]*\s*::=")
+_LARK_START = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")
+_WHAT = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON schema",
+    "regex": "regex",
+    "choice": "choice",
+    "lark": "grammar",
+}
+
+
+def _clean(msg: str) -> str:
+    return msg.replace("<non-verbose/>", "").strip()
+
+
+def _compile_error(kind: str, msg: str) -> str:
+    msg = _clean(msg)
+    if kind == "regex":  # llguidance quotes the Lark rule `start: /.../` it wrapped the regex in: drop it
+        msg = msg[msg.find("regex parse error") :] if "regex parse error" in msg else msg
+        lines = msg.splitlines()
+        cut = next((i for i, line in enumerate(lines) if line.lstrip().startswith("1 | start:")), len(lines))
+        msg = "\n".join(lines[:cut]).rstrip()
+    return f"invalid {_WHAT[kind]}: {msg}"
+
+
+class LLGuidanceMatcher:
+    """One request's llguidance matcher (see foveal.structured.backend.Matcher)."""
+
+    __slots__ = ("_m", "_n", "_grammar", "_eos_unrecorded")
+
+    def __init__(self, m: LLMatcher, grammar: LLGuidanceGrammar):
+        self._m, self._n, self._grammar = m, 0, grammar
+        # EOS taken by an already stopped matcher is not in llguidance's history: rollback must skip it
+        self._eos_unrecorded = False
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        words = self._grammar.words
+        if row.dtype != torch.int32 or row.device.type != "cpu" or row.numel() != words:
+            raise ValueError(f"bitmask row must be a CPU int32 tensor of {words} words")
+        if not row.is_contiguous():
+            raise ValueError("bitmask row must be contiguous")
+        self._m.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+        if self._m.is_error():
+            self._grammar.mark_stale()
+
+    def accept(self, token_ids: Sequence[int]) -> bool:
+        ids = list(token_ids)
+        n = self._m.try_consume_tokens(ids)
+        # try_consume_tokens stops before EOS; EOS is accepted (last) where the grammar may end
+        if n == len(ids) - 1 and ids[n] in self._grammar.eos and self._m.is_accepting():
+            stopped = self._m.is_stopped()
+            if self._m.consume_token(ids[n]):
+                n += 1
+                self._eos_unrecorded = stopped
+        if n < len(ids):
+            # under a mask this does not happen, unless the shared lexer ran out of fuel (see above)
+            self._grammar.mark_stale()
+            if n:
+                self._rollback(n)
+            return False
+        self._n += n
+        return True
+
+    def validate(self, token_ids: Sequence[int]) -> int:
+        return self._m.validate_tokens(list(token_ids))
+
+    def rollback(self, k: int) -> None:
+        if not 0 <= k <= self._n:  # llguidance would enter its sticky error state instead
+            raise ValueError(f"cannot roll back {k} tokens: {self._n} accepted")
+        self._rollback(k)
+        self._n -= k
+
+    def _rollback(self, k: int) -> None:
+        if k and self._eos_unrecorded:
+            k, self._eos_unrecorded = k - 1, False
+        if k and not self._m.rollback(k):
+            raise RuntimeError(f"llguidance rollback failed: {_clean(self._m.get_error())}")
+
+    def reset(self) -> None:
+        self.rollback(self._n)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_stopped() and not self._m.is_error()
+
+    def is_accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    @property
+    def num_tokens(self) -> int:
+        return self._n
+
+    @property
+    def error(self) -> str | None:
+        return _clean(self._m.get_error()) if self._m.is_error() else None
+
+
+class LLGuidanceGrammar:
+    """A compiled grammar: a template matcher that each request's matcher is a deep copy of. Copies
+    share the template's lexer (its DFA cache, so later requests find states built), and with it the
+    lexer's error: when one step runs out of `step_lexer_fuel`, the shared lexer stays broken and every
+    later copy fails at its first token. So a matcher that errs, or refuses a token, marks the grammar
+    stale, and the next matcher() builds a fresh template (~1 ms): one request's bad luck is not every
+    later request's. Matchers copied before that share the broken lexer and may fail too."""
+
+    __slots__ = ("spec", "warnings", "words", "eos", "_build", "_template", "_stale", "_lock")
+
+    def __init__(self, spec: GrammarSpec, build, words: int, eos: frozenset[int]):
+        self.spec, self.words, self.eos, self._build = spec, words, eos, build
+        self._template = build()
+        self.warnings = tuple(self._template.get_grammar_warnings())
+        self._stale = False
+        self._lock = threading.Lock()
+
+    def mark_stale(self) -> None:
+        self._stale = True
+
+    def matcher(self) -> LLGuidanceMatcher:
+        with self._lock:
+            if self._stale:
+                self._template, self._stale = self._build(), False
+                log.info("grammar %s: rebuilt its template after a matcher failed", self.spec.digest()[:12])
+            m = self._template.deep_copy()
+        return LLGuidanceMatcher(m, self)
+
+
+class LLGuidanceBackend:
+    """GrammarBackend on llguidance. Build it with `from_tokenizer` (about 0.3 s for a 50k vocabulary,
+    so once per model); `vocab_size` is the bitmask width, which may exceed the tokenizer's (the model's
+    padded LM head): ids past the tokenizer are never allowed."""
+
+    name = "llguidance"
+
+    def __init__(self, ll_tokenizer: llguidance.LLTokenizer, limits: LLParserLimits | None = None):
+        self.tokenizer = ll_tokenizer
+        self.vocab_size: int = ll_tokenizer.vocab_size
+        self.eos_token_ids = frozenset(ll_tokenizer.eos_tokens)
+        self.limits = limits or LLParserLimits(verbose_errors=False)
+        self._words = bitmask_words(self.vocab_size)
+        self._executor: llguidance.LLExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        hf_tokenizer,
+        *,
+        vocab_size: int | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        limits: LLParserLimits | None = None,
+    ) -> LLGuidanceBackend:
+        """From a transformers fast tokenizer. vocab_size: the model's logits width (None: the
+        tokenizer's; it may not be smaller). eos_token_ids: every id that ends generation (None: the
+        tokenizer's eos_token_id); each is allowed exactly when the grammar may end."""
+        eos = sorted(set(eos_token_ids)) if eos_token_ids is not None else None
+        if eos is not None and not eos:
+            raise ValueError("eos_token_ids is empty: a grammar needs a token to end on")
+        try:
+            tok = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+        except ValueError as e:
+            raise ValueError(f"llguidance cannot use this tokenizer: {e}") from None
+        return cls(tok, limits)
+
+    def grammar_text(self, spec: GrammarSpec) -> str:
+        """The spec as llguidance's grammar definition (a JSON string)."""
+        if spec.kind in ("json_schema", "json_object"):
+            opts: dict = {}
+            if not spec.whitespace_flexible:
+                opts["whitespace_flexible"] = False
+            if spec.whitespace_pattern is not None:
+                opts["whitespace_pattern"] = spec.whitespace_pattern
+            if spec.lenient:  # best effort: unknown keywords ignored, oneOf enforced as anyOf
+                opts["lenient"] = opts["coerce_one_of"] = True
+            schema = spec.value if spec.kind == "json_schema" else _ANY_OBJECT
+            return LLMatcher.grammar_from_json_schema(schema, defaults=opts or None)
+        if spec.kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.value)
+        if spec.kind == "choice":  # Lark string literals take JSON's escapes
+            alts = " | ".join(json.dumps(c) for c in json.loads(spec.value))
+            return LLMatcher.grammar_from_lark(f"start: {alts}")
+        lark = spec.value
+        if _GBNF_RULE.search(lark) and not _LARK_START.search(lark):  # GBNF (`root ::= ...`): convert
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                lark = gbnf_to_lark(lark)
+            except Exception as e:  # the converter raises its own error types
+                raise ValueError(f"invalid grammar (read as GBNF): {e}") from None
+        return LLMatcher.grammar_from_lark(lark)
+
+    def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+        text = self.grammar_text(spec)
+
+        def build() -> LLMatcher:
+            m = LLMatcher(self.tokenizer, text, limits=self.limits, log_level=0)
+            if not m.is_error():  # warm the lexer's first states here, not at the first step
+                scratch = torch.empty(self._words, dtype=torch.int32)
+                m.unsafe_compute_mask_ptr(scratch.data_ptr(), self._words * 4)
+            if m.is_error():  # a bad spec; or a lexer limit already hit at the start
+                raise ValueError(_compile_error(spec.kind, m.get_error()))
+            return m
+
+        g = LLGuidanceGrammar(spec, build, self._words, self.eos_token_ids)
+        if g.warnings:
+            log.info("grammar %s compiled with warnings: %s", spec.digest()[:12], "; ".join(g.warnings))
+        return g
+
+    def fill_bitmasks(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor) -> None:
+        """matchers[i] -> bitmask[i], on llguidance's own thread pool (the GIL released)."""
+        if not matchers:
+            return
+        if (
+            bitmask.dtype != torch.int32
+            or bitmask.device.type != "cpu"
+            or bitmask.dim() != 2
+            or bitmask.shape[1] != self._words
+            or bitmask.shape[0] < len(matchers)
+            or not bitmask.is_contiguous()
+        ):
+            raise ValueError(
+                f"bitmask must be a contiguous CPU int32 [rows >= {len(matchers)}, {self._words}]"
+            )
+        if len(matchers) == 1:
+            matchers[0].fill_bitmask(bitmask[0])
+            return
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+        pairs = [(m._m, i) for i, m in enumerate(matchers)]
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self._words * 4, bitmask.shape[0])
+        for m in matchers:
+            if m._m.is_error():
+                m._grammar.mark_stale()
