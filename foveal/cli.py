@@ -102,6 +102,30 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help='speculative decoding as a JSON object (as in vLLM), e.g. {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; default: off',
     )
+    g.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        help="think-marker format of the model's reasoning (auto: from the tokenizer; none; or a name in "
+        "foveal/parsing/reasoning.py, e.g. qwen3, deepseek_r1)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        help="tool-call format (auto: from the chat template; a template without tool support gets a "
+        "generic Hermes-style tool prompt; none; or a name, e.g. hermes, llama3_json, mistral)",
+    )
+    g.add_argument(
+        "--enable-thinking",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the default of chat_template_kwargs.enable_thinking (default: the chat template's)",
+    )
+    g.add_argument(
+        "--thinking-budget",
+        type=int,
+        default=None,
+        help="thinking tokens a request may spend before the end of thinking is forced (default: no limit)",
+    )
     g.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "INFO"))
 
 
@@ -137,6 +161,10 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_encoder_tokens_per_step=a.max_encoder_tokens_per_step,
         async_scheduling=a.async_scheduling,
         speculative_config=a.speculative_config,
+        reasoning_parser=a.reasoning_parser,
+        tool_call_parser=a.tool_call_parser,
+        enable_thinking=a.enable_thinking,
+        thinking_budget=a.thinking_budget,
     )
 
 

@@ -237,12 +237,27 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputConfig:
+    """How outputs are shaped: the reasoning and tool-call formats, thinking defaults, grammars."""
+
+    # auto: from the tokenizer's think markers (foveal/parsing/reasoning.py); none; or a format name
+    reasoning_parser: str = "auto"
+    # auto: from the chat template's markers (foveal/parsing/tools.py; a template without tool support
+    # gets a generic Hermes-style tool prompt and parser); none; or a format name
+    tool_call_parser: str = "auto"
+    enable_thinking: bool | None = None  # chat_template_kwargs.enable_thinking's default (None: template's)
+    thinking_budget: int | None = None  # thinking tokens a request may spend (None: no limit)
+    grammar_cache_entries: int = 256  # compiled grammars kept (LRU)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"  # auto | torch | cpu | triton (auto: triton on CUDA, cpu on CPU)
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
+    output: OutputConfig = field(default_factory=OutputConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -253,7 +268,13 @@ class EngineConfig:
         parts = {}
         if "speculative_config" in kwargs:  # vLLM's keyword: a JSON string or a dict
             kwargs["speculative"] = SpeculativeConfig.parse(kwargs.pop("speculative_config"))
-        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+        subs = (
+            ("model", ModelConfig),
+            ("cache", CacheConfig),
+            ("scheduler", SchedulerConfig),
+            ("output", OutputConfig),
+        )
+        for name, sub in subs:
             names = {f.name for f in dataclasses.fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         top = {f.name for f in dataclasses.fields(cls)} - set(parts)
@@ -292,5 +313,10 @@ class EngineConfig:
             raise ValueError(f"unknown load_format {self.model.load_format!r}; use auto or dummy")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        o = self.output
+        if o.thinking_budget is not None and o.thinking_budget < 0:
+            raise ValueError("thinking_budget must be >= 0 tokens")
+        if o.grammar_cache_entries < 1:
+            raise ValueError("grammar_cache_entries must be >= 1")
         if c.max_request_kv_tokens is not None and c.max_request_kv_tokens < 2:
             raise ValueError("max_request_kv_tokens must be >= 2 (a prompt token and a generated one)")

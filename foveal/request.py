@@ -63,7 +63,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # special tokens whose text stays in the output anyway: the markers a reasoning or tool-call parser
+    # reads (the input processor sets them)
+    keep_special_token_ids: tuple[int, ...] = ()
     speculative: bool = True  # may this request speculate when the engine does (False: plain decoding)
+    # structured output: a GrammarSpec (foveal/structured/spec.py) the answer must match, or None
+    structured: Any = None
+    thinking_budget: int | None = (
+        None  # thinking tokens before the end of thinking is forced (None: the default)
+    )
     # logit_bias as two parallel tuples (token ids, biases): made once here, read by the sampler each step
     bias_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     bias_values: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -73,6 +81,7 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         set_(self, "stop", tuple(stop or ()))
         set_(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        set_(self, "keep_special_token_ids", tuple(self.keep_special_token_ids or ()))
         if isinstance(self.logit_bias, dict):
             set_(self, "logit_bias", dict(self.logit_bias))  # a copy: the caller's later edits never reach it
         self._validate()
@@ -127,6 +136,12 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
         ):
             raise bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.thinking_budget is not None and (
+            not _is_int(self.thinking_budget) or self.thinking_budget < 0
+        ):
+            raise bad("thinking_budget", "must be an integer >= 0")
+        if self.structured is not None and not hasattr(self.structured, "kind"):
+            raise bad("structured", "must be a GrammarSpec")
         if len(self.stop) > MAX_STOPS:
             raise bad("stop", f"at most {MAX_STOPS} stop strings")
         if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
@@ -235,6 +250,7 @@ class EngineRequest:
     rope: Any = None  # see MultiModalPrompt.rope
     cache_salt: str | None = None
     shared_prefix_len: int = 0
+    guide: Any = None  # GuideSpec (foveal/structured/guide.py): the answer's grammar, think markers, budget
 
 
 @dataclass(slots=True, eq=False)
@@ -263,6 +279,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order, spans disjoint
     rope: Any = None  # the model family's rotary positions (MultiModalPrompt.rope)
+    guide: Any = None  # GuideSpec: its tokens are steered (the runner masks its rows; no overlapped steps)
     encoder_time_s: float = 0.0  # this request's share of vision-encoder time (the runner reports it)
     # prefix cache: the tenant salt (never shared across salts), block keys computed so far, how many
     # of the request's blocks are published, and the prompt tokens a hit saved at first admission
@@ -298,6 +315,7 @@ class Request:
             rope=r.rope,
             cache_salt=r.cache_salt,
             shared_prefix_len=r.shared_prefix_len,
+            guide=r.guide,
         )
 
     @property

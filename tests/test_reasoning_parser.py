@@ -6,10 +6,8 @@ The held-out data is read in place (../shared/heldout, see its README); it is ne
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-from pathlib import Path
 
 import pytest
 
@@ -21,27 +19,12 @@ from foveal.parsing.reasoning import (
     parse,
     prompt_opens_thinking,
 )
+from tests.heldout import HELDOUT
 
-
-def _heldout() -> Path | None:
-    root = Path(__file__).resolve().parents[1]
-    for p in (
-        os.environ.get("FOVEAL_HELDOUT"),
-        root.parent / "shared" / "heldout",
-        root / "shared" / "heldout",
-    ):
-        if p and Path(p).is_dir():
-            return Path(p)
-    return None
-
-
-HELDOUT = _heldout()
-VECTORS = HELDOUT / "vllm-reasoning" / "reasoning_vectors.jsonl" if HELDOUT else None
-FIXTURES = HELDOUT / "canitoolcall" / "fixtures" if HELDOUT else None
-needs_vectors = pytest.mark.skipif(VECTORS is None or not VECTORS.is_file(), reason="held-out vectors absent")
-needs_fixtures = pytest.mark.skipif(
-    FIXTURES is None or not FIXTURES.is_dir(), reason="held-out fixtures absent"
-)
+VECTORS = HELDOUT / "vllm-reasoning" / "reasoning_vectors.jsonl"
+FIXTURES = HELDOUT / "canitoolcall" / "fixtures"
+needs_vectors = pytest.mark.skipif(not VECTORS.is_file(), reason="held-out vectors absent")
+needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="held-out fixtures absent")
 
 
 def _none(s: str) -> str | None:
@@ -118,7 +101,7 @@ DELIBERATE: dict[str, tuple[str | None, str | None]] = {
 
 
 def _vectors() -> list[dict]:
-    if VECTORS is None or not VECTORS.is_file():
+    if not VECTORS.is_file():
         return []
     return [json.loads(line) for line in VECTORS.read_text().splitlines() if line.strip()]
 

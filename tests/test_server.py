@@ -289,7 +289,7 @@ BAD = [
     ("chat", {"messages": []}, "messages"),
     ("chat", {"max_tokens": 2}, "messages"),
     ("chat", {**M, "tools": [{"type": "function"}]}, "tools"),
-    ("chat", {**M, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {**M, "response_format": {"type": "xml"}}, "response_format"),
     ("chat", {**M, "temperature": "hot"}, "temperature"),
     ("chat", {**M, "temperature": 3.0}, "temperature"),
     ("chat", {**M, "top_p": 0}, "top_p"),

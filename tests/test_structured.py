@@ -26,7 +26,6 @@ import re
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,8 +33,8 @@ import torch
 
 from foveal.structured import GrammarCache, GrammarSpec, allocate_bitmask, bitmask_words
 from foveal.structured.bitmask import apply_bitmask_torch, apply_bitmask_triton, unpack_bitmask
+from tests.heldout import HELDOUT
 
-HELDOUT = Path(__file__).resolve().parents[2] / "shared" / "heldout"
 MASKBENCH = HELDOUT / "jsonschemabench" / "maskbench_sample.jsonl"
 SUITE = HELDOUT / "json-schema-test-suite" / "draft2020-12"
 

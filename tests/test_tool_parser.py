@@ -26,7 +26,6 @@ import random
 import re
 from collections import Counter
 from functools import cache
-from pathlib import Path
 
 import pytest
 
@@ -41,8 +40,9 @@ from foveal.parsing.tools import (
     get_format,
     parse,
 )
+from tests.heldout import HELDOUT
 
-ROOT = Path(__file__).resolve().parents[2] / "shared" / "heldout" / "canitoolcall" / "fixtures"
+ROOT = HELDOUT / "canitoolcall" / "fixtures"
 FAMILIES = ("qwen3-hermes", "qwen3-xml", "llama", "mistral", "glm", "deepseek", "kimi", "gemma4")
 
 # Fixtures we knowingly fail, id -> why. The test fails on any other failure, and on a listed

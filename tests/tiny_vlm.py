@@ -113,7 +113,8 @@ def save_tiny_text_model(path: str) -> str:
 
     tok = byte_tokenizer([], "")
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**text_config_kwargs(len(tok))))
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**text_config_kwargs(len(tok)), **ids))  # EOS: the tokenizer's
     model.config.architectures = ["LlamaForCausalLM"]
     model.save_pretrained(path)
     tok.save_pretrained(path)

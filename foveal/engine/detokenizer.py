@@ -22,6 +22,7 @@ per-request error). This module must not import torch or know about the engine's
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 
@@ -53,10 +54,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        keep_special_token_ids: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._window_decode = _window_decoder(tokenizer, skip_special_tokens)
+        self._window_decode = _window_decoder(
+            tokenizer, skip_special_tokens, frozenset(keep_special_token_ids)
+        )
         if isinstance(stop, str):
             stop = [stop]
         self.stop: tuple[str, ...] = tuple(stop)
@@ -224,8 +228,20 @@ class IncrementalDetokenizer:
         return text
 
 
-def _window_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+@functools.lru_cache(maxsize=8)
+def _special_ids(tokenizer) -> frozenset[int]:
+    """The ids skip_special_tokens drops: the named specials and every added token marked special."""
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    return frozenset(ids)
+
+
+def _window_decoder(
+    tokenizer, skip_special_tokens: bool, keep: frozenset[int] = frozenset()
+) -> Callable[[list[int]], str]:
     """tokenizer.decode without clean-up, or the same call made straight into the Rust tokenizer.
+    `keep`: special tokens whose text stays although special tokens are skipped (the markers a
+    reasoning or tool-call parser reads): the other special ids are dropped before decoding instead.
 
     transformers' decode() spends ~3x the Rust decode in Python (type conversion, kwargs); on the
     per-token path we skip that when the class has not overridden decode/_decode, which for
@@ -236,6 +252,10 @@ def _window_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]
     backend_cls = getattr(fast, "TokenizersBackend", None)
     base_cls = getattr(base, "PreTrainedTokenizerBase", None)
     cls = type(tokenizer)
+    if skip_special_tokens and keep:
+        drop = _special_ids(tokenizer) - keep
+        plain = _window_decoder(tokenizer, False)
+        return lambda ids: plain([t for t in ids if t not in drop])
     if (
         backend_cls is not None
         and base_cls is not None

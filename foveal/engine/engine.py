@@ -117,6 +117,7 @@ class Engine:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            keep_special_token_ids=params.keep_special_token_ids,
         )
         self._tracked[rid] = _Tracked(req, detok)
         self.scheduler.add(req)
@@ -213,12 +214,13 @@ class Engine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the tokens in flight arrive: not when a running
-        request's sampling reads its earlier tokens' values (repetition/frequency/presence penalties),
-        nor when speculating (proposals start from every token, and a verify row's count of new
-        tokens is known only on the host)."""
+        request's sampling reads its earlier tokens' values (repetition/frequency/presence penalties,
+        a grammar or think-block guide: its mask follows the tokens before it), nor when speculating
+        (proposals start from every token, and a verify row's count of new tokens is known only on the
+        host). A guided row's mask is still filled on the host while the device runs its forward pass."""
         if self.proposer is not None:
             return False
-        return not any(r.params.needs_penalties for r in self.scheduler.running)
+        return not any(r.params.needs_penalties or r.guide is not None for r in self.scheduler.running)
 
     def _propose(self) -> None:
         """Drafts for every running decode that may speculate; the scheduler gives each 1 + k tokens."""
@@ -267,6 +269,15 @@ class Engine:
             if t is not None:
                 t.req.encoder_time_s += spent
         self.scheduler.resolve(launched.batch, out.tokens)
+        for rid in out.done:  # the grammar is complete: nothing but EOS could follow
+            t = self._tracked.get(rid)
+            if t is not None and not t.req.is_finished:
+                self.scheduler.finish(t.req, FinishReason.STOP)
+        for rid, why in out.errors.items():  # its guide failed: this request ends, alone
+            t = self._tracked.get(rid)
+            if t is not None and not t.req.is_finished:
+                t.error = why
+                self.scheduler.finish(t.req, FinishReason.ERROR)
         deltas = []
         for t in live:
             toks = out.tokens.get(t.req.request_id)

@@ -205,7 +205,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         log.info("--quantization gguf runs a GGUF's Q4_0/Q4_1/Q8_0 weights as stored (faster on CPU)")
     elif ckpt.format != "gguf" and cfg.model.quantization == "gguf":
         log.warning("--quantization gguf applies to GGUF files: the %s weights stay dense", ckpt.format)
-    return engine, InputProcessor(info, ckpt.tokenizer, mm_processor)
+    return engine, InputProcessor(info, ckpt.tokenizer, mm_processor, cfg.output)
 
 
 def _graph_rows(cfg: EngineConfig) -> int:

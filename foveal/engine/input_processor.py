@@ -15,9 +15,17 @@ may use it at once (the tokenizer and processor are read-only here).
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
 from dataclasses import dataclass, replace
 
-from foveal.request import EngineRequest, MultiModalPrompt, SamplingParams, new_request_id
+from foveal.config import OutputConfig
+from foveal.engine.tool_prompt import has_tool_turns, renders_tools, with_tool_prompt
+from foveal.parsing import reasoning, tools
+from foveal.request import EngineRequest, InvalidParameter, MultiModalPrompt, SamplingParams, new_request_id
+from foveal.structured.guide import GuideSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +59,118 @@ def _longest_token_chars(tokenizer) -> int:
 
 
 class InputProcessor:
-    def __init__(self, info: EngineInfo, tokenizer, mm_processor=None):
+    def __init__(self, info: EngineInfo, tokenizer, mm_processor=None, output: OutputConfig | None = None):
         self.info = info
         self.tokenizer = tokenizer
         self.mm_processor = mm_processor  # engine/multimodal.py's, for a vision-language model
+        self.output = output or OutputConfig()
         # no text longer than this can tokenize to a prompt that fits: refused before tokenizing it
         self.max_prompt_chars = info.max_request_tokens * _longest_token_chars(tokenizer)
+        self.reasoning = self._reasoning_format()  # a ReasoningFormat, or None: the model does not think
+        self.think_ids = (
+            (self._marker_ids(self.reasoning.start), self._marker_ids(self.reasoning.end))
+            if self.reasoning
+            else ((), ())
+        )
+        template = self.chat_template
+        # tool calls: the template renders `tools` itself, or gets the generic (Hermes-style) prompt
+        self.native_tools = renders_tools(template)
+        self.tool_format = self._tool_format(template)  # the format's name, or None: no tool parsing
+        # the markers' special tokens keep their text in the output (the parsers read them)
+        keep = set(self.think_ids[0] + self.think_ids[1])
+        if self.tool_format is not None:
+            vocab = tokenizer.get_vocab()
+            keep.update(vocab[m] for m in tools.get_format(self.tool_format).markers.markup if m in vocab)
+        self.keep_special_ids = tuple(sorted(keep))
+        self._grammars = None  # the GrammarCache, made at the first constrained request
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def chat_template(self) -> str | None:
+        for owner in (self.mm_processor and self.mm_processor.processor, self.tokenizer):
+            t = getattr(owner, "chat_template", None) if owner is not None else None
+            if isinstance(t, str) and t:
+                return t
+        return None
+
+    def _tool_format(self, template: str | None) -> str | None:
+        name = self.output.tool_call_parser
+        if name == "none":
+            return None
+        if name != "auto":
+            return tools.get_format(name).name  # ValueError for an unknown name
+        if not self.native_tools:
+            return "hermes"  # the generic tool prompt asks for Hermes-style calls
+        found = tools.detect(template, self.tokenizer)
+        if found is None:
+            log.warning("the chat template renders tools in a format not recognised; parsing as hermes")
+            return "hermes"
+        return found.name
+
+    # -- output formats -----------------------------------------------------------------------------
+    def _reasoning_format(self):
+        name = self.output.reasoning_parser
+        if name == "none":
+            return None
+        if name == "auto":
+            name = reasoning.detect(self.tokenizer)
+            return reasoning.get_format(name) if name else None
+        return reasoning.get_format(name)  # ValueError for an unknown name
+
+    def _marker_ids(self, marker: str) -> tuple[int, ...]:
+        """A marker's token ids: its own token when the vocabulary has one, else its text encoded."""
+        tid = self.tokenizer.get_vocab().get(marker)
+        if tid is not None:
+            return (tid,)
+        return tuple(self.tokenizer.encode(marker, add_special_tokens=False))
+
+    @property
+    def grammars(self):
+        """The compiled-grammar cache (llguidance over this tokenizer), made on first use."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from foveal.structured import GrammarCache
+                from foveal.structured.llguidance_backend import LLGuidanceBackend
+
+                backend = LLGuidanceBackend.from_tokenizer(
+                    self.tokenizer, vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids
+                )
+                self._grammars = GrammarCache(backend, self.output.grammar_cache_entries)
+            return self._grammars
+
+    def grammar_stats(self):
+        """The compiled-grammar cache's GrammarCacheStats, or None before any request was constrained."""
+        with self._grammars_lock:
+            return self._grammars.stats() if self._grammars is not None else None
+
+    def _guide(self, ids, params: SamplingParams, thinking: bool | None) -> GuideSpec | None:
+        """How this request's tokens are steered: its grammar (compiled here, in the caller's thread;
+        a bad spec is a ValueError) and its thinking budget; None when nothing steers them."""
+        budget = params.thinking_budget if params.thinking_budget is not None else self.output.thinking_budget
+        if self.reasoning is None:
+            budget = None  # a model that does not think has nothing to budget
+        if params.structured is None and budget is None:
+            return None
+        grammar = None
+        if params.structured is not None:
+            try:
+                grammar = self.grammars.get(params.structured)
+            except ValueError as e:  # the API layer knows which field the spec came from
+                raise InvalidParameter("structured", str(e)) from None
+        start, end = self.think_ids
+        opened = self.reasoning is not None and reasoning.prompt_opens_thinking(
+            ids, self.reasoning, self.tokenizer
+        )
+        if thinking is None:
+            thinking = self.output.enable_thinking is not False
+        return GuideSpec(
+            grammar,
+            start,
+            end,
+            in_thinking=opened,
+            may_think=not opened and thinking and self.reasoning is not None,
+            thinking_budget=budget,
+        )
 
     # -- prompts ------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -79,12 +193,19 @@ class InputProcessor:
         images=(),
         pixel_hashes: list[str] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
         **template_kwargs,
     ) -> MultiModalPrompt:
         """Chat messages (a VLM's may have {"type": "image"} parts, one per image in `images`, in order)
-        -> token ids with expanded placeholders and one item per image."""
+        -> token ids with expanded placeholders and one item per image. `tools` (OpenAI function
+        definitions) go to a template that renders them, else into the generic tool prompt."""
         if not messages:
             raise ValueError("messages must not be empty")
+        if self.native_tools:
+            if tools:
+                template_kwargs["tools"] = tools
+        elif tools or has_tool_turns(messages):
+            messages = with_tool_prompt(messages, tools or ())
         if self.mm_processor is None:
             self._text_only(images)
             if not getattr(self.tokenizer, "chat_template", None) and "chat_template" not in template_kwargs:
@@ -147,13 +268,14 @@ class InputProcessor:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        thinking: bool | None = None,
     ) -> list[EngineRequest]:
         """One request of `params.n` choices -> one EngineRequest per choice: the request id itself for
         n == 1, `{id}-{i}` otherwise; seeded choices get seeds seed + i. ValueError (InvalidParameter
         for a sampling field) says what is wrong; nothing is admitted by this."""
         params = params or SamplingParams()
         rid = request_id or new_request_id()
-        first = self.request(prompt, replace(params, n=1), rid, cache_salt)
+        first = self.request(prompt, replace(params, n=1), rid, cache_salt, thinking)
         if params.n == 1:
             return [first]
         return [
@@ -167,9 +289,12 @@ class InputProcessor:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        thinking: bool | None = None,
     ) -> EngineRequest:
         """One sequence (params.n must be 1). `cache_salt` isolates the prefix cache (and the vision
-        cache): requests with different salts never share a block or an image's embeddings."""
+        cache): requests with different salts never share a block or an image's embeddings.
+        `thinking`: chat_template_kwargs.enable_thinking (None: the server default), i.e. whether the
+        output may open a think block."""
         params = params or SamplingParams()
         info = self.info
         if params.n != 1:
@@ -205,6 +330,8 @@ class InputProcessor:
         room = limit - len(ids)
         if params.max_tokens is None:
             params = replace(params, max_tokens=room)
+        if self.keep_special_ids and params.skip_special_tokens and not params.keep_special_token_ids:
+            params = replace(params, keep_special_token_ids=self.keep_special_ids)
         elif params.max_tokens > room:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what}")
         return EngineRequest(
@@ -216,4 +343,5 @@ class InputProcessor:
             rope=mm.rope if mm is not None and mm.items else None,
             cache_salt=cache_salt,
             shared_prefix_len=min(mm.shared_prefix_len, len(ids)) if mm is not None else 0,
+            guide=self._guide(ids, params, thinking),
         )

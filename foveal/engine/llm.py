@@ -73,7 +73,7 @@ class LLM:
             raise ValueError("messages must not be empty")
         convs = [messages] if isinstance(messages[0], dict) else messages
         kw = chat_template_kwargs or {}
-        return self._run([self._chat_prompt(c, kw) for c in convs], params)
+        return self._run([self._chat_prompt(c, kw) for c in convs], params, kw.get("enable_thinking"))
 
     def _chat_prompt(self, messages: list[dict], kw: dict) -> MultiModalPrompt:
         """Pull PIL images out of {"type": "image", "image": ...} parts, in order."""
@@ -113,13 +113,15 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _run(self, prompts: list[PromptLike], params) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptLike], params, thinking: bool | None = None) -> list[RequestOutput]:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         # every prompt processed (and validated) before any is admitted
         rids = [new_request_id("gen") for _ in prompts]
-        batches = [self.processor.requests(p, sp, rid) for p, sp, rid in zip(prompts, plist, rids)]
+        batches = [
+            self.processor.requests(p, sp, rid, thinking=thinking) for p, sp, rid in zip(prompts, plist, rids)
+        ]
         results: list[RequestOutput] = []
         where: dict[str, CompletionOutput] = {}
         try:

@@ -365,7 +365,11 @@ class EngineLoop:
         if e.proposer is not None:  # speculating: lifetime totals, and which method drafts
             spec = e.spec_stats.as_dict()
             spec["method"] = e.config.speculative.method
-        self._safe(self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec)
+        r = e.runner
+        masks = {"mask_seconds": r.mask_seconds, "mask_rows": r.mask_rows} if r.mask_rows else None
+        self._safe(
+            self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec, masks
+        )
 
     def _close_all(self, err: StreamError) -> None:
         """No stream is ever left without a final event."""

@@ -104,8 +104,16 @@ class MetricsSink(Protocol):
     # prefix: (prompt tokens looked up, tokens found) in the prefix cache, lifetime totals
     # spec: speculative decoding's lifetime totals (the engine's SpecStats.as_dict(), plus "method"),
     # None when the engine does not speculate
+    # structured: grammar-mask lifetime totals {"mask_seconds", "mask_rows"}, None before the first mask
     def step(
-        self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None, spec=None
+        self,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+        vision=None,
+        prefix=None,
+        spec=None,
+        structured=None,
     ) -> None: ...
 
 
@@ -155,6 +163,7 @@ class SummarySink:
         self.vision = None
         self.prefix = None
         self.spec: dict | None = None
+        self.structured: dict | None = None
 
     def _tally(self, tenant: str | None) -> _TenantTally:
         t = self._tenants.get(tenant)
@@ -201,12 +210,20 @@ class SummarySink:
             self._recent.append((stats.tenant, d))
 
     def step(
-        self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None, spec=None
+        self,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+        vision=None,
+        prefix=None,
+        spec=None,
+        structured=None,
     ) -> None:
         self.num_running, self.num_waiting, self.kv_usage = num_running, num_waiting, kv_usage
         self.vision = vision
         self.prefix = prefix
         self.spec = spec
+        self.structured = structured
 
     def tenant_dict(self, tenant: str | None) -> dict:
         """What one (non-admin) tenant may see: its own recent requests and counters."""
@@ -244,8 +261,17 @@ class SummarySink:
                     "prefix_cache_hit_tokens": self.prefix[1] if self.prefix else 0,
                     # global engine figures, like kv_cache_usage: not in a tenant's view
                     "speculative": dict(self.spec) if self.spec is not None else None,
+                    "structured": _structured(self.structured),
                 },
             }
+
+
+def _structured(s: dict | None) -> dict | None:
+    """Grammar masks: rows masked, host time filling them, and its mean per row."""
+    if s is None:
+        return None
+    rows = s["mask_rows"]
+    return {**s, "mask_us_per_row": s["mask_seconds"] / rows * 1e6 if rows else None}
 
 
 class FanoutSink:
@@ -266,6 +292,6 @@ class FanoutSink:
         for s in self.sinks:
             s.request_finished(stats, outcome)
 
-    def step(self, num_running, num_waiting, kv_usage, vision=None, prefix=None, spec=None):
+    def step(self, num_running, num_waiting, kv_usage, vision=None, prefix=None, spec=None, structured=None):
         for s in self.sinks:
-            s.step(num_running, num_waiting, kv_usage, vision, prefix, spec)
+            s.step(num_running, num_waiting, kv_usage, vision, prefix, spec, structured)

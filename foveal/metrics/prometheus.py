@@ -43,6 +43,8 @@ class PrometheusSink:
             "foveal_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
         )
         self._prefix_seen = (0, 0)
+        self._lazy: dict[str, list[Counter]] = {}  # series registered at their first report
+        self._lazy_seen: dict[str, list[float]] = {}
         self._spec: tuple[Counter, Counter, Counter, Counter] | None = None  # registered at the first report
         self._spec_seen = (0, 0, 0)  # drafts, draft tokens, accepted tokens already counted
         self._spec_pos_seen: list[int] = []
@@ -68,7 +70,14 @@ class PrometheusSink:
             self.e2e.observe(stats.request_time)
 
     def step(
-        self, num_running: int, num_waiting: int, kv_usage: float, vision=None, prefix=None, spec=None
+        self,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+        vision=None,
+        prefix=None,
+        spec=None,
+        structured=None,
     ) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
@@ -86,6 +95,46 @@ class PrometheusSink:
             self._prefix_seen = prefix
         if spec is not None:
             self._spec_step(spec)
+        if structured is not None:
+            self._totals(
+                "mask",
+                [
+                    (
+                        "foveal_structured_mask_rows",
+                        "Logits rows masked by a grammar",
+                        structured["mask_rows"],
+                    ),
+                    (
+                        "foveal_structured_mask_seconds",
+                        "Host time filling grammar masks",
+                        structured["mask_seconds"],
+                    ),
+                ],
+            )
+
+    def grammar(self, stats) -> None:
+        """The grammar cache's lifetime totals (GrammarCacheStats), read when /metrics is scraped."""
+        self._totals(
+            "grammar",
+            [
+                ("foveal_grammar_compiles", "Grammars compiled (cache misses)", stats.misses),
+                ("foveal_grammar_cache_hits", "Grammars served from the compiled cache", stats.hits),
+                ("foveal_grammar_compile_errors", "Grammar specs refused when compiled", stats.errors),
+                ("foveal_grammar_compile_seconds", "Time compiling grammars", stats.compile_seconds),
+            ],
+        )
+
+    def _totals(self, key: str, series: list[tuple[str, str, float]]) -> None:
+        """Counters that follow lifetime totals (the increase since the last report), registered at the
+        first report: a server that never constrains an output has no such series."""
+        counters = self._lazy.get(key)
+        if counters is None:
+            counters = self._lazy[key] = [Counter(n, h, registry=self.registry) for n, h, _ in series]
+            self._lazy_seen[key] = [0.0] * len(series)
+        seen = self._lazy_seen[key]
+        for i, (counter, (_, _, total)) in enumerate(zip(counters, series)):
+            counter.inc(max(0.0, total - seen[i]))
+            seen[i] = max(seen[i], total)
 
     def _spec_step(self, spec: dict) -> None:
         """vLLM's spec_decode counters from the engine's lifetime totals (the increase since the last

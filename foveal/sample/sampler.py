@@ -1,8 +1,10 @@
 """Token sampling for one engine step: a [B, V_model] logits matrix in, one token per row out.
 
 Owns the per-row sampling pipeline, in this order: min_tokens masking of EOS/stop ids, logit_bias,
-repetition penalty (prompt + output), frequency/presence penalties (output), temperature (0 = greedy),
-then min_p -> top_k -> top_p, then the draw; plus logprobs taken from the raw logits. Every row uses its
+repetition penalty (prompt + output), frequency/presence penalties (output), the grammar mask of
+constrained rows (a packed bitmask, foveal/structured/bitmask.py; where min_tokens would leave such a
+row nothing, the grammar wins), temperature (0 = greedy), then min_p -> top_k -> top_p, then the draw;
+plus logprobs taken from the raw logits (before the mask too). Every row uses its
 own SamplingParams, packed into per-row tensors once per call: nothing is inherited from another row.
 Seeded rows draw from a generator seeded only by (seed, draw index), so their tokens do not depend on
 the batch they happen to share. Columns past vocab_size (padding of the LM head) are never sampled.
@@ -19,6 +21,11 @@ import torch
 
 from foveal.device import to_device
 from foveal.request import Logprob, SamplingParams, TokenLogprobs
+from foveal.structured.bitmask import apply_bitmask
+
+# the grammar masks of a step's constrained rows: (bitmask int32 [n, words], logits row of each) on the
+# logits' device; None when no row is constrained
+Masks = tuple[torch.Tensor, torch.Tensor] | None
 
 _MASK64 = (1 << 64) - 1
 
@@ -79,7 +86,7 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), logprobs)
 
     def sample(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: Masks = None
     ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         """The drawn tokens as a device tensor [B] (no host sync unless a row asks for logprobs), and
         each row's logprobs."""
@@ -88,11 +95,15 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows x vocab {V}")
         raw = logits[:, :V]  # dropping the padding columns is the same as masking them to -inf
         if all(_plain_greedy(r) for r in rows):
+            if masks is not None:  # the greedy fast path, masked (a copy: logprobs read the raw logits)
+                pick = raw.to(torch.float32, copy=True)
+                apply_bitmask(pick, *masks)
+                return pick.argmax(-1), [None] * len(rows)
             if raw.device.type == "cpu" and raw.dtype != torch.float32:
                 raw = raw.float()  # same maximum, same first index; bf16 argmax ran 2x slower here
             return raw.argmax(-1), [None] * len(rows)
 
-        x = self.process_logits(logits, rows)
+        x = self.process_logits(logits, rows, masks)
         ng = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(ng) == len(rows):
             tokens = self._draw(self._filter(x, [r.params for r in rows]).softmax(-1), rows)
@@ -106,8 +117,11 @@ class Sampler:
 
     # ---- steps 1-4: masking, bias, penalties -------------------------------------------------------
 
-    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """float32 [B, vocab_size] logits after min_tokens masking, logit_bias and penalties."""
+    def process_logits(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: Masks = None
+    ) -> torch.Tensor:
+        """float32 [B, vocab_size] logits after min_tokens masking, logit_bias, penalties and the
+        grammar masks."""
         V = self.vocab_size
         x = logits[:, :V].to(torch.float32, copy=True)
         mask_r: list[int] = []
@@ -136,6 +150,14 @@ class Sampler:
         pen = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         if pen:
             self._apply_penalties(x, rows, pen)
+        if masks is not None:
+            apply_bitmask(x, *masks)
+            if mask_t:  # a grammar that allows only EOS where min_tokens holds it back: the grammar wins
+                held = _long(sorted(set(mask_r)), dev)
+                dead = held[x[held].amax(-1) == float("-inf")]
+                if dead.numel():
+                    x[dead] = logits[dead, :V].to(torch.float32)
+                    apply_bitmask(x, *masks)
         return x
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow], pen: list[int]) -> None:
@@ -179,10 +201,12 @@ class Sampler:
 
     # ---- steps 5-6: temperature and min_p / top_k / top_p -----------------------------------------
 
-    def filtered_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def filtered_logits(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: Masks = None
+    ) -> torch.Tensor:
         """Steps 1-6: non-greedy rows are temperature-scaled and filtered (dropped tokens are -inf);
         greedy rows are left as process_logits returns them. softmax() gives the sampling distribution."""
-        x = self.process_logits(logits, rows)
+        x = self.process_logits(logits, rows, masks)
         ng = [i for i, r in enumerate(rows) if not r.params.greedy]
         if ng:
             idx = _long(ng, x.device)

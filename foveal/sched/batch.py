@@ -67,6 +67,7 @@ class NewRequest:
     eos_token_ids: frozenset[int]
     mm_items: tuple[MultiModalItem, ...] = ()
     rope: Any = None  # the model family's positions for the prompt (MultiModalPrompt.rope), for the model
+    guide: Any = None  # GuideSpec (foveal/structured/guide.py): grammar and think-block steering, or None
 
 
 @dataclass(slots=True)

@@ -338,4 +338,5 @@ def _new_request(req: Request) -> NewRequest:
         req.eos_token_ids,
         tuple(req.mm_items),
         req.rope,
+        req.guide,
     )

@@ -10,6 +10,7 @@ through the InputProcessor, in the input pool (server/prompts.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -27,6 +28,7 @@ from foveal.engine.input_processor import InputProcessor
 from foveal.engine.loop import EngineLoop, RequestStream, StreamFailed
 from foveal.metrics import FanoutSink, SummarySink
 from foveal.metrics.prometheus import PrometheusSink
+from foveal.parsing.output import ChoiceOutput, OutputPlan
 from foveal.server import openapi, sse
 from foveal.server.body import ClientLeft, read_json
 from foveal.server.errors import APIError, error_response, from_validation
@@ -99,6 +101,11 @@ class _Edge:
             status,
             time.perf_counter() - t0,
         )
+
+
+def _chat_finish(out: ChoiceOutput, reason: str | None) -> str | None:
+    """OpenAI's finish_reason of a chat choice: "tool_calls" when the model stopped after calling."""
+    return "tool_calls" if reason == "stop" and out.calls else reason
 
 
 def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = None) -> FastAPI:
@@ -204,34 +211,38 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             return None
         return f"{tenant or ''}\x00{client or ''}"
 
-    async def run(request: Request, rid: str, req, choices: list, chat: bool):
+    async def run(request: Request, rid: str, req, choices: list, plan: OutputPlan | None):
         """choices: the processed sequences; choice index = prompt index * n + choice, as OpenAI
-        numbers them."""
+        numbers them. plan: how a chat choice's text is parsed (None: a completion, raw text)."""
+        chat = plan is not None
         request.state.request_id = rid
         stream = loop.submit(
             rid, choices, streaming=req.stream, timeout=cfg.request_timeout, tenant=request.state.tenant
         )
         await admit(request, stream)
         if req.stream:
-            gen = stream_chat(stream, req) if chat else stream_completion(stream, req)
+            gen = stream_chat(stream, req, plan) if chat else stream_completion(stream, req)
             return StreamingResponse(
                 gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         watcher = asyncio.create_task(watch_disconnect(request, rid))
         try:
-            return JSONResponse(await collect(stream, req, chat))
+            return JSONResponse(await collect(stream, req, plan))
         finally:
             watcher.cancel()
             if not stream.finished:
                 loop.abort(rid)
 
-    async def collect(stream: RequestStream, req, chat: bool) -> dict:
-        n = stream.num_choices
+    async def collect(stream: RequestStream, req, plan: OutputPlan | None) -> dict:
+        n, chat = stream.num_choices, plan is not None
         texts, lps, reasons = [""] * n, [None] * n, [None] * n
+        outs = [ChoiceOutput(plan) for _ in range(n)] if chat else []
         tally = sse.Tally(req.n)
         try:
             async for i, d in stream.deltas():
                 texts[i] += d.text
+                if chat:
+                    outs[i].feed(d.text)
                 if d.logprobs:
                     if chat:
                         lps[i] = (lps[i] or []) + d.logprobs
@@ -242,6 +253,9 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                     if d.error:
                         raise APIError(500, f"generation failed: {d.error}", "server_error")
                     reasons[i] = sse.finish(d.finish_reason)
+                    if chat:
+                        outs[i].finish(truncated=reasons[i] == "length")
+                        reasons[i] = _chat_finish(outs[i], reasons[i])
                     tally.add(i, d)
         except StreamFailed as e:
             raise APIError(e.error.status, e.error.message, e.error.type) from None
@@ -249,7 +263,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             choices = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": texts[i]},
+                    "message": outs[i].message(),
                     "logprobs": sse.chat_logprobs(lps[i], text_of) if lps[i] is not None else None,
                     "finish_reason": reasons[i],
                 }
@@ -295,9 +309,10 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                 loop.abort(rid)
         yield sse.DONE
 
-    def stream_chat(stream: RequestStream, req: ChatCompletionRequest):
+    def stream_chat(stream: RequestStream, req: ChatCompletionRequest, plan: OutputPlan):
         rid, inc = stream.request_id, req.include_usage
         obj = "chat.completion.chunk"
+        outs = [ChoiceOutput(plan) for _ in range(stream.num_choices)]
 
         def choice(i, delta, lp=None, fr=None):
             return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr}
@@ -306,13 +321,20 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             for i in range(stream.num_choices):
                 yield sse.sse(_chunk(rid, obj, [choice(i, {"role": "assistant", "content": ""})], inc))
             async for i, d in stream.deltas():
-                if d.text or d.logprobs:
-                    lp = sse.chat_logprobs(d.logprobs, text_of) if d.logprobs else None
-                    yield sse.sse(_chunk(rid, obj, [choice(i, {"content": d.text}, lp)], inc))
+                reason = sse.finish(d.finish_reason)
+                frags = outs[i].feed(d.text)
+                if d.finished:
+                    frags += outs[i].finish(truncated=reason == "length")
+                lp = sse.chat_logprobs(d.logprobs, text_of) if d.logprobs else None
+                if lp and not frags:
+                    frags = [{"content": ""}]  # the step's logprobs, though its text is held back
+                for k, frag in enumerate(frags):  # the step's logprobs ride on its first fragment
+                    yield sse.sse(_chunk(rid, obj, [choice(i, frag, lp if k == 0 else None)], inc))
                 if d.finished:
                     if d.error:
                         yield sse.error_event(d.error)
-                    yield sse.sse(_chunk(rid, obj, [choice(i, {}, None, sse.finish(d.finish_reason))], inc))
+                    end = choice(i, {}, None, _chat_finish(outs[i], reason))
+                    yield sse.sse(_chunk(rid, obj, [end], inc))
                     tally.add(i, d)
 
         return framed(stream, obj, inc, body, req.n)
@@ -349,19 +371,19 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
         log.info(
             "%s: chat request, %d message(s), n=%d, stream=%s", rid, len(req.messages), params.n, req.stream
         )
-        choices = await prompts.chat(req, params, rid, cache_salt(request, req))
-        return await run(request, rid, req, choices, True)
+        choices, plan = await prompts.chat(req, params, rid, cache_salt(request, req))
+        return await run(request, rid, req, choices, plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, params = await parse(request, CompletionRequest)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         request.state.request_id = rid
-        choices = await prompts.completion(req.prompt, params, rid, cache_salt(request, req))
+        choices = await prompts.completion(req, params, rid, cache_salt(request, req))
         log.info(
             "%s: completion request, %d sequence(s), n=%d, stream=%s", rid, len(choices), params.n, req.stream
         )
-        return await run(request, rid, req, choices, False)
+        return await run(request, rid, req, choices, None)
 
     @app.get("/v1/models")
     async def models():
@@ -384,13 +406,21 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
     async def metrics(request: Request):
         if not (request.state.admin or cfg.metrics_public):  # global figures: admins (or everyone)
             raise APIError(403, "/metrics needs an admin API key (or --metrics-public)", "permission_error")
+        grammar = processor.grammar_stats()
+        if grammar is not None:
+            prom.grammar(grammar)
         return Response(prom.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/metrics")
     async def metrics_json(request: Request):
         """Everything for an admin key (or without auth); a tenant's own requests otherwise."""
         if request.state.admin:
-            return summary.to_dict()
+            out = summary.to_dict()
+            grammar = processor.grammar_stats()
+            if grammar is not None:
+                s = out["summary"]
+                s["structured"] = {**(s["structured"] or {}), "grammar_cache": dataclasses.asdict(grammar)}
+            return out
         return summary.tenant_dict(request.state.tenant)
 
     @app.get("/v1/cache/stats")

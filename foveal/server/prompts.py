@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from foveal.config import ServerConfig
 from foveal.engine.input_processor import InputProcessor
+from foveal.parsing.output import OutputPlan
+from foveal.parsing.reasoning import prompt_opens_thinking
 from foveal.request import EngineRequest, SamplingParams
 from foveal.server import media
 from foveal.server.errors import APIError
 from foveal.server.inputs import InputWork, InputWorkTooSlow
-from foveal.server.protocol import ChatCompletionRequest
+from foveal.server.protocol import ChatCompletionRequest, CompletionRequest
+from foveal.structured.tool_grammar import tool_call_grammar
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +81,20 @@ class PixelBudget:
             self._changed.notify_all()
 
 
-def _bad_input(e: ValueError, param: str) -> APIError:
-    return APIError(400, str(e), param=getattr(e, "param", None) or param)
+def _bad_input(e: ValueError, param: str, source: str | None = None) -> APIError:
+    """A 400 naming the field: the error's own, where a grammar failed to compile the field it came
+    from (`source`), else `param`."""
+    named = getattr(e, "param", None)
+    if named == "structured":
+        named = source
+    return APIError(400, str(e), param=named or param)
+
+
+def _invalid_param(fn):
+    try:
+        return fn()
+    except ValueError as e:
+        raise _bad_input(e, "") from None
 
 
 class Prompts:
@@ -100,10 +116,11 @@ class Prompts:
             raise APIError(400, str(e), code="input_too_slow") from None
 
     async def completion(
-        self, prompt, params: SamplingParams, rid: str, cache_salt: str | None
+        self, req: CompletionRequest, params: SamplingParams, rid: str, cache_salt: str | None
     ) -> list[EngineRequest]:
-        """A /v1/completions prompt field -> its sequences: prompt j's choice i is entry j * n + i (text
+        """A /v1/completions request -> its sequences: prompt j's choice i is entry j * n + i (text
         tokenized in the pool). One prompt's sequences are named like the request, several `{id}-{j}`."""
+        prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         proc = self.processor
@@ -118,7 +135,7 @@ class Prompts:
         try:
             return await self._work(work)
         except ValueError as e:
-            raise _bad_input(e, "prompt") from None
+            raise _bad_input(e, "prompt", req.grammar_source) from None
 
     def _template_kwargs(self, req: ChatCompletionRequest) -> dict:
         kwargs = dict(req.chat_template_kwargs or {})
@@ -154,11 +171,45 @@ class Prompts:
                 )
             kwargs["continue_final_message"] = True
         kwargs["add_generation_prompt"] = req.add_generation_prompt
+        if req.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = req.reasoning_effort
+            if req.reasoning_effort == "none":
+                kwargs["enable_thinking"] = False
+        default = self.processor.output.enable_thinking
+        if default is not None:
+            kwargs.setdefault("enable_thinking", default)
         return kwargs
+
+    def _tools(self, req: ChatCompletionRequest, params: SamplingParams):
+        """(the tools for the template, or None; params with the tool calls' grammar; the output plan's
+        tool format). tool_choice none renders no tools and parses none."""
+        mode = _invalid_param(lambda: req.tool_mode)
+        if mode == "none":
+            return None, params, None
+        fmt = self.processor.tool_format
+        if fmt is None:
+            raise APIError(
+                400, "this server does not parse tool calls (--tool-call-parser none)", param="tools"
+            )
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            grammar = tool_call_grammar(fmt, tools, mode, req.parallel_tool_calls)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if grammar is not None:
+            if params.structured is not None:
+                raise APIError(
+                    400,
+                    "tool calls and a structured-output constraint cannot apply together",
+                    param="tool_choice",
+                )
+            params = replace(params, structured=grammar)
+        return tools, params, fmt
 
     async def chat(
         self, req: ChatCompletionRequest, params: SamplingParams, rid: str, cache_salt: str | None
-    ) -> list[EngineRequest]:
+    ) -> tuple[list[EngineRequest], OutputPlan]:
+        """The request's sequences, and how their output is parsed (reasoning, tool calls)."""
         urls = []
         for i, m in enumerate(req.messages):
             if m.image_urls and m.role != "user":
@@ -178,6 +229,12 @@ class Prompts:
                 param="messages",
             )
         kwargs = self._template_kwargs(req)
+        grammar_source = req.grammar_source
+        tools, params, tool_format = self._tools(req, params)
+        if tools and grammar_source is None:
+            grammar_source = "tool_choice"
+        if tools:
+            kwargs["tools"] = tools
         messages = [m.as_template_dict(info.is_multimodal) for m in req.messages]
         opened = [await self._open_images(urls)] if urls else []
         total = sum(im.width * im.height for im in opened[0]) if urls else 0
@@ -198,10 +255,20 @@ class Prompts:
                 headers={"Retry-After": "1"},
             )
         try:
-            return await self._render(messages, opened[0] if urls else [], kwargs, rid, params, cache_salt)
+            choices, opened_thinking = await self._render(
+                messages, opened[0] if urls else [], kwargs, rid, params, cache_salt, grammar_source
+            )
         finally:
             if total:
                 await self.pixels.release(total)
+        plan = OutputPlan(
+            reasoning=self.processor.reasoning,
+            prompt_opened=opened_thinking,
+            thinking=kwargs.get("enable_thinking") is not False,
+            tool_format=tool_format,
+            tools=tools or (),
+        )
+        return choices, plan
 
     async def _open_images(self, urls: list[str]) -> list:
         """Fetch every image and read its header (nothing decoded yet): 400 naming the bad one."""
@@ -223,8 +290,9 @@ class Prompts:
         return await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls)))
 
     async def _render(
-        self, messages: list[dict], opened: list, kwargs: dict, rid: str, params, cache_salt
-    ) -> list[EngineRequest]:
+        self, messages: list[dict], opened: list, kwargs: dict, rid: str, params, cache_salt, source=None
+    ) -> tuple[list[EngineRequest], bool]:
+        """(the sequences, whether the rendered prompt opened the think block)."""
         proc = self.processor
 
         def work():
@@ -241,7 +309,11 @@ class Prompts:
             prompt = proc.render_chat(messages, images=images, pixel_hashes=hashes, **kwargs)
             if self.cfg.shared_prefix_cache:
                 prompt.shared_prefix_len = proc.system_prefix_len(messages, prompt.prompt_token_ids, **kwargs)
-            return proc.requests(prompt, params, rid, cache_salt)
+            thinking = kwargs.get("enable_thinking")
+            in_thought = proc.reasoning is not None and prompt_opens_thinking(
+                prompt.prompt_token_ids, proc.reasoning, proc.tokenizer
+            )
+            return proc.requests(prompt, params, rid, cache_salt, thinking), in_thought
 
         try:
             return await self._work(work)
@@ -249,7 +321,7 @@ class Prompts:
             raise
         except ValueError as e:
             log.info("%s rejected: %s", rid, e)
-            raise _bad_input(e, "messages") from None
+            raise _bad_input(e, "messages", source) from None
         except Exception as e:  # template and processor errors are the request's fault
             msg = f"{type(e).__name__}: {e}"
             log.info("%s rejected: %s", rid, msg)

@@ -7,9 +7,10 @@ the bounds shown in the OpenAPI schema are those same numbers, published for cli
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from foveal.request import (
     MAX_BIAS,
@@ -24,6 +25,7 @@ from foveal.request import (
     InvalidParameter,
     SamplingParams,
 )
+from foveal.structured.spec import GrammarSpec
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -51,6 +53,7 @@ TokenIds = Annotated[list[int], BeforeValidator(_integral_list), Field(min_lengt
 Prob = Annotated[float, _shown(minimum=0.0, maximum=1.0)]
 Penalty = Annotated[float, _shown(minimum=-MAX_PENALTY, maximum=MAX_PENALTY)]
 StopString = Annotated[str, _shown(minLength=1, maxLength=MAX_STOP_CHARS)]
+MAX_TOOLS = 128  # tools offered, and tool calls in one history message
 
 
 class TextPart(BaseModel):
@@ -71,35 +74,126 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCallPart(BaseModel):
+    """A tool call in an assistant message of the history."""
+
+    model_config = _STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "user", "assistant"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallPart], Field(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as this server returned it
+    reasoning: str | None = None  # the same, under the newer name
+
+    @model_validator(mode="after")
+    def _content_present(self):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning)):
+            raise ValueError("content is required (an assistant message may have tool_calls instead)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        return self
 
     @property
     def image_urls(self) -> list[str]:
-        if isinstance(self.content, str):
+        if not isinstance(self.content, list):
             return []
         return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
     def as_template_dict(self, multimodal: bool = False) -> dict:
-        """A text model gets one string; a VLM's template gets parts, an image as {"type": "image"}."""
-        if not multimodal:
-            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-            return {"role": self.role, "content": text}
-        parts = [{"type": "text", "text": self.content}] if isinstance(self.content, str) else self.content
-        return {
-            "role": self.role,
-            "content": [
-                p
-                if isinstance(p, dict)
-                else {"type": "image"}
-                if p.type == "image_url"
-                else {"type": "text", "text": p.text}
+        """A text model gets one string; a VLM's template gets parts, an image as {"type": "image"}.
+        Tool calls go to the template with their arguments decoded (templates write them as JSON);
+        "developer" is the system role for templates, which do not know it."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict = {"role": role}
+        if self.content is None:
+            out["content"] = "" if not multimodal else []
+        elif not multimodal:
+            c = self.content
+            out["content"] = (
+                c if isinstance(c, str) else "".join(p.text for p in c if isinstance(p, TextPart))
+            )
+        else:
+            parts = (
+                [TextPart(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+            )
+            out["content"] = [
+                {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
                 for p in parts
-            ],
-        }
+            ]
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _decoded(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            out["reasoning_content"] = thought
+        return out
+
+
+def _field(name: str, build, value):
+    """A structured-output field's GrammarSpec; its ValueError as an InvalidParameter naming it."""
+    try:
+        return build(value)
+    except InvalidParameter:
+        raise
+    except ValueError as e:
+        raise InvalidParameter(name, str(e)) from None
+
+
+def _decoded(arguments: str):
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # accepted; arguments always follow the schema (a grammar enforces it)
+
+
+class ToolDef(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -140,6 +234,63 @@ class _Common(BaseModel):
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's field
     # speculate when the server does (--speculative-config); false: plain decoding for this request
     speculative: bool = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older
+    # guided_* fields (at most one of them; foveal/structured/spec.py reads their shapes)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    # thinking tokens before the end of thinking is forced (vLLM's name: thinking_token_budget)
+    thinking_budget: Annotated[int, _shown(minimum=0), _INTEGRAL] | None = None
+    thinking_token_budget: Annotated[int, _shown(minimum=0), _INTEGRAL] | None = None
+
+    @property
+    def grammar_source(self) -> str | None:
+        """The field the structured-output constraint came from (errors name it)."""
+        fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
+        return next((f for f in (*fields, "guided_grammar") if getattr(self, f) is not None), None)
+
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output must match, from whichever structured-output field was given."""
+        found = []
+        if self.response_format is not None:
+            spec = _field("response_format", GrammarSpec.from_response_format, self.response_format)
+            if spec is not None:
+                found.append(("response_format", spec))
+        if self.structured_outputs is not None:
+            spec = _field("structured_outputs", GrammarSpec.from_structured_outputs, self.structured_outputs)
+            if spec is not None:
+                found.append(("structured_outputs", spec))
+        guided = {
+            k: getattr(self, k)
+            for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, k) is not None
+        }
+        if guided:
+            spec = _field(
+                next(iter(guided)),
+                lambda _: GrammarSpec.from_guided(
+                    **guided, guided_whitespace_pattern=self.guided_whitespace_pattern
+                ),
+                None,
+            )
+            found += [(k, spec) for k in guided]
+        if len(found) > 1:
+            names = ", ".join(k for k, _ in found)
+            raise InvalidParameter(
+                found[1][0], f"give one structured-output constraint, not several ({names})"
+            )
+        return found[0][1] if found else None
+
+    @property
+    def thinking_limit(self) -> int | None:
+        if self.thinking_budget is not None and self.thinking_token_budget is not None:
+            if self.thinking_budget != self.thinking_token_budget:
+                raise InvalidParameter("thinking_budget", "thinking_budget and thinking_token_budget differ")
+        return self.thinking_budget if self.thinking_budget is not None else self.thinking_token_budget
 
     def _params(
         self, max_tokens: int | None, logprobs: int | None, names: dict[str, str] | None = None
@@ -155,6 +306,7 @@ class _Common(BaseModel):
                     raise InvalidParameter(
                         "logit_bias", f"invalid sampling parameter logit_bias: key {k!r} is not a token id"
                     ) from None
+
         def given(v, default):
             return default if v is None else v
 
@@ -176,6 +328,8 @@ class _Common(BaseModel):
                 stop=self.stop,
                 logprobs=logprobs,
                 speculative=self.speculative,
+                structured=self.grammar(),
+                thinking_budget=self.thinking_limit,
             )
         except InvalidParameter as e:
             name = (names or {}).get(e.param)
@@ -200,6 +354,23 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless the server trusts request templates
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # passed to the chat template; "none" also turns thinking off (enable_thinking=false)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    @property
+    def tool_mode(self) -> str | dict:
+        """none | auto | required | {"type": "function", "function": {"name": ...}} ("none" without
+        tools; "auto" by default with them, as OpenAI)."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise InvalidParameter("tool_choice", "tool_choice needs tools")
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -32,6 +32,8 @@ from foveal.request import TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
 from foveal.spec.rejection import verify
+from foveal.structured.bitmask import bitmask_words
+from foveal.structured.guide import Guide
 
 
 @dataclass(slots=True)
@@ -39,6 +41,8 @@ class RunnerOutput:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> its new tokens, in order
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     encoder_time_s: dict[str, float] = field(default_factory=dict)  # vision-encoder time spent per request
+    done: set[str] = field(default_factory=set)  # requests whose grammar is complete (nothing can follow)
+    errors: dict[str, str] = field(default_factory=dict)  # requests whose guide failed: why
 
 
 @dataclass(slots=True)
@@ -50,6 +54,7 @@ class _Held:
     shift: int = 0  # generated tokens' position past their index (the model's `position_shift`)
     output_token_ids: list[int] = field(default_factory=list)  # produced and seen by collect()
     mm_embeds: dict[int, Any] = field(default_factory=dict)  # image index -> embeddings, until passed
+    guide: Guide | None = None  # grammar / think-block steering (foveal/structured/guide.py)
 
 
 @dataclass(slots=True)
@@ -86,6 +91,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(vocab_size)
+        self.vocab_size = vocab_size
+        self.mask_seconds = 0.0  # host time spent filling grammar masks (and the rows filled)
+        self.mask_rows = 0
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
         self._held: dict[str, _Held] = {}
         self._free_slots: list[int] = []
@@ -104,7 +112,9 @@ class ModelRunner:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
         for new in batch.new_requests:
             if new.request_id not in self._held:
-                self._held[new.request_id] = _Held(new, self._slot(), self.model.position_shift(new.rope))
+                guide = Guide(new.guide) if new.guide is not None else None
+                shift = self.model.position_shift(new.rope)
+                self._held[new.request_id] = _Held(new, self._slot(), shift, guide=guide)
 
     def _slot(self) -> int:
         if not self._free_slots:
@@ -403,11 +413,13 @@ class ModelRunner:
             drafts.append(-1)
         if not rows:
             return launched
+        # the host fills the grammar masks while the device runs the forward pass queued above
+        masks = self._masks(batch, len(rows))
         verifying = len(drafts) > len(launched.rows)
         if verifying:
-            tokens, launched.accepted = self._verify(logits, rows, launched.rows, drafts)
+            tokens, launched.accepted = self._verify(logits, rows, launched.rows, drafts, masks)
         else:
-            tokens, logprobs = self.sampler.sample(logits, rows)
+            tokens, logprobs = self.sampler.sample(logits, rows, masks)
             launched.logprobs = logprobs
             # the buffer row of each request: what the next step reads if it is launched before these
             # tokens reach the host
@@ -429,12 +441,45 @@ class ModelRunner:
         launched.host = host
         return launched
 
+    def _masks(self, batch: ScheduledBatch, num_rows: int):
+        """The grammar masks of the step's constrained logits rows, on the device (None if there are
+        none): a verify run's row j is masked as if its drafts 1..j were accepted."""
+        if all(self._held[s.request_id].guide is None for s in batch.items if s.num_logits):
+            return None
+        t0 = time.perf_counter()
+        masks = torch.empty(num_rows, bitmask_words(self.vocab_size), dtype=torch.int32)
+        idx: list[int] = []
+        row = 0
+        for s in batch.items:
+            if not s.num_logits:
+                continue
+            guide = self._held[s.request_id].guide
+            if guide is not None:
+                if s.num_drafts:
+                    guide.fill_rows(list(s.drafts), masks[len(idx) : len(idx) + s.num_logits])
+                    idx += range(row, row + s.num_logits)
+                elif guide.needs_mask():
+                    guide.fill(masks[len(idx)])
+                    idx.append(row)
+            row += s.num_logits
+        self.mask_seconds += time.perf_counter() - t0
+        self.mask_rows += len(idx)
+        if not idx:
+            return None
+        rows = torch.tensor(idx, dtype=torch.int32)
+        return to_device(masks[: len(idx)], self.device), to_device(rows, self.device)
+
     def _verify(
-        self, logits: torch.Tensor, rows: list[SamplingRow], items: list[tuple[str, int, int]], drafts
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        items: list[tuple[str, int, int]],
+        drafts,
+        masks=None,
     ):
         """Verify every item's drafts against the target's logits (an item without drafts is a k = 0
         verify: it just samples its one row). Returns (tokens per row, accepted drafts per item)."""
-        x = self.sampler.filtered_logits(logits, rows)
+        x = self.sampler.filtered_logits(logits, rows, masks)
         ks = [n - 1 for _, _, n in items]
         firsts = [rows[first] for _, first, _ in items]
         return verify(
@@ -465,4 +510,17 @@ class ModelRunner:
             held = self._held.get(rid)
             if held is not None:
                 held.output_token_ids += toks
+                if held.guide is not None:
+                    self._advance(held.guide, rid, toks, out)
         return out
+
+    @staticmethod
+    def _advance(guide: Guide, rid: str, toks: list[int], out: RunnerOutput) -> None:
+        """Move a request's guide over its new tokens; report a failure, or a grammar that is done."""
+        for t in toks:
+            if guide.error is None and not guide.accept(t):
+                guide.error = guide.error or f"the grammar does not allow token {t} here"
+        if guide.error is not None:
+            out.errors[rid] = guide.error
+        elif guide.terminated:
+            out.done.add(rid)

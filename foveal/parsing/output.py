@@ -1,0 +1,102 @@
+"""One chat choice's output text, split into reasoning, content and tool calls: streamed (OpenAI
+delta fragments) and whole (the message). The reasoning parser runs first; its content goes on to
+the tool-call parser when the request offered tools.
+
+    text deltas -> ReasoningParser -> reasoning            -> {"reasoning_content": ..., "reasoning": ...}
+                                   -> content -> ToolCallStream -> {"content": ...} / {"tool_calls": [...]}
+
+Text in, OpenAI-shaped dicts out: no HTTP, no engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from foveal.parsing.reasoning import ReasoningFormat, ReasoningParser
+from foveal.parsing.tools import ContentDelta, ToolCall, ToolCallStream
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    """How a request's choices are parsed (the same for each of its choices)."""
+
+    reasoning: ReasoningFormat | None = None
+    prompt_opened: bool = False  # the prompt opened the think block: the output starts inside it
+    thinking: bool = True  # enable_thinking
+    tool_format: str | None = None  # parse tool calls in this format (the request offered tools)
+    tools: Sequence[Mapping[str, Any]] = ()
+
+
+@dataclass(slots=True)
+class ChoiceOutput:
+    plan: OutputPlan
+    reasoning_text: list[str] = field(default_factory=list)
+    content_text: list[str] = field(default_factory=list)
+    _reasoner: ReasoningParser | None = None
+    _tools: ToolCallStream | None = None
+
+    def __post_init__(self) -> None:
+        p = self.plan
+        if p.reasoning is not None:
+            self._reasoner = ReasoningParser(p.reasoning, thinking=p.thinking, prompt_opened=p.prompt_opened)
+        if p.tool_format is not None:
+            self._tools = ToolCallStream(p.tool_format, p.tools)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self._tools.calls if self._tools is not None else []
+
+    def feed(self, text: str) -> list[dict]:
+        """OpenAI delta fragments for this text ([] while everything is held back)."""
+        if self._reasoner is None:
+            return self._content(text, False, False)
+        thought, content = self._reasoner.feed(text)
+        return self._reasoning(thought) + self._content(content, False, False)
+
+    def finish(self, truncated: bool = False) -> list[dict]:
+        """The rest: held text, and a tool call that closed at the end. `truncated`: cut by length."""
+        out: list[dict] = []
+        content = ""
+        if self._reasoner is not None:
+            thought, content = self._reasoner.finish()
+            out += self._reasoning(thought)
+        return out + self._content(content, True, truncated)
+
+    def _reasoning(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        self.reasoning_text.append(text)
+        return [{"reasoning_content": text, "reasoning": text}]
+
+    def _content(self, text: str, final: bool, truncated: bool) -> list[dict]:
+        if self._tools is None:
+            deltas = [ContentDelta(text)] if text else []
+        else:
+            deltas = self._tools.feed(text) if text else []
+            if final:
+                deltas += self._tools.finish(truncated)
+        out = []
+        for d in deltas:
+            if isinstance(d, ContentDelta):
+                if not d.text:
+                    continue
+                self.content_text.append(d.text)
+            out.append(d.to_openai())
+        return out
+
+    def message(self) -> dict:
+        """The whole message, after finish(): content (None when empty beside tool calls), reasoning
+        (as `reasoning_content` and `reasoning`), tool_calls."""
+        content = "".join(self.content_text)
+        msg: dict[str, Any] = {"role": "assistant", "content": content if content or not self.calls else None}
+        if self._reasoner is not None:
+            thought = "".join(self.reasoning_text) or None
+            msg["reasoning_content"] = msg["reasoning"] = thought
+        if self.calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.calls
+            ]
+        return msg

@@ -1,0 +1,151 @@
+"""Steering one request's tokens: its answer's grammar, the think block before the answer, and the
+thinking budget, as one state machine the runner asks for a mask at every logits row.
+
+    GuideSpec (plain data, made on the request side)  ->  Guide (the runner's, per request)
+
+    phase OPEN    the output may open a think block (its start marker's one token) or begin the answer:
+                  the grammar's mask plus that token (no grammar: no mask)
+    phase THINK   free text, no grammar, until the end marker; once `thinking_budget` thinking tokens
+                  are spent, the end marker's tokens are forced one at a time
+    phase ANSWER  the grammar's mask (no grammar: no mask); `terminated` once it is complete
+
+A prompt that opened the think block (the template's generation prompt ends with it) starts in
+THINK; a request without reasoning starts in ANSWER. So a grammar never sees the thinking, and a JSON
+schema applies from the first answer token on, whichever side opened the block.
+
+Speculative rows: `fill_rows(drafts)` gives the mask of each position of a verify run by walking
+the drafts tentatively and coming back (`_mark`/`_back`); a draft the state machine refuses ends the
+walk (the rows after it are never used: verification stops there). Not thread-safe: one per request,
+driven by the model thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+OPEN, THINK, ANSWER = "open", "think", "answer"
+
+
+@dataclass(frozen=True, slots=True)
+class GuideSpec:
+    """What steers one request (EngineRequest.guide): the compiled grammar of its answer, if any, and
+    its think markers as token ids."""
+
+    grammar: Any = None  # a CompiledGrammar (foveal/structured/backend.py), shared and immutable
+    think_start: tuple[int, ...] = ()
+    think_end: tuple[int, ...] = ()  # () : the model has no think block
+    in_thinking: bool = False  # the prompt opened the block: the output starts inside it
+    may_think: bool = False  # the output may open the block itself (its first token the start marker)
+    thinking_budget: int | None = None  # thinking tokens before the end marker is forced
+
+
+class Guide:
+    def __init__(self, spec: GuideSpec):
+        self.spec = spec
+        self.matcher = spec.grammar.matcher() if spec.grammar is not None else None
+        if spec.in_thinking and spec.think_end:
+            self.phase = THINK
+        elif spec.may_think and len(spec.think_start) == 1 and spec.think_end:
+            self.phase = OPEN
+        else:
+            self.phase = ANSWER
+        self.thinking_tokens = 0
+        self._end = 0  # tokens of the end marker matched (or forced) so far
+        self.error: str | None = None
+
+    # -- state --------------------------------------------------------------------------------------
+    @property
+    def terminated(self) -> bool:
+        """The answer's grammar is complete: nothing but EOS could follow."""
+        return self.phase == ANSWER and self.matcher is not None and self.matcher.is_terminated()
+
+    def _forcing(self) -> bool:
+        b = self.spec.thinking_budget
+        return self.phase == THINK and ((b is not None and self.thinking_tokens >= b) or self._end > 0)
+
+    def needs_mask(self) -> bool:
+        """Whether the next position is constrained (else the row samples freely)."""
+        if self.phase == THINK:
+            return self._forcing()
+        return self.matcher is not None
+
+    def fill(self, row: torch.Tensor) -> None:
+        """The next position's allowed tokens into `row` (int32 words; needs_mask() was True)."""
+        if self.phase == THINK:  # forcing the end marker: exactly its next token
+            row.zero_()
+            _set(row, self.spec.think_end[self._end])
+            return
+        self.matcher.fill_bitmask(row)
+        if self.matcher.error is not None:
+            self.error = f"grammar: {self.matcher.error}"
+        if self.phase == OPEN:
+            _set(row, self.spec.think_start[0])
+
+    def accept(self, token: int) -> bool:
+        """Advance over one produced token; False (state unchanged) when the guide forbids it."""
+        spec = self.spec
+        if self.phase == OPEN:
+            if token == spec.think_start[0]:
+                self.phase = THINK
+                return True
+            self.phase = ANSWER
+            if not self._answer(token):
+                self.phase = OPEN
+                return False
+            return True
+        if self.phase == THINK:
+            end = spec.think_end
+            if self._forcing() and token != end[self._end]:
+                return False
+            if token == end[self._end]:
+                self._end += 1
+                if self._end == len(end):
+                    self.phase, self._end = ANSWER, 0
+            else:
+                self._end = 0
+                self.thinking_tokens += 1
+            return True
+        return self._answer(token)
+
+    def _answer(self, token: int) -> bool:
+        if self.matcher is None:
+            return True
+        if self.matcher.accept([token]):
+            return True
+        if self.matcher.error is not None:
+            self.error = f"grammar: {self.matcher.error}"
+        return False
+
+    # -- speculative runs -----------------------------------------------------------------------------
+    def _mark(self) -> tuple:
+        return self.phase, self.thinking_tokens, self._end, self.matcher.num_tokens if self.matcher else 0
+
+    def _back(self, mark: tuple) -> None:
+        self.phase, self.thinking_tokens, self._end, n = mark
+        if self.matcher is not None and self.matcher.num_tokens > n:
+            self.matcher.rollback(self.matcher.num_tokens - n)
+
+    def fill_rows(self, drafts: list[int], rows: torch.Tensor) -> None:
+        """rows[j] = the mask after drafts[:j] (j = 0 .. len(drafts)); the state is left unchanged. A
+        row after a draft the guide refuses copies the row before it (verification stops earlier)."""
+        mark = self._mark()
+        try:
+            for j in range(len(drafts) + 1):
+                if self.needs_mask():
+                    self.fill(rows[j])
+                else:
+                    rows[j].fill_(-1)
+                if j == len(drafts) or not self.accept(drafts[j]):
+                    rows[j + 1 :] = rows[j]
+                    break
+        finally:
+            self._back(mark)
+
+
+def _set(row: torch.Tensor, token: int) -> None:
+    word, bit = divmod(token, 32)
+    v = int(row[word]) | (1 << bit)
+    row[word] = v - (1 << 32) if v >= 1 << 31 else v  # int32 two's complement

@@ -1,0 +1,279 @@
+"""Structured outputs end to end, through the engine: every maskbench schema the backend accepts gives
+JSON that validates (temperature 1, a tiny random model), regex / choice / Lark outputs match in full,
+constrained and free rows share a batch, speculation keeps greedy output equal, a failing grammar ends
+its request alone, and the think block: the grammar starts after it, and the budget ends it after
+exactly N thinking tokens.
+
+The tiny models are random Llamas over a byte tokenizer (one token per byte). A random model's
+strings and arrays rarely end, so requests carry a logit_bias towards `"`, `]` and `}` (an ordinary
+request parameter); the grammar decides what is valid, the bias only how soon it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+
+import pytest
+
+from foveal import SamplingParams
+from foveal.request import FinishReason
+from foveal.structured import GrammarSpec
+from tests.heldout import HELDOUT
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+MASKBENCH = HELDOUT / "jsonschemabench" / "maskbench_sample.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from foveal.engine.llm import LLM
+    from tests.tiny_vlm import save_tiny_text_model
+
+    path = save_tiny_text_model(tempfile.mkdtemp())
+    return LLM(path, dtype="float32", num_blocks=8192, block_size=16, max_num_seqs=64, max_model_len=12288)
+
+
+def closing_bias_ids(tokenizer, value: int = 4) -> dict[int, int]:
+    """Towards the bytes that close strings, arrays and objects; away from whitespace (a flexible-
+    whitespace grammar allows any amount of it, and a random model takes it)."""
+    enc = tokenizer.encode
+    bias = {t: value for c in '"]}' for t in enc(c, add_special_tokens=False)}
+    bias.update({t: -value for c in " \t\r\n" for t in enc(c, add_special_tokens=False)})
+    return bias
+
+
+def closing_bias(llm, value: int = 4) -> dict[int, int]:
+    return closing_bias_ids(llm.tokenizer, value)
+
+
+# Accepted schemas a random model does not finish within max_tokens: the string under a `pattern` never
+# closes. Their outputs are still checked: every token replays through a fresh matcher of the grammar
+# (nothing outside the mask was ever sampled). id -> why.
+_SEARCH = "a `pattern` (search semantics) needs a literal a random byte stream does not write: "
+NEVER_ENDS: dict[str, str] = {
+    "Github_easy---o5116": _SEARCH + "QTABLE_INT_TYPE|QTABLE_DOUBLE_TYPE|...",
+    "Github_medium---o13110": _SEARCH + "[0-9]+.[0-9]+.[0-9]+$",
+    "Github_medium---o33932": _SEARCH + "data:image/png;base64,",
+    "Github_medium---o65372": _SEARCH + "an http(s) URL / ISO date-time",
+    "Github_trivial---o67212": _SEARCH + "https?://...",
+    "Github_ultra---o359": _SEARCH + "((\\d+)\\.)?(\\d\\d):(60|([0-5][0-9])):...",
+    "Snowplow---sp_205_Normalized": _SEARCH + "\\d+\\.\\d+\\.\\d+-?.*",
+}
+
+
+@pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/heldout is not here")
+def test_every_accepted_maskbench_schema_gives_valid_json(tiny):
+    """All accepted schemas of the held-out sample in one batch, sampled at temperature 1: each output
+    that ends parses and validates with jsonschema; the refused schemas are 400-worthy ValueErrors,
+    counted."""
+    rows = [json.loads(line) for line in MASKBENCH.read_text().splitlines()]
+    proc = tiny.processor
+    accepted, refused = [], 0
+    for r in rows:
+        spec = GrammarSpec.json_schema(r["schema"])
+        try:
+            proc.grammars.get(spec)
+        except ValueError:
+            refused += 1
+            continue
+        accepted.append((r, spec))
+    print(f"maskbench: {len(accepted)} schemas accepted, {refused} refused of {len(rows)}")
+    assert len(accepted) >= 400
+    bias = closing_bias(tiny)
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=12000, structured=spec, logit_bias=bias)
+        for i, (_, spec) in enumerate(accepted)
+    ]
+    outs = tiny.generate(["{"] * len(accepted), params)
+    bad, unended = [], []
+    for (r, spec), o in zip(accepted, outs):
+        c = o.outputs[0]
+        if c.finish_reason is FinishReason.LENGTH:
+            m = proc.grammars.get(spec).matcher()
+            assert all(m.accept([t]) for t in c.token_ids), r["id"]
+            unended.append(r["id"])
+            continue
+        try:
+            assert c.finish_reason is FinishReason.STOP, c.finish_reason
+            jsonschema.validate(json.loads(c.text), r["schema"])
+        except Exception as e:  # collect them all: the message lists every schema that failed
+            bad.append((r["id"], f"{type(e).__name__}: {str(e)[:120]}", c.text[:80]))
+    print(
+        f"maskbench: {len(accepted) - len(unended)} ended and validate, {len(unended)} did not end: {unended}"
+    )
+    assert not bad, f"{len(bad)} of {len(accepted)} outputs invalid: {bad[:5]}"
+    assert set(unended) <= set(NEVER_ENDS), sorted(set(unended) - set(NEVER_ENDS))
+    assert tiny.engine.kv.num_used_blocks == 0
+
+
+def test_regex_choice_and_lark_match_in_full(tiny):
+    cases = [
+        (GrammarSpec.regex(r"[a-c]{3}-\d{2}"), r"[a-c]{3}-\d{2}"),
+        (GrammarSpec.choice(["yes", "no", "maybe so"]), r"yes|no|maybe so"),
+        (GrammarSpec.lark('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/'), r"\(\d{1,3}(,\d{1,3})*\)"),
+    ]
+    import re
+
+    for spec, pattern in cases:
+        outs = tiny.generate(
+            ["x"] * 6,
+            [SamplingParams(temperature=1.0, seed=s, max_tokens=64, structured=spec) for s in range(6)],
+        )
+        for o in outs:
+            c = o.outputs[0]
+            assert c.finish_reason is FinishReason.STOP and re.fullmatch(pattern, c.text), (spec, c.text)
+
+
+def test_constrained_and_free_rows_share_a_batch(tiny):
+    """A batch mixing free rows (greedy and sampled, logprobs, penalties) with constrained ones: the
+    free rows give exactly what they give alone; the constrained ones match; n > 1 works."""
+    spec = GrammarSpec.regex(r"(ab|cd){2,4}!")
+    free = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+    ]
+    alone = [o.outputs[0] for o in tiny.generate(["p1", "p2"], free)]
+    guided = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=20, structured=spec, logprobs=1)
+    outs = tiny.generate(["p1", "p2", "p3"], free + [guided])
+    for a, o in zip(alone, outs[:2]):
+        assert o.outputs[0].token_ids == a.token_ids
+    import re
+
+    assert len(outs[2].outputs) == 3
+    for c in outs[2].outputs:
+        assert re.fullmatch(r"(ab|cd){2,4}!", c.text) and len(c.logprobs) == len(c.token_ids)
+
+
+def test_speculative_greedy_equals_plain_greedy_under_a_grammar():
+    """n-gram drafts the grammar forbids are rejected: constrained greedy output is the same with and
+    without speculation (plain rows in the same batch too)."""
+    from foveal.engine.llm import LLM
+    from tests.tiny_vlm import save_tiny_text_model
+
+    path = save_tiny_text_model(tempfile.mkdtemp())
+    kw = dict(dtype="float32", num_blocks=1024, block_size=16)
+    plain = LLM(path, **kw)
+    spec_cfg = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+    spec = LLM(path, speculative_config=spec_cfg, **kw)
+    schema = {"type": "array", "items": {"type": "string", "enum": ["abab", "abba", "baba"]}, "maxItems": 6}
+    params = [
+        SamplingParams(temperature=0, max_tokens=80, structured=GrammarSpec.json_schema(schema),
+                       logit_bias=closing_bias(plain, 2.0)),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    ]  # fmt: skip
+    prompts = ['["abab", "abba", "abab", "abba", "abab", ', "abcabcabcabc"]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == want
+    assert spec.engine.spec_stats.num_draft_tokens > 0
+    json.loads(spec.tokenizer.decode(got[0]))
+
+
+def test_a_failing_grammar_ends_its_request_alone(tiny, monkeypatch):
+    from foveal.structured.guide import Guide
+
+    spec = GrammarSpec.regex(r"[ab]{5,9}")
+    real = Guide.accept
+
+    def accept(self, token):
+        if self.matcher is not None and self.matcher.num_tokens == 2 and self.spec.grammar.spec == spec:
+            self.error = "grammar: injected failure"
+            return False
+        return real(self, token)
+
+    monkeypatch.setattr(Guide, "accept", accept)
+    outs = tiny.generate(
+        ["a", "b"],
+        [SamplingParams(temperature=0, max_tokens=20, structured=spec),
+         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)],
+    )  # fmt: skip
+    bad, good = outs[0].outputs[0], outs[1].outputs[0]
+    assert bad.finish_reason is FinishReason.ERROR and "injected failure" in bad.error
+    assert good.finish_reason is FinishReason.LENGTH and len(good.token_ids) == 8
+    assert tiny.engine.kv.num_used_blocks == 0
+
+
+def test_bad_specs_are_refused_before_admission(tiny):
+    for spec in (GrammarSpec.regex("(unclosed"), GrammarSpec.lark("start: foo")):
+        with pytest.raises(ValueError, match="invalid"):
+            tiny.processor.request([5, 6], SamplingParams(structured=spec))
+    assert not tiny.engine.has_unfinished()
+
+
+# -- the think block -----------------------------------------------------------------------------------
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is not defined or enable_thinking %}"
+    "<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def save_thinker(path: str) -> str:
+    """A tiny random Llama whose tokenizer has <think> / </think> tokens and whose template opens the
+    think block in the generation prompt (as Qwen3-Thinking and DeepSeek-R1 templates do)."""
+    import torch
+    import transformers as tf
+
+    from tests.tiny_vlm import byte_tokenizer, text_config_kwargs
+
+    tok = byte_tokenizer(["<think>", "</think>"], "")
+    tok.chat_template = THINK_TEMPLATE
+    torch.manual_seed(1)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**text_config_kwargs(len(tok)), **ids))
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    from foveal.engine.llm import LLM
+
+    path = save_thinker(tempfile.mkdtemp())
+    return LLM(path, dtype="float32", num_blocks=512, block_size=16, reasoning_parser="qwen3")
+
+
+def test_the_budget_ends_thinking_after_exactly_n_tokens(thinker):
+    end = thinker.tokenizer.get_vocab()["</think>"]
+    chat = [{"role": "user", "content": "hi"}]
+    for budget in (0, 1, 7):
+        p = SamplingParams(
+            temperature=1.0, seed=budget, max_tokens=30, ignore_eos=True, thinking_budget=budget
+        )
+        (c,) = thinker.chat(chat, p)[0].outputs
+        assert end in c.token_ids and c.token_ids.index(end) == budget, (budget, c.token_ids)
+    # no budget: the random model does not close the block within 30 tokens
+    (c,) = thinker.chat(chat, SamplingParams(temperature=1.0, seed=0, max_tokens=30, ignore_eos=True))[
+        0
+    ].outputs
+    assert end not in c.token_ids
+
+
+def test_a_schema_applies_after_thinking(thinker):
+    """Thinking is free text (here: forced to end after 12 tokens); the answer after </think> follows
+    the schema and validates. With thinking off (the template closes the block), the answer starts at
+    once."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    spec = GrammarSpec.json_schema(schema)
+    end = "</think>"
+    chat = [{"role": "user", "content": "hi"}]
+    # ignore_eos: a random model may sample EOS while thinking; the grammar's completion ends the request
+    p = SamplingParams(temperature=1.0, seed=2, max_tokens=200, thinking_budget=12, structured=spec,
+                       logit_bias=closing_bias(thinker), ignore_eos=True)  # fmt: skip
+    (c,) = thinker.chat(chat, p)[0].outputs
+    ids = thinker.tokenizer.get_vocab()
+    assert c.token_ids.index(ids[end]) == 12 and c.finish_reason is FinishReason.STOP
+    answer = thinker.tokenizer.decode(c.token_ids[13:])
+    jsonschema.validate(json.loads(answer), schema)
+    (c,) = thinker.chat(chat, p, chat_template_kwargs={"enable_thinking": False})[0].outputs
+    jsonschema.validate(json.loads(c.text), schema)
