@@ -9,11 +9,12 @@ ver() { $PIP show "$1" | awk '/^Version/{print $2}'; }
 mkdir -p .whl
 specs=()
 for p in fastapi starlette pydantic pydantic-core uvicorn annotated-types typing-inspection opentelemetry-api \
-         gguf num2words uvloop httptools; do
+         gguf num2words uvloop httptools llguidance jsonschema jsonschema-specifications referencing rpds-py; do
   specs+=("$p==$(ver $p)")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 \
   -d .whl "${specs[@]}"
 # docopt (num2words needs it) is a source distribution only: build its wheel here
 python3 -m pip download -q --no-deps -d .whl "docopt==$(ver docopt)"

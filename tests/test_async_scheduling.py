@@ -1,8 +1,8 @@
 """Async scheduling (step N+1 scheduled and launched before step N's tokens reach the host) gives the
 same outputs as plain steps: greedy and seeded sampling, stop tokens and strings, min_tokens, length
-limits, penalties (which turn the overlap off), logprobs, preemption, prefix hits, aborts, the graph
-path. On CPU nothing actually overlaps, but the bookkeeping (pending tokens, device-side inputs, late
-stops) is the same code."""
+limits, penalties (their sampling waits for the step in flight, the forward pass does not), logprobs,
+preemption, prefix hits, aborts, the graph path. On CPU nothing actually overlaps, but the bookkeeping
+(pending tokens, device-side inputs, late stops) is the same code."""
 
 from __future__ import annotations
 
@@ -86,6 +86,19 @@ def test_stop_tokens_and_strings_stop_at_the_same_place(folder):
     assert all(reason == "stop" for _, _, reason in out)
 
 
+def deferred_launches(llm) -> list[bool]:
+    """Spy: the `sample` flag of every runner launch (False: sampling deferred past the step in flight)."""
+    runner, seen = llm.engine.runner, []
+    real = runner.launch
+
+    def launch(batch, sample=True):
+        seen.append(sample)
+        return real(batch, sample)
+
+    runner.launch = launch
+    return seen
+
+
 def test_penalties_and_logprobs(folder):
     params = [
         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, repetition_penalty=1.3),
@@ -94,7 +107,11 @@ def test_penalties_and_logprobs(folder):
         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, presence_penalty=0.5),
     ]
-    _same(folder, _prompts(), params)
+    sync = _run(_llm(folder, False), _prompts(), params)
+    over_llm = _llm(folder, True)
+    seen = deferred_launches(over_llm)
+    assert _run(over_llm, _prompts(), params) == sync
+    assert False in seen  # the penalty rows' sampling waited for the step in flight
 
 
 def test_preemption_under_a_small_pool(folder):

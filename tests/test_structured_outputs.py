@@ -147,6 +147,31 @@ def test_constrained_and_free_rows_share_a_batch(tiny):
         assert re.fullmatch(r"(ab|cd){2,4}!", c.text) and len(c.logprobs) == len(c.token_ids)
 
 
+def test_async_scheduling_gives_the_same_guided_outputs():
+    """Step N+1's forward pass is launched before step N's tokens reach the host; guided rows sample
+    once they have (their masks follow them): outputs equal plain steps, and the deferral happened."""
+    from foveal.engine.llm import LLM
+    from tests.test_async_scheduling import deferred_launches
+    from tests.tiny_vlm import save_tiny_text_model
+
+    path = save_tiny_text_model(tempfile.mkdtemp())
+    kw = dict(dtype="float32", num_blocks=1024, block_size=16)
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 5}
+    outs = []
+    for overlap in (False, True):
+        llm = LLM(path, async_scheduling=overlap, **kw)
+        seen = deferred_launches(llm)
+        params = [
+            SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured=GrammarSpec.json_schema(schema),
+                           logit_bias=closing_bias(llm)),
+            SamplingParams(temperature=0, max_tokens=20, structured=GrammarSpec.regex(r"[a-e]{4,20}")),
+            SamplingParams(temperature=0.9, seed=1, max_tokens=15, ignore_eos=True),
+        ]  # fmt: skip
+        outs.append([o.outputs[0].token_ids for o in llm.generate(["[", "x", "y"], params)])
+        assert (False in seen) == overlap
+    assert outs[0] == outs[1]
+
+
 def test_speculative_greedy_equals_plain_greedy_under_a_grammar():
     """n-gram drafts the grammar forbids are rejected: constrained greedy output is the same with and
     without speculation (plain rows in the same batch too)."""

@@ -176,7 +176,8 @@ class Engine:
         is scheduled and launched first (its decode rows read step N's tokens on the device), so the
         host's scheduling, input building and detokenization overlap the device's work. The price: a
         request that stops on a token (EOS, stop id or string) has one extra position computed.
-        Requests whose sampling needs earlier tokens' values (penalties) run without overlap."""
+        A batch whose sampling needs earlier tokens' values (penalties, grammar masks) launches its
+        forward pass, collects step N's tokens while it runs, then samples."""
         deltas, self._pending = self._pending, []
         t0 = time.perf_counter()
         prev = self._inflight
@@ -188,9 +189,12 @@ class Engine:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = None
+        # rows whose sampling reads earlier tokens on the host (a guide's mask, penalties) wait for the
+        # step in flight: its tokens are collected while this step's forward pass runs
+        deferred = prev is not None and not batch.empty and self._reads_host_tokens(batch)
         if not batch.empty:
             try:
-                launched = self.runner.launch(batch)
+                launched = self.runner.launch(batch, sample=not deferred)
             except Exception as e:  # a failed forward pass aborts only this batch's requests
                 log.exception("forward pass failed; aborting %d request(s)", len(batch.items))
                 if prev is not None:
@@ -201,6 +205,13 @@ class Engine:
         t2 = time.perf_counter()
         if prev is not None:
             deltas += self._resolve(prev)
+        if deferred:
+            try:
+                self.runner.sample(launched)
+            except Exception as e:
+                log.exception("sampling failed; aborting %d request(s)", len(batch.items))
+                self._inflight = None
+                return deltas + self._abort_batch(batch, e)
         self._inflight = launched
         if launched is not None and not (self.async_scheduling and self._can_overlap()):
             deltas += self._resolve(launched)
@@ -213,14 +224,20 @@ class Engine:
         return deltas
 
     def _can_overlap(self) -> bool:
-        """Whether the next step may be scheduled before the tokens in flight arrive: not when a running
-        request's sampling reads its earlier tokens' values (repetition/frequency/presence penalties,
-        a grammar or think-block guide: its mask follows the tokens before it), nor when speculating
-        (proposals start from every token, and a verify row's count of new tokens is known only on the
-        host). A guided row's mask is still filled on the host while the device runs its forward pass."""
-        if self.proposer is not None:
-            return False
-        return not any(r.params.needs_penalties or r.guide is not None for r in self.scheduler.running)
+        """Whether the next step may be scheduled before the tokens in flight arrive: not when
+        speculating (proposals start from every token, and a verify row's count of new tokens is known
+        only on the host). Rows whose sampling reads earlier tokens (`_reads_host_tokens`) overlap
+        too: their step's forward pass is launched first, their sampling once those tokens are in."""
+        return self.proposer is None
+
+    def _reads_host_tokens(self, batch) -> bool:
+        """Whether a row of the batch samples from its earlier tokens' values: a grammar or think-block
+        guide (its mask follows them) or repetition/frequency/presence penalties (they count them)."""
+        for s in batch.items:
+            t = self._tracked.get(s.request_id) if s.num_logits else None
+            if t is not None and (t.req.guide is not None or t.req.params.needs_penalties):
+                return True
+        return False
 
     def _propose(self) -> None:
         """Drafts for every running decode that may speculate; the scheduler gives each 1 + k tokens."""

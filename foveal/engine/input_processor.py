@@ -23,6 +23,7 @@ from foveal.config import OutputConfig
 from foveal.engine.tool_prompt import has_tool_turns, renders_tools, with_tool_prompt
 from foveal.parsing import reasoning, tools
 from foveal.request import EngineRequest, InvalidParameter, MultiModalPrompt, SamplingParams, new_request_id
+from foveal.structured.bitmask import bitmask_words
 from foveal.structured.guide import GuideSpec
 
 log = logging.getLogger(__name__)
@@ -133,10 +134,16 @@ class InputProcessor:
                 from foveal.structured.llguidance_backend import LLGuidanceBackend
 
                 backend = LLGuidanceBackend.from_tokenizer(
-                    self.tokenizer, vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids
+                    self.tokenizer, vocab_size=self.mask_vocab, eos_token_ids=self.info.eos_token_ids
                 )
                 self._grammars = GrammarCache(backend, self.output.grammar_cache_entries)
             return self._grammars
+
+    @property
+    def mask_vocab(self) -> int:
+        """Tokens a grammar mask covers: the model's vocabulary, or the tokenizer's where it has more
+        (the logits' missing columns are simply never allowed)."""
+        return max(self.info.vocab_size, len(self.tokenizer))
 
     def grammar_stats(self):
         """The compiled-grammar cache's GrammarCacheStats, or None before any request was constrained."""
@@ -170,6 +177,7 @@ class InputProcessor:
             in_thinking=opened,
             may_think=not opened and thinking and self.reasoning is not None,
             thinking_budget=budget,
+            mask_words=bitmask_words(self.mask_vocab),
         )
 
     # -- prompts ------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ class Matcher(Protocol):
 class CompiledGrammar(Protocol):
     spec: GrammarSpec
     warnings: tuple[str, ...]  # e.g. keywords a lenient JSON schema had ignored
+    backend: GrammarBackend  # the one that compiled it (fill_bitmasks fills many matchers at once)
 
     def matcher(self) -> Matcher:
         """A fresh matcher at the grammar's start (cheap; safe to call from any thread)."""

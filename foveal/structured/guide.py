@@ -40,6 +40,7 @@ class GuideSpec:
     in_thinking: bool = False  # the prompt opened the block: the output starts inside it
     may_think: bool = False  # the output may open the block itself (its first token the start marker)
     thinking_budget: int | None = None  # thinking tokens before the end marker is forced
+    mask_words: int = 0  # int32 words of a mask row: ceil(V / 32), V the grammar backend's vocabulary
 
 
 class Guide:
@@ -79,6 +80,16 @@ class Guide:
             _set(row, self.spec.think_end[self._end])
             return
         self.matcher.fill_bitmask(row)
+        self.filled(row)
+
+    @property
+    def grammar_row(self) -> bool:
+        """The next mask is the grammar matcher's (filled with other rows' in one parallel call of the
+        backend, then `filled(row)`), not a forced token."""
+        return self.phase != THINK and self.matcher is not None
+
+    def filled(self, row: torch.Tensor) -> None:
+        """After the matcher filled `row`: note its error; in OPEN, allow the think-start token too."""
         if self.matcher.error is not None:
             self.error = f"grammar: {self.matcher.error}"
         if self.phase == OPEN:

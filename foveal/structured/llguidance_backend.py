@@ -143,10 +143,11 @@ class LLGuidanceGrammar:
     stale, and the next matcher() builds a fresh template (~1 ms): one request's bad luck is not every
     later request's. Matchers copied before that share the broken lexer and may fail too."""
 
-    __slots__ = ("spec", "warnings", "words", "eos", "_build", "_template", "_stale", "_lock")
+    __slots__ = ("spec", "warnings", "words", "eos", "backend", "_build", "_template", "_stale", "_lock")
 
     def __init__(self, spec: GrammarSpec, build, words: int, eos: frozenset[int]):
         self.spec, self.words, self.eos, self._build = spec, words, eos, build
+        self.backend = None
         self._template = build()
         self.warnings = tuple(self._template.get_grammar_warnings())
         self._stale = False
@@ -241,6 +242,7 @@ class LLGuidanceBackend:
             return m
 
         g = LLGuidanceGrammar(spec, build, self._words, self.eos_token_ids)
+        g.backend = self  # fills many matchers' masks at once (fill_bitmasks)
         if g.warnings:
             log.info("grammar %s compiled with warnings: %s", spec.digest()[:12], "; ".join(g.warnings))
         return g

@@ -32,7 +32,6 @@ from foveal.request import TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
 from foveal.spec.rejection import verify
-from foveal.structured.bitmask import bitmask_words
 from foveal.structured.guide import Guide
 
 
@@ -69,6 +68,7 @@ class Launched:
     event: object = None  # torch.cuda.Event, or None (CPU: already done)
     logprobs: list = field(default_factory=list)  # per logits row
     encoder_time_s: dict[str, float] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # until sampled: the forward pass's logits rows
 
 
 class ModelRunner:
@@ -91,9 +91,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(vocab_size)
-        self.vocab_size = vocab_size
         self.mask_seconds = 0.0  # host time spent filling grammar masks (and the rows filled)
         self.mask_rows = 0
+        self._mask_bufs: list[torch.Tensor | None] = [None, None]
+        self._mask_turn = 0
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
         self._held: dict[str, _Held] = {}
         self._free_slots: list[int] = []
@@ -395,12 +396,22 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> Launched:
-        """Queue the step's forward pass, sampling and verification on the device; no wait for the
-        device unless a row asks for logprobs. The tokens start their copy to the host."""
+    def launch(self, batch: ScheduledBatch, sample: bool = True) -> Launched:
+        """Queue the step's forward pass, then (`sample`, else a later `sample()`) its sampling and
+        verification on the device; no wait for the device unless a row asks for logprobs. The
+        tokens start their copy to the host."""
         spent: dict[str, float] = {}
         logits = self.compute_logits(batch, spent=spent)
-        launched = Launched(batch, encoder_time_s=spent)
+        launched = Launched(batch, encoder_time_s=spent, logits=logits)
+        if sample:
+            self.sample(launched)
+        return launched
+
+    @torch.inference_mode()
+    def sample(self, launched: Launched) -> None:
+        """Sample (and verify) a launched step's logits: per-row parameters, grammar masks filled on
+        the host now (the guides have seen every earlier token), the tokens into the buffer."""
+        batch, logits, launched.logits = launched.batch, launched.logits, None
         rows: list[SamplingRow] = []
         drafts: list[int] = []  # per logits row: the draft it checks, -1 for an item's last row
         for s in batch.items:
@@ -412,8 +423,8 @@ class ModelRunner:
                 drafts += s.drafts
             drafts.append(-1)
         if not rows:
-            return launched
-        # the host fills the grammar masks while the device runs the forward pass queued above
+            return
+        # the host fills the grammar masks while the device runs the forward pass queued before
         masks = self._masks(batch, len(rows))
         verifying = len(drafts) > len(launched.rows)
         if verifying:
@@ -439,35 +450,57 @@ class ModelRunner:
             launched.event.record()
             host = pinned
         launched.host = host
-        return launched
 
     def _masks(self, batch: ScheduledBatch, num_rows: int):
         """The grammar masks of the step's constrained logits rows, on the device (None if there are
-        none): a verify run's row j is masked as if its drafts 1..j were accepted."""
-        if all(self._held[s.request_id].guide is None for s in batch.items if s.num_logits):
-            return None
-        t0 = time.perf_counter()
-        masks = torch.empty(num_rows, bitmask_words(self.vocab_size), dtype=torch.int32)
-        idx: list[int] = []
+        none): a verify run's row j is masked as if its drafts 1..j were accepted. Plain grammar rows
+        come first, filled in one call of the backend (in parallel, the GIL released)."""
+        plain: list[tuple[Guide, int]] = []  # (guide, logits row): the grammar's own mask
+        other: list[tuple[Guide, int, ScheduledItem]] = []  # forced tokens, verify runs
         row = 0
         for s in batch.items:
-            if not s.num_logits:
-                continue
-            guide = self._held[s.request_id].guide
+            guide = self._held[s.request_id].guide if s.num_logits else None
             if guide is not None:
                 if s.num_drafts:
-                    guide.fill_rows(list(s.drafts), masks[len(idx) : len(idx) + s.num_logits])
-                    idx += range(row, row + s.num_logits)
+                    other.append((guide, row, s))
                 elif guide.needs_mask():
-                    guide.fill(masks[len(idx)])
-                    idx.append(row)
+                    if guide.grammar_row:
+                        plain.append((guide, row))
+                    else:
+                        other.append((guide, row, s))
             row += s.num_logits
+        if not plain and not other:
+            return None
+        t0 = time.perf_counter()
+        guide = (plain or other)[0][0]
+        masks = self._mask_buffer(num_rows, guide.spec.mask_words)
+        idx = [r for _, r in plain]
+        if plain:
+            plain[0][0].spec.grammar.backend.fill_bitmasks([g.matcher for g, _ in plain], masks)
+            for i, (g, _) in enumerate(plain):
+                g.filled(masks[i])
+        for g, r, s in other:
+            if s.num_drafts:
+                g.fill_rows(list(s.drafts), masks[len(idx) : len(idx) + s.num_logits])
+                idx += range(r, r + s.num_logits)
+            else:
+                g.fill(masks[len(idx)])
+                idx.append(r)
         self.mask_seconds += time.perf_counter() - t0
         self.mask_rows += len(idx)
-        if not idx:
-            return None
         rows = torch.tensor(idx, dtype=torch.int32)
         return to_device(masks[: len(idx)], self.device), to_device(rows, self.device)
+
+    def _mask_buffer(self, rows: int, words: int) -> torch.Tensor:
+        """A host buffer for a step's masks (pinned for a GPU), two kept and used in turn: a step's
+        masks may still be copying to the device while the next step's are filled."""
+        self._mask_turn ^= 1
+        buf = self._mask_bufs[self._mask_turn]
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
+            pin = self.device.type == "cuda"
+            buf = torch.empty(max(rows, 64), words, dtype=torch.int32, pin_memory=pin)
+            self._mask_bufs[self._mask_turn] = buf
+        return buf[:rows]
 
     def _verify(
         self,
