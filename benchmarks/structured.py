@@ -3,7 +3,7 @@ process, alternating; the host time of grammar masks per row per step; compile t
 corpus (issue 18).
 
     H200:  python3 benchmarks/structured.py --model benchmarks/configs/llama-3.1-8b.json \\
-               --load-format dummy --tokenizer-gguf .vocab/ggml-vocab-llama-bpe.gguf --batches 1,64
+               --load-format dummy --tokenizer .vocab/llama3 --batches 1,64
     CPU:   python benchmarks/structured.py --batches 1,16 --max-tokens 64        (the embedded SmolLM2)
 
 The JSON requests take the held-out maskbench schemas the backend accepts, one per request, each
@@ -13,9 +13,10 @@ schema left alone ends a request early, and a batch that empties runs faster ste
 requests use ignore_eos. TPOT per request is (last token - first token) / (tokens - 1); the table
 gives the median over requests and the best of --repeats runs of each mode.
 
---tokenizer-gguf: a random-weight model (--load-format dummy) needs a real tokenizer for JSON (the
-synthetic one spells only words): a vocabulary-only GGUF, e.g. llama.cpp's models/ggml-vocab-llama-bpe.gguf
-(the Llama 3 tokenizer, in the llama-cpp-python sdist on PyPI). Ends with one JSON line.
+--tokenizer: a random-weight model (--load-format dummy) needs a real tokenizer for JSON (the synthetic
+one spells only words): a tokenizer folder, or a vocabulary-only GGUF such as llama.cpp's
+models/ggml-vocab-llama-bpe.gguf (the Llama 3 tokenizer, in the llama-cpp-python sdist on PyPI). Ends
+with one JSON line.
 """
 
 from __future__ import annotations
@@ -47,12 +48,17 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def model_folder(config: str, tokenizer_gguf: str) -> str:
-    """A folder with the dummy model's config and a real tokenizer (read from a vocabulary GGUF)."""
+def model_folder(config: str, tokenizer: str) -> str:
+    """A folder with the dummy model's config and a real tokenizer: a tokenizer folder, or a vocabulary
+    GGUF (converted by this machine's transformers: convert it once and carry the folder where versions
+    differ, since two transformers versions converted llama.cpp's Llama 3 vocabulary differently)."""
     from transformers import AutoTokenizer
 
-    d, f = os.path.split(os.path.abspath(tokenizer_gguf))
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    if os.path.isdir(tokenizer):
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    else:
+        d, f = os.path.split(os.path.abspath(tokenizer))
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     folder = tempfile.mkdtemp(prefix="foveal-structured-")
     cfg = json.loads(Path(config).read_text())
     cfg["bos_token_id"], cfg["eos_token_id"] = tok.bos_token_id, tok.eos_token_id
@@ -120,7 +126,7 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
     runner._masks = masks
     try:
         ids = [eng.add_request(llm.processor.request(p, sp)) for p, sp in zip(prompts, params)]
-        first, last, count = {}, {}, dict.fromkeys(ids, 0)
+        first, last, count, ends = {}, {}, dict.fromkeys(ids, 0), {}
         t0 = time.perf_counter()
         while eng.has_unfinished():
             for d in eng.step():
@@ -129,6 +135,9 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
                     first.setdefault(d.request_id, now)
                     last[d.request_id] = now
                     count[d.request_id] += len(d.token_ids)
+                if d.finished:
+                    why = d.finish_reason.value + (f": {d.error}" if d.error else "")
+                    ends[why] = ends.get(why, 0) + 1
         wall = time.perf_counter() - t0
     finally:
         runner._masks = real_masks
@@ -138,6 +147,7 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
         "tokens": sum(count.values()),
         "output_tok_s": sum(count.values()) / wall,
         "mask_us_per_row_median": statistics.median(per_row) * 1e6 if per_row else None,
+        "finish": ends,  # finish reason (and error) -> requests
     }
 
 
@@ -145,7 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--tokenizer-gguf", default=None)
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer folder or vocabulary GGUF (for dummy)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -159,9 +169,9 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",")]
     model = a.model
     if a.load_format == "dummy":
-        if not a.tokenizer_gguf:
-            sys.exit("--load-format dummy needs --tokenizer-gguf (a real tokenizer for JSON)")
-        model = model_folder(a.model, a.tokenizer_gguf)
+        if not a.tokenizer:
+            sys.exit("--load-format dummy needs --tokenizer (a real tokenizer for JSON)")
+        model = model_folder(a.model, a.tokenizer)
     llm = LLM(model, load_format=a.load_format, dtype=a.dtype, max_num_seqs=max(batches),
               kv_cache_memory=a.kv_cache_memory)  # fmt: skip
     info = llm.processor.info

@@ -3,8 +3,9 @@
 #   tests   the structured-output tests on CUDA (the bitmask kernel, guided decoding through the engine with
 #           async scheduling and CUDA graphs, the think block), plus the async/speculative/graph tests
 #   bench   benchmarks/structured.py: JSON-schema vs unconstrained TPOT at batch 1 and 64 on the dummy
-#           Llama-3.1-8B (.vocab/ggml-vocab-llama-bpe.gguf: the Llama 3 tokenizer, from llama.cpp's models/
-#           in the llama-cpp-python 0.3.36 sdist), mask time per row, compile time over the schemas
+#           Llama-3.1-8B (.vocab/llama3: the Llama 3 tokenizer, llama.cpp's models/ggml-vocab-llama-bpe.gguf
+#           from the llama-cpp-python 0.3.36 sdist, converted here by transformers and saved: the GPU
+#           machine's older transformers converts it differently), mask time per row, compile time
 #           (the held-out schemas travel in .vocab/heldout/ for this: they are not in the repository)
 #   w3      W3 alone, this checkout and before/ (`git archive <base> foveal benchmarks | tar -x -C before`)
 #           alternating, twice each: the engine split's before/after
@@ -23,7 +24,7 @@ for part in "$@"; do
     bench)
       timeout ${T_BENCH:-330} python3 benchmarks/structured.py --schemas .vocab/heldout \
         --model benchmarks/configs/llama-3.1-8b.json --load-format dummy \
-        --tokenizer-gguf .vocab/ggml-vocab-llama-bpe.gguf --batches 1,64 --max-tokens 256 2>&1 \
+        --tokenizer .vocab/llama3 --batches 1,64 --max-tokens 256 2>&1 \
         | grep -v " INFO \|^\[transformers\]" | tail -8
       ;;
     w3)

@@ -130,6 +130,20 @@ class Guide:
             self.error = f"grammar: {self.matcher.error}"
         return False
 
+    def refusal(self, token: int) -> str:
+        """Why `token` was refused, for the request's error: whether the current mask allows it tells a
+        sampling fault (it did not) from a matcher that contradicts its own mask (it did)."""
+        if self.error is not None:
+            return self.error
+        if not self.needs_mask():
+            return f"the guide refused token {token} in phase {self.phase}"
+        row = torch.zeros(self.spec.mask_words, dtype=torch.int32)
+        self.fill(row)
+        word, bit = divmod(token, 32)
+        allowed = word < row.numel() and (int(row[word]) >> bit) & 1
+        verdict = "allows" if allowed else "forbids"
+        return f"the grammar does not allow token {token} here (its mask {verdict} it)"
+
     # -- speculative runs -----------------------------------------------------------------------------
     def _mark(self) -> tuple:
         return self.phase, self.thinking_tokens, self._end, self.matcher.num_tokens if self.matcher else 0

@@ -19,6 +19,7 @@ boundary inside the span neither re-encodes nor depends on the cache keeping the
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
 from foveal.spec.rejection import verify
 from foveal.structured.guide import Guide
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -544,15 +547,23 @@ class ModelRunner:
             if held is not None:
                 held.output_token_ids += toks
                 if held.guide is not None:
-                    self._advance(held.guide, rid, toks, out)
+                    self._advance(held.guide, rid, toks, out, held.output_token_ids)
         return out
 
     @staticmethod
-    def _advance(guide: Guide, rid: str, toks: list[int], out: RunnerOutput) -> None:
+    def _advance(guide: Guide, rid: str, toks: list[int], out: RunnerOutput, produced: list[int]) -> None:
         """Move a request's guide over its new tokens; report a failure, or a grammar that is done."""
         for t in toks:
             if guide.error is None and not guide.accept(t):
-                guide.error = guide.error or f"the grammar does not allow token {t} here"
+                guide.error = guide.refusal(t)
+                g = guide.spec.grammar
+                log.warning(
+                    "%s: %s; grammar %s; output %s",
+                    rid,
+                    guide.error,
+                    g.spec.digest()[:16] if g is not None else None,
+                    produced,
+                )
         if guide.error is not None:
             out.errors[rid] = guide.error
         elif guide.terminated:
