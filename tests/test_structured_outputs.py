@@ -172,6 +172,32 @@ def test_async_scheduling_gives_the_same_guided_outputs():
     assert outs[0] == outs[1]
 
 
+def test_a_grammar_applies_to_an_image_request(tmp_path):
+    """A VLM's image request, constrained: the grammar's mask covers the text model's vocabulary and
+    the image rows do not disturb it."""
+    import re
+
+    from foveal.engine.llm import LLM
+    from tests.tiny_vlm import build, image
+
+    vlm = build("llava", str(tmp_path))
+    llm = LLM(vlm.path, dtype="float32", num_blocks=256, block_size=4)
+    prompt = llm.processor.render_prompt(
+        f"<|user|>{vlm.image_text}What is this?\n<|assistant|>", images=[image(40, 30, 1)]
+    )
+    spec = GrammarSpec.regex(r"[a-z]{2,6}( [a-z]{2,6}){1,3}")
+    outs = llm.generate(
+        [prompt] * 3,
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured=spec) for s in range(3)],
+    )
+    eos = llm.processor.info.eos_token_ids  # the tiny config's EOS (id 2) is also a byte token: cut it
+    for o in outs:
+        c = o.outputs[0]
+        ids = c.token_ids[:-1] if c.token_ids[-1] in eos else c.token_ids
+        text = llm.tokenizer.decode(ids)
+        assert c.finish_reason is FinishReason.STOP and re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){1,3}", text)
+
+
 def test_speculative_greedy_equals_plain_greedy_under_a_grammar():
     """n-gram drafts the grammar forbids are rejected: constrained greedy output is the same with and
     without speculation (plain rows in the same batch too)."""

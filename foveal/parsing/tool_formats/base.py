@@ -38,6 +38,31 @@ class Scanner(Protocol):
     def advance(self, text: str, final: bool) -> Step: ...
 
 
+class RunScanner:
+    """A scanner of calls written one after another (a list, a section): `_run` goes on over the text,
+    appending calls as they complete, and returns a Step once the markup ends, or None while more may
+    come. At a broken call, or the end of the output inside the markup, calls already sent make the
+    markup end where the last one did; without any, the opener is plain text."""
+
+    olen: int  # the opener's length
+    emitted: int  # calls sent
+    last_end: int  # where the last sent call's markup ended
+
+    def _run(self, text: str, calls: list[tuple[str, str]]) -> Step | None:
+        raise NotImplementedError
+
+    def _give_up(self) -> Step:
+        return Step(DONE, self.last_end) if self.emitted else Step(NOT_CALL, self.olen)
+
+    def advance(self, text: str, final: bool) -> Step:
+        calls: list[tuple[str, str]] = []
+        step = self._run(text, calls)
+        if step is None:
+            step = self._give_up() if final else Step(MORE)
+        step.calls = calls
+        return step
+
+
 @dataclass(frozen=True, slots=True)
 class ToolMarkers:
     """The strings that delimit calls, as data (for a grammar trigger and for leak checks).

@@ -18,8 +18,7 @@ import re
 
 from foveal.parsing.tool_formats.base import (
     DONE,
-    MORE,
-    NOT_CALL,
+    RunScanner,
     Step,
     ToolFormat,
     ToolMarkers,
@@ -40,7 +39,7 @@ _END_PARAM = re.compile(r"</｜DSML｜ ?parameter>")
 _MAX_TAG = 1024
 
 
-class DsmlScanner:
+class DsmlScanner(RunScanner):
     def __init__(self, opener: str, tools: ToolSchemas):
         self.tools = tools
         self.olen = len(opener)
@@ -49,17 +48,6 @@ class DsmlScanner:
         self.args: dict = {}
         self.search = 0
         self.emitted, self.last_end = 0, 0
-
-    def advance(self, text: str, final: bool) -> Step:
-        calls: list[tuple[str, str]] = []
-        step = self._run(text, calls)
-        if step is None:
-            step = Step(MORE) if not final else self._give_up()
-        step.calls = calls
-        return step
-
-    def _give_up(self) -> Step:
-        return Step(DONE, self.last_end) if self.emitted else Step(NOT_CALL, self.olen)
 
     def _tag(self, text: str, i: int):
         """The DSML tag at i: (closing, name, attrs, self_closing, end); None: not complete yet;

@@ -17,9 +17,8 @@ from __future__ import annotations
 from foveal.parsing.tool_formats.base import (
     DONE,
     MAX_NAME,
-    MORE,
-    NOT_CALL,
     JsonSpan,
+    RunScanner,
     Step,
     ToolFormat,
     ToolMarkers,
@@ -37,7 +36,7 @@ CALL, SEP, END_CALL = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜
 FENCE = "```"
 
 
-class DeepSeekV3Scanner:
+class DeepSeekV3Scanner(RunScanner):
     def __init__(self, opener: str):
         self.olen = len(opener)
         self.phase, self.pos = "section", self.olen
@@ -46,17 +45,6 @@ class DeepSeekV3Scanner:
         self.span: JsonSpan | None = None
         self.start, self.last_end, self.emitted = 0, 0, 0
         self.args: dict = {}
-
-    def advance(self, text: str, final: bool) -> Step:
-        calls: list[tuple[str, str]] = []
-        step = self._run(text, calls)
-        if step is None:
-            step = Step(MORE) if not final else self._give_up()
-        step.calls = calls
-        return step
-
-    def _give_up(self) -> Step:
-        return Step(DONE, self.last_end) if self.emitted else Step(NOT_CALL, self.olen)
 
     def _run(self, text: str, calls: list[tuple[str, str]]) -> Step | None:
         n = len(text)

@@ -16,9 +16,8 @@ import re
 from foveal.parsing.tool_formats.base import (
     DONE,
     MAX_NAME,
-    MORE,
-    NOT_CALL,
     JsonSpan,
+    RunScanner,
     Step,
     ToolFormat,
     ToolMarkers,
@@ -37,7 +36,7 @@ _NAME_CHARS = re.compile(r"[A-Za-z0-9_.:\-]*")
 _ID_CHARS = re.compile(r"[A-Za-z0-9_\-]*")
 
 
-class MistralScanner:
+class MistralScanner(RunScanner):
     def __init__(self, opener: str):
         self.olen = len(opener)
         self.phase, self.pos = "start", self.olen
@@ -45,17 +44,6 @@ class MistralScanner:
         self.span: JsonSpan | None = None
         self.start = 0
         self.emitted, self.last_end = 0, 0
-
-    def _give_up(self) -> Step:
-        return Step(DONE, self.last_end) if self.emitted else Step(NOT_CALL, self.olen)
-
-    def advance(self, text: str, final: bool) -> Step:
-        calls: list[tuple[str, str]] = []
-        step = self._run(text, calls)
-        if step is None:
-            step = self._give_up() if final else Step(MORE)
-        step.calls = calls
-        return step
 
     def _json(self, text: str) -> object | None:
         """The JSON value of the open span once it closes; None while open; ValueError if invalid."""

@@ -17,9 +17,8 @@ import re
 from foveal.parsing.tool_formats.base import (
     DONE,
     MAX_NAME,
-    MORE,
-    NOT_CALL,
     PySpan,
+    RunScanner,
     Step,
     ToolFormat,
     ToolMarkers,
@@ -63,7 +62,7 @@ def parse_python_call(src: str) -> tuple[str, str] | None:
         return None
 
 
-class PythonicScanner:
+class PythonicScanner(RunScanner):
     def __init__(self, opener: str):
         self.wrapped = opener == PYTHON_START
         self.olen = len(opener)
@@ -72,17 +71,6 @@ class PythonicScanner:
         self.span: PySpan | None = None
         self.start = 0
         self.emitted, self.last_end = 0, 0
-
-    def _give_up(self) -> Step:
-        return Step(DONE, self.last_end) if self.emitted else Step(NOT_CALL, self.olen)
-
-    def advance(self, text: str, final: bool) -> Step:
-        calls: list[tuple[str, str]] = []
-        step = self._run(text, calls)
-        if step is None:
-            step = self._give_up() if final else Step(MORE)
-        step.calls = calls
-        return step
 
     def _run(self, text: str, calls: list[tuple[str, str]]) -> Step | None:
         n = len(text)
