@@ -36,6 +36,13 @@ def tiny():
     return LLM(path, dtype="float32", num_blocks=8192, block_size=16, max_num_seqs=64, max_model_len=12288)
 
 
+def assert_idle(llm) -> None:
+    """Nothing left behind: no block, no guided request counted by the engine or the runner."""
+    eng = llm.engine
+    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished()
+    assert eng._num_host_readers == 0 and eng.runner._num_guided == 0
+
+
 def closing_bias_ids(tokenizer, value: int = 4) -> dict[int, int]:
     """Towards the bytes that close strings, arrays and objects; away from whitespace (a flexible-
     whitespace grammar allows any amount of it, and a random model takes it)."""
@@ -106,7 +113,7 @@ def test_every_accepted_maskbench_schema_gives_valid_json(tiny):
     )
     assert not bad, f"{len(bad)} of {len(accepted)} outputs invalid: {bad[:5]}"
     assert set(unended) <= set(NEVER_ENDS), sorted(set(unended) - set(NEVER_ENDS))
-    assert tiny.engine.kv.num_used_blocks == 0
+    assert_idle(tiny)
 
 
 def test_regex_choice_and_lark_match_in_full(tiny):
@@ -249,7 +256,7 @@ def test_a_failing_grammar_ends_its_request_alone(tiny, monkeypatch):
     bad, good = outs[0].outputs[0], outs[1].outputs[0]
     assert bad.finish_reason is FinishReason.ERROR and "injected failure" in bad.error
     assert good.finish_reason is FinishReason.LENGTH and len(good.token_ids) == 8
-    assert tiny.engine.kv.num_used_blocks == 0
+    assert_idle(tiny)
 
 
 def test_bad_specs_are_refused_before_admission(tiny):

@@ -96,6 +96,7 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[TokenDelta] = []  # deltas produced outside step() (aborts)
         self._arrivals = 0
+        self._num_host_readers = 0  # tracked requests whose sampling reads earlier tokens (_reads_host)
         self._inflight = None  # the launched step whose tokens have not been applied (async scheduling)
         self.spec_stats = SpecStats()
         # cumulative host time per phase of step() (execute includes the device work it waits for)
@@ -120,6 +121,7 @@ class Engine:
             keep_special_token_ids=params.keep_special_token_ids,
         )
         self._tracked[rid] = _Tracked(req, detok)
+        self._num_host_readers += self._reads_host(req)
         self.scheduler.add(req)
         log.debug("%s added: %d prompt tokens", rid, req.num_prompt_tokens)
         return rid
@@ -191,7 +193,9 @@ class Engine:
         launched = None
         # rows whose sampling reads earlier tokens on the host (a guide's mask, penalties) wait for the
         # step in flight: its tokens are collected while this step's forward pass runs
-        deferred = prev is not None and not batch.empty and self._reads_host_tokens(batch)
+        deferred = (
+            prev is not None and not batch.empty and self._num_host_readers and self._reads_host_tokens(batch)
+        )
         if not batch.empty:
             try:
                 launched = self.runner.launch(batch, sample=not deferred)
@@ -230,12 +234,18 @@ class Engine:
         too: their step's forward pass is launched first, their sampling once those tokens are in."""
         return self.proposer is None
 
+    @staticmethod
+    def _reads_host(req: Request) -> bool:
+        """Whether the request samples from its earlier tokens' values: a grammar or think-block guide
+        (its mask follows them) or repetition/frequency/presence penalties (they count them)."""
+        return req.guide is not None or req.params.needs_penalties
+
     def _reads_host_tokens(self, batch) -> bool:
-        """Whether a row of the batch samples from its earlier tokens' values: a grammar or think-block
-        guide (its mask follows them) or repetition/frequency/presence penalties (they count them)."""
+        """Whether a row of the batch samples from its earlier tokens' values (`_reads_host`); only
+        looked for while some tracked request does (`_num_host_readers`)."""
         for s in batch.items:
             t = self._tracked.get(s.request_id) if s.num_logits else None
-            if t is not None and (t.req.guide is not None or t.req.params.needs_penalties):
+            if t is not None and self._reads_host(t.req):
                 return True
         return False
 
@@ -351,7 +361,8 @@ class Engine:
 
     def _final_delta(self, t: _Tracked, toks, text, lps, stop_reason=None) -> TokenDelta:
         req = t.req
-        self._tracked.pop(req.request_id, None)
+        if self._tracked.pop(req.request_id, None) is not None:
+            self._num_host_readers -= self._reads_host(req)
         if self.proposer is not None:
             self.proposer.finish(req.request_id)
         if req.status is not RequestStatus.FINISHED:  # defensive: never leave a request half-done

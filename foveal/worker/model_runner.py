@@ -96,6 +96,7 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size)
         self.mask_seconds = 0.0  # host time spent filling grammar masks (and the rows filled)
         self.mask_rows = 0
+        self._num_guided = 0  # held requests with a guide: none, and a step fills no masks at all
         self._mask_bufs: list[torch.Tensor | None] = [None, None]
         self._mask_turn = 0
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
@@ -111,6 +112,7 @@ class ModelRunner:
             held = self._held.pop(rid, None)
             if held is not None:
                 self._free_slots.append(held.slot)
+                self._num_guided -= held.guide is not None
 
     def _admit(self, batch: ScheduledBatch) -> None:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
@@ -119,6 +121,7 @@ class ModelRunner:
                 guide = Guide(new.guide) if new.guide is not None else None
                 shift = self.model.position_shift(new.rope)
                 self._held[new.request_id] = _Held(new, self._slot(), shift, guide=guide)
+                self._num_guided += guide is not None
 
     def _slot(self) -> int:
         if not self._free_slots:
@@ -458,6 +461,8 @@ class ModelRunner:
         """The grammar masks of the step's constrained logits rows, on the device (None if there are
         none): a verify run's row j is masked as if its drafts 1..j were accepted. Plain grammar rows
         come first, filled in one call of the backend (in parallel, the GIL released)."""
+        if not self._num_guided:
+            return None
         plain: list[tuple[Guide, int]] = []  # (guide, logits row): the grammar's own mask
         other: list[tuple[Guide, int, ScheduledItem]] = []  # forced tokens, verify runs
         row = 0

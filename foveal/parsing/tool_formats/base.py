@@ -268,6 +268,34 @@ def dump_arguments(args: Mapping[str, Any]) -> str:
     return text
 
 
+NOT_ARGS = object()  # read_json_args: what is there is no JSON object of arguments
+
+
+def read_json_args(scan: Any, text: str) -> dict | None | object:
+    """A call's JSON object of arguments from `scan.pos` on (whitespace first), across advances: the
+    dict once it closed (`scan.pos` then past it), None while it may still be open, NOT_ARGS where it is
+    not an object. Keeps its progress in `scan.span` / `scan.start`."""
+    if scan.span is None:
+        i = skip_ws(text, scan.pos)
+        if i == len(text):
+            return None
+        if text[i] != "{":
+            return NOT_ARGS
+        scan.start, scan.span = i, JsonSpan(i)
+    end = scan.span.advance(text)
+    if end is None:
+        return None
+    try:
+        args = arguments_object(load_json(text[scan.start : end]))
+    except ValueError:
+        args = None
+    scan.span = None
+    if args is None:
+        return NOT_ARGS
+    scan.pos = end
+    return args
+
+
 def arguments_object(value: Any) -> dict | None:
     """A call's arguments as a dict: an object, or a string holding a JSON object (some models
     double-encode); anything else is not a call."""

@@ -17,16 +17,16 @@ from __future__ import annotations
 from foveal.parsing.tool_formats.base import (
     DONE,
     MAX_NAME,
+    NOT_ARGS,
     JsonSpan,
     RunScanner,
     Step,
     ToolFormat,
     ToolMarkers,
     ToolSchemas,
-    arguments_object,
     dump_arguments,
-    load_json,
     prefix_state,
+    read_json_args,
     skip_ws,
     valid_name,
 )
@@ -92,23 +92,12 @@ class DeepSeekV3Scanner(RunScanner):
                     return self._give_up()
                 self.fenced, self.phase, self.pos = True, "json", j + 1
             elif self.phase == "json":
-                if self.span is None:
-                    i = skip_ws(text, self.pos)
-                    if i == n:
-                        return None
-                    if text[i] != "{":
-                        return self._give_up()
-                    self.start, self.span = i, JsonSpan(i)
-                end = self.span.advance(text)
-                if end is None:
-                    return None
-                try:
-                    args = arguments_object(load_json(text[self.start : end]))
-                except ValueError:
-                    args = None
+                args = read_json_args(self, text)
                 if args is None:
+                    return None
+                if args is NOT_ARGS:
                     return self._give_up()
-                self.args, self.span, self.phase, self.pos = args, None, "close", end
+                self.args, self.phase = args, "close"
             else:  # close: the closing fence if one opened, then <｜tool▁call▁end｜>
                 i = skip_ws(text, self.pos)
                 if self.fenced:

@@ -16,16 +16,16 @@ from foveal.parsing.tool_formats.base import (
     DONE,
     MAX_NAME,
     MORE,
+    NOT_ARGS,
     NOT_CALL,
     JsonSpan,
     Step,
     ToolFormat,
     ToolMarkers,
     ToolSchemas,
-    arguments_object,
     dump_arguments,
-    load_json,
     prefix_state,
+    read_json_args,
     skip_ws,
     valid_name,
 )
@@ -79,23 +79,12 @@ class KimiK2Scanner:
                     return self._give_up()
                 self.name, self.phase, self.pos = name.group(1), "args", k + len(ARG)
             elif self.phase == "args":
-                if self.span is None:
-                    i = skip_ws(text, self.pos)
-                    if i == n:
-                        return None
-                    if text[i] != "{":
-                        return self._give_up()
-                    self.start, self.span = i, JsonSpan(i)
-                end = self.span.advance(text)
-                if end is None:
-                    return None
-                try:
-                    args = arguments_object(load_json(text[self.start : end]))
-                except ValueError:
-                    args = None
+                args = read_json_args(self, text)
                 if args is None:
+                    return None
+                if args is NOT_ARGS:
                     return self._give_up()
-                self.args, self.span, self.phase, self.pos = args, None, "end", end
+                self.args, self.phase = args, "end"
             else:  # end: whitespace, then <|tool_call_end|>
                 i = skip_ws(text, self.pos)
                 state = prefix_state(text, i, END_CALL)
