@@ -107,11 +107,12 @@ def build_llava(path: str) -> TinyVLM:
     return TinyVLM(path, hf, proc, "<image>")
 
 
-def save_tiny_text_model(path: str) -> str:
-    """A tiny random text-only Llama folder with the byte tokenizer (no processor files)."""
+def save_tiny_text_model(path: str, specials: list[str] = ()) -> str:
+    """A tiny random text-only Llama folder with the byte tokenizer (no processor files), plus
+    `specials` as special tokens."""
     import transformers as tf
 
-    tok = byte_tokenizer([], "")
+    tok = byte_tokenizer(list(specials), "")
     torch.manual_seed(0)
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**text_config_kwargs(len(tok)), **ids))  # EOS: the tokenizer's

@@ -79,9 +79,14 @@ class InputProcessor:
         self.tool_format = self._tool_format(template)  # the format's name, or None: no tool parsing
         # the markers' special tokens keep their text in the output (the parsers read them)
         keep = set(self.think_ids[0] + self.think_ids[1])
+        self.tool_special: dict[str, int] = {}  # the format's markers that are special tokens (grammars)
         if self.tool_format is not None:
             vocab = tokenizer.get_vocab()
-            keep.update(vocab[m] for m in tools.get_format(self.tool_format).markers.markup if m in vocab)
+            markup = tools.get_format(self.tool_format).markers.markup
+            keep.update(vocab[m] for m in markup if m in vocab)
+            added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+            special = {t.content: i for i, t in added.items() if getattr(t, "special", False)}
+            self.tool_special = {m: special[m] for m in markup if m in special}
         self.keep_special_ids = tuple(sorted(keep))
         self._grammars = None  # the GrammarCache, made at the first constrained request
         self._grammars_lock = threading.Lock()

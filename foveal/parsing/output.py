@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foveal.parsing.reasoning import ReasoningFormat, ReasoningParser
+from foveal.parsing.tool_formats.base import CallSyntax
 from foveal.parsing.tools import ContentDelta, ToolCall, ToolCallStream
 
 
@@ -27,6 +28,7 @@ class OutputPlan:
     thinking: bool = True  # enable_thinking
     tool_format: str | None = None  # parse tool calls in this format (the request offered tools)
     tools: Sequence[Mapping[str, Any]] = ()
+    tool_syntax: CallSyntax | None = None  # a tool-call grammar writes the calls: stream them as they grow
 
 
 @dataclass(slots=True)
@@ -42,7 +44,7 @@ class ChoiceOutput:
         if p.reasoning is not None:
             self._reasoner = ReasoningParser(p.reasoning, thinking=p.thinking, prompt_opened=p.prompt_opened)
         if p.tool_format is not None:
-            self._tools = ToolCallStream(p.tool_format, p.tools)
+            self._tools = ToolCallStream(p.tool_format, p.tools, p.tool_syntax)
 
     @property
     def calls(self) -> list[ToolCall]:

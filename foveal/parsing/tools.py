@@ -27,16 +27,24 @@ Policy
   (JSON objects/arrays decoded, the rest strings).
 - Ids are `call_` + 24 random hex digits, unique within a stream.
 
-Streaming: no partial call is ever sent
----------------------------------------
-Output can be cut by max_tokens at any token, so any call sent before it closed could turn out to be
-partial. A call is therefore held until it is complete (closer seen, or its JSON / Python closed),
-then sent as two deltas: `{index, id, type: "function", function: {name, arguments: ""}}` and
-`{index, function: {arguments: <the whole JSON object text>}}`. Cost: the first byte of a call comes
-when its last token has been generated (a long `write_file` shows nothing until it is done); content
-is not delayed, except text that could be the start of a marker (fewer characters than the marker)
-and trailing whitespace (held until the next character decides whether it is a separator). Outputs
-that start with a bare `{"name"` (llama3_json) or `[f(` (pythonic) are held until they close.
+Streaming: a partial call is sent only where a grammar wrote it
+--------------------------------------------------------------
+Output can be cut by max_tokens at any token, and free text can turn out not to be a call, so a call
+parsed from free text is held until it is complete (closer seen, or its JSON / Python closed), then
+sent as two deltas: `{index, id, type: "function", function: {name, arguments: ""}}` and
+`{index, function: {arguments: <the whole JSON object text>}}`. Cost: the first byte of such a call
+comes when its last token has been generated; content is not delayed, except text that could be the
+start of a marker (fewer characters than the marker) and trailing whitespace (held until the next
+character decides whether it is a separator). Outputs that start with a bare `{"name"` (llama3_json)
+or `[f(` (pythonic) are held until they close.
+
+Where a tool-call grammar constrains the calls (`syntax`: tool_choice required or named, and auto
+for formats with a trigger), the text is a call by construction: the id and name go out as soon as
+the call's head is complete and the arguments follow in fragments as the model writes them
+(`tool_formats.constrained`); `arguments` is then the model's own JSON text. A call cut short by
+max_tokens after it opened has had its beginning streamed (the finish_reason "length" says it is
+cut) and is not among the complete `calls` (a non-streamed response does not show it).
+
 Decisions depend only on the text, never on how it was chunked, so every chunking gives the same
 result as `parse`.
 """
@@ -49,7 +57,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foveal.parsing.tool_formats import FORMATS, ToolFormat, ToolMarkers
-from foveal.parsing.tool_formats.base import DONE, MORE, Scanner, ToolSchemas, prefix_state, skip_ws
+from foveal.parsing.tool_formats.base import (
+    DONE,
+    MORE,
+    CallSyntax,
+    Closed,
+    Fragment,
+    Opened,
+    Scanner,
+    ToolSchemas,
+    prefix_state,
+    skip_ws,
+)
+from foveal.parsing.tool_formats.constrained import ConstrainedScanner
 
 __all__ = [
     "FORMATS",
@@ -163,12 +183,20 @@ def detect(chat_template: str | None, vocab: Any = None) -> ToolFormat | None:
 
 
 class ToolCallStream:
-    """One request's tool-call parser: `feed` each text delta, then `finish` once."""
+    """One request's tool-call parser: `feed` each text delta, then `finish` once. `syntax`: the
+    layout a tool-call grammar gives the calls (streamed as they grow), or None for free text."""
 
-    def __init__(self, format: ToolFormat | str, tools: Iterable[Mapping[str, Any]] | None = None):
+    def __init__(
+        self,
+        format: ToolFormat | str,
+        tools: Iterable[Mapping[str, Any]] | None = None,
+        syntax: CallSyntax | None = None,
+    ):
         self.format = get_format(format) if isinstance(format, str) else format
         self.calls: list[ToolCall] = []
         self._schemas = ToolSchemas(tools)
+        self._syntax = syntax
+        self._open: tuple[str, str, int] | None = None  # a streamed call not closed yet: id, name, index
         self._triggers = self.format.markers.triggers
         self._start_triggers = "".join(self.format.markers.start_triggers)
         self._buf = ""  # text not decided yet: a possible marker start, or an open call
@@ -213,15 +241,17 @@ class ToolCallStream:
     def _run(self, out: list[Delta], final: bool, truncated: bool) -> None:
         while True:
             if self._scanner is not None:
-                if final and truncated:  # the call never closed: drop it, never send half of it
+                if final and truncated:  # the call never closed: drop it (a streamed one was cut short)
                     self._close_segment(out)
-                    self._scanner, self._buf, self.dropped = None, "", True
+                    self._scanner, self._buf, self._open, self.dropped = None, "", None, True
                     return
                 step = self._scanner.advance(self._buf, final)
-                for name, arguments in step.calls:
-                    self._emit_call(out, name, arguments)
+                for event in step.calls:
+                    self._event(out, event)
                 if step.status == MORE:
                     return
+                if self._open is not None:  # the scan ended inside a call: abandoned
+                    self._open, self.dropped = None, True
                 if step.status == DONE:
                     self._closer = step.closer
                 else:  # not a call: the opener is content, and scanning resumes after it
@@ -235,12 +265,17 @@ class ToolCallStream:
             if opener is not None:
                 self._content(out, self._buf[:at])
                 self._buf = self._buf[at:]
-                self._scanner = self.format.scanner(opener, self._schemas)
+                self._scanner = self._new_scanner(opener)
                 continue
             keep = 0 if final else self._partial_marker_len()
             self._content(out, self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep :]
             return
+
+    def _new_scanner(self, opener: str) -> Scanner:
+        if self._syntax is None:
+            return self.format.scanner(opener, self._schemas)
+        return ConstrainedScanner(self._syntax, self._schemas.params, self._schemas, len(opener))
 
     def _find_opener(self) -> tuple[int, str | None]:
         best, opener = len(self._buf), None
@@ -301,23 +336,41 @@ class ToolCallStream:
             out.append(ContentDelta(self._ws))  # "text <call>": the space belongs to the text
         self._ws, self._seg_text, self._after_call = "", False, True
 
-    def _emit_call(self, out: list[Delta], name: str, arguments: str) -> None:
-        self._close_segment(out)
-        call_id = new_call_id()
-        while call_id in self._ids:
+    def _event(self, out: list[Delta], event: Any) -> None:
+        if isinstance(event, tuple):  # a whole call
+            self._event(out, Opened(event[0]))
+            self._event(out, Fragment(event[1]))
+            self._event(out, Closed(event[1]))
+        elif isinstance(event, Opened):
+            self._close_segment(out)
             call_id = new_call_id()
-        self._ids.add(call_id)
-        index = len(self.calls)
-        self.calls.append(ToolCall(call_id, name, arguments))
-        out.append(ToolCallDelta(index, "", id=call_id, name=name))
-        out.append(ToolCallDelta(index, arguments))
+            while call_id in self._ids:
+                call_id = new_call_id()
+            self._ids.add(call_id)
+            self._open = (call_id, event.name, len(self.calls))
+            out.append(ToolCallDelta(len(self.calls), "", id=call_id, name=event.name))
+        elif isinstance(event, Fragment):
+            out.append(ToolCallDelta(self._open[2], event.text))
+        else:
+            call_id, name, _ = self._open
+            self.calls.append(ToolCall(call_id, name, event.arguments))
+            self._open = None
 
 
 def _merge(deltas: list[Delta]) -> list[Delta]:
     out: list[Delta] = []
     for d in deltas:
-        if out and isinstance(d, ContentDelta) and isinstance(out[-1], ContentDelta):
-            out[-1] = ContentDelta(out[-1].text + d.text)
+        last = out[-1] if out else None
+        if isinstance(d, ContentDelta) and isinstance(last, ContentDelta):
+            out[-1] = ContentDelta(last.text + d.text)
+        elif (
+            isinstance(d, ToolCallDelta)
+            and d.id is None
+            and isinstance(last, ToolCallDelta)
+            and last.id is None
+            and last.index == d.index
+        ):
+            out[-1] = ToolCallDelta(d.index, last.arguments + d.arguments, last.id, last.name)
         else:
             out.append(d)
     return out
@@ -343,7 +396,9 @@ def parse(
     *,
     format: ToolFormat | str,
     truncated: bool = False,
+    syntax: CallSyntax | None = None,
 ) -> ParsedOutput:
     """The whole output at once; equal to streaming it in any chunks."""
-    stream = ToolCallStream(format, tools)
-    return collect(stream.feed(text) + stream.finish(truncated))
+    stream = ToolCallStream(format, tools, syntax)
+    content = collect(stream.feed(text) + stream.finish(truncated)).content
+    return ParsedOutput(content, list(stream.calls))  # without a streamed call that was cut short

@@ -182,10 +182,11 @@ class Prompts:
 
     def _tools(self, req: ChatCompletionRequest, params: SamplingParams):
         """(the tools for the template, or None; params with the tool calls' grammar; the output plan's
-        tool format). tool_choice none renders no tools and parses none."""
+        tool format; the calls' syntax where the grammar constrains them). tool_choice none renders no
+        tools and parses none."""
         mode = _invalid_param(lambda: req.tool_mode)
         if mode == "none":
-            return None, params, None
+            return None, params, None, None
         fmt = self.processor.tool_format
         if fmt is None:
             raise APIError(
@@ -193,18 +194,20 @@ class Prompts:
             )
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
-            grammar = tool_call_grammar(fmt, tools, mode, req.parallel_tool_calls)
+            constraint = tool_call_grammar(
+                fmt, tools, mode, req.parallel_tool_calls, self.processor.tool_special
+            )
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
-        if grammar is not None:
-            if params.structured is not None:
-                raise APIError(
-                    400,
-                    "tool calls and a structured-output constraint cannot apply together",
-                    param="tool_choice",
-                )
-            params = replace(params, structured=grammar)
-        return tools, params, fmt
+        if constraint is None:
+            return tools, params, fmt, None
+        if params.structured is not None:
+            raise APIError(
+                400,
+                "tool calls and a structured-output constraint cannot apply together",
+                param="tool_choice",
+            )
+        return tools, replace(params, structured=constraint.grammar), fmt, constraint.syntax
 
     async def chat(
         self, req: ChatCompletionRequest, params: SamplingParams, rid: str, cache_salt: str | None
@@ -230,7 +233,7 @@ class Prompts:
             )
         kwargs = self._template_kwargs(req)
         grammar_source = req.grammar_source
-        tools, params, tool_format = self._tools(req, params)
+        tools, params, tool_format, tool_syntax = self._tools(req, params)
         if tools and grammar_source is None:
             grammar_source = "tool_choice"
         if tools:
@@ -267,6 +270,7 @@ class Prompts:
             thinking=kwargs.get("enable_thinking") is not False,
             tool_format=tool_format,
             tools=tools or (),
+            tool_syntax=tool_syntax,
         )
         return choices, plan
 

@@ -19,18 +19,41 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 MORE, DONE, NOT_CALL = "more", "done", "not_call"
 
 
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A call's name is known and its arguments have begun (constrained output only: streamed early)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """More of the open call's arguments text (after `Opened`)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """The open call is complete; `arguments` is the whole text its fragments joined to."""
+
+    arguments: str
+
+
 @dataclass(slots=True)
 class Step:
     status: str
     end: int = 0
-    calls: list[tuple[str, str]] = field(default_factory=list)
+    # complete calls as (name, arguments JSON text); a constrained scanner reports Opened, Fragment and
+    # Closed instead, as the call grows
+    calls: list[tuple[str, str] | Opened | Fragment | Closed] = field(default_factory=list)
     closer: str | None = None  # DONE: an optional closing marker the engine skips if it comes next
 
 
@@ -87,8 +110,29 @@ class ToolMarkers:
     markup: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class CallSyntax:
+    """The exact text a format's calls take when the output is constrained (by a tool-call grammar):
+    what `foveal.structured.tool_grammar` builds the grammar from, and what the constrained scanner
+    streams from. A section is `open call (sep call)* close`; sections follow each other, `between`
+    apart (None: one section per output); a call is `head(name) arguments tail`, its arguments
+    `args_kind` ("json": a JSON object; "xml": `<parameter=...>` elements). In free text (tool_choice
+    auto) a section starts at `trigger`, a prefix of `open + head(name)` (None: auto is not
+    constrained)."""
+
+    head: Callable[[str], str]
+    tail: str
+    args_kind: str = "json"
+    open: str = ""
+    sep: str | None = None
+    close: str = ""
+    between: str | None = None
+    trigger: str | None = None
+
+
 class ToolFormat:
-    """One tool-call syntax. Subclasses set the class attributes and implement `scanner`."""
+    """One tool-call syntax. Subclasses set the class attributes and implement `scanner`, and
+    `call_syntax` where calls can be constrained."""
 
     name: str = ""
     aliases: tuple[str, ...] = ()
@@ -99,6 +143,11 @@ class ToolFormat:
 
     def scanner(self, opener: str, tools: ToolSchemas) -> Scanner:
         raise NotImplementedError
+
+    def call_syntax(self, special: frozenset[str] = frozenset()) -> CallSyntax | None:
+        """The syntax a tool-call grammar writes, or None where this format has no builder. `special`:
+        the format's markers that are special tokens of the tokenizer (some shapes depend on them)."""
+        return None
 
     def __repr__(self) -> str:
         return f"<tool format {self.name}>"

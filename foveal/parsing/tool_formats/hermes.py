@@ -9,10 +9,13 @@ missing `</tool_call>` when the model stopped right after the object.
 
 from __future__ import annotations
 
+import json
+
 from foveal.parsing.tool_formats.base import (
     DONE,
     MORE,
     NOT_CALL,
+    CallSyntax,
     JsonSpan,
     Step,
     ToolFormat,
@@ -77,3 +80,11 @@ class Hermes(ToolFormat):
 
     def scanner(self, opener: str, tools: ToolSchemas) -> HermesScanner:
         return HermesScanner(opener)
+
+    def call_syntax(self, special: frozenset[str] = frozenset()) -> CallSyntax:
+        return CallSyntax(
+            head=lambda name: OPEN + '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ',
+            tail="}\n" + CLOSE,
+            between="\n",
+            trigger=OPEN,
+        )

@@ -10,12 +10,14 @@ marker: the call is complete when its object closes.
 
 from __future__ import annotations
 
+import json
 import re
 
 from foveal.parsing.tool_formats.base import (
     DONE,
     MORE,
     NOT_CALL,
+    CallSyntax,
     JsonSpan,
     Step,
     ToolFormat,
@@ -112,3 +114,10 @@ class Llama3Json(ToolFormat):
 
     def scanner(self, opener: str, tools: ToolSchemas) -> Llama3JsonScanner:
         return Llama3JsonScanner(opener)
+
+    def call_syntax(self, special: frozenset[str] = frozenset()) -> CallSyntax:
+        # one call (the Llama 3.1 templates take no parallel calls); a bare object has no trigger
+        return CallSyntax(
+            head=lambda name: '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "parameters": ',
+            tail="}",
+        )

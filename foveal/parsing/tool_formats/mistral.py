@@ -11,11 +11,13 @@ reasoning parser's business.
 
 from __future__ import annotations
 
+import json
 import re
 
 from foveal.parsing.tool_formats.base import (
     DONE,
     MAX_NAME,
+    CallSyntax,
     JsonSpan,
     RunScanner,
     Step,
@@ -143,3 +145,17 @@ class Mistral(ToolFormat):
 
     def scanner(self, opener: str, tools: ToolSchemas) -> MistralScanner:
         return MistralScanner(opener)
+
+    def call_syntax(self, special: frozenset[str] = frozenset()) -> CallSyntax:
+        if ARGS in special:  # v11+: the tokenizer has [ARGS]
+            return CallSyntax(
+                head=lambda name: TOOL_CALLS + name + ARGS, tail="", between="", trigger=TOOL_CALLS
+            )
+        return CallSyntax(  # v3: one list of call objects
+            head=lambda name: '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ',
+            tail="}",
+            open=TOOL_CALLS + "[",
+            sep=", ",
+            close="]",
+            trigger=TOOL_CALLS,
+        )

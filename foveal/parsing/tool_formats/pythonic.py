@@ -17,6 +17,7 @@ import re
 from foveal.parsing.tool_formats.base import (
     DONE,
     MAX_NAME,
+    CallSyntax,
     PySpan,
     RunScanner,
     Step,
@@ -129,3 +130,17 @@ class Pythonic(ToolFormat):
 
     def scanner(self, opener: str, tools: ToolSchemas) -> PythonicScanner:
         return PythonicScanner(opener)
+
+    def call_syntax(self, special: frozenset[str] = frozenset()) -> CallSyntax:
+        # a list of calls; wrapped in <|python_start|> ... <|python_end|> where those are special tokens
+        # (Llama 4), which also makes the wrapper a trigger in free text
+        wrap = PYTHON_START in special and PYTHON_END in special
+        return CallSyntax(
+            head=lambda name: name + "(",
+            tail=")",
+            args_kind="python",
+            open=(PYTHON_START if wrap else "") + "[",
+            sep=", ",
+            close="]" + (PYTHON_END if wrap else ""),
+            trigger=PYTHON_START if wrap else None,
+        )

@@ -27,6 +27,7 @@ from foveal.parsing.tool_formats.base import (
     MAX_NAME,
     MORE,
     NOT_CALL,
+    CallSyntax,
     Step,
     ToolFormat,
     ToolMarkers,
@@ -143,3 +144,13 @@ class QwenXml(ToolFormat):
 
     def scanner(self, opener: str, tools: ToolSchemas) -> QwenXmlScanner:
         return QwenXmlScanner(opener, tools)
+
+    def call_syntax(self, special: frozenset[str] = frozenset()) -> CallSyntax:
+        # the template's layout: each value between newlines, each element on its own lines
+        return CallSyntax(
+            head=lambda name: f"{OPEN}\n{FUNC}{name}>\n",
+            tail=f"{END_FUNC}\n{CLOSE}",
+            args_kind="xml",
+            between="\n",
+            trigger=OPEN,
+        )
