@@ -74,7 +74,7 @@ CASES = [
     ("llama3_json", []),
     ("mistral", ["[TOOL_CALLS]"]),  # v3: [TOOL_CALLS] [{...}, {...}]
     ("mistral", SPECIALS),  # v11: [TOOL_CALLS]name[ARGS]{...}
-    ("pythonic", []),  # [f(a=1), g()]; auto stays free
+    ("pythonic", []),  # [f(a=1), g()]
     ("pythonic", PY),  # <|python_start|>[f(a=1)]<|python_end|> (Llama 4)
 ]
 
@@ -186,16 +186,15 @@ def test_random_outputs_of_the_grammar_parse_and_validate(tokenizers, backends, 
     tok = tokenizers[tuple(specials)]
     c = NAMED if choice == "named" else choice
     constraint = tool_call_grammar(fmt, TOOLS, c, True, special_ids(tok, specials))
-    if constraint is None:  # auto without a trigger (a bare JSON object or list): free text
-        assert fmt in ("llama3_json", "pythonic") and choice == "auto" and not specials
-        return
     grammar = backends[tuple(specials)].get(constraint.grammar)
     rng = random.Random(f"{fmt}{specials}{choice}")
     ended = calls = 0
     for i in range(12):
         prefix = ""
-        if choice == "auto":  # free text, then (every other time) the trigger
+        if choice == "auto" and constraint.syntax.trigger:  # free text, then (every other time) the trigger
             prefix = "Let me check." + ("\n" + constraint.syntax.trigger if i % 2 else "")
+        elif choice == "auto":  # a call opens the output (every other time), else free text
+            prefix = constraint.syntax.open + constraint.syntax.head("search") if i % 2 else "Let me"
         text, done = walk(grammar, tok, rng, prefix)
         if not done:
             continue

@@ -12,9 +12,10 @@ and validate.
 Formats with a syntax: hermes (Qwen 2.5/3, Hermes, and the generic tool prompt of templates without
 tool support), qwen3_xml, mistral (v3 lists, or v11+ `[TOOL_CALLS]name[ARGS]{...}` where the tokenizer
 has `[ARGS]`), pythonic (wrapped in `<|python_start|>` where that is a special token, Llama 4) and
-llama3_json. A bare JSON object or Python list has no trigger: under auto those stay free text (their
-calls still parsed). For another format "required" and a named choice are refused (they would not be
-enforced), and "auto" stays free.
+llama3_json. A bare JSON object or Python list (llama3_json, pythonic without the wrapper) is a call
+only where it opens the output: under auto the output is then a call, or free text that does not
+begin like one (`{"name"`, `[name(`). For another format "required" and a named choice are refused
+(they would not be enforced), and "auto" stays free.
 
 Arguments: JSON formats take the function's parameter schema as llguidance JSON (an object schema
 with properties and no `additionalProperties` allows no others, like OpenAI's strict mode; a function
@@ -189,7 +190,7 @@ def tool_call_grammar(
     if mode == "none" or not functions:
         return None
     syntax = get_format(fmt).call_syntax(frozenset(special))
-    if syntax is None or (mode == "auto" and syntax.trigger is None):
+    if syntax is None or (mode == "auto" and syntax.trigger is None and syntax.start is None):
         if mode == "auto":
             return None
         raise ValueError(f"tool_choice {mode!r} cannot be enforced for the {fmt} tool-call format")
@@ -199,24 +200,31 @@ def tool_call_grammar(
                 f"function name {fn['name']!r}: a constrained call needs letters, digits and _ . : - only"
             )
     lark = _Lark(special)
-    text_trigger = mode == "auto" and syntax.trigger not in special
+    text_trigger = mode == "auto" and syntax.trigger is not None and syntax.trigger not in special
     if text_trigger and not syntax.head("f").startswith(syntax.trigger):
         raise ValueError(f"the {fmt} trigger does not start its call")  # a format defined wrongly
 
-    def call(fn: Mapping[str, Any], skip: int = 0) -> str:
+    def call(fn: Mapping[str, Any], skip: int = 0, before: str = "") -> str:
         build = {"xml": _xml_args, "python": _py_args}.get(syntax.args_kind)
         args = build(lark, fn) if build else _json_args(fn)
-        return _seq(lark, syntax.head(fn["name"])[skip:], args, syntax.tail)
+        return _seq(lark, (before + syntax.head(fn["name"]))[skip:], args, syntax.tail)
 
     if text_trigger:  # a section is one call; its opener ends the free text before it
         rest = lark.rule(" | ".join(call(fn, len(syntax.trigger)) for fn in functions))
         trig = lark.rule(f"TEXT {lark.lit(syntax.trigger)}", lazy=True)
         start = f"start: ({trig} {rest}){'*' if parallel else '?'} TEXT"
     else:
-        one = lark.rule(" | ".join(call(fn) for fn in functions))
-        calls = f"{one} ({lark.lit(syntax.sep)} {one})*" if parallel and syntax.sep is not None else one
-        section = lark.rule(_seq(lark, syntax.open, calls, syntax.close))
-        if mode == "auto":  # the trigger is a special token: text cannot contain it
+        # the section's opening text and the first head make one literal: a free-text lexeme alive
+        # beside a shorter one would otherwise outlive it
+        first = lark.rule(" | ".join(call(fn, before=syntax.open) for fn in functions))
+        if parallel and syntax.sep is not None:
+            one = lark.rule(" | ".join(call(fn) for fn in functions))
+            first = f"{first} ({lark.lit(syntax.sep)} {one})*"
+        section = lark.rule(_seq(lark, "", first, syntax.close))
+        if mode == "auto" and syntax.trigger is None:  # a call opens the output, or it is free text
+            start = f"start: {section} | FREE"
+            lark.rules.append(f"FREE: /(.|\\n)*/ & ~/{syntax.start}(.|\\n)*/")
+        elif mode == "auto":  # the trigger is a special token: text cannot contain it
             start = f"start: TEXT ({section} TEXT){'*' if parallel else '?'}"
         elif parallel and syntax.between is not None:
             start = f"start: {section} ({_seq(lark, syntax.between, section, '')})*"

@@ -118,7 +118,9 @@ class CallSyntax:
     apart (None: one section per output); a call is `head(name) arguments tail`, its arguments
     `args_kind` ("json": a JSON object; "xml": `<parameter=...>` elements). In free text (tool_choice
     auto) a section starts at `trigger`, a prefix of `open + head(name)` (None: auto is not
-    constrained)."""
+    constrained), or where `start` is set, a section that opens the output (a bare JSON object or
+    Python list): `start` is the regex of the output's beginning that makes it a call, and under auto
+    free text may not begin that way."""
 
     head: Callable[[str], str]
     tail: str
@@ -128,6 +130,7 @@ class CallSyntax:
     close: str = ""
     between: str | None = None
     trigger: str | None = None
+    start: str | None = None
 
 
 class ToolFormat:

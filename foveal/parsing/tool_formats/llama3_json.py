@@ -116,8 +116,9 @@ class Llama3Json(ToolFormat):
         return Llama3JsonScanner(opener)
 
     def call_syntax(self, special: frozenset[str] = frozenset()) -> CallSyntax:
-        # one call (the Llama 3.1 templates take no parallel calls); a bare object has no trigger
+        # one call (the Llama 3.1 templates take no parallel calls), a bare object opening the output
         return CallSyntax(
             head=lambda name: '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "parameters": ',
             tail="}",
+            start=r'\s*\{\s*"name"',
         )

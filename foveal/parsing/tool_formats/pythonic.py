@@ -143,4 +143,5 @@ class Pythonic(ToolFormat):
             sep=", ",
             close="]" + (PYTHON_END if wrap else ""),
             trigger=PYTHON_START if wrap else None,
+            start=None if wrap else r"\s*\[\s*[A-Za-z_][A-Za-z0-9_.]*\(",
         )
