@@ -39,11 +39,12 @@ character decides whether it is a separator). Outputs that start with a bare `{"
 or `[f(` (pythonic) are held until they close.
 
 Where a tool-call grammar constrains the calls (`syntax`: tool_choice required or named, and auto
-for formats with a trigger), the text is a call by construction: the id and name go out as soon as
-the call's head is complete and the arguments follow in fragments as the model writes them
-(`tool_formats.constrained`); `arguments` is then the model's own JSON text. A call cut short by
-max_tokens after it opened has had its beginning streamed (the finish_reason "length" says it is
-cut) and is not among the complete `calls` (a non-streamed response does not show it).
+for every format with a call syntax), the text is a call by construction: the id and name go out as
+soon as the call's head is complete and the arguments follow in fragments as the model writes them
+(`tool_formats.constrained`); `arguments` is then the model's own JSON text (XML and Python arguments
+are sent as JSON, a parameter at a time). A call cut short by max_tokens after it opened has had its
+beginning streamed (the finish_reason "length" says it is cut) and is not among the complete `calls`
+(a non-streamed response does not show it).
 
 Decisions depend only on the text, never on how it was chunked, so every chunking gives the same
 result as `parse`.
