@@ -7,8 +7,10 @@ one word changed, rename a function in code, quote a passage):
     python benchmarks/speculative.py --cpu [--batches 1,16] [--reps 3] [--max-tokens 128]
 
   modes: none | ngram (k=4, lookup 4..2) | draft (the same GGUF as the draft, its Q4_1/Q8_0 weights run
-  as stored: --quantization gguf). Batch 1 reports decode tok/s (first token to last, per request,
-  requests one at a time); batch B all requests at once: output tok/s over the wall time. Greedy
+  as stored: --quantization gguf), each with the load-aware policy choosing k per row and step (the
+  default); ngram_fixed | draft_fixed: the same drafting k on every step it can. Batch 1 reports
+  decode tok/s (first token to last, per request, requests one at a time); batch B all requests at
+  once: output tok/s over the wall time. Greedy
   outputs of every mode are compared with plain decoding token for token (`lossless`).
 
 GPU, a benchmark-only oracle proposer on a random-weight Llama-3.1-8B (benchmarks/configs): it proposes
@@ -16,6 +18,7 @@ the target's own greedy continuation (recorded by a plain run first), each draft
 `rate` (else replaced, so acceptance ends there), at batch 1, 8 and 64:
 
     python benchmarks/speculative.py --oracle [--dtype float32] [--rates 1.0,0.7,0.4] [--batches 1,8,64]
+        [--fixed]    (every row drafts k; default: the load-aware policy chooses k per row and step)
 
   On random weights the logits are nearly flat, and in bfloat16 the greedy token depends on the batch
   shape (a verify run of 1+k rows rounds differently from a 1-row decode step), so the recorded
@@ -139,6 +142,8 @@ def cpu_bench(a) -> dict:
             "quantization": "gguf",
         },
     }
+    for m in ("ngram", "draft"):  # the same proposers drafting k on every step they can
+        specs[m + "_fixed"] = {**specs[m], "adaptive": False}
     modes = [m for m in a.modes.split(",")]
     llms = {m: LLM(**base, speculative_config=specs[m]) for m in modes}
     proc = llms[modes[0]].processor
@@ -266,7 +271,8 @@ def oracle_bench(a) -> dict:
         with open(cfg, "w") as f:
             f.write(tiny.to_json_string())
         opts.update(num_blocks=4096, block_size=16)
-    spec = {"method": "ngram", "num_speculative_tokens": a.k}  # its proposer is replaced by the oracle
+    # its proposer is replaced by the oracle; k per row by load (adaptive) or always k (--fixed)
+    spec = {"method": "ngram", "num_speculative_tokens": a.k, "adaptive": not a.fixed}
     plain = LLM(cfg, **opts)
     specd = LLM(cfg, **opts, speculative_config=spec)
     vocab = plain.processor.info.vocab_size
@@ -309,7 +315,11 @@ def oracle_bench(a) -> dict:
                     "acceptance": round(acc, 3), "mean_len": round(1 + (after["num_accepted_tokens"]
                     - before["num_accepted_tokens"]) / steps, 2) if steps else None,
                     "lossless": list(outs.values()) == base["tokens"],
+                    "policy": "fixed" if a.fixed else "adaptive",
                 }  # fmt: skip
+                if eng.spec_policy is not None:
+                    row["mean_chosen_k"] = round(eng.spec_policy.stats()["mean_chosen_k"], 2)
+                    eng.spec_policy.chosen.clear()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return {"rows": rows}
@@ -323,7 +333,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="--oracle on CPU with a tiny config")
     ap.add_argument("--dtype", default="bfloat16", help="--oracle: the target's dtype")
     ap.add_argument("--forced", action="store_true", help="--oracle: force the oracle's runs to be accepted")
-    ap.add_argument("--modes", default="none,ngram,draft")
+    ap.add_argument(
+        "--fixed", action="store_true", help="--oracle: every row drafts k (no load-aware policy)"
+    )
+    ap.add_argument("--modes", default="none,ngram,draft", help="cpu: also ngram_fixed, draft_fixed")
     ap.add_argument("--batches", default=None, help="comma-separated (cpu: 1,16; oracle: 1,8,64)")
     ap.add_argument("--rates", default="1.0,0.7,0.4")
     ap.add_argument("--k", type=int, default=4)

@@ -179,6 +179,8 @@ class SpeculativeConfig:
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4, "quantization": "gguf"}
+
+    plus Foveal's "adaptive" (default true): k per row and step, 0 included, by load and acceptance.
     """
 
     method: str
@@ -188,6 +190,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft's checkpoint (shares the target's tokenizer)
     quantization: str = "none"  # draft_model: as ModelConfig.quantization, for the draft
     dtype: str = "auto"  # draft_model: its dtype (auto: the target's)
+    # choose each row's k per step from measured acceptance and step costs (foveal.spec.adaptive), so
+    # speculation does not cost throughput at high load; false: every row takes k whenever it can
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -232,6 +237,8 @@ class SpeculativeConfig:
             raise ValueError("speculative config prompt_lookup_min must be <= prompt_lookup_max")
         if self.method == "draft_model" and not self.model:
             raise ValueError('speculative method draft_model needs "model": the draft checkpoint')
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative config adaptive must be true or false, got {self.adaptive!r}")
         if self.quantization not in ("none", "gguf"):
             raise ValueError(f"speculative config quantization {self.quantization!r}: use none or gguf")
 

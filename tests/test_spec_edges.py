@@ -18,7 +18,10 @@ from foveal.metrics import SummarySink
 from foveal.metrics.prometheus import PrometheusSink
 from tests.test_server import serving
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM = {
+    "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+    "adaptive": False,  # every row drafts whenever it can: these tests are about verification
+}  # fmt: skip
 ADMIN, TENANT = "sk-admin", "sk-tenant"
 PROMPT = [17, 42, 99, 123, 7] * 4  # repeats itself: the n-gram lookup drafts from the first step
 

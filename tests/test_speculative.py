@@ -14,7 +14,10 @@ import torch
 from foveal import SamplingParams
 from foveal.config import SpeculativeConfig
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM = {
+    "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+    "adaptive": False,  # every row drafts whenever it can: these tests are about verification
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -195,7 +198,7 @@ def _draft_llm(saved, draft: str | None, **kw):
     spec = (
         None
         if draft is None
-        else {"method": "draft_model", "model": saved[draft], "num_speculative_tokens": 3}
+        else {"method": "draft_model", "model": saved[draft], "num_speculative_tokens": 3, "adaptive": False}
     )
     opts = dict(dtype="float32", num_blocks=160, block_size=4, max_num_seqs=8, max_model_len=160)
     return LLM(saved["target"], speculative_config=spec, **{**opts, **kw})

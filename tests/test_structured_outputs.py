@@ -219,6 +219,7 @@ def test_speculative_greedy_equals_plain_greedy_under_a_grammar():
         "num_speculative_tokens": 4,
         "prompt_lookup_max": 3,
         "prompt_lookup_min": 1,
+        "adaptive": False,  # draft on every step: the grammar must cut the accepted runs
     }
     spec = LLM(path, speculative_config=spec_cfg, **kw)
     schema = {"type": "array", "items": {"type": "string", "enum": ["abab", "abba", "baba"]}, "maxItems": 6}

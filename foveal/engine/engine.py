@@ -99,6 +99,12 @@ class Engine:
         self._num_host_readers = 0  # tracked requests whose sampling reads earlier tokens (_reads_host)
         self._inflight = None  # the launched step whose tokens have not been applied (async scheduling)
         self.spec_stats = SpecStats()
+        self.spec_policy = None  # load-aware k per row (foveal.spec.adaptive), when speculating adaptively
+        spec = getattr(config, "speculative", None)
+        if proposer is not None and spec is not None and spec.adaptive:
+            from foveal.spec.adaptive import AdaptivePolicy
+
+            self.spec_policy = AdaptivePolicy(proposer.num_speculative_tokens)
         # cumulative host time per phase of step() (execute includes the device work it waits for)
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
 
@@ -188,6 +194,7 @@ class Engine:
             prev = None
         if self.proposer is not None:
             self._propose()
+        t_plan = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = None
@@ -220,6 +227,10 @@ class Engine:
         if launched is not None and not (self.async_scheduling and self._can_overlap()):
             deltas += self._resolve(launched)
         self._release_finished()
+        if self.spec_policy is not None and batch.items and all(x.is_decode for x in batch.items):
+            # a decode step's cost by the tokens it scheduled (the load-aware policy's step curve)
+            tokens = sum(x.num_tokens for x in batch.items)
+            self.spec_policy.observe_step(tokens, time.perf_counter() - t_plan)
         t = self.step_seconds
         t["schedule"] += t1 - t0
         t["execute"] += t2 - t1
@@ -267,9 +278,18 @@ class Engine:
             if room > 0:
                 reqs.append(req)
                 rows.append(ProposeRow(req.request_id, req.all_token_ids, room))
+        policy = self.spec_policy
+        if rows and policy is not None:  # how many drafts each row takes at this load (0: none)
+            other = len(self.scheduler.running) - len(rows)
+            ks = policy.choose([r.request_id for r in rows], [r.max_drafts for r in rows], other)
+            reqs = [q for q, k in zip(reqs, ks) if k]
+            rows = [ProposeRow(r.request_id, r.token_ids, k) for r, k in zip(rows, ks) if k]
         if rows:
+            t0 = time.perf_counter()
             for req, drafts in zip(reqs, self.proposer.propose(rows)):
                 req.draft_ids = drafts
+            if policy is not None:
+                policy.observe_drafting(len(rows), max(r.max_drafts for r in rows), time.perf_counter() - t0)
 
     def _resolve(self, launched) -> list[TokenDelta]:
         """Wait for a launched step's tokens; apply them and emit the deltas."""
@@ -291,6 +311,8 @@ class Engine:
                 a = len(out.tokens[s.request_id]) - 1
                 self.spec_stats.record(s.num_drafts, a)
                 self.proposer.accepted(s.request_id, s.num_drafts, a)
+                if self.spec_policy is not None:
+                    self.spec_policy.observe_acceptance(s.request_id, s.num_drafts, a)
         for rid, spent in out.encoder_time_s.items():
             t = self._tracked.get(rid)
             if t is not None:
@@ -365,6 +387,8 @@ class Engine:
             self._num_host_readers -= self._reads_host(req)
         if self.proposer is not None:
             self.proposer.finish(req.request_id)
+            if self.spec_policy is not None:
+                self.spec_policy.finish(req.request_id)
         if req.status is not RequestStatus.FINISHED:  # defensive: never leave a request half-done
             self.scheduler.finish(req, FinishReason.ERROR)
         return TokenDelta(

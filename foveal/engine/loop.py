@@ -365,6 +365,8 @@ class EngineLoop:
         if e.proposer is not None:  # speculating: lifetime totals, and which method drafts
             spec = e.spec_stats.as_dict()
             spec["method"] = e.config.speculative.method
+            if e.spec_policy is not None:  # how many drafts the load-aware policy gave rows
+                spec.update(e.spec_policy.stats())
         r = e.runner
         masks = {"mask_seconds": r.mask_seconds, "mask_rows": r.mask_rows} if r.mask_rows else None
         self._safe(

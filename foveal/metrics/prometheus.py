@@ -48,6 +48,8 @@ class PrometheusSink:
         self._spec: tuple[Counter, Counter, Counter, Counter] | None = None  # registered at the first report
         self._spec_seen = (0, 0, 0)  # drafts, draft tokens, accepted tokens already counted
         self._spec_pos_seen: list[int] = []
+        self._spec_k: Counter | None = None
+        self._spec_k_seen: dict[str, int] = {}
 
     def request_started(self, stats: RequestStats) -> None:
         pass
@@ -158,6 +160,20 @@ class PrometheusSink:
         for counter, n, seen in zip((drafts, draft_tokens, accepted), now, self._spec_seen):
             counter.inc(max(0, n - seen))
         self._spec_seen = now
+        chosen = spec.get("chosen_k")
+        if chosen is not None:  # the load-aware policy: row-steps by the k it chose (0: no drafts)
+            if self._spec_k is None:
+                self._spec_k = Counter(
+                    "foveal_spec_decode_chosen_k",
+                    "Speculating rows' steps by the number of drafts the load-aware policy gave them",
+                    ["k"],
+                    registry=self.registry,
+                )
+            for k, n in chosen.items():
+                d = n - self._spec_k_seen.get(k, 0)
+                if d > 0 or k not in self._spec_k_seen:
+                    self._spec_k.labels(k=k).inc(max(0, d))
+            self._spec_k_seen = dict(chosen)
         pos = list(spec.get("accepted_per_pos") or ())
         seen_pos = self._spec_pos_seen
         for j, n in enumerate(pos):

@@ -1,0 +1,167 @@
+"""Load-aware speculation: each step, how many drafts each row takes (0 included).
+
+Speculating pays when the tokens a verify step is expected to yield per second beat plain decoding's.
+At batch 1 a step of 1 + k tokens costs about what a 1-token step costs (the weights are read once),
+so drafts are nearly free; at high load the device is compute-bound, every scheduled token costs, and
+drafts the target rejects are lost work (the H200 oracle: batch 64, 40% acceptance, 0.80x; CPU batch 16
+with a large draft: 0.50x). The policy picks, per step, the drafts that maximize expected tokens per
+second under two cost curves it measures as it runs:
+
+    E(k)    expected tokens = rows + sum over rows of a_r + a_r^2 + ... + a_r^k_r (every row of the
+            step counted, speculating or not)
+            (a_r: the row's acceptance per draft, a geometric model: draft i counts only if 1..i-1 did)
+    T(n)    seconds of a decode step that schedules n tokens (verify steps included)
+    D(r, k) seconds of proposing: a per-draft-step cost by drafting rows, times the longest k
+
+    maximize E / (T(rows + sum k) + D), over prefixes of all (row, i) increments sorted by a_r^i
+
+All k = 0 is a candidate, so the choice is plain decoding whenever the curves say speculation loses.
+Acceptance per request is counted (accepted drafts over geometric trials) and shrunk towards the
+acceptance of recent requests (a new request starts from it). The curves are measured step
+times, kept per size bucket (quarter octaves) as running means and interpolated between; a size never
+measured is assumed to cost what the nearest measured size does (optimism: it gets tried, then
+known); the running means lean to the lower envelope (a slow step is mostly interference or a
+first-use cost), and a bucket not refreshed for `stale_after` observations is forgotten, so a size
+that once measured badly is tried again now and then. Until
+plain decoding's own size has been measured at the current load, rows take no drafts (that step is
+what a server without speculation would run anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_LOG_EVERY = 5000  # row decisions between two log lines
+_PRIOR_WEIGHT = 4.0  # pseudo-trials of everyone's acceptance in a request's estimate
+_ALL_HORIZON = 2000.0  # verify rows over which everyone's acceptance is averaged (exponentially)
+_DOWN, _UP = 0.5, 0.1  # running-mean weight of a new measurement below / above the estimate
+
+
+def _bucket(size: float) -> int:
+    return round(4 * math.log2(max(size, 1)))  # a quarter octave: exact up to 8, then ~19% wide
+
+
+class CostCurve:
+    """Seconds as a function of a size, measured: per quarter-octave bucket a running mean of (size,
+    seconds); interpolated linearly between buckets, flat beyond the measured range."""
+
+    def __init__(self, stale_after: int = 256):
+        self.points: dict[int, tuple[float, float, int]] = {}  # bucket -> (size, seconds, when)
+        self.clock = 0
+        self.stale_after = stale_after
+
+    def observe(self, size: float, seconds: float) -> None:
+        if size <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self.clock += 1
+        b = _bucket(size)
+        old = self.points.get(b)
+        if old is None or self.clock - old[2] > self.stale_after:
+            self.points[b] = (float(size), seconds, self.clock)
+        else:  # towards the lower envelope: a slow step is mostly interference (or a first-use cost)
+            d = _DOWN if seconds < old[1] else _UP
+            self.points[b] = ((1 - d) * old[0] + d * size, (1 - d) * old[1] + d * seconds, self.clock)
+
+    def measured(self, size: int) -> bool:
+        """Whether the bucket of `size` has a live measurement."""
+        p = self.points.get(_bucket(size))
+        return p is not None and self.clock - p[2] <= self.stale_after
+
+    def estimate(self, sizes: np.ndarray) -> np.ndarray:
+        """Seconds for each size (0 for every size while nothing was measured)."""
+        live = sorted((n, t) for n, t, when in self.points.values() if self.clock - when <= self.stale_after)
+        if not live:
+            return np.zeros(len(sizes))
+        xs = np.array([p[0] for p in live])
+        ys = np.array([p[1] for p in live])
+        return np.interp(sizes, xs, ys)  # flat outside [xs[0], xs[-1]]
+
+
+class AdaptivePolicy:
+    """Chooses each speculating row's number of drafts (see the module docstring)."""
+
+    def __init__(self, max_k: int, stale_after: int = 256):
+        self.max_k = max_k
+        self.step_cost = CostCurve(stale_after)  # decode-step seconds by scheduled tokens
+        self.draft_cost = CostCurve(stale_after)  # seconds per draft step by drafting rows
+        self._acc: dict[str, list[float]] = {}  # request id -> [accepted drafts, geometric trials]
+        self._all = [0.0, 0.0]
+        self.chosen = Counter()  # k -> row-steps that took it (exported)
+        self._window = [0, 0]  # row decisions and drafts since the last log line
+
+    def acceptance(self, request_id: str) -> float:
+        a_all = (self._all[0] + 1.0) / (self._all[1] + 2.0)
+        a, n = self._acc.get(request_id, (0.0, 0.0))
+        return (a + _PRIOR_WEIGHT * a_all) / (n + _PRIOR_WEIGHT)
+
+    def choose(self, request_ids: list[str], rooms: list[int], other: int = 0) -> list[int]:
+        """Drafts for each row (<= its room and max_k). `other`: the step's other rows (running, not
+        speculating), each counted as one token scheduled and one produced."""
+        rows = len(request_ids)
+        ks = np.arange(1, self.max_k + 1)
+        caps = np.minimum(np.asarray(rooms, dtype=np.int64), self.max_k)
+        alpha = np.fromiter((self.acceptance(r) for r in request_ids), float, rows)
+        value = alpha[:, None] ** ks  # (row, depth): what draft `depth` adds, in expectation
+        value[ks[None, :] > caps[:, None]] = -1.0  # beyond the row's room
+        value = value.ravel()
+        order = np.lexsort((np.tile(ks, rows), -value))[: int(caps.sum())]  # by value, shallow first
+        row_idx, depth, value = order // self.max_k, order % self.max_k + 1, value[order]
+        m = np.arange(len(value) + 1)
+        expected = other + rows + np.concatenate([[0.0], np.cumsum(value)])  # each row yields 1 anyway
+        n = other + rows + m
+        kmax = np.concatenate([[0], np.maximum.accumulate(depth)]) if len(depth) else np.zeros(1)
+        drafting = np.concatenate([[0], np.cumsum(depth == 1)])
+        per_step = self.draft_cost.estimate(np.maximum(drafting, 1))
+        seconds = self.step_cost.estimate(n) + np.where(kmax > 0, per_step * kmax, 0.0)
+        if not self.step_cost.measured(other + rows):  # plain decoding's cost first
+            best = 0
+        else:
+            rate = expected / np.maximum(seconds, 1e-9)
+            best = int(np.argmax(rate))
+        ks = np.bincount(row_idx[:best], minlength=rows).tolist() if rows else []
+        self.chosen.update(ks)
+        self._window[0] += rows
+        self._window[1] += best
+        if self._window[0] >= _LOG_EVERY:
+            log.info(
+                "speculation: mean k %.2f of %d over the last %d row-steps (acceptance per draft %.2f)",
+                self._window[1] / self._window[0], self.max_k, self._window[0],
+                (self._all[0] + 1.0) / (self._all[1] + 2.0),
+            )  # fmt: skip
+            self._window = [0, 0]
+        return ks
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode-only step (no prefill chunk) that scheduled `tokens` tokens took `seconds`."""
+        self.step_cost.observe(tokens, seconds)
+
+    def observe_drafting(self, rows: int, steps: int, seconds: float) -> None:
+        """Proposing for `rows` rows, at most `steps` drafts deep, took `seconds`."""
+        if rows and steps:
+            self.draft_cost.observe(rows, seconds / steps)
+
+    def observe_acceptance(self, request_id: str, drafts: int, accepted: int) -> None:
+        # geometric trials: each accepted draft was a success; the first rejected one a failure
+        trials = accepted + (1 if accepted < drafts else 0)
+        s = self._acc.setdefault(request_id, [0.0, 0.0])
+        s[0] += accepted
+        s[1] += trials
+        keep = 1.0 - 1.0 / _ALL_HORIZON  # everyone's acceptance follows the recent requests
+        self._all[0] = keep * self._all[0] + accepted
+        self._all[1] = keep * self._all[1] + trials
+
+    def finish(self, request_id: str) -> None:
+        self._acc.pop(request_id, None)
+
+    def stats(self) -> dict:
+        total = sum(self.chosen.values())
+        return {
+            "chosen_k": {str(k): v for k, v in sorted(self.chosen.items())},
+            "mean_chosen_k": sum(k * v for k, v in self.chosen.items()) / total if total else 0.0,
+        }

@@ -1,0 +1,163 @@
+"""The load-aware speculation policy (foveal.spec.adaptive): its choices against a brute-force optimum of
+the same objective on cost curves fed to it, its acceptance counting, its exploration, and an engine
+with it on (greedy output equal to plain decoding whatever k it picks; the chosen k exported)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from foveal.spec.adaptive import AdaptivePolicy, CostCurve
+
+
+def fed(policy: AdaptivePolicy, step, draft=lambda rows: 0.0, sizes=range(1, 2049)) -> AdaptivePolicy:
+    """Teach the policy a step-cost curve (seconds by scheduled tokens) and a draft-cost curve (built
+    with stale_after large enough that none of it is forgotten)."""
+    for n in sizes:
+        policy.observe_step(n, step(n))
+    for r in range(1, 300):
+        policy.observe_drafting(r, 1, draft(r))
+    return policy
+
+
+def with_acceptance(policy: AdaptivePolicy, rid: str, rate: float, steps: int = 400) -> None:
+    """Geometric acceptance at `rate` per draft, as exact counts (k = 4 each time)."""
+    acc = fail = 0.0
+    for _ in range(steps):  # accepted drafts follow the geometric law in expectation
+        acc += sum(rate**i for i in range(1, 5))
+        fail += 1 - rate**4
+    policy._acc[rid] = [acc, acc + fail]
+    policy._all = [acc, acc + fail]
+
+
+def best_uniform(policy, rids, step, draft, max_k, other=0) -> tuple[float, float]:
+    """Brute force over every per-row k: (best rate, rate of the policy's choice)."""
+    alphas = [policy.acceptance(r) for r in rids]
+
+    def rate(ks):
+        e = other + len(rids) + sum(sum(a**i for i in range(1, k + 1)) for a, k in zip(alphas, ks))
+        t = step(other + len(rids) + sum(ks)) + (draft(sum(1 for k in ks if k)) * max(ks) if any(ks) else 0)
+        return e / t
+
+    best = max(rate(ks) for ks in itertools.product(range(max_k + 1), repeat=len(rids)))
+    return best, rate(policy.choose(rids, [max_k] * len(rids), other))
+
+
+def flat(n):  # a bandwidth-bound device: a step costs the same up to 64 tokens
+    return 0.010 + 0.0001 * max(0, n - 64)
+
+
+def linear(n):  # a compute-bound one: every token costs
+    return 0.001 * n
+
+
+def test_free_drafts_are_all_taken_and_costly_ones_none():
+    p = fed(AdaptivePolicy(4, stale_after=10**6), flat)
+    with_acceptance(p, "a", 0.9)
+    assert p.choose(["a"], [4]) == [4]
+    p = fed(AdaptivePolicy(4, stale_after=10**6), linear)
+    with_acceptance(p, "a", 0.7)
+    assert p.choose(["a", "a"], [4, 4], other=60) == [0, 0]  # below 100% acceptance a draft costs more
+    # a draft model whose steps cost more than the target's: nothing
+    p = fed(AdaptivePolicy(4, stale_after=10**6), flat, draft=lambda r: 0.05)
+    with_acceptance(p, "a", 0.9)
+    assert p.choose(["a"], [4]) == [0]
+
+
+@pytest.mark.parametrize("rates", [(0.9, 0.2), (0.6, 0.6, 0.3), (1.0, 0.5)])
+@pytest.mark.parametrize("curve", ["affine", "flat", "knee"])
+def test_choice_is_the_brute_force_optimum(rates, curve):
+    step = {
+        "affine": lambda n: 0.004 + 0.0005 * n,
+        "flat": flat,
+        "knee": lambda n: 0.01 if n <= 8 else 0.01 + 0.004 * (n - 8),
+    }[curve]
+    draft = lambda rows: 0.0005 * rows  # noqa: E731
+    p = fed(AdaptivePolicy(3, stale_after=10**6), step, draft)
+    rids = [f"r{i}" for i in range(len(rates))]
+    for rid, rate in zip(rids, rates):
+        with_acceptance(p, rid, rate)
+        p._all = [0.0, 0.0]
+    best, got = best_uniform(p, rids, step, draft, 3, other=2)
+    assert got == pytest.approx(best, rel=0.03), (got, best)  # interpolation error only
+
+
+def test_a_row_with_higher_acceptance_gets_more_drafts():
+    p = fed(AdaptivePolicy(4, stale_after=10**6), lambda n: 0.004 + 0.0006 * n)
+    with_acceptance(p, "good", 0.95)
+    with_acceptance(p, "bad", 0.15)
+    good, bad = p.choose(["good", "bad"], [4, 4], other=4)
+    assert good > bad and bad == 0
+
+
+def test_room_caps_the_drafts():
+    p = fed(AdaptivePolicy(4, stale_after=10**6), flat)
+    with_acceptance(p, "a", 1.0)
+    assert p.choose(["a", "a", "a"], [2, 0, 9]) == [2, 0, 4]
+
+
+def test_acceptance_counts_geometric_trials_and_starts_from_everyone():
+    p = AdaptivePolicy(4)
+    assert p.acceptance("new") == pytest.approx(0.5)  # nothing known: 1/2
+    p.observe_acceptance("a", 4, 2)  # 2 successes, then a failure
+    assert p._acc["a"] == [2, 3]
+    p.observe_acceptance("a", 4, 4)  # 4 successes, no failure seen
+    assert p._acc["a"] == [6, 7]
+    everyone = (p._all[0] + 1) / (p._all[1] + 2)
+    assert p._all[0] == pytest.approx(6, rel=1e-3) and p._all[1] == pytest.approx(7, rel=1e-3)
+    assert p.acceptance("a") == pytest.approx((6 + 4 * everyone) / (7 + 4))
+    assert p.acceptance("b") == pytest.approx(everyone)  # a new request starts from everyone's
+    p.finish("a")
+    assert "a" not in p._acc
+
+
+def test_plain_cost_is_measured_first_then_larger_sizes_are_tried():
+    p = AdaptivePolicy(4)
+    with_acceptance(p, "a", 0.9)
+    assert p.choose(["a"], [4]) == [0]  # plain decoding's cost at this load is not known yet
+    p.observe_step(1, 0.01)
+    assert p.choose(["a"], [4]) == [4]  # 5 tokens never measured: assumed as cheap as 1, so tried
+    p.observe_step(5, 0.05)  # ... and it costs 5x: compute-bound
+    assert p.choose(["a"], [4]) == [0]
+
+
+def test_cost_curve_leans_to_the_lower_envelope():
+    c = CostCurve()
+    c.observe(8, 0.5)  # a first-use outlier
+    for _ in range(6):
+        c.observe(8, 0.01)
+    assert c.estimate([8])[0] < 0.02
+    c.observe(8, 0.2)  # one slow step moves it a little
+    assert c.estimate([8])[0] < 0.04
+
+
+def test_cost_curve_interpolates_and_forgets_stale_buckets():
+    c = CostCurve(stale_after=10)
+    c.observe(4, 1.0)
+    c.observe(16, 4.0)
+    assert list(c.estimate([2, 4, 10, 16, 100])) == pytest.approx([1.0, 1.0, 2.5, 4.0, 4.0])
+    for _ in range(11):
+        c.observe(16, 4.0)
+    assert not c.measured(4) and c.measured(16)  # the 4-token bucket went stale
+    c.observe(5, 3.0)  # a fresh measurement replaces a stale one outright
+    assert c.estimate([5])[0] == pytest.approx(3.0)
+
+
+def test_engine_with_the_policy_is_lossless_and_exports_the_chosen_k(tmp_path):
+    from foveal import SamplingParams
+    from foveal.engine.llm import LLM
+    from tests.test_speculative import _prompts
+    from tests.tiny_vlm import save_tiny_text_model
+
+    path = save_tiny_text_model(str(tmp_path))
+    kw = dict(dtype="float32", num_blocks=512, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _prompts(6, seed=3)
+    plain = LLM(path, **kw).generate(prompts, params)
+    llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.spec_policy.stats()
+    assert sum(int(v) for v in stats["chosen_k"].values()) > 0 and 0 <= stats["mean_chosen_k"] <= 4
+    assert not llm.engine.spec_policy._acc  # finished requests are forgotten
