@@ -261,7 +261,7 @@ def oracle_bench(a) -> dict:
     )
     opts["dtype"] = a.dtype
     if torch.cuda.is_available():  # two engines in one process (plain and speculating): a fixed pool each
-        opts["kv_cache_memory"] = 16 * 2**30
+        opts["kv_cache_memory"] = a.kv_memory_gib * 2**30
     if a.smoke:
         from tests.tiny import tiny_config
 
@@ -343,6 +343,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--kv-memory-gib", type=int, default=16, help="--oracle on CUDA: KV pool per engine")
     a = ap.parse_args()
     a.batches = [int(x) for x in (a.batches or ("1,16" if a.cpu else "1,8,64")).split(",")]
     a.rates = [float(x) for x in a.rates.split(",")]

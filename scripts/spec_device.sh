@@ -5,6 +5,8 @@
 #   oracle   benchmarks/speculative.py --oracle: k = 4, acceptance 100/70/40%, batch 1/8/64, in float32
 #            (lossless: on random weights bfloat16's greedy token depends on the batch shape)
 #   forced   the same in bfloat16 with --forced: the oracle's runs are accepted by construction (cost)
+#   adaptive issue 19: --forced with the load-aware k policy (the default) at batch 1/8/64/256
+#            (BATCHES, REPS), 32 GiB of KV per engine; adaptive-tests: its tests and the grammar's on CUDA
 #   gemm     time one Llama-3.1-8B MLP projection (4096 -> 14336) at 1..320 rows, fp32 and bf16: the
 #            verify step's extra rows are free only while the GEMM stays bandwidth-bound
 #   w3       W3 alone in its own process, this checkout and before/ alternating, 3 times each (the first
@@ -25,6 +27,15 @@ for part in "$@"; do
       ;;
     oracle)
       timeout ${T_ORACLE:-280} python3 benchmarks/speculative.py --oracle --dtype float32 2>&1 | grep -v " INFO " | tail -22
+      ;;
+    adaptive)
+      # issue 19: the load-aware policy (the default) against plain decoding, bf16, forced acceptance
+      timeout ${T_ORACLE:-540} python3 benchmarks/speculative.py --oracle --forced --batches ${BATCHES:-1,8,64,256} \
+        --reps ${REPS:-1} --kv-memory-gib 32 2>&1 | grep -v " INFO " | grep '^{"batch' | cut -c1-400
+      ;;
+    adaptive-tests)
+      timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider tests/test_spec_adaptive.py \
+        tests/test_speculative.py tests/test_tool_grammar.py tests/test_structured_outputs.py -k "not real_model" 2>&1 | tail -5
       ;;
     forced)
       timeout ${T_ORACLE:-280} python3 benchmarks/speculative.py --oracle --forced 2>&1 | grep -v " INFO " | tail -22

@@ -14,10 +14,11 @@ from foveal.spec.adaptive import AdaptivePolicy, CostCurve
 def fed(policy: AdaptivePolicy, step, draft=lambda rows: 0.0, sizes=range(1, 2049)) -> AdaptivePolicy:
     """Teach the policy a step-cost curve (seconds by scheduled tokens) and a draft-cost curve (built
     with stale_after large enough that none of it is forgotten)."""
-    for n in sizes:
-        policy.observe_step(n, step(n))
-    for r in range(1, 300):
-        policy.observe_drafting(r, 1, draft(r))
+    for _ in range(2):  # a size's first step is not used
+        for n in sizes:
+            policy.observe_step(n, step(n))
+        for r in range(1, 300):
+            policy.observe_drafting(r, 1, draft(r))
     return policy
 
 
@@ -116,15 +117,21 @@ def test_plain_cost_is_measured_first_then_larger_sizes_are_tried():
     p = AdaptivePolicy(4)
     with_acceptance(p, "a", 0.9)
     assert p.choose(["a"], [4]) == [0]  # plain decoding's cost at this load is not known yet
+    p.observe_step(1, 0.5)  # a size's first step is not used (first-use work)
+    assert p.choose(["a"], [4]) == [0]
     p.observe_step(1, 0.01)
     assert p.choose(["a"], [4]) == [4]  # 5 tokens never measured: assumed as cheap as 1, so tried
-    p.observe_step(5, 0.05)  # ... and it costs 5x: compute-bound
+    p.observe_step(5, 0.5)
+    assert p.choose(["a"], [4]) == [4]  # its first step does not count
+    p.observe_step(5, 0.05)  # ... it costs 5x: compute-bound
     assert p.choose(["a"], [4]) == [0]
 
 
 def test_cost_curve_leans_to_the_lower_envelope():
     c = CostCurve()
-    c.observe(8, 0.5)  # a first-use outlier
+    c.observe(8, 0.5)  # a first-use outlier: not used
+    assert not c.measured(8)
+    c.observe(8, 0.3)  # interference
     for _ in range(6):
         c.observe(8, 0.01)
     assert c.estimate([8])[0] < 0.02
@@ -134,14 +141,15 @@ def test_cost_curve_leans_to_the_lower_envelope():
 
 def test_cost_curve_interpolates_and_forgets_stale_buckets():
     c = CostCurve(stale_after=10)
-    c.observe(4, 1.0)
-    c.observe(16, 4.0)
+    for _ in range(2):  # the first of each is not used
+        c.observe(4, 1.0)
+        c.observe(16, 4.0)
     assert list(c.estimate([2, 4, 10, 16, 100])) == pytest.approx([1.0, 1.0, 2.5, 4.0, 4.0])
-    for _ in range(11):
+    for _ in range(10):
         c.observe(16, 4.0)
     assert not c.measured(4) and c.measured(16)  # the 4-token bucket went stale
-    c.observe(5, 3.0)  # a fresh measurement replaces a stale one outright
-    assert c.estimate([5])[0] == pytest.approx(3.0)
+    c.observe(4, 3.0)  # a fresh measurement replaces a stale one outright (and counts at once)
+    assert c.estimate([4])[0] == pytest.approx(3.0)
 
 
 def test_engine_with_the_policy_is_lossless_and_exports_the_chosen_k(tmp_path):
@@ -161,3 +169,31 @@ def test_engine_with_the_policy_is_lossless_and_exports_the_chosen_k(tmp_path):
     stats = llm.engine.spec_policy.stats()
     assert sum(int(v) for v in stats["chosen_k"].values()) > 0 and 0 <= stats["mean_chosen_k"] <= 4
     assert not llm.engine.spec_policy._acc  # finished requests are forgotten
+
+
+def test_a_policy_that_gives_no_drafts_rests_for_a_while(tmp_path):
+    """When every row gets k = 0 the engine stops asking for REST_STEPS steps (those steps may overlap
+    like plain decoding's) and then asks again."""
+    from foveal import SamplingParams
+    from foveal.engine import engine as engine_mod
+    from foveal.engine.llm import LLM
+    from tests.tiny_vlm import save_tiny_text_model
+
+    llm = LLM(
+        save_tiny_text_model(str(tmp_path)), dtype="float32", num_blocks=256, block_size=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )  # fmt: skip
+    eng = llm.engine
+    asked: list[int] = []
+    steps = [0]
+    real_step = eng.step
+
+    def counting_step():
+        steps[0] += 1
+        return real_step()
+
+    eng.step = counting_step
+    eng.spec_policy.choose = lambda ids, rooms, other=0: asked.append(steps[0]) or [0] * len(ids)
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    assert len(asked) >= 3
+    assert all(b - a == engine_mod._REST_STEPS + 1 for a, b in zip(asked, asked[1:])), asked

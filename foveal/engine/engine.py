@@ -24,6 +24,10 @@ from foveal.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
+# after the load-aware policy gives every row k = 0, this many plain steps (async scheduling allowed)
+# before it is asked again
+_REST_STEPS = 16
+
 
 @dataclass(slots=True)
 class SpecStats:
@@ -100,6 +104,8 @@ class Engine:
         self._inflight = None  # the launched step whose tokens have not been applied (async scheduling)
         self.spec_stats = SpecStats()
         self.spec_policy = None  # load-aware k per row (foveal.spec.adaptive), when speculating adaptively
+        self._spec_rest = 0  # steps left without proposing (the policy gave every row k = 0)
+        self._resting = False  # this step is one of them: it may overlap like plain decoding
         spec = getattr(config, "speculative", None)
         if proposer is not None and spec is not None and spec.adaptive:
             from foveal.spec.adaptive import AdaptivePolicy
@@ -189,10 +195,12 @@ class Engine:
         deltas, self._pending = self._pending, []
         t0 = time.perf_counter()
         prev = self._inflight
+        self._resting = self._spec_rest > 0  # the policy gave no row drafts: plain steps, overlapped
+        self._spec_rest -= self._resting
         if prev is not None and not self._can_overlap():
             deltas += self._resolve(prev)
             prev = None
-        if self.proposer is not None:
+        if self.proposer is not None and not self._resting:
             self._propose()
         t_plan = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -241,9 +249,10 @@ class Engine:
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the tokens in flight arrive: not when
         speculating (proposals start from every token, and a verify row's count of new tokens is known
-        only on the host). Rows whose sampling reads earlier tokens (`_reads_host_tokens`) overlap
+        only on the host), unless the load-aware policy is resting (it gave no row drafts: the next
+        steps are plain ones). Rows whose sampling reads earlier tokens (`_reads_host_tokens`) overlap
         too: their step's forward pass is launched first, their sampling once those tokens are in."""
-        return self.proposer is None
+        return self.proposer is None or self._resting
 
     @staticmethod
     def _reads_host(req: Request) -> bool:
@@ -282,6 +291,8 @@ class Engine:
         if rows and policy is not None:  # how many drafts each row takes at this load (0: none)
             other = len(self.scheduler.running) - len(rows)
             ks = policy.choose([r.request_id for r in rows], [r.max_drafts for r in rows], other)
+            if not any(ks):  # speculation does not pay at this load: plain steps for a while
+                self._spec_rest = _REST_STEPS
             reqs = [q for q, k in zip(reqs, ks) if k]
             rows = [ProposeRow(r.request_id, r.token_ids, k) for r, k in zip(rows, ks) if k]
         if rows:

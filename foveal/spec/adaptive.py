@@ -20,8 +20,9 @@ Acceptance per request is counted (accepted drafts over geometric trials) and sh
 acceptance of recent requests (a new request starts from it). The curves are measured step
 times, kept per size bucket (quarter octaves) as running means and interpolated between; a size never
 measured is assumed to cost what the nearest measured size does (optimism: it gets tried, then
-known); the running means lean to the lower envelope (a slow step is mostly interference or a
-first-use cost), and a bucket not refreshed for `stale_after` observations is forgotten, so a size
+known); a size's first step is not used (it often pays first-use work: a kernel compiled, a graph
+recorded), so each size is tried twice; the running means lean to the lower envelope (a slow step is
+mostly interference), and a bucket not refreshed for `stale_after` observations is forgotten, so a size
 that once measured badly is tried again now and then. Until
 plain decoding's own size has been measured at the current load, rows take no drafts (that step is
 what a server without speculation would run anyway).
@@ -52,7 +53,8 @@ class CostCurve:
     seconds); interpolated linearly between buckets, flat beyond the measured range."""
 
     def __init__(self, stale_after: int = 256):
-        self.points: dict[int, tuple[float, float, int]] = {}  # bucket -> (size, seconds, when)
+        # bucket -> (size, seconds, when, usable: False for a first step only)
+        self.points: dict[int, tuple[float, float, int, bool]] = {}
         self.clock = 0
         self.stale_after = stale_after
 
@@ -62,20 +64,25 @@ class CostCurve:
         self.clock += 1
         b = _bucket(size)
         old = self.points.get(b)
-        if old is None or self.clock - old[2] > self.stale_after:
-            self.points[b] = (float(size), seconds, self.clock)
-        else:  # towards the lower envelope: a slow step is mostly interference (or a first-use cost)
+        if old is None:  # a size's first step often pays first-use work (a kernel compiled, a graph
+            self.points[b] = (float(size), seconds, self.clock, False)  # recorded): not used
+        elif not old[3] or self.clock - old[2] > self.stale_after:
+            self.points[b] = (float(size), seconds, self.clock, True)
+        else:  # towards the lower envelope: a slow step is mostly interference
             d = _DOWN if seconds < old[1] else _UP
-            self.points[b] = ((1 - d) * old[0] + d * size, (1 - d) * old[1] + d * seconds, self.clock)
+            self.points[b] = ((1 - d) * old[0] + d * size, (1 - d) * old[1] + d * seconds, self.clock, True)
+
+    def _live(self) -> list[tuple[float, float, int, bool]]:
+        return [p for p in self.points.values() if p[3] and self.clock - p[2] <= self.stale_after]
 
     def measured(self, size: int) -> bool:
         """Whether the bucket of `size` has a live measurement."""
         p = self.points.get(_bucket(size))
-        return p is not None and self.clock - p[2] <= self.stale_after
+        return p is not None and p[3] and self.clock - p[2] <= self.stale_after
 
     def estimate(self, sizes: np.ndarray) -> np.ndarray:
         """Seconds for each size (0 for every size while nothing was measured)."""
-        live = sorted((n, t) for n, t, when in self.points.values() if self.clock - when <= self.stale_after)
+        live = sorted((p[0], p[1]) for p in self._live())
         if not live:
             return np.zeros(len(sizes))
         xs = np.array([p[0] for p in live])
