@@ -291,7 +291,7 @@ class Engine:
         if rows and policy is not None:  # how many drafts each row takes at this load (0: none)
             other = len(self.scheduler.running) - len(rows)
             ks = policy.choose([r.request_id for r in rows], [r.max_drafts for r in rows], other)
-            if not any(ks):  # speculation does not pay at this load: plain steps for a while
+            if not any(ks) and not policy.probing:  # speculation does not pay at this load: plain steps
                 self._spec_rest = _REST_STEPS
             reqs = [q for q, k in zip(reqs, ks) if k]
             rows = [ProposeRow(r.request_id, r.token_ids, k) for r, k in zip(rows, ks) if k]

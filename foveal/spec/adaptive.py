@@ -21,11 +21,12 @@ acceptance of recent requests (a new request starts from it). The curves are mea
 times, kept per size bucket (quarter octaves) as running means and interpolated between; a size never
 measured is assumed to cost what the nearest measured size does (optimism: it gets tried, then
 known); a size's first step is not used (it often pays first-use work: a kernel compiled, a graph
-recorded), so each size is tried twice; the running means lean to the lower envelope (a slow step is
-mostly interference), and a bucket not refreshed for `stale_after` observations is forgotten, so a size
-that once measured badly is tried again now and then. Until
-plain decoding's own size has been measured at the current load, rows take no drafts (that step is
-what a server without speculation would run anyway).
+recorded), so each size is tried twice and the faster of its first two steps kept; the running means
+lean to the lower envelope (a slow step is mostly interference: it moves the estimate up a little,
+counting at most twice the estimate), and a bucket not refreshed for `stale_after` observations is
+forgotten, so a size that once measured badly is tried again now and then. Where plain decoding's
+own size has no live measurement at the current load, the step is a plain one (what a server without
+speculation would run anyway) and `probing` says so.
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ class CostCurve:
         old = self.points.get(b)
         if old is None:  # a size's first step often pays first-use work (a kernel compiled, a graph
             self.points[b] = (float(size), seconds, self.clock, False)  # recorded): not used
-        elif not old[3] or self.clock - old[2] > self.stale_after:
+        elif not old[3]:  # the second step: the faster of the two
+            self.points[b] = (float(size), min(seconds, old[1]), self.clock, True)
+        elif self.clock - old[2] > self.stale_after:
             self.points[b] = (float(size), seconds, self.clock, True)
-        else:  # towards the lower envelope: a slow step is mostly interference
+        else:  # towards the lower envelope: a slow step is mostly interference (or first-use work at a
+            # size of the bucket not seen before), so it moves the estimate up a little, at most 2x
             d = _DOWN if seconds < old[1] else _UP
+            seconds = min(seconds, 2 * old[1])
             self.points[b] = ((1 - d) * old[0] + d * size, (1 - d) * old[1] + d * seconds, self.clock, True)
 
     def _live(self) -> list[tuple[float, float, int, bool]]:
@@ -101,6 +106,7 @@ class AdaptivePolicy:
         self._all = [0.0, 0.0]
         self.chosen = Counter()  # k -> row-steps that took it (exported)
         self._window = [0, 0]  # row decisions and drafts since the last log line
+        self.probing = False  # the last choice was k = 0 only to measure plain decoding's cost
 
     def acceptance(self, request_id: str) -> float:
         a_all = (self._all[0] + 1.0) / (self._all[1] + 2.0)
@@ -126,7 +132,8 @@ class AdaptivePolicy:
         drafting = np.concatenate([[0], np.cumsum(depth == 1)])
         per_step = self.draft_cost.estimate(np.maximum(drafting, 1))
         seconds = self.step_cost.estimate(n) + np.where(kmax > 0, per_step * kmax, 0.0)
-        if not self.step_cost.measured(other + rows):  # plain decoding's cost first
+        self.probing = not self.step_cost.measured(other + rows)
+        if self.probing:  # plain decoding's cost at this load first: one plain step
             best = 0
         else:
             rate = expected / np.maximum(seconds, 1e-9)
