@@ -13,9 +13,13 @@ second under two cost curves it measures as it runs:
     T(n)    seconds of a decode step that schedules n tokens (verify steps included)
     D(r, k) seconds of proposing: a per-draft-step cost by drafting rows, times the longest k
 
-    maximize E / (T(rows + sum k) + D), over prefixes of all (row, i) increments sorted by a_r^i
+    maximize E / (T(rows + sum k) + D) over the plans: depth d (0 .. max_k) for every row, or only
+    for the rows whose acceptance is at least the mean; a row's room (max_tokens, context) caps it
 
-All k = 0 is a candidate, so the choice is plain decoding whenever the curves say speculation loses.
+Few plans means few step sizes, each measured after a step or two: choosing every row's k freely
+visits so many sizes that a short run is mostly exploration (the H200 oracle at batch 64 showed it:
+sizes between the CUDA-graph and eager paths cost more than either). All k = 0 is a candidate, so
+the choice is plain decoding whenever the curves say speculation loses.
 Acceptance per request is counted (accepted drafts over geometric trials) and shrunk towards the
 acceptance of recent requests (a new request starts from it). The curves are measured step
 times, kept per size bucket (quarter octaves) as running means and interpolated between; a size never
@@ -117,28 +121,29 @@ class AdaptivePolicy:
         """Drafts for each row (<= its room and max_k). `other`: the step's other rows (running, not
         speculating), each counted as one token scheduled and one produced."""
         rows = len(request_ids)
-        ks = np.arange(1, self.max_k + 1)
-        caps = np.minimum(np.asarray(rooms, dtype=np.int64), self.max_k)
+        K = self.max_k
+        caps = np.minimum(np.asarray(rooms, dtype=np.int64), K)
         alpha = np.fromiter((self.acceptance(r) for r in request_ids), float, rows)
-        value = alpha[:, None] ** ks  # (row, depth): what draft `depth` adds, in expectation
-        value[ks[None, :] > caps[:, None]] = -1.0  # beyond the row's room
-        value = value.ravel()
-        order = np.lexsort((np.tile(ks, rows), -value))[: int(caps.sum())]  # by value, shallow first
-        row_idx, depth, value = order // self.max_k, order % self.max_k + 1, value[order]
-        m = np.arange(len(value) + 1)
-        expected = other + rows + np.concatenate([[0.0], np.cumsum(value)])  # each row yields 1 anyway
-        n = other + rows + m
-        kmax = np.concatenate([[0], np.maximum.accumulate(depth)]) if len(depth) else np.zeros(1)
-        drafting = np.concatenate([[0], np.cumsum(depth == 1)])
+        # gain[r, d]: the tokens row r's first d drafts add, in expectation (d = 0 .. K)
+        gain = np.concatenate([np.zeros((rows, 1)), np.cumsum(alpha[:, None] ** np.arange(1, K + 1), 1)], 1)
+        # candidates: depth d for every row, or only for the rows at or above the mean acceptance
+        # (a few step sizes, each soon measured); a row's room caps its depth
+        keen = alpha >= alpha.mean() if rows else alpha > 0
+        plans = [np.minimum(d, caps) * (mask if d else 1) for d in range(K + 1) for mask in (1, keen)][1:]
+        ks_all = np.stack(plans)  # [candidates, rows]
+        expected = other + rows + gain[np.arange(rows)[None, :], ks_all].sum(1)
+        n = other + rows + ks_all.sum(1)
+        kmax = ks_all.max(1) if rows else np.zeros(len(plans), int)
+        drafting = (ks_all > 0).sum(1)
         per_step = self.draft_cost.estimate(np.maximum(drafting, 1))
         seconds = self.step_cost.estimate(n) + np.where(kmax > 0, per_step * kmax, 0.0)
         self.probing = not self.step_cost.measured(other + rows)
         if self.probing:  # plain decoding's cost at this load first: one plain step
             best = 0
         else:
-            rate = expected / np.maximum(seconds, 1e-9)
-            best = int(np.argmax(rate))
-        ks = np.bincount(row_idx[:best], minlength=rows).tolist() if rows else []
+            best = int(np.argmax(expected / np.maximum(seconds, 1e-9)))  # ties: the fewest drafts
+        ks = ks_all[best].tolist()
+        best = int(ks_all[best].sum())
         self.chosen.update(ks)
         self._window[0] += rows
         self._window[1] += best
