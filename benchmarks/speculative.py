@@ -317,9 +317,13 @@ def oracle_bench(a) -> dict:
                     "lossless": list(outs.values()) == base["tokens"],
                     "policy": "fixed" if a.fixed else "adaptive",
                 }  # fmt: skip
-                if eng.spec_policy is not None:
-                    row["mean_chosen_k"] = round(eng.spec_policy.stats()["mean_chosen_k"], 2)
-                    eng.spec_policy.chosen.clear()
+                if eng.spec_policy is not None:  # what it chose, and the step costs it had learned
+                    pol = eng.spec_policy
+                    row["mean_chosen_k"] = round(pol.stats()["mean_chosen_k"], 2)
+                    pol.chosen.clear()
+                    row["curve_ms"] = [
+                        [round(n), round(t * 1e3, 2)] for n, t, *_ in sorted(pol.step_cost._live())
+                    ]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return {"rows": rows}

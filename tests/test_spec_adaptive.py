@@ -200,3 +200,18 @@ def test_a_policy_that_gives_no_drafts_rests_for_a_while(tmp_path):
     llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert len(asked) >= 3
     assert all(b - a == engine_mod._REST_STEPS + 1 for a, b in zip(asked, asked[1:])), asked
+
+
+def test_prometheus_counts_the_chosen_k():
+    from prometheus_client import generate_latest
+
+    from foveal.metrics.prometheus import PrometheusSink
+
+    m = PrometheusSink()
+    base = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    m.step(1, 0, 0.1, spec={**base, "chosen_k": {"0": 3, "4": 2}})
+    m.step(1, 0, 0.1, spec={**base, "chosen_k": {"0": 5, "4": 2, "2": 1}})
+    text = generate_latest(m.registry).decode()
+    assert 'foveal_spec_decode_chosen_k_total{k="0"} 5.0' in text
+    assert 'foveal_spec_decode_chosen_k_total{k="4"} 2.0' in text
+    assert 'foveal_spec_decode_chosen_k_total{k="2"} 1.0' in text

@@ -14,7 +14,8 @@ second under two cost curves it measures as it runs:
     D(r, k) seconds of proposing: a per-draft-step cost by drafting rows, times the longest k
 
     maximize E / (T(rows + sum k) + D) over the plans: depth d (0 .. max_k) for every row, or only
-    for the rows whose acceptance is at least the mean; a row's room (max_tokens, context) caps it
+    for the rows whose acceptance is at least the mean (where those are 0.2 above the rest); a row's
+    room (max_tokens, context) caps it; a plan with drafts must promise 5% more than plain decoding
 
 Few plans means few step sizes, each measured after a step or two: choosing every row's k freely
 visits so many sizes that a short run is mostly exploration (the H200 oracle at batch 64 showed it:
@@ -44,6 +45,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _LOG_EVERY = 5000  # row decisions between two log lines
+_MARGIN = 0.05  # a plan with drafts must promise this much more than plain decoding (estimates err)
+_SPREAD = 0.2  # mean acceptance gap between the keen rows and the rest that earns them a plan apart
 _PRIOR_WEIGHT = 4.0  # pseudo-trials of everyone's acceptance in a request's estimate
 _ALL_HORIZON = 2000.0  # verify rows over which everyone's acceptance is averaged (exponentially)
 _DOWN, _UP = 0.5, 0.1  # running-mean weight of a new measurement below / above the estimate
@@ -57,7 +60,7 @@ class CostCurve:
     """Seconds as a function of a size, measured: per quarter-octave bucket a running mean of (size,
     seconds); interpolated linearly between buckets, flat beyond the measured range."""
 
-    def __init__(self, stale_after: int = 256):
+    def __init__(self, stale_after: int = 2000):
         # bucket -> (size, seconds, when, usable: False for a first step only)
         self.points: dict[int, tuple[float, float, int, bool]] = {}
         self.clock = 0
@@ -81,8 +84,11 @@ class CostCurve:
             seconds = min(seconds, 2 * old[1])
             self.points[b] = ((1 - d) * old[0] + d * size, (1 - d) * old[1] + d * seconds, self.clock, True)
 
-    def _live(self) -> list[tuple[float, float, int, bool]]:
-        return [p for p in self.points.values() if p[3] and self.clock - p[2] <= self.stale_after]
+    def live(self) -> list[tuple[float, float]]:
+        """The measurements in use: (size, seconds), by size."""
+        return sorted(
+            (p[0], p[1]) for p in self.points.values() if p[3] and self.clock - p[2] <= self.stale_after
+        )
 
     def measured(self, size: int) -> bool:
         """Whether the bucket of `size` has a live measurement."""
@@ -91,7 +97,7 @@ class CostCurve:
 
     def estimate(self, sizes: np.ndarray) -> np.ndarray:
         """Seconds for each size (0 for every size while nothing was measured)."""
-        live = sorted((p[0], p[1]) for p in self._live())
+        live = self.live()
         if not live:
             return np.zeros(len(sizes))
         xs = np.array([p[0] for p in live])
@@ -102,7 +108,7 @@ class CostCurve:
 class AdaptivePolicy:
     """Chooses each speculating row's number of drafts (see the module docstring)."""
 
-    def __init__(self, max_k: int, stale_after: int = 256):
+    def __init__(self, max_k: int, stale_after: int = 2000):
         self.max_k = max_k
         self.step_cost = CostCurve(stale_after)  # decode-step seconds by scheduled tokens
         self.draft_cost = CostCurve(stale_after)  # seconds per draft step by drafting rows
@@ -129,7 +135,11 @@ class AdaptivePolicy:
         # candidates: depth d for every row, or only for the rows at or above the mean acceptance
         # (a few step sizes, each soon measured); a row's room caps its depth
         keen = alpha >= alpha.mean() if rows else alpha > 0
-        plans = [np.minimum(d, caps) * (mask if d else 1) for d in range(K + 1) for mask in (1, keen)][1:]
+        masks = [1]
+        if keen.any() and (~keen).any() and alpha[keen].mean() - alpha[~keen].mean() >= _SPREAD:
+            masks.append(keen)  # only where acceptance really differs (else: more sizes, no gain)
+        plans = [np.minimum(d, caps) * (mask if d else 1) for d in range(K + 1) for mask in masks]
+        plans = plans[len(masks) - 1 :]  # one plain plan
         ks_all = np.stack(plans)  # [candidates, rows]
         expected = other + rows + gain[np.arange(rows)[None, :], ks_all].sum(1)
         n = other + rows + ks_all.sum(1)
@@ -141,7 +151,10 @@ class AdaptivePolicy:
         if self.probing:  # plain decoding's cost at this load first: one plain step
             best = 0
         else:
-            best = int(np.argmax(expected / np.maximum(seconds, 1e-9)))  # ties: the fewest drafts
+            rate = expected / np.maximum(seconds, 1e-9)
+            best = int(np.argmax(rate))  # ties: the fewest drafts
+            if rate[best] < rate[0] * (1 + _MARGIN):  # not clearly better than plain decoding
+                best = 0
         ks = ks_all[best].tolist()
         best = int(ks_all[best].sum())
         self.chosen.update(ks)
