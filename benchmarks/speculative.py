@@ -321,7 +321,9 @@ def oracle_bench(a) -> dict:
                     pol = eng.spec_policy
                     row["mean_chosen_k"] = round(pol.stats()["mean_chosen_k"], 2)
                     pol.chosen.clear()
-                    row["curve_ms"] = [[round(n), round(t * 1e3, 2)] for n, t in pol.step_cost.live()]
+                    row["curve_ms"] = [  # the sizes this batch steps at
+                        [round(n), round(t * 1e3, 2)] for n, t in pol.step_cost.live() if n >= b
+                    ]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return {"rows": rows}

@@ -175,7 +175,7 @@ def test_engine_with_the_policy_is_lossless_and_exports_the_chosen_k(tmp_path):
 
 def test_a_policy_that_gives_no_drafts_rests_for_a_while(tmp_path):
     """When every row gets k = 0 the engine stops asking for REST_STEPS steps (those steps may overlap
-    like plain decoding's) and then asks again."""
+    like plain decoding's), then asks again, resting twice as long each time the answer is the same."""
     from foveal import SamplingParams
     from foveal.engine import engine as engine_mod
     from foveal.engine.llm import LLM
@@ -197,9 +197,10 @@ def test_a_policy_that_gives_no_drafts_rests_for_a_while(tmp_path):
     eng.step = counting_step
     eng.spec_policy.choose = lambda ids, rooms, other=0: asked.append(steps[0]) or [0] * len(ids)
     eng.spec_policy.probing = False
-    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-    assert len(asked) >= 3
-    assert all(b - a == engine_mod._REST_STEPS + 1 for a, b in zip(asked, asked[1:])), asked
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    rest = engine_mod._REST_STEPS
+    assert gaps[:3] == [rest + 1, 2 * rest + 1, 4 * rest + 1], asked  # each rest twice the last
 
 
 def test_prometheus_counts_the_chosen_k():

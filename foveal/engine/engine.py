@@ -25,8 +25,10 @@ from foveal.sched.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 # after the load-aware policy gives every row k = 0, this many plain steps (async scheduling allowed)
-# before it is asked again
+# before it is asked again; doubled each time it says so again, up to the max (cut short when the
+# number of running requests halves)
 _REST_STEPS = 16
+_MAX_REST_STEPS = 256
 
 
 @dataclass(slots=True)
@@ -106,6 +108,8 @@ class Engine:
         self.spec_policy = None  # load-aware k per row (foveal.spec.adaptive), when speculating adaptively
         self._spec_rest = 0  # steps left without proposing (the policy gave every row k = 0)
         self._resting = False  # this step is one of them: it may overlap like plain decoding
+        self._rest_streak = 0  # rests in a row (each one twice as long as the one before)
+        self._rest_rows = 0  # running requests when the rest began
         spec = getattr(config, "speculative", None)
         if proposer is not None and spec is not None and spec.adaptive:
             from foveal.spec.adaptive import AdaptivePolicy
@@ -195,6 +199,8 @@ class Engine:
         deltas, self._pending = self._pending, []
         t0 = time.perf_counter()
         prev = self._inflight
+        if self._spec_rest and len(self.scheduler.running) * 2 < self._rest_rows:
+            self._spec_rest = self._rest_streak = 0  # the load halved since: ask again now
         self._resting = self._spec_rest > 0  # the policy gave no row drafts: plain steps, overlapped
         self._spec_rest -= self._resting
         if prev is not None and not self._can_overlap():
@@ -291,8 +297,13 @@ class Engine:
         if rows and policy is not None:  # how many drafts each row takes at this load (0: none)
             other = len(self.scheduler.running) - len(rows)
             ks = policy.choose([r.request_id for r in rows], [r.max_drafts for r in rows], other)
-            if not any(ks) and not policy.probing:  # speculation does not pay at this load: plain steps
-                self._spec_rest = _REST_STEPS
+            if not any(ks) and not policy.probing:  # speculation does not pay at this load: plain steps,
+                # longer each time it is confirmed (each check costs two steps without overlap)
+                self._spec_rest = min(_REST_STEPS << self._rest_streak, _MAX_REST_STEPS)
+                self._rest_streak += 1
+                self._rest_rows = len(self.scheduler.running)
+            elif any(ks):
+                self._rest_streak = 0
             reqs = [q for q, k in zip(reqs, ks) if k]
             rows = [ProposeRow(r.request_id, r.token_ids, k) for r, k in zip(rows, ks) if k]
         if rows:
