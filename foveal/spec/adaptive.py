@@ -7,9 +7,10 @@ drafts the target rejects are lost work (the H200 oracle: batch 64, 40% acceptan
 with a large draft: 0.50x). The policy picks, per step, the drafts that maximize expected tokens per
 second under two cost curves it measures as it runs:
 
-    E(k)    expected tokens = rows + sum over rows of a_r + a_r^2 + ... + a_r^k_r (every row of the
-            step counted, speculating or not)
-            (a_r: the row's acceptance per draft, a geometric model: draft i counts only if 1..i-1 did)
+    E(k)    expected tokens = rows + sum over rows of a_r (1 + c_2 + c_2 c_3 + ... + c_2 .. c_k_r)
+            (every row of the step counted, speculating or not; a_r: the row's chance that its first
+            draft is accepted; c_j: the chance, over recent requests, that draft j is accepted when
+            draft j - 1 was: measured per position, as one run's drafts are correlated)
     T(n)    seconds of a decode step that schedules n tokens (verify steps included)
     D(r, k) seconds of proposing: a per-draft-step cost by drafting rows, times the longest k
 
@@ -21,8 +22,8 @@ Few plans means few step sizes, each measured after a step or two: choosing ever
 visits so many sizes that a short run is mostly exploration (the H200 oracle at batch 64 showed it:
 sizes between the CUDA-graph and eager paths cost more than either). All k = 0 is a candidate, so
 the choice is plain decoding whenever the curves say speculation loses.
-Acceptance per request is counted (accepted drafts over geometric trials) and shrunk towards the
-acceptance of recent requests (a new request starts from it). The curves are measured step
+A request's first-draft acceptance is counted and shrunk towards recent requests' (a new request
+starts from theirs). The curves are measured step
 times, kept per size bucket (quarter octaves) as running means and interpolated between; a size never
 measured is assumed to cost what the nearest measured size does (optimism: it gets tried, then
 known); a size's first step is not used (it often pays first-use work: a kernel compiled, a graph
@@ -48,7 +49,7 @@ _LOG_EVERY = 5000  # row decisions between two log lines
 _MARGIN = 0.05  # a plan with drafts must promise this much more than plain decoding (estimates err)
 _SPREAD = 0.2  # mean acceptance gap between the keen rows and the rest that earns them a plan apart
 _PRIOR_WEIGHT = 4.0  # pseudo-trials of everyone's acceptance in a request's estimate
-_ALL_HORIZON = 2000.0  # verify rows over which everyone's acceptance is averaged (exponentially)
+_ALL_HORIZON = 4000.0  # recent requests' counts are halved whenever they pass this many verify rows
 _DOWN, _UP = 0.5, 0.1  # running-mean weight of a new measurement below / above the estimate
 
 
@@ -112,16 +113,32 @@ class AdaptivePolicy:
         self.max_k = max_k
         self.step_cost = CostCurve(stale_after)  # decode-step seconds by scheduled tokens
         self.draft_cost = CostCurve(stale_after)  # seconds per draft step by drafting rows
-        self._acc: dict[str, list[float]] = {}  # request id -> [accepted drafts, geometric trials]
-        self._all = [0.0, 0.0]
+        self._acc: dict[str, list[float]] = {}  # request id -> [first drafts accepted, first drafts]
+        self._all = [0.0, 0.0]  # the same over recent requests
+        # [j]: drafts at position j (0-based) judged, i.e. with every earlier draft accepted; accepted
+        self._deep = [[0.0, 0.0] for _ in range(max_k)]
         self.chosen = Counter()  # k -> row-steps that took it (exported)
         self._window = [0, 0]  # row decisions and drafts since the last log line
         self.probing = False  # the last choice was k = 0 only to measure plain decoding's cost
 
     def acceptance(self, request_id: str) -> float:
+        """The request's chance that its first draft is accepted (shrunk towards recent requests')."""
         a_all = (self._all[0] + 1.0) / (self._all[1] + 2.0)
         a, n = self._acc.get(request_id, (0.0, 0.0))
         return (a + _PRIOR_WEIGHT * a_all) / (n + _PRIOR_WEIGHT)
+
+    def continuation(self) -> np.ndarray:
+        """[j]: the chance that draft j (0-based) is accepted when draft j - 1 was (recent requests; 1 at
+        j = 0). Drafts of one run are correlated (an n-gram match holds or breaks), so this is measured
+        per position rather than taken as the first draft's rate again."""
+        a1 = (self._all[0] + 1.0) / (self._all[1] + 2.0)
+        return np.array([1.0] + [(a + 2 * a1) / (n + 2) for a, n in self._deep[1:]])
+
+    def gains(self, request_ids: list[str]) -> np.ndarray:
+        """[row, d]: the tokens a row's first d drafts add, in expectation (d = 0 .. max_k)."""
+        alpha = np.fromiter((self.acceptance(r) for r in request_ids), float, len(request_ids))
+        depth = np.concatenate([[0.0], np.cumsum(np.cumprod(self.continuation()))])
+        return alpha[:, None] * depth[None, :]
 
     def choose(self, request_ids: list[str], rooms: list[int], other: int = 0) -> list[int]:
         """Drafts for each row (<= its room and max_k). `other`: the step's other rows (running, not
@@ -129,9 +146,8 @@ class AdaptivePolicy:
         rows = len(request_ids)
         K = self.max_k
         caps = np.minimum(np.asarray(rooms, dtype=np.int64), K)
-        alpha = np.fromiter((self.acceptance(r) for r in request_ids), float, rows)
-        # gain[r, d]: the tokens row r's first d drafts add, in expectation (d = 0 .. K)
-        gain = np.concatenate([np.zeros((rows, 1)), np.cumsum(alpha[:, None] ** np.arange(1, K + 1), 1)], 1)
+        gain = self.gains(request_ids)
+        alpha = gain[:, 1]  # the first draft's acceptance
         # candidates: depth d for every row, or only for the rows at or above the mean acceptance
         # (a few step sizes, each soon measured); a row's room caps its depth
         keen = alpha >= alpha.mean() if rows else alpha > 0
@@ -162,9 +178,9 @@ class AdaptivePolicy:
         self._window[1] += best
         if self._window[0] >= _LOG_EVERY:
             log.info(
-                "speculation: mean k %.2f of %d over the last %d row-steps (acceptance per draft %.2f)",
+                "speculation: mean k %.2f of %d over the last %d row-steps (first-draft acceptance %.2f)",
                 self._window[1] / self._window[0], self.max_k, self._window[0],
-                (self._all[0] + 1.0) / (self._all[1] + 2.0),
+                (self._all[0] + 1.0) / (self._all[1] + 2.0),  # the first draft's
             )  # fmt: skip
             self._window = [0, 0]
         return ks
@@ -179,14 +195,21 @@ class AdaptivePolicy:
             self.draft_cost.observe(rows, seconds / steps)
 
     def observe_acceptance(self, request_id: str, drafts: int, accepted: int) -> None:
-        # geometric trials: each accepted draft was a success; the first rejected one a failure
-        trials = accepted + (1 if accepted < drafts else 0)
+        if drafts <= 0:
+            return
+        first = 1.0 if accepted else 0.0
         s = self._acc.setdefault(request_id, [0.0, 0.0])
-        s[0] += accepted
-        s[1] += trials
-        keep = 1.0 - 1.0 / _ALL_HORIZON  # everyone's acceptance follows the recent requests
-        self._all[0] = keep * self._all[0] + accepted
-        self._all[1] = keep * self._all[1] + trials
+        s[0] += first
+        s[1] += 1
+        self._all[0] += first
+        self._all[1] += 1
+        deep = self._deep
+        for j in range(1, min(drafts, accepted + 1, len(deep))):  # judged: every earlier one accepted
+            deep[j][1] += 1
+            deep[j][0] += j < accepted
+        if self._all[1] > _ALL_HORIZON:  # recent requests count, older ones fade
+            self._all = [x / 2 for x in self._all]
+            self._deep = [[a / 2, n / 2] for a, n in deep]
 
     def finish(self, request_id: str) -> None:
         self._acc.pop(request_id, None)
