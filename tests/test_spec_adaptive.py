@@ -57,14 +57,14 @@ def linear(n):  # a compute-bound one: every token costs
 
 
 def test_free_drafts_are_all_taken_and_costly_ones_none():
-    p = fed(AdaptivePolicy(4, stale_after=10**6), flat)
+    p = fed(AdaptivePolicy(4, stale_after=10**6, explore=0), flat)
     with_acceptance(p, "a", 0.9)
     assert p.choose(["a"], [4]) == [4]
-    p = fed(AdaptivePolicy(4, stale_after=10**6), linear)
+    p = fed(AdaptivePolicy(4, stale_after=10**6, explore=0), linear)
     with_acceptance(p, "a", 0.7)
     assert p.choose(["a", "a"], [4, 4], other=60) == [0, 0]  # below 100% acceptance a draft costs more
     # a draft model whose steps cost more than the target's: nothing
-    p = fed(AdaptivePolicy(4, stale_after=10**6), flat, draft=lambda r: 0.05)
+    p = fed(AdaptivePolicy(4, stale_after=10**6, explore=0), flat, draft=lambda r: 0.05)
     with_acceptance(p, "a", 0.9)
     assert p.choose(["a"], [4]) == [0]
 
@@ -78,7 +78,7 @@ def test_choice_is_near_the_brute_force_optimum(rates, curve):
         "knee": lambda n: 0.01 if n <= 8 else 0.01 + 0.004 * (n - 8),
     }[curve]
     draft = lambda rows: 0.0005 * rows  # noqa: E731
-    p = fed(AdaptivePolicy(3, stale_after=10**6), step, draft)
+    p = fed(AdaptivePolicy(3, stale_after=10**6, explore=0), step, draft)
     rids = [f"r{i}" for i in range(len(rates))]
     for rid, rate in zip(rids, rates):
         with_acceptance(p, rid, rate)
@@ -87,7 +87,7 @@ def test_choice_is_near_the_brute_force_optimum(rates, curve):
 
 
 def test_a_row_with_higher_acceptance_gets_more_drafts():
-    p = fed(AdaptivePolicy(4, stale_after=10**6), lambda n: 0.004 + 0.0006 * n)
+    p = fed(AdaptivePolicy(4, stale_after=10**6, explore=0), lambda n: 0.004 + 0.0006 * n)
     with_acceptance(p, "good", 0.95)
     with_acceptance(p, "bad", 0.15)
     good, bad = p.choose(["good", "bad"], [4, 4], other=4)
@@ -95,7 +95,7 @@ def test_a_row_with_higher_acceptance_gets_more_drafts():
 
 
 def test_room_caps_the_drafts():
-    p = fed(AdaptivePolicy(4, stale_after=10**6), flat)
+    p = fed(AdaptivePolicy(4, stale_after=10**6, explore=0), flat)
     with_acceptance(p, "a", 1.0)
     assert p.choose(["a", "a", "a"], [2, 0, 9]) == [2, 0, 4]
 
@@ -133,7 +133,7 @@ def test_correlated_runs_are_worth_more_than_a_geometric_guess():
 
 
 def test_plain_cost_is_measured_first_then_larger_sizes_are_tried():
-    p = AdaptivePolicy(4)
+    p = AdaptivePolicy(4, explore=0)
     with_acceptance(p, "a", 0.9)
     assert p.choose(["a"], [4]) == [0]  # plain decoding's cost at this load is not known yet
     p.observe_step(1, 0.5)  # a size's first step is not used (first-use work)
@@ -147,7 +147,7 @@ def test_plain_cost_is_measured_first_then_larger_sizes_are_tried():
 
 
 def test_cost_curve_leans_to_the_lower_envelope():
-    c = CostCurve()
+    c = CostCurve(explore=0)
     c.observe(8, 0.5)  # a first-use outlier: not used
     assert not c.measured(8)
     c.observe(8, 0.3)  # interference: the faster of the first two is kept
@@ -160,8 +160,18 @@ def test_cost_curve_leans_to_the_lower_envelope():
     assert c.estimate([8])[0] == pytest.approx(before * 1.1)
 
 
+def test_a_size_measured_few_times_looks_cheaper_until_sure():
+    c = CostCurve(explore=0.2)
+    for _ in range(2):
+        c.observe(8, 1.0)
+    assert c.estimate([8])[0] == pytest.approx(0.8)  # one counted step: 20% off
+    for _ in range(3):
+        c.observe(8, 1.0)
+    assert c.estimate([8])[0] == pytest.approx(0.9)  # four: 10% off
+
+
 def test_cost_curve_interpolates_and_forgets_stale_buckets():
-    c = CostCurve(stale_after=10)
+    c = CostCurve(stale_after=10, explore=0)
     for _ in range(2):  # the first of each is not used
         c.observe(4, 1.0)
         c.observe(16, 4.0)
@@ -220,6 +230,12 @@ def test_a_policy_that_gives_no_drafts_rests_for_a_while(tmp_path):
     gaps = [b - a for a, b in zip(asked, asked[1:])]
     rest = engine_mod._REST_STEPS
     assert gaps[:3] == [rest + 1, 2 * rest + 1, 4 * rest + 1], asked  # each rest twice the last
+    # a plain step only to measure plain decoding (probing) is followed by a few more, no longer
+    asked.clear()
+    eng.spec_policy.probing = True
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert gaps and set(gaps) == {engine_mod._PROBE_STEPS + 1}, asked
 
 
 def test_prometheus_counts_the_chosen_k():

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # number of running requests halves)
 _REST_STEPS = 16
 _MAX_REST_STEPS = 256
+_PROBE_STEPS = 4  # plain steps that measure plain decoding's cost (the first is not counted)
 
 
 @dataclass(slots=True)
@@ -241,8 +242,14 @@ class Engine:
         if launched is not None and not (self.async_scheduling and self._can_overlap()):
             deltas += self._resolve(launched)
         self._release_finished()
-        if self.spec_policy is not None and batch.items and all(x.is_decode for x in batch.items):
-            # a decode step's cost by the tokens it scheduled (the load-aware policy's step curve)
+        if (
+            self.spec_policy is not None
+            and batch.items
+            and all(x.is_decode for x in batch.items)
+            and (self._resting or any(x.num_drafts for x in batch.items))
+        ):  # a decode step's cost by the tokens it scheduled (the load-aware policy's step curve): a
+            # verify step, or a plain one as the policy's plain steps run (resting: async overlap); not
+            # the plain step that asked the policy, which waited for the one before
             tokens = sum(x.num_tokens for x in batch.items)
             self.spec_policy.observe_step(tokens, time.perf_counter() - t_plan)
         t = self.step_seconds
@@ -297,7 +304,9 @@ class Engine:
         if rows and policy is not None:  # how many drafts each row takes at this load (0: none)
             other = len(self.scheduler.running) - len(rows)
             ks = policy.choose([r.request_id for r in rows], [r.max_drafts for r in rows], other)
-            if not any(ks) and not policy.probing:  # speculation does not pay at this load: plain steps,
+            if policy.probing:  # plain decoding's cost is not known at this load: a few plain steps
+                self._spec_rest = _PROBE_STEPS
+            elif not any(ks):  # speculation does not pay at this load: plain steps,
                 # longer each time it is confirmed (each check costs two steps without overlap)
                 self._spec_rest = min(_REST_STEPS << self._rest_streak, _MAX_REST_STEPS)
                 self._rest_streak += 1

@@ -29,10 +29,12 @@ measured is assumed to cost what the nearest measured size does (optimism: it ge
 known); a size's first step is not used (it often pays first-use work: a kernel compiled, a graph
 recorded), so each size is tried twice and the faster of its first two steps kept; the running means
 lean to the lower envelope (a slow step is mostly interference: it moves the estimate up a little,
-counting at most twice the estimate), and a bucket not refreshed for `stale_after` observations is
-forgotten, so a size that once measured badly is tried again now and then. Where plain decoding's
-own size has no live measurement at the current load, the step is a plain one (what a server without
-speculation would run anyway) and `probing` says so.
+counting at most twice the estimate); a size measured few times is taken as up to 20% cheaper than
+measured, so a bad first impression is checked again; and a bucket not refreshed for `stale_after`
+observations is forgotten. Where plain decoding's own size has no live measurement at the current
+load, the step is a plain one (what a server without speculation would run anyway) and `probing`
+says so; the engine then runs a few plain steps the way it runs them when speculation does not pay
+(overlapped), which is the cost to compare with.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ _MARGIN = 0.05  # a plan with drafts must promise this much more than plain deco
 _SPREAD = 0.2  # mean acceptance gap between the keen rows and the rest that earns them a plan apart
 _PRIOR_WEIGHT = 4.0  # pseudo-trials of everyone's acceptance in a request's estimate
 _ALL_HORIZON = 4000.0  # recent requests' counts are halved whenever they pass this many verify rows
+_EXPLORE = 0.2  # optimism for a size measured few times (see CostCurve.live)
 _DOWN, _UP = 0.5, 0.1  # running-mean weight of a new measurement below / above the estimate
 
 
@@ -61,9 +64,10 @@ class CostCurve:
     """Seconds as a function of a size, measured: per quarter-octave bucket a running mean of (size,
     seconds); interpolated linearly between buckets, flat beyond the measured range."""
 
-    def __init__(self, stale_after: int = 2000):
-        # bucket -> (size, seconds, when, usable: False for a first step only)
-        self.points: dict[int, tuple[float, float, int, bool]] = {}
+    def __init__(self, stale_after: int = 2000, explore: float = _EXPLORE):
+        self.explore = explore
+        # bucket -> (size, seconds, when, steps counted: 0 for a first step, which is not used)
+        self.points: dict[int, tuple[float, float, int, int]] = {}
         self.clock = 0
         self.stale_after = stale_after
 
@@ -74,27 +78,33 @@ class CostCurve:
         b = _bucket(size)
         old = self.points.get(b)
         if old is None:  # a size's first step often pays first-use work (a kernel compiled, a graph
-            self.points[b] = (float(size), seconds, self.clock, False)  # recorded): not used
+            self.points[b] = (float(size), seconds, self.clock, 0)  # recorded): not used
         elif not old[3]:  # the second step: the faster of the two
-            self.points[b] = (float(size), min(seconds, old[1]), self.clock, True)
+            self.points[b] = (float(size), min(seconds, old[1]), self.clock, 1)
         elif self.clock - old[2] > self.stale_after:
-            self.points[b] = (float(size), seconds, self.clock, True)
+            self.points[b] = (float(size), seconds, self.clock, 1)
         else:  # towards the lower envelope: a slow step is mostly interference (or first-use work at a
             # size of the bucket not seen before), so it moves the estimate up a little, at most 2x
             d = _DOWN if seconds < old[1] else _UP
             seconds = min(seconds, 2 * old[1])
-            self.points[b] = ((1 - d) * old[0] + d * size, (1 - d) * old[1] + d * seconds, self.clock, True)
+            n = old[3] + 1
+            self.points[b] = ((1 - d) * old[0] + d * size, (1 - d) * old[1] + d * seconds, self.clock, n)
 
     def live(self) -> list[tuple[float, float]]:
-        """The measurements in use: (size, seconds), by size."""
+        """The measurements in use: (size, seconds), by size; a size measured few times is shown
+        cheaper than measured (by `explore` / sqrt(steps)), so one that measured badly once is tried
+        again until its figure is sure."""
+        fresh = self.clock - self.stale_after
         return sorted(
-            (p[0], p[1]) for p in self.points.values() if p[3] and self.clock - p[2] <= self.stale_after
+            (p[0], p[1] * (1 - self.explore / math.sqrt(p[3])))
+            for p in self.points.values()
+            if p[3] and p[2] >= fresh
         )
 
     def measured(self, size: int) -> bool:
         """Whether the bucket of `size` has a live measurement."""
         p = self.points.get(_bucket(size))
-        return p is not None and p[3] and self.clock - p[2] <= self.stale_after
+        return p is not None and p[3] > 0 and self.clock - p[2] <= self.stale_after
 
     def estimate(self, sizes: np.ndarray) -> np.ndarray:
         """Seconds for each size (0 for every size while nothing was measured)."""
@@ -109,10 +119,10 @@ class CostCurve:
 class AdaptivePolicy:
     """Chooses each speculating row's number of drafts (see the module docstring)."""
 
-    def __init__(self, max_k: int, stale_after: int = 2000):
+    def __init__(self, max_k: int, stale_after: int = 2000, explore: float = _EXPLORE):
         self.max_k = max_k
-        self.step_cost = CostCurve(stale_after)  # decode-step seconds by scheduled tokens
-        self.draft_cost = CostCurve(stale_after)  # seconds per draft step by drafting rows
+        self.step_cost = CostCurve(stale_after, explore)  # decode-step seconds by scheduled tokens
+        self.draft_cost = CostCurve(stale_after, explore)  # seconds per draft step by drafting rows
         self._acc: dict[str, list[float]] = {}  # request id -> [first drafts accepted, first drafts]
         self._all = [0.0, 0.0]  # the same over recent requests
         # [j]: drafts at position j (0-based) judged, i.e. with every earlier draft accepted; accepted
