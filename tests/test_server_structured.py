@@ -104,6 +104,43 @@ def test_streamed_tool_call_deltas_join_to_the_whole_call(real):
     assert all(calls[i]["pieces"] > 2 for i in calls), calls
 
 
+@pytest.fixture(scope="module")
+def real_xml(smollm_path):
+    """The real SmolLM2 with its calls parsed (and constrained) as Qwen3-Coder XML."""
+    with serving({"tool_call_parser": "qwen3_xml"}, {}) as s:
+        yield s
+
+
+def test_xml_tool_calls_are_constrained_and_stream_as_json(real_xml):
+    """Another format end to end: the grammar makes the model write `<function=...>` /
+    `<parameter=...>` (typed by the schema), the client sees an OpenAI call whose JSON arguments
+    validate, streamed one parameter at a time and joined to the whole call."""
+    c = real_xml.client()
+    # a raw XML value ends only at "\n</parameter>": SmolLM2 never learnt the format, so the city is
+    # bounded (maxLength, enforced in the grammar) or it writes on
+    weather = json.loads(json.dumps(WEATHER))
+    weather["function"]["parameters"]["properties"]["city"]["maxLength"] = 24
+    kw = dict(
+        model=real_xml.model, messages=ASK, tools=[SEARCH, weather],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=120,
+    )  # fmt: skip
+    whole = c.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    args = _args_valid(call, weather)
+    pieces, joined, reasons = 0, "", []
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            assert not ch.delta.content
+            for tc in ch.delta.tool_calls or ():
+                if tc.id is None:
+                    joined += tc.function.arguments or ""
+                    pieces += 1
+            reasons += [ch.finish_reason] if ch.finish_reason else []
+    assert joined == call.function.arguments and json.loads(joined) == args and reasons == ["tool_calls"]
+    assert pieces == len(args) + 1  # "{" + the first parameter, each further one, then "}"
+
+
 def test_a_second_turn_with_the_tool_result_answers_in_text(real):
     c = real.client()
     first = c.chat.completions.create(

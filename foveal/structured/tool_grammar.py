@@ -45,7 +45,10 @@ from foveal.parsing.tools import get_format
 from foveal.structured.spec import GrammarSpec
 
 _NONE = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters
-_TEXT_VALUE = '/(.|\\n)*/ "\\n</parameter>"'  # a lazy rule: the value ends at the first closing tag
+# a raw XML value ends at the first "\n</parameter>" (a lazy rule) and may not hold the other lines that
+# end a value for the format's parser ("\n<parameter=", "\n</function>"): a model that has not learnt
+# the format then closes the parameter instead of writing on
+_MARKUP_INSIDE = r"/(.|\n)*\n(<parameter=|<\/function>)(.|\n)*/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,16 @@ class _Lark:
         parts = self.split.split(text) if self.special else [text]
         out = [f"<[{self.special[p]}]>" if p in self.special else json.dumps(p) for p in parts if p]
         return " ".join(out) if out else '""'
+
+    def terminal(self, body: str) -> str:
+        """A named lexeme (one per distinct body)."""
+        for line in self.rules:
+            name, _, rest = line.partition(": ")
+            if name.isupper() and rest == body:
+                return name
+        name = f"T{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
 
     def rule(self, body: str, lazy: bool = False) -> str:
         name = f"r{len(self.rules)}"
@@ -92,10 +105,11 @@ def _xml_value(lark: _Lark, schema: Any) -> str:
     types = schema_types(schema)
     if not types or "string" in types:
         low, high = schema.get("minLength"), schema.get("maxLength")
+        count = "*"
         if types == ["string"] and (isinstance(low, int) or isinstance(high, int)):
             count = f"{{{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}}}"
-            return lark.rule(f'/(.|\\n){count}/ "\\n</parameter>"', lazy=True) + " " + lark.lit("\n")
-        return lark.rule(_TEXT_VALUE, lazy=True) + " " + lark.lit("\n")
+        text = lark.terminal(f"/(.|\\n){count}/ & ~{_MARKUP_INSIDE}")
+        return lark.rule(f'{text} "\\n</parameter>"', lazy=True) + " " + lark.lit("\n")
     # no string among the types: the value's raw text is its JSON text (numbers with their bounds)
     return "%json " + json.dumps(schema, ensure_ascii=False) + " " + end
 
