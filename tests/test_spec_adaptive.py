@@ -251,3 +251,32 @@ def test_prometheus_counts_the_chosen_k():
     assert 'foveal_spec_decode_chosen_k_total{k="0"} 5.0' in text
     assert 'foveal_spec_decode_chosen_k_total{k="4"} 2.0' in text
     assert 'foveal_spec_decode_chosen_k_total{k="2"} 1.0' in text
+
+
+def test_a_rest_ends_when_the_running_requests_halve(tmp_path):
+    from foveal import SamplingParams
+    from foveal.engine import engine as engine_mod
+    from foveal.engine.llm import LLM
+    from tests.tiny_vlm import save_tiny_text_model
+
+    llm = LLM(
+        save_tiny_text_model(str(tmp_path)), dtype="float32", num_blocks=256, block_size=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )  # fmt: skip
+    eng = llm.engine
+    asked: list[tuple[int, int]] = []  # (step, running requests)
+    steps = [0]
+    real_step = eng.step
+
+    def counting_step():
+        steps[0] += 1
+        return real_step()
+
+    eng.step = counting_step
+    eng.spec_policy.choose = lambda ids, rooms, other=0: asked.append((steps[0], len(ids))) or [0] * len(ids)
+    eng.spec_policy.probing = False
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 8, 8, 60)]
+    llm.generate([[5, 6, 7, 5, 6, 7]] * 4, params)
+    (first_step, rows), (second_step, rows_after) = asked[0], asked[1]
+    assert rows == 4 and rows_after == 1  # asked again once three of the four had finished ...
+    assert second_step - first_step < engine_mod._REST_STEPS  # ... before the rest would have ended
