@@ -71,11 +71,35 @@ NEVER_ENDS: dict[str, str] = {
 }
 
 
+def spec_config(proposer: str, path: str) -> dict:
+    """A speculative config that drafts on every step it can (these tests are about the composition)."""
+    if proposer == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                "prompt_lookup_min": 1, "adaptive": False}  # fmt: skip
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+
+
+@pytest.fixture(scope="module", params=[None, "ngram", "draft_model"])
+def corpus_llm(request, tiny):
+    """The tiny model plain, with n-gram speculation, and with itself as the draft model."""
+    if request.param is None:
+        return tiny
+    from foveal.engine.llm import LLM
+
+    path = tiny.engine.config.model.model
+    return LLM(
+        path, dtype="float32", num_blocks=8192, block_size=16, max_num_seqs=64, max_model_len=12288,
+        speculative_config=spec_config(request.param, path),
+    )  # fmt: skip
+
+
 @pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/heldout is not here")
-def test_every_accepted_maskbench_schema_gives_valid_json(tiny):
+def test_every_accepted_maskbench_schema_gives_valid_json(corpus_llm):
     """All accepted schemas of the held-out sample in one batch, sampled at temperature 1: each output
     that ends parses and validates with jsonschema; the refused schemas are 400-worthy ValueErrors,
-    counted."""
+    counted. Plain, and with each proposer drafting on every step (a draft the grammar forbids ends
+    its row's accepted run)."""
+    tiny = corpus_llm
     rows = [json.loads(line) for line in MASKBENCH.read_text().splitlines()]
     proc = tiny.processor
     accepted, refused = [], 0
@@ -89,6 +113,8 @@ def test_every_accepted_maskbench_schema_gives_valid_json(tiny):
         accepted.append((r, spec))
     print(f"maskbench: {len(accepted)} schemas accepted, {refused} refused of {len(rows)}")
     assert len(accepted) >= 400
+    if tiny.engine.proposer is not None:  # the plain run shows these never end (12,000 tokens each)
+        accepted = [(r, spec) for r, spec in accepted if r["id"] not in NEVER_ENDS]
     bias = closing_bias(tiny)
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=12000, structured=spec, logit_bias=bias)
@@ -114,6 +140,8 @@ def test_every_accepted_maskbench_schema_gives_valid_json(tiny):
     assert not bad, f"{len(bad)} of {len(accepted)} outputs invalid: {bad[:5]}"
     assert set(unended) <= set(NEVER_ENDS), sorted(set(unended) - set(NEVER_ENDS))
     assert_idle(tiny)
+    if tiny.engine.proposer is not None:
+        assert tiny.engine.spec_stats.num_draft_tokens > 0
 
 
 def test_regex_choice_and_lark_match_in_full(tiny):
@@ -336,3 +364,33 @@ def test_a_schema_applies_after_thinking(thinker):
     jsonschema.validate(json.loads(answer), schema)
     (c,) = thinker.chat(chat, p, chat_template_kwargs={"enable_thinking": False})[0].outputs
     jsonschema.validate(json.loads(c.text), schema)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_thinking_budget_and_schema_with_speculation(thinker, proposer):
+    """With drafts on every step the budget still ends thinking after exactly N tokens (the forced
+    </think> is a draft boundary), and the schema after it still holds."""
+    from foveal.engine.llm import LLM
+
+    path = thinker.engine.config.model.model
+    spec = LLM(path, dtype="float32", num_blocks=512, block_size=16, reasoning_parser="qwen3",
+               speculative_config=spec_config(proposer, path))  # fmt: skip
+    end = spec.tokenizer.get_vocab()["</think>"]
+    chat = [{"role": "user", "content": "hi hi hi hi"}]
+    for budget in (0, 1, 7, 13):
+        p = SamplingParams(
+            temperature=1.0, seed=budget, max_tokens=40, ignore_eos=True, thinking_budget=budget
+        )
+        (c,) = spec.chat(chat, p)[0].outputs
+        assert end in c.token_ids and c.token_ids.index(end) == budget, (budget, c.token_ids)
+        greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, thinking_budget=budget)
+        (g,) = spec.chat(chat, greedy)[0].outputs
+        assert g.token_ids == thinker.chat(chat, greedy)[0].outputs[0].token_ids  # speculation: lossless
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    p = SamplingParams(temperature=1.0, seed=2, max_tokens=200, thinking_budget=12, ignore_eos=True,
+                       structured=GrammarSpec.json_schema(schema), logit_bias=closing_bias(spec))  # fmt: skip
+    (c,) = spec.chat(chat, p)[0].outputs
+    assert c.token_ids.index(end) == 12 and c.finish_reason is FinishReason.STOP
+    jsonschema.validate(json.loads(spec.tokenizer.decode(c.token_ids[13:])), schema)
+    assert spec.engine.spec_stats.num_draft_tokens > 0
+    assert_idle(spec)
