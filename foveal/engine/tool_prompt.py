@@ -6,8 +6,9 @@ like any other message.
     assistant: <its text>\\n<tool_call>\\n{"name": "f", "arguments": {"city": "Paris"}}\\n</tool_call>
     tool (n):  one user turn: <tool_response>\\n...\\n</tool_response> per result
 
-The model is then parsed with the hermes tool-call format, and `tool_choice` required / named /
-auto is enforced by the same format's grammar (foveal/structured/tool_grammar.py). A template that
+The model is then parsed with the hermes tool-call format (or the one `--tool-call-parser` names: its
+grammar then steers the model from the prompt's shape to its own), and `tool_choice` required / named
+/ auto is enforced by the same format's grammar (foveal/structured/tool_grammar.py). A template that
 does render `tools` itself gets them as they are (`renders_tools`).
 """
 

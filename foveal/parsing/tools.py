@@ -371,7 +371,7 @@ def _merge(deltas: list[Delta]) -> list[Delta]:
             and last.id is None
             and last.index == d.index
         ):
-            out[-1] = ToolCallDelta(d.index, last.arguments + d.arguments, last.id, last.name)
+            out[-1] = ToolCallDelta(d.index, last.arguments + d.arguments)  # argument fragments: one delta
         else:
             out.append(d)
     return out

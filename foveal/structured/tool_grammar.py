@@ -176,10 +176,6 @@ def _py_args(lark: _Lark, fn: Mapping[str, Any]) -> str:
     return first
 
 
-def supports(fmt: str) -> bool:
-    return get_format(fmt).call_syntax() is not None
-
-
 def tool_call_grammar(
     fmt: str,
     tools: Sequence[Mapping[str, Any]],
