@@ -100,7 +100,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='speculative decoding as a JSON object (as in vLLM), e.g. {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; default: off',
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; drafts per row and '
+        'step follow load and acceptance unless "adaptive": false; default: off',
     )
     g.add_argument(
         "--reasoning-parser",

@@ -183,13 +183,12 @@ def test_cost_curve_interpolates_and_forgets_stale_buckets():
     assert c.estimate([4])[0] == pytest.approx(3.0)
 
 
-def test_engine_with_the_policy_is_lossless_and_exports_the_chosen_k(tmp_path):
+def test_engine_with_the_policy_is_lossless_and_exports_the_chosen_k(tiny_path):
     from foveal import SamplingParams
     from foveal.engine.llm import LLM
     from tests.test_speculative import _prompts
-    from tests.tiny_vlm import save_tiny_text_model
 
-    path = save_tiny_text_model(str(tmp_path))
+    path = tiny_path
     kw = dict(dtype="float32", num_blocks=512, block_size=16)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = _prompts(6, seed=3)
@@ -202,69 +201,24 @@ def test_engine_with_the_policy_is_lossless_and_exports_the_chosen_k(tmp_path):
     assert not llm.engine.spec_policy._acc  # finished requests are forgotten
 
 
-def test_a_policy_that_gives_no_drafts_rests_for_a_while(tmp_path):
-    """When every row gets k = 0 the engine stops asking for REST_STEPS steps (those steps may overlap
-    like plain decoding's), then asks again, resting twice as long each time the answer is the same."""
-    from foveal import SamplingParams
-    from foveal.engine import engine as engine_mod
-    from foveal.engine.llm import LLM
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
     from tests.tiny_vlm import save_tiny_text_model
 
+    return save_tiny_text_model(str(tmp_path_factory.mktemp("tiny")))
+
+
+def never_drafting(path: str):
+    """A speculating LLM whose policy gives every row k = 0 and records when it is asked: (step number,
+    rows asked about)."""
+    from foveal.engine.llm import LLM
+
     llm = LLM(
-        save_tiny_text_model(str(tmp_path)), dtype="float32", num_blocks=256, block_size=16,
+        path, dtype="float32", num_blocks=256, block_size=16,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4},
     )  # fmt: skip
     eng = llm.engine
-    asked: list[int] = []
-    steps = [0]
-    real_step = eng.step
-
-    def counting_step():
-        steps[0] += 1
-        return real_step()
-
-    eng.step = counting_step
-    eng.spec_policy.choose = lambda ids, rooms, other=0: asked.append(steps[0]) or [0] * len(ids)
-    eng.spec_policy.probing = False
-    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
-    gaps = [b - a for a, b in zip(asked, asked[1:])]
-    rest = engine_mod._REST_STEPS
-    assert gaps[:3] == [rest + 1, 2 * rest + 1, 4 * rest + 1], asked  # each rest twice the last
-    # a plain step only to measure plain decoding (probing) is followed by a few more, no longer
-    asked.clear()
-    eng.spec_policy.probing = True
-    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    gaps = [b - a for a, b in zip(asked, asked[1:])]
-    assert gaps and set(gaps) == {engine_mod._PROBE_STEPS + 1}, asked
-
-
-def test_prometheus_counts_the_chosen_k():
-    from prometheus_client import generate_latest
-
-    from foveal.metrics.prometheus import PrometheusSink
-
-    m = PrometheusSink()
-    base = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
-    m.step(1, 0, 0.1, spec={**base, "chosen_k": {"0": 3, "4": 2}})
-    m.step(1, 0, 0.1, spec={**base, "chosen_k": {"0": 5, "4": 2, "2": 1}})
-    text = generate_latest(m.registry).decode()
-    assert 'foveal_spec_decode_chosen_k_total{k="0"} 5.0' in text
-    assert 'foveal_spec_decode_chosen_k_total{k="4"} 2.0' in text
-    assert 'foveal_spec_decode_chosen_k_total{k="2"} 1.0' in text
-
-
-def test_a_rest_ends_when_the_running_requests_halve(tmp_path):
-    from foveal import SamplingParams
-    from foveal.engine import engine as engine_mod
-    from foveal.engine.llm import LLM
-    from tests.tiny_vlm import save_tiny_text_model
-
-    llm = LLM(
-        save_tiny_text_model(str(tmp_path)), dtype="float32", num_blocks=256, block_size=16,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-    )  # fmt: skip
-    eng = llm.engine
-    asked: list[tuple[int, int]] = []  # (step, running requests)
+    asked: list[tuple[int, int]] = []
     steps = [0]
     real_step = eng.step
 
@@ -275,6 +229,49 @@ def test_a_rest_ends_when_the_running_requests_halve(tmp_path):
     eng.step = counting_step
     eng.spec_policy.choose = lambda ids, rooms, other=0: asked.append((steps[0], len(ids))) or [0] * len(ids)
     eng.spec_policy.probing = False
+    return llm, asked
+
+
+def test_a_policy_that_gives_no_drafts_rests_for_a_while(tiny_path):
+    """When every row gets k = 0 the engine stops asking for REST_STEPS steps (those steps may overlap
+    like plain decoding's), then asks again, resting twice as long each time the answer is the same."""
+    from foveal import SamplingParams
+    from foveal.engine import engine as engine_mod
+
+    llm, asked = never_drafting(tiny_path)
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    gaps = [b[0] - a[0] for a, b in zip(asked, asked[1:])]
+    rest = engine_mod._REST_STEPS
+    assert gaps[:3] == [rest + 1, 2 * rest + 1, 4 * rest + 1], asked  # each rest twice the last
+    # a plain step only to measure plain decoding (probing) is followed by a few more, no longer
+    asked.clear()
+    llm.engine.spec_policy.probing = True
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    gaps = [b[0] - a[0] for a, b in zip(asked, asked[1:])]
+    assert gaps and set(gaps) == {engine_mod._PROBE_STEPS + 1}, asked
+
+
+def test_prometheus_counts_the_chosen_k():
+    from prometheus_client import generate_latest
+
+    from foveal.metrics import StepReport
+    from foveal.metrics.prometheus import PrometheusSink
+
+    m = PrometheusSink()
+    base = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    m.step(StepReport(1, 0, 0.1, spec={**base, "chosen_k": {"0": 3, "4": 2}}))
+    m.step(StepReport(1, 0, 0.1, spec={**base, "chosen_k": {"0": 5, "4": 2, "2": 1}}))
+    text = generate_latest(m.registry).decode()
+    assert 'foveal_spec_decode_chosen_k_total{k="0"} 5.0' in text
+    assert 'foveal_spec_decode_chosen_k_total{k="4"} 2.0' in text
+    assert 'foveal_spec_decode_chosen_k_total{k="2"} 1.0' in text
+
+
+def test_a_rest_ends_when_the_running_requests_halve(tiny_path):
+    from foveal import SamplingParams
+    from foveal.engine import engine as engine_mod
+
+    llm, asked = never_drafting(tiny_path)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 8, 8, 60)]
     llm.generate([[5, 6, 7, 5, 6, 7]] * 4, params)
     (first_step, rows), (second_step, rows_after) = asked[0], asked[1]

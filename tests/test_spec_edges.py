@@ -14,7 +14,7 @@ import pytest
 
 from foveal import cli
 from foveal.config import EngineConfig, SpeculativeConfig
-from foveal.metrics import SummarySink
+from foveal.metrics import StepReport, SummarySink
 from foveal.metrics.prometheus import PrometheusSink
 from tests.test_server import serving
 
@@ -86,11 +86,11 @@ def _series(text: str) -> dict[str, float]:
 
 def test_prometheus_counters_follow_the_lifetime_totals():
     sink = PrometheusSink()
-    sink.step(0, 0, 0.0)  # not speculating: no spec series at all
+    sink.step(StepReport(0, 0, 0.0))  # not speculating: no spec series at all
     assert _series(sink.render().decode()) == {}
-    sink.step(1, 0, 0.1, spec=_stats(2, 8, 3, [2, 1, 0, 0]))
-    sink.step(1, 0, 0.1, spec=_stats(2, 8, 3, [2, 1, 0, 0]))  # no new drafts: nothing counted twice
-    sink.step(1, 0, 0.1, spec=_stats(5, 20, 9, [4, 3, 1, 1]))
+    sink.step(StepReport(1, 0, 0.1, spec=_stats(2, 8, 3, [2, 1, 0, 0])))
+    sink.step(StepReport(1, 0, 0.1, spec=_stats(2, 8, 3, [2, 1, 0, 0])))  # no new drafts: none counted
+    sink.step(StepReport(1, 0, 0.1, spec=_stats(5, 20, 9, [4, 3, 1, 1])))
     assert _series(sink.render().decode()) == {
         "foveal_spec_decode_num_drafts_total": 5,
         "foveal_spec_decode_num_draft_tokens_total": 20,
@@ -105,10 +105,10 @@ def test_prometheus_counters_follow_the_lifetime_totals():
 def test_summary_shows_speculation_to_admins_only():
     sink = SummarySink()
     assert sink.to_dict()["summary"]["speculative"] is None
-    sink.step(1, 0, 0.1, spec=_stats(2, 8, 3, [2, 1, 0, 0]))
+    sink.step(StepReport(1, 0, 0.1, spec=_stats(2, 8, 3, [2, 1, 0, 0])))
     assert sink.to_dict()["summary"]["speculative"] == _stats(2, 8, 3, [2, 1, 0, 0])
     assert "speculative" not in json.dumps(sink.tenant_dict("a"))  # global figures, as kv usage
-    sink.step(1, 0, 0.1)
+    sink.step(StepReport(1, 0, 0.1))
     assert sink.to_dict()["summary"]["speculative"] is None
 
 

@@ -240,6 +240,20 @@ def test_streamed_call_opens_before_its_arguments_end():
     cut = ToolCallStream("hermes", TOOLS, constraint.syntax)
     cut.feed(head + '{"city": "Pa')
     assert cut.finish(truncated=True) == [] and cut.calls == [] and cut.dropped
+    # the next call's opener cut short by max_tokens is markup too, not content
+    whole = head + '{"city": "Paris"}}\n</tool_call>'
+    got = parse(whole + "\n<tool_", TOOLS, format="hermes", truncated=True, syntax=constraint.syntax)
+    assert got.content is None and [c.name for c in got.tool_calls] == ["get_weather"]
+    # text that leaves the layout (possible only without the grammar): before a call opens it is
+    # content, as the format's parser would say; after, the call is abandoned (its start was sent)
+    text = "<tool_call>\nnot a call"
+    s = ToolCallStream("hermes", TOOLS, constraint.syntax)
+    got = collect(s.feed(text) + s.finish())
+    assert got.content == text and not got.tool_calls and not s.calls
+    s = ToolCallStream("hermes", TOOLS, constraint.syntax)
+    out = s.feed(head + "[1, 2]}\n</tool_call> after")
+    assert [d.name for d in out if isinstance(d, ToolCallDelta)] == ["get_weather"]
+    assert s.finish() == [] and s.calls == [] and s.dropped
     xml = tool_call_grammar("qwen3_xml", TOOLS, "required").syntax
     s = ToolCallStream("qwen3_xml", TOOLS, xml)
     out = s.feed(xml.head("get_weather") + "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n")

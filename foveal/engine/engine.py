@@ -286,7 +286,7 @@ class Engine:
         """Drafts for every running decode that may speculate; the scheduler gives each 1 + k tokens."""
         from foveal.spec.proposer import ProposeRow
 
-        reqs, rows = [], []
+        reqs, rooms = [], []
         for req in self.scheduler.running:
             if not req.params.speculative or req.num_pending or req.ends_after_pending:
                 continue
@@ -299,28 +299,28 @@ class Engine:
             )
             if room > 0:
                 reqs.append(req)
-                rows.append(ProposeRow(req.request_id, req.all_token_ids, room))
+                rooms.append(room)
         policy = self.spec_policy
-        if rows and policy is not None:  # how many drafts each row takes at this load (0: none)
-            other = len(self.scheduler.running) - len(rows)
-            ks = policy.choose([r.request_id for r in rows], [r.max_drafts for r in rows], other)
+        if reqs and policy is not None:  # how many drafts each row takes at this load (0: none)
+            other = len(self.scheduler.running) - len(reqs)
+            rooms = policy.choose([q.request_id for q in reqs], rooms, other)
             if policy.probing:  # plain decoding's cost is not known at this load: a few plain steps
                 self._spec_rest = _PROBE_STEPS
-            elif not any(ks):  # speculation does not pay at this load: plain steps,
+            elif not any(rooms):  # speculation does not pay at this load: plain steps,
                 # longer each time it is confirmed (each check costs two steps without overlap)
                 self._spec_rest = min(_REST_STEPS << self._rest_streak, _MAX_REST_STEPS)
                 self._rest_streak += 1
                 self._rest_rows = len(self.scheduler.running)
-            elif any(ks):
+            else:
                 self._rest_streak = 0
-            reqs = [q for q, k in zip(reqs, ks) if k]
-            rows = [ProposeRow(r.request_id, r.token_ids, k) for r, k in zip(rows, ks) if k]
-        if rows:
+            reqs, rooms = [q for q, k in zip(reqs, rooms) if k], [k for k in rooms if k]
+        if reqs:
+            rows = [ProposeRow(q.request_id, q.all_token_ids, k) for q, k in zip(reqs, rooms)]
             t0 = time.perf_counter()
             for req, drafts in zip(reqs, self.proposer.propose(rows)):
                 req.draft_ids = drafts
             if policy is not None:
-                policy.observe_drafting(len(rows), max(r.max_drafts for r in rows), time.perf_counter() - t0)
+                policy.observe_drafting(len(rows), max(rooms), time.perf_counter() - t0)
 
     def _resolve(self, launched) -> list[TokenDelta]:
         """Wait for a launched step's tokens; apply them and emit the deltas."""

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from foveal.metrics import FanoutSink, MetricsSink, RequestStats
+from foveal.metrics import FanoutSink, MetricsSink, RequestStats, StepReport
 from foveal.request import EngineRequest, FinishReason, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -369,9 +369,8 @@ class EngineLoop:
                 spec.update(e.spec_policy.stats())
         r = e.runner
         masks = {"mask_seconds": r.mask_seconds, "mask_rows": r.mask_rows} if r.mask_rows else None
-        self._safe(
-            self.sink.step, e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec, masks
-        )
+        report = StepReport(e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec, masks)
+        self._safe(self.sink.step, report)
 
     def _close_all(self, err: StreamError) -> None:
         """No stream is ever left without a final event."""

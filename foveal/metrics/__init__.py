@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(slots=True)
@@ -96,25 +96,27 @@ def peak_memory_mb() -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 1024
 
 
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """The engine's state after a step, as the loop reports it to every sink (lifetime totals where
+    a figure counts)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    vision: Any = None  # the vision cache's EncoderCacheStats (hits, misses, ...); None: text-only model
+    prefix: tuple[int, int] | None = None  # (prompt tokens looked up, tokens found) in the prefix cache
+    # speculative decoding's totals (the engine's SpecStats.as_dict(), "method", the load-aware policy's
+    # "chosen_k"); None when the engine does not speculate
+    spec: dict | None = None
+    structured: dict | None = None  # grammar-mask totals {"mask_seconds", "mask_rows"}; None before any
+
+
 class MetricsSink(Protocol):
     def request_started(self, stats: RequestStats) -> None: ...
     def token(self, stats: RequestStats, now: float, num_tokens: int) -> None: ...
     def request_finished(self, stats: RequestStats, outcome: str) -> None: ...
-    # vision: the vision cache's EncoderCacheStats (hits, misses, ...), None for text-only models
-    # prefix: (prompt tokens looked up, tokens found) in the prefix cache, lifetime totals
-    # spec: speculative decoding's lifetime totals (the engine's SpecStats.as_dict(), plus "method"),
-    # None when the engine does not speculate
-    # structured: grammar-mask lifetime totals {"mask_seconds", "mask_rows"}, None before the first mask
-    def step(
-        self,
-        num_running: int,
-        num_waiting: int,
-        kv_usage: float,
-        vision=None,
-        prefix=None,
-        spec=None,
-        structured=None,
-    ) -> None: ...
+    def step(self, report: StepReport) -> None: ...
 
 
 @dataclass(slots=True)
@@ -156,14 +158,9 @@ class SummarySink:
         self._time_sum = 0.0
         self._decode_sum, self._decode_n = 0.0, 0
         self.last_error: str | None = None
-        self.num_running = self.num_waiting = 0
-        self.kv_usage = 0.0
+        self.last_step = StepReport(0, 0, 0.0)
         self.images = 0
         self.encoder_time = 0.0
-        self.vision = None
-        self.prefix = None
-        self.spec: dict | None = None
-        self.structured: dict | None = None
 
     def _tally(self, tenant: str | None) -> _TenantTally:
         t = self._tenants.get(tenant)
@@ -209,21 +206,8 @@ class SummarySink:
                 self._decode_n += 1
             self._recent.append((stats.tenant, d))
 
-    def step(
-        self,
-        num_running: int,
-        num_waiting: int,
-        kv_usage: float,
-        vision=None,
-        prefix=None,
-        spec=None,
-        structured=None,
-    ) -> None:
-        self.num_running, self.num_waiting, self.kv_usage = num_running, num_waiting, kv_usage
-        self.vision = vision
-        self.prefix = prefix
-        self.spec = spec
-        self.structured = structured
+    def step(self, report: StepReport) -> None:
+        self.last_step = report
 
     def tenant_dict(self, tenant: str | None) -> dict:
         """What one (non-admin) tenant may see: its own recent requests and counters."""
@@ -236,6 +220,7 @@ class SummarySink:
         with self._lock:
             done = self.completed + self.failed + self.aborted
             recent = [d for _, d in self._recent][-self._recent_n :]
+            st = self.last_step
             return {
                 "latest": recent[-1] if recent else None,
                 "recent": recent,
@@ -251,17 +236,17 @@ class SummarySink:
                     "avg_request_time_s": self._time_sum / done if done else None,
                     "avg_decode_tokens_per_s": self._decode_sum / self._decode_n if self._decode_n else None,
                     "last_error": self.last_error,
-                    "num_running": self.num_running,
-                    "num_waiting": self.num_waiting,
-                    "kv_cache_usage": self.kv_usage,
+                    "num_running": st.num_running,
+                    "num_waiting": st.num_waiting,
+                    "kv_cache_usage": st.kv_usage,
                     "images": self.images,
                     "encoder_time_s": self.encoder_time,
-                    "vision_cache": self.vision.as_dict() if self.vision is not None else None,
-                    "prefix_cache_query_tokens": self.prefix[0] if self.prefix else 0,
-                    "prefix_cache_hit_tokens": self.prefix[1] if self.prefix else 0,
+                    "vision_cache": st.vision.as_dict() if st.vision is not None else None,
+                    "prefix_cache_query_tokens": st.prefix[0] if st.prefix else 0,
+                    "prefix_cache_hit_tokens": st.prefix[1] if st.prefix else 0,
                     # global engine figures, like kv_cache_usage: not in a tenant's view
-                    "speculative": dict(self.spec) if self.spec is not None else None,
-                    "structured": _structured(self.structured),
+                    "speculative": dict(st.spec) if st.spec is not None else None,
+                    "structured": _structured(st.structured),
                 },
             }
 
@@ -292,6 +277,6 @@ class FanoutSink:
         for s in self.sinks:
             s.request_finished(stats, outcome)
 
-    def step(self, num_running, num_waiting, kv_usage, vision=None, prefix=None, spec=None, structured=None):
+    def step(self, report):
         for s in self.sinks:
-            s.step(num_running, num_waiting, kv_usage, vision, prefix, spec, structured)
+            s.step(report)

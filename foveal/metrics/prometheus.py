@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from foveal.metrics import RequestStats
+from foveal.metrics import RequestStats, StepReport
 
 _LAT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -47,7 +47,7 @@ class PrometheusSink:
         self._lazy_seen: dict[str, list[float]] = {}
         self._spec: tuple[Counter, Counter, Counter, Counter] | None = None  # registered at the first report
         self._spec_seen = (0, 0, 0)  # drafts, draft tokens, accepted tokens already counted
-        self._spec_pos_seen: list[int] = []
+        self._spec_pos_seen: dict[str, int] = {}
         self._spec_k: Counter | None = None
         self._spec_k_seen: dict[str, int] = {}
 
@@ -71,19 +71,11 @@ class PrometheusSink:
         if stats.request_time is not None:
             self.e2e.observe(stats.request_time)
 
-    def step(
-        self,
-        num_running: int,
-        num_waiting: int,
-        kv_usage: float,
-        vision=None,
-        prefix=None,
-        spec=None,
-        structured=None,
-    ) -> None:
-        self.running.set(num_running)
-        self.waiting.set(num_waiting)
-        self.kv_usage.set(kv_usage)
+    def step(self, report: StepReport) -> None:
+        self.running.set(report.num_running)
+        self.waiting.set(report.num_waiting)
+        self.kv_usage.set(report.kv_usage)
+        vision, prefix, spec, structured = report.vision, report.prefix, report.spec, report.structured
         if vision is not None:  # the cache keeps totals; counters take the increase since last step
             hits, misses = self._seen
             self.vision_hits.inc(max(0, vision.hits - hits))
@@ -160,6 +152,8 @@ class PrometheusSink:
         for counter, n, seen in zip((drafts, draft_tokens, accepted), now, self._spec_seen):
             counter.inc(max(0, n - seen))
         self._spec_seen = now
+        pos = spec.get("accepted_per_pos") or ()
+        self._labelled(per_pos, "position", {str(j): n for j, n in enumerate(pos)}, self._spec_pos_seen)
         chosen = spec.get("chosen_k")
         if chosen is not None:  # the load-aware policy: row-steps by the k it chose (0: no drafts)
             if self._spec_k is None:
@@ -169,18 +163,17 @@ class PrometheusSink:
                     ["k"],
                     registry=self.registry,
                 )
-            for k, n in chosen.items():
-                d = n - self._spec_k_seen.get(k, 0)
-                if d > 0 or k not in self._spec_k_seen:
-                    self._spec_k.labels(k=k).inc(max(0, d))
-            self._spec_k_seen = dict(chosen)
-        pos = list(spec.get("accepted_per_pos") or ())
-        seen_pos = self._spec_pos_seen
-        for j, n in enumerate(pos):
-            d = n - (seen_pos[j] if j < len(seen_pos) else 0)
-            if d > 0 or j >= len(seen_pos):  # a new position shows at once, at 0 if need be
-                per_pos.labels(position=str(j)).inc(max(0, d))
-        self._spec_pos_seen = pos
+            self._labelled(self._spec_k, "k", chosen, self._spec_k_seen)
+
+    @staticmethod
+    def _labelled(counter: Counter, label: str, totals: dict[str, int], seen: dict[str, int]) -> None:
+        """A labelled counter following lifetime totals per label value (a new value shows at once, at 0
+        if need be); `seen` is updated in place."""
+        for key, n in totals.items():
+            d = n - seen.get(key, 0)
+            if d > 0 or key not in seen:
+                counter.labels(**{label: key}).inc(max(0, d))
+            seen[key] = max(n, seen.get(key, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

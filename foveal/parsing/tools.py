@@ -269,6 +269,8 @@ class ToolCallStream:
                 self._scanner = self._new_scanner(opener)
                 continue
             keep = 0 if final else self._partial_marker_len()
+            if final and truncated and self._syntax is not None:  # under a tool grammar a marker cut
+                self._buf = self._buf[: len(self._buf) - self._partial_marker_len()]  # short is markup
             self._content(out, self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep :]
             return
