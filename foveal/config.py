@@ -170,7 +170,26 @@ def read_api_key_file(path: str) -> tuple[tuple[str, str, bool], ...]:
     return tuple(out)
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle3", "mtp", "dflash")
+
+
+def spec_method_of(model: str) -> str:
+    """The speculative method a local draft checkpoint is built for, from its config.json's
+    architectures: EAGLE-3 and DFlash heads name themselves; anything else is a draft model."""
+    import json
+    import os
+
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f'speculative config needs a method: {model} has no config.json to read it from')
+    with open(path) as f:
+        cfg = json.load(f)
+    archs = " ".join(cfg.get("architectures") or [])
+    if "Eagle3" in archs or cfg.get("speculators_model_type") == "eagle3":
+        return "eagle3"
+    if "DFlash" in archs:
+        return "dflash"
+    return "draft_model"
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +198,9 @@ class SpeculativeConfig:
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4, "quantization": "gguf"}
+    {"method": "eagle3" | "dflash", "model": PATH, "num_speculative_tokens": 4}   (a head's checkpoint)
+    {"method": "mtp", "num_speculative_tokens": 1}   (the target's own next-token layers)
+    {"model": PATH, ...}   the method read from the checkpoint's config.json
 
     plus Foveal's "adaptive" (default true): k per row and step, 0 included, by load and acceptance.
     """
@@ -187,7 +209,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # k: drafts proposed per row and step
     prompt_lookup_max: int = 4  # ngram: the longest suffix matched
     prompt_lookup_min: int = 2  # ngram: the shortest
-    model: str | None = None  # draft_model: the draft's checkpoint (shares the target's tokenizer)
+    # draft_model, eagle3, dflash: the draft's checkpoint (shares the target's tokenizer); mtp: where the
+    # MTP layers are (default: the target's own checkpoint)
+    model: str | None = None
     quantization: str = "none"  # draft_model: as ModelConfig.quantization, for the draft
     dtype: str = "auto"  # draft_model: its dtype (auto: the target's)
     # choose each row's k per step from measured acceptance and step costs (foveal.spec.adaptive), so
@@ -214,7 +238,9 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative config key(s): {', '.join(unknown)}")
         if "method" not in value:
-            raise ValueError(f"speculative config needs a method: one of {', '.join(SPEC_METHODS)}")
+            if not value.get("model"):
+                raise ValueError(f"speculative config needs a method: one of {', '.join(SPEC_METHODS)}")
+            value = {**value, "method": spec_method_of(value["model"])}
         cfg = cls(**value)
         cfg.validate()
         return cfg
@@ -235,8 +261,8 @@ class SpeculativeConfig:
         positive_int("prompt_lookup_max", 1)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative config prompt_lookup_min must be <= prompt_lookup_max")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError('speculative method draft_model needs "model": the draft checkpoint')
+        if self.method in ("draft_model", "eagle3", "dflash") and not self.model:
+            raise ValueError(f'speculative method {self.method} needs "model": the draft checkpoint')
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative config adaptive must be true or false, got {self.adaptive!r}")
         if self.quantization not in ("none", "gguf"):

@@ -125,7 +125,7 @@ def tiny_vocab() -> list[str]:
     return SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in MERGES]
 
 
-def tiny_model(family: str, tie: bool = False, seed: int = 0):
+def tiny_model(family: str, tie: bool = False, seed: int = 0, layers: int = 2):
     import transformers
 
     cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
@@ -133,7 +133,7 @@ def tiny_model(family: str, tie: bool = False, seed: int = 0):
         vocab_size=1000,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,

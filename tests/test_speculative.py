@@ -20,6 +20,18 @@ NGRAM = {
 }  # fmt: skip
 
 
+# greedy rows that mix what verification must respect: an opted-out row, logprobs, a penalty, a length
+# stop inside a verify run, min_tokens
+MIXED_GREEDY = [
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False),
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.2),
+    SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=4),
+]
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def folder(request, tmp_path_factory):
     from tests.tiny import tiny_config
@@ -218,14 +230,7 @@ def test_draft_model_equal_to_target_accepts_every_draft(saved):
 
 def test_draft_model_greedy_is_lossless_in_mixed_batches(saved):
     prompts = _prompts(6, seed=5)
-    params = [
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.2),
-        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=4),
-    ]
+    params = MIXED_GREEDY
     plain = _run(_draft_llm(saved, None, max_num_batched_tokens=10), prompts, params)
     llm = _draft_llm(saved, "draft", max_num_batched_tokens=10)
     got = _run(llm, prompts, params)

@@ -337,6 +337,14 @@ class Engine:
         except Exception as e:  # the device failed this step
             log.exception("collecting a step failed; aborting %d request(s)", len(launched.batch.items))
             return self._abort_batch(launched.batch, e)
+        if out.hidden:  # a hidden-state drafter's inputs, for the requests that may speculate
+            self.proposer.observe_hidden(
+                {
+                    rid: h
+                    for rid, h in out.hidden.items()
+                    if (t := self._tracked.get(rid)) is not None and t.req.params.speculative
+                }
+            )
         for s in launched.batch.items:
             if s.num_drafts and s.request_id in out.tokens:
                 a = len(out.tokens[s.request_id]) - 1

@@ -130,6 +130,8 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
 
         proposer = build_proposer(
             spec,
+            target=model,
+            target_source=ckpt.source if ckpt.format == "safetensors" else None,
             device=device,
             dtype=dtype,
             backend=backend,
@@ -147,6 +149,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         encoder_cache=encoder_cache,
         max_tokens_per_row=1 + (spec.num_speculative_tokens if spec else 0),
     )
+    runner.tap = proposer.tap if proposer is not None else None  # what a hidden-state drafter reads
     graphs = None
     if _use_graphs(cfg, device, backend):
         from foveal.worker.cuda_graphs import DecodeGraphs as graphs
@@ -161,6 +164,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
             max_seqs=_graph_rows(cfg),
             max_model_len=max_len,
             device=device,
+            tap=runner.tap,
         )
         try:
             runner.graphs.capture()  # CUDA: every bucket now; CPU: each at its first step

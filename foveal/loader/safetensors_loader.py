@@ -24,6 +24,10 @@ from foveal.loader.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
+# model types whose config is another family's plus a few fields, their own config class being remote
+# code: read with that family's class (the extra fields stay attributes)
+CONFIG_ALIASES = {"mimo": "qwen2"}
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -69,7 +73,14 @@ def open_hf_folder(path: str) -> HFFolder:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelLoadError(f"model folder {path} has no config.json")
     try:
-        hf_config = AutoConfig.from_pretrained(path)
+        with open(os.path.join(path, "config.json")) as f:
+            data = json.load(f)
+        alias = CONFIG_ALIASES.get(data.get("model_type"))
+        if alias is not None:
+            data = {k: v for k, v in data.items() if k not in ("model_type", "auto_map")}
+            hf_config = AutoConfig.for_model(alias, **data)
+        else:
+            hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:
         raise ModelLoadError(
             f"could not parse {os.path.join(path, 'config.json')}: {type(e).__name__}: {e}"

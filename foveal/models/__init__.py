@@ -8,6 +8,7 @@ _MODELS = {
     "LlamaForCausalLM": "foveal.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "foveal.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "foveal.models.llama:Qwen2ForCausalLM",
+    "MiMoForCausalLM": "foveal.models.llama:MiMoForCausalLM",
     "Qwen3ForCausalLM": "foveal.models.llama:Qwen3ForCausalLM",
     "LlavaForConditionalGeneration": "foveal.models.llava:LlavaForConditionalGeneration",
     "Gemma3ForCausalLM": "foveal.models.gemma3_text:Gemma3ForCausalLM",

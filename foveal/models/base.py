@@ -28,6 +28,10 @@ class StepContext:
     # DeepStack (Qwen3-VL): (rows [R], values [R, k, hidden]); values[:, i] is added to those rows'
     # hidden states after decoder layer i
     deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
+    # hidden-state drafters (foveal/spec/hidden.py): the model appends the hidden state entering each of
+    # these decoder layers (HF's hidden_states[i]) to `aux`, in layer order
+    aux_layers: tuple[int, ...] = ()
+    aux: list[torch.Tensor] | None = None
 
 
 class CausalLM(nn.Module):
@@ -37,6 +41,7 @@ class CausalLM(nn.Module):
     mm_bidirectional = False  # an image's tokens attend to each other both ways (Gemma 3)
     deepstack_layers = 0  # image embeddings carry this many more hidden-sized vectors per row
     is_multimodal = False  # implements encode_images
+    supports_aux_hidden = False  # fills StepContext.aux (EAGLE-3, DFlash drafters read it)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError

@@ -54,13 +54,14 @@ class DecoderSpec(DecoderShape):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, backend):
+    def __init__(self, spec: DecoderSpec, backend, in_features: int | None = None):
         super().__init__()
         self.spec = spec
         self.backend = backend
         h, hd = spec.num_heads, spec.head_dim
         self.q_size, self.kv_size = h * hd, spec.num_kv_heads * hd
-        self.qkv_proj = Linear(spec.hidden, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        # in_features: an EAGLE-3 draft layer reads [token embedding, hidden state] (2 x hidden)
+        self.qkv_proj = Linear(in_features or spec.hidden, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = Linear(self.q_size, spec.hidden, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.eps)
@@ -120,6 +121,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     qkv_bias = False
     qk_norm = False
+    supports_aux_hidden = True
 
     def __init__(self, config, backend, max_positions: int):
         super().__init__()
@@ -142,8 +144,10 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, ctx: StepContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if ctx.inputs_embeds is None else ctx.inputs_embeds
         cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
-        residual, deepstack = None, ctx.deepstack
+        residual, deepstack, aux = None, ctx.deepstack, ctx.aux_layers
         for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
+            if i in aux:  # the hidden state entering layer i: the running sum x + residual
+                ctx.aux.append(x if residual is None else x + residual)
             x, residual = layer(x, residual, cos, sin, cache, ctx.attn)
             if deepstack is not None and i < deepstack[1].shape[1]:
                 # the layer's output is x + residual; adding to x puts it on that sum
@@ -188,6 +192,15 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
+
+
+class MiMoForCausalLM(Qwen2ForCausalLM):
+    """Xiaomi MiMo: a Qwen2 decoder. Its MTP layers (model.mtp_layers.*) are the mtp drafter's
+    (foveal/spec/mtp.py), loaded from the same checkpoint when speculating."""
+
+    def load_weight(self, filler: ParamFiller, name: str, tensor: torch.Tensor, prefix: str = "") -> None:
+        if not name.removeprefix("model.").startswith("mtp_layers."):
+            super().load_weight(filler, name, tensor, prefix)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -133,6 +133,10 @@ class VisionLanguageModel(CausalLM):
     def kv_shape(self) -> tuple[int, int, int]:
         return self.language_model.kv_shape
 
+    @property
+    def supports_aux_hidden(self) -> bool:
+        return self.language_model.supports_aux_hidden
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
 

@@ -30,6 +30,8 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 class DraftModelProposer:
+    tap = None
+
     def __init__(self, runner, kv: KVCacheManager, num_speculative_tokens: int, vocab_size: int):
         self.runner = runner  # a ModelRunner over the draft model and its own KV pool
         self.kv = kv

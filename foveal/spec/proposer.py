@@ -27,8 +27,13 @@ class ProposeRow:
 
 class Proposer(Protocol):
     num_speculative_tokens: int
+    # a drafter that reads the target's hidden states (spec/hidden.py) names what the target's runner
+    # keeps per token (`tap_layers`, `fuse`) and hears it through observe_hidden; None for the others
+    tap: object | None
 
     def propose(self, rows: list[ProposeRow]) -> list[list[int]]: ...
+
+    def observe_hidden(self, states: dict) -> None: ...  # called only when `tap` is set
 
     def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None: ...
 
@@ -38,6 +43,8 @@ class Proposer(Protocol):
 class NgramProposer:
     """vLLM's `ngram` method: the continuation of the most recent earlier occurrence of the row's last
     n tokens (n from prompt_lookup_max down to prompt_lookup_min), in its own prompt and output."""
+
+    tap = None
 
     def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int):
         self.num_speculative_tokens = num_speculative_tokens
@@ -61,13 +68,22 @@ class NgramProposer:
         self._index.pop(request_id, None)
 
 
-def build_proposer(config, **engine_parts) -> Proposer:
+def build_proposer(config, *, target=None, target_source=None, **engine_parts) -> Proposer:
     """The proposer a SpeculativeConfig names; a draft model takes the target's device, dtype,
-    attention backend, max_model_len and KV geometry (num_blocks, block_size) as keywords."""
+    attention backend, max_model_len and KV geometry (num_blocks, block_size) as keywords, and a head
+    that reads hidden states (eagle3, mtp, dflash) the target model and its checkpoint too."""
     if config.method == "draft_model":
         from foveal.spec.draft_model import build_draft_proposer
 
         return build_draft_proposer(config, **engine_parts)
+    if config.method in ("eagle3", "mtp"):
+        from foveal.spec.hidden import build_hidden_proposer
+
+        return build_hidden_proposer(config, target=target, target_source=target_source, **engine_parts)
+    if config.method == "dflash":
+        from foveal.spec.dflash import build_dflash_proposer
+
+        return build_dflash_proposer(config, target=target, **engine_parts)
     if config.method == "ngram":
         return NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max

@@ -47,9 +47,19 @@ def supports_graphs(backend) -> bool:
 
 class DecodeGraphs:
     def __init__(
-        self, model, kv_caches, backend, *, block_size: int, max_seqs: int, max_model_len: int, device
+        self,
+        model,
+        kv_caches,
+        backend,
+        *,
+        block_size: int,
+        max_seqs: int,
+        max_model_len: int,
+        device,
+        tap=None,
     ):
         self.model = model
+        self.tap = tap  # a hidden-state drafter's (ModelRunner.tap): its rows land in `tapped` too
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
@@ -67,6 +77,7 @@ class DecodeGraphs:
         # allocator and a replay writes into whatever reuses it (W4 faulted so on the H200)
         self.captured_meta: dict[int, object] = {}
         self.logits: torch.Tensor | None = None  # [max_seqs, vocab], made by the first warm-up
+        self.tapped: torch.Tensor | None = None  # [max_seqs, H]: the tap's rows (with a tap)
         self._bucket_of = [0] * (max_seqs + 1)  # n rows -> the smallest bucket >= n
         b = 0
         for n in range(1, max_seqs + 1):
@@ -113,7 +124,15 @@ class DecodeGraphs:
         )
 
     def _forward(self, b: int, meta) -> None:
-        hidden = self.model(self.input_ids[:b], StepContext(self.positions[:b], self.kv_caches, meta))
+        ctx = StepContext(self.positions[:b], self.kv_caches, meta)
+        if self.tap is not None:
+            ctx.aux_layers, ctx.aux = self.tap.tap_layers, []
+        hidden = self.model(self.input_ids[:b], ctx)
+        if self.tap is not None:
+            tapped = self.tap.fuse(ctx.aux, hidden)
+            if self.tapped is None:
+                self.tapped = tapped.new_empty(self.max_seqs, tapped.shape[1])
+            self.tapped[:b].copy_(tapped)
         logits = self.model.compute_logits(hidden)
         if self.logits is None:
             self.logits = logits.new_empty(self.max_seqs, logits.shape[1])

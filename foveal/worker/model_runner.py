@@ -45,6 +45,9 @@ class RunnerOutput:
     encoder_time_s: dict[str, float] = field(default_factory=dict)  # vision-encoder time spent per request
     done: set[str] = field(default_factory=set)  # requests whose grammar is complete (nothing can follow)
     errors: dict[str, str] = field(default_factory=dict)  # requests whose guide failed: why
+    # hidden-state drafters (`ModelRunner.tap`): per request, (position of the first row, [n, H]) for
+    # the step's rows whose input tokens are confirmed (a verify row's: up to its last accepted draft)
+    hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -72,6 +75,7 @@ class Launched:
     logprobs: list = field(default_factory=list)  # per logits row
     encoder_time_s: dict[str, float] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # until sampled: the forward pass's logits rows
+    tapped: torch.Tensor | None = None  # [T, H]: every fed token's state for a hidden-state drafter
 
 
 class ModelRunner:
@@ -100,6 +104,10 @@ class ModelRunner:
         self._mask_bufs: list[torch.Tensor | None] = [None, None]
         self._mask_turn = 0
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
+        # a hidden-state drafter's tap (spec/hidden.py): `tap_layers` the model reports, `fuse(aux,
+        # final)` -> [T, H] kept per fed token; None: nothing is kept
+        self.tap = None
+        self._tapped: torch.Tensor | None = None  # the latest forward pass's, until launch takes it
         self._held: dict[str, _Held] = {}
         self._free_slots: list[int] = []
         # [requests, tokens one step may produce per row]: the latest sampled tokens of each request
@@ -347,7 +355,10 @@ class ModelRunner:
             slot_mapping=None,  # the graph metadata derives slots from positions and block tables
             block_size=self.block_size,
         )
-        return self.graphs.run(input_ids, host[1], attn)
+        logits = self.graphs.run(input_ids, host[1], attn)
+        if self.tap is not None:  # the graphs' static buffer: the next replay overwrites it
+            self._tapped = self.graphs.tapped[:num_rows].clone()
+        return logits
 
     @torch.inference_mode()
     def compute_logits(
@@ -362,6 +373,8 @@ class ModelRunner:
                 return logits
         input_ids, positions, meta, logits_idx = self._prepare(batch)
         ctx = StepContext(positions, self.kv_caches, meta)
+        if self.tap is not None:
+            ctx.aux_layers, ctx.aux = self.tap.tap_layers, []
         if self.model.is_multimodal:
             mm = self._image_embeddings(batch, {} if spent is None else spent)
             if mm is not None:
@@ -374,6 +387,8 @@ class ModelRunner:
                 if k:
                     ctx.deepstack = (rows, values[:, h:].unflatten(1, (k, h)))
         hidden = self.model(input_ids, ctx)
+        if self.tap is not None:
+            self._tapped = self.tap.fuse(ctx.aux, hidden)
         if not all_tokens:
             hidden = hidden[to_device(torch.tensor(logits_idx, dtype=torch.long), self.device)]
         return self.model.compute_logits(hidden)
@@ -408,7 +423,8 @@ class ModelRunner:
         tokens start their copy to the host."""
         spent: dict[str, float] = {}
         logits = self.compute_logits(batch, spent=spent)
-        launched = Launched(batch, encoder_time_s=spent, logits=logits)
+        launched = Launched(batch, encoder_time_s=spent, logits=logits, tapped=self._tapped)
+        self._tapped = None
         if sample:
             self.sample(launched)
         return launched
@@ -536,13 +552,16 @@ class ModelRunner:
         """Wait for a launched step's tokens."""
         out = RunnerOutput(encoder_time_s=launched.encoder_time_s)
         if not launched.rows:
+            if launched.tapped is not None:
+                self._hidden_rows(launched, {}, out)
             return out
         if launched.event is not None:
             launched.event.synchronize()
         host = launched.host.tolist()
         num_rows = launched.tokens.shape[0]
+        kept: dict[str, int] = {}
         for i, (rid, first, _) in enumerate(launched.rows):
-            keep = 1 if launched.accepted is None else host[num_rows + i] + 1
+            keep = kept[rid] = 1 if launched.accepted is None else host[num_rows + i] + 1
             toks = host[first : first + keep]
             out.tokens[rid] = toks
             lps = launched.logprobs[first : first + keep]
@@ -553,7 +572,20 @@ class ModelRunner:
                 held.output_token_ids += toks
                 if held.guide is not None:
                     self._advance(held.guide, rid, toks, out, held.output_token_ids)
+        if launched.tapped is not None:
+            self._hidden_rows(launched, kept, out)
         return out
+
+    @staticmethod
+    def _hidden_rows(launched: Launched, kept: dict[str, int], out: RunnerOutput) -> None:
+        """out.hidden: each item's tapped rows whose input tokens are confirmed (a verify row's up to
+        its last accepted draft: `kept` tokens came out of it, the first from its confirmed input)."""
+        row = 0
+        for s in launched.batch.items:
+            n = s.num_tokens
+            valid = kept.get(s.request_id, n) if s.num_drafts else n
+            out.hidden[s.request_id] = (s.start, launched.tapped[row : row + valid])
+            row += n
 
     @staticmethod
     def _advance(guide: Guide, rid: str, toks: list[int], out: RunnerOutput, produced: list[int]) -> None:

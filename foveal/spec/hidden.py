@@ -1,0 +1,323 @@
+"""Drafters that read the target's hidden states (EAGLE-3, MTP): one small head with its own paged KV,
+fed pairs (h_i, x_{i+1}) at position i, where h_i is what the target computed at position i (fused by
+the head: EAGLE-3's fc over three layers, MTP's last hidden state) and x_{i+1} the token after it.
+The pair at position i predicts x_{i+2}.
+
+    target step  runner taps each token's hidden state -> engine -> observe_hidden(rid: (start, [n, H]))
+    propose      1. catch up: every pair not fed yet, as one chunk per row (a prefill chunk on the
+                    head's KV); its last row's logits give draft 1, its output the next h
+                 2. k - 1 one-token steps: (h from the step before, draft j) at the next position
+                 3. the k drafts per row, read back once
+
+Only accepted tokens' hidden states reach the head (a verify row reports the rows up to its last
+accepted draft), so what it fed never needs undoing; the chain's speculative positions are overwritten
+by the next catch-up. The head's KV is indexed from `base`, the first position it was fed: a request
+whose early hidden states the head never saw (a cached prefix, states dropped while it rested) is
+drafted from what it has, RoPE at the true positions. Greedy drafts (verification treats q as one-hot).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from foveal.attention.base import AttentionBatch
+from foveal.cache.kv_cache_manager import KVCacheManager
+from foveal.device import to_device
+from foveal.layers.rotary import RotaryEmbedding
+from foveal.models.base import StepContext
+from foveal.request import Request, SamplingParams
+from foveal.spec.proposer import ProposeRow
+
+log = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+MAX_PENDING = 4096  # hidden states kept per request between proposals (older ones are dropped)
+
+
+@dataclass(slots=True)
+class _Seq:
+    kv: Request  # the head's KV blocks (num_computed_tokens: indices written, chain included)
+    base: int = -1  # the position of KV index 0 (-1: nothing fed yet)
+    fed: int = 0  # pairs fed: positions base .. base + fed - 1
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (start, [n, H]), contiguous
+
+    @property
+    def pending_span(self) -> tuple[int, int]:
+        if not self.pending:
+            return 0, 0
+        start, last = self.pending[0][0], self.pending[-1]
+        return start, last[0] + last[1].shape[0]
+
+
+class OneLayerHead(nn.Module):
+    """What the EAGLE-3 and MTP heads share: one decoder layer's KV and the rotary table
+    (`spec`, `config` and `rotary` set by the head)."""
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        return 1, self.spec.num_kv_heads, self.spec.head_dim
+
+    def reset_buffers(self, device) -> None:
+        self.rotary = RotaryEmbedding(self.config, self.spec.head_dim, self.rotary.cos.shape[0]).to(device)
+
+
+class HiddenStateDrafter:
+    """What every head that reads the target's hidden states shares: the states held per request until
+    they are fed, the head's KV pool (indexed from `base`) and its planning. `tap` is what the target's
+    runner keeps per token (`tap.tap_layers`, `tap.fuse`): the head."""
+
+    def __init__(self, head, kv_caches, backend, kv: KVCacheManager, num_speculative_tokens: int, device):
+        self.head = head
+        self.tap = head
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.kv = kv
+        self.num_speculative_tokens = num_speculative_tokens
+        self.device = torch.device(device)
+        self._seqs: dict[str, _Seq] = {}
+
+    # -- hidden states from the target ---------------------------------------------------------------
+    def observe_hidden(self, states: dict[str, tuple[int, torch.Tensor]]) -> None:
+        """Each request's newly computed, confirmed rows: (position of the first, [n, H])."""
+        for rid, (start, h) in states.items():
+            seq = self._seqs.get(rid)
+            if seq is None:
+                seq = self._seqs[rid] = _Seq(Request(rid, [], _GREEDY))
+            lo, hi = seq.pending_span
+            if not seq.pending or start == hi:
+                seq.pending.append((start, h))
+            elif lo <= start < hi:  # recomputed rows (a preempted request): keep the new ones
+                self._truncate(seq, start)
+                seq.pending.append((start, h))
+            else:  # a gap: what came before cannot be paired any more
+                seq.pending = [(start, h)]
+            lo, hi = seq.pending_span
+            while hi - lo > MAX_PENDING and len(seq.pending) > 1:
+                seq.pending.pop(0)
+                lo = seq.pending[0][0]
+
+    @staticmethod
+    def _truncate(seq: _Seq, end: int) -> None:
+        keep = []
+        for start, h in seq.pending:
+            if start < end:
+                keep.append((start, h[: end - start]))
+        seq.pending = keep
+
+    def _take(self, seq: _Seq, lo: int, hi: int) -> torch.Tensor:
+        """Pending rows for positions [lo, hi), then forget everything before hi."""
+        parts = []
+        for start, h in seq.pending:
+            a, b = max(lo, start), min(hi, start + h.shape[0])
+            if a < b:
+                parts.append(h[a - start : b - start])
+        rest = [(max(hi, s), h[max(hi, s) - s :]) for s, h in seq.pending if s + h.shape[0] > hi]
+        seq.pending = rest
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _catch_up(self, row: ProposeRow, extra: int, min_new: int):
+        """(seq, first, last) for the row: the positions whose held states it feeds now (every one not
+        fed yet, up to the one before its last token: that token's state is computed by the step this
+        proposal is for), at least `min_new` of them, with KV allocated for them and `extra` positions
+        past them; None when it cannot draft now (its states have not arrived, a full pool)."""
+        last = len(row.token_ids) - 2
+        seq = self._seqs.get(row.request_id)
+        if seq is None or last < 0:
+            return None
+        lo, hi = seq.pending_span
+        fed_end = seq.base + seq.fed
+        if seq.base < 0 or fed_end > last + 1 or fed_end <= last and (not seq.pending or lo > fed_end):
+            # nothing fed yet, or a gap between what was fed and what is held (a cached prefix, states
+            # dropped): start over from the first held state
+            if not seq.pending or hi <= last:
+                return None
+            self.kv.free(seq.kv)
+            seq.kv.num_computed_tokens = 0
+            seq.base, seq.fed, fed_end = lo, 0, lo
+        if fed_end <= last and not lo <= fed_end < hi > last or last + 1 - fed_end < min_new:
+            return None  # the target's states up to `last` have not arrived
+        if seq.kv.num_computed_tokens > seq.fed:
+            self.kv.rewind(seq.kv, seq.fed)  # the last proposal's speculative positions
+        need = last - fed_end + 1 + extra
+        if not self.kv.can_allocate(seq.kv, need):
+            self.kv.free(seq.kv)
+            seq.kv.num_computed_tokens = 0
+            seq.base, seq.fed = -1, 0
+            return None
+        self.kv.allocate(seq.kv, need)
+        seq.kv.num_computed_tokens = seq.fed + need
+        seq.fed += last - fed_end + 1
+        return seq, fed_end, last
+
+    def _slot(self, seq: _Seq, p: int) -> int:
+        bs = self.kv.block_size
+        i = p - seq.base
+        return seq.kv.block_ids[i // bs] * bs + i % bs
+
+    def _context(self, pos, q_lens, ctxs, tables, slots, num_decodes, bidirectional=None) -> StepContext:
+        """The head's StepContext for rows at positions `pos` (sequences as in AttentionBatch)."""
+        attn = AttentionBatch(
+            query_lens=q_lens,
+            context_lens=ctxs,
+            block_tables=tables,
+            num_decodes=num_decodes,
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), self.device),
+            block_size=self.kv.block_size,
+            bidirectional=bidirectional,
+        )
+        meta = self.backend.plan(attn, self.device)
+        positions = to_device(torch.tensor(pos, dtype=torch.long), self.device)
+        return StepContext(positions, self.kv_caches, meta)
+
+    def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        pass  # the accepted tokens' hidden states arrive through observe_hidden
+
+    def finish(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq.kv)
+
+
+class ChainProposer(HiddenStateDrafter):
+    """EAGLE-3 and MTP: one catch-up chunk per row, then k - 1 one-token steps (see the module doc)."""
+
+    # -- proposing --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in rows]
+        chunks = []  # (row index, seq, first position, last position, drafts wanted)
+        for i, row in enumerate(rows):
+            k = min(row.max_drafts, self.num_speculative_tokens)
+            c = self._catch_up(row, k - 1, 1)
+            if c is not None:
+                chunks.append((i, *c, k))
+        if not chunks:
+            return out
+        chunks.sort(key=lambda c: c[3] - c[2] != 0)  # the attention layout: one-token chunks first
+        ids, hidden, pos, q_lens, ctxs, tables, slots, last_rows = [], [], [], [], [], [], [], []
+        for i, seq, lo, hi, _k in chunks:
+            toks = rows[i].token_ids
+            ids.extend(toks[lo + 1 : hi + 2])
+            hidden.append(self._take(seq, lo, hi + 1))
+            r = range(lo, hi + 1)
+            pos.extend(r)
+            q_lens.append(len(r))
+            ctxs.append(lo - seq.base)
+            tables.append(list(seq.kv.block_ids))
+            slots.extend(self._slot(seq, p) for p in r)
+            last_rows.append(len(pos) - 1)
+        num_decodes = sum(1 for n in q_lens if n == 1)
+        x = torch.cat(hidden)
+        ctx = self._context(pos, q_lens, ctxs, tables, slots, num_decodes)
+        normed, h = self.head(to_device(torch.tensor(ids), self.device), x, ctx)
+        last = to_device(torch.tensor(last_rows), self.device)
+        draft = self.head.draft(normed[last])
+        h = h[last]
+        live = list(range(len(chunks)))  # chunks still drafting
+        steps = [(live, draft)]
+        for j in range(1, max(c[4] for c in chunks)):
+            keep = [n for n, ci in enumerate(live) if chunks[ci][4] > j]
+            if len(keep) < len(live):
+                sel = to_device(torch.tensor(keep), self.device)
+                draft, h = draft[sel], h[sel]
+                live = [live[n] for n in keep]
+            pos, ctxs, tables, slots = [], [], [], []
+            for ci in live:
+                seq, p = chunks[ci][1], chunks[ci][3] + j
+                pos.append(p)
+                ctxs.append(p - seq.base)
+                tables.append(list(seq.kv.block_ids))
+                slots.append(self._slot(seq, p))
+            ctx = self._context(pos, [1] * len(live), ctxs, tables, slots, len(live))
+            normed, h = self.head(draft, h, ctx)
+            draft = self.head.draft(normed)
+            steps.append((live, draft))
+        for live, d in steps:  # one wait: every step is queued by now
+            for ci, tok in zip(live, d.tolist()):
+                out[chunks[ci][0]].append(tok)
+        return out
+
+
+def open_head_checkpoint(model: str):
+    """An HF folder (config.json + safetensors) of a draft head: a local path or a Hub id."""
+    import os
+
+    from foveal.loader.safetensors_loader import open_hf_folder
+
+    local = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(local):
+        from foveal.loader.hub import download_repo
+
+        local = download_repo(model)
+    return open_hf_folder(local)
+
+
+def build_hidden_proposer(
+    spec,
+    *,
+    target,
+    target_source=None,
+    device,
+    dtype,
+    backend,
+    max_model_len: int,
+    num_blocks: int,
+    block_size: int,
+) -> ChainProposer:
+    """The head the config names, checked against the target (vocabulary, hidden size, the layers it
+    reads), with a KV pool of num_blocks blocks for its one layer."""
+    import torch as _torch
+
+    from foveal.attention import kv_quant
+
+    if not target.supports_aux_hidden:
+        raise ValueError(f"speculative method {spec.method}: the target model cannot report hidden states")
+    tspec = target.spec
+    k = spec.num_speculative_tokens
+    if spec.method == "eagle3":
+        from foveal.spec.eagle3 import Eagle3Head
+
+        folder = open_head_checkpoint(spec.model)
+        cfg = folder.hf_config
+        with _torch.device("meta"):
+            head = Eagle3Head(cfg, backend, max_model_len + k, tspec.num_layers)
+        _check_fits(spec, head.vocab_size, tspec.vocab_size, head.target_hidden_size, tspec.hidden)
+        head = head.to_empty(device=device).to(dtype)
+        head.reset_buffers(device)
+        head.load_weights(folder.weights(dtype, device), target.embed_tokens)
+    elif spec.method == "mtp":
+        from foveal.spec.mtp import build_mtp_head
+
+        head = build_mtp_head(spec, target, target_source, backend, max_model_len + k, device, dtype)
+    else:
+        raise ValueError(f"speculative method {spec.method!r} is not a hidden-state drafter")
+    head.eval()
+    layers, kv_heads, head_dim = head.kv_shape
+    caches = kv_quant.allocate_kv_caches(
+        "auto", layers, num_blocks * block_size, kv_heads, head_dim, dtype, device
+    )
+    log.info(
+        "%s head %s: reads target layers %s; %d KV blocks; %d drafts per step",
+        spec.method,
+        spec.model or "(the target's)",
+        list(head.tap_layers) or "(last hidden state)",
+        num_blocks,
+        k,
+    )
+    return ChainProposer(head, caches, backend, KVCacheManager(num_blocks, block_size), k, device)
+
+
+def _check_fits(spec, vocab: int, target_vocab: int, hidden: int, target_hidden: int) -> None:
+    if vocab != target_vocab:
+        raise ValueError(
+            f"the {spec.method} head {spec.model} has a vocabulary of {vocab}; the target's is {target_vocab}"
+        )
+    if hidden != target_hidden:
+        raise ValueError(
+            f"the {spec.method} head {spec.model} reads hidden states of size {hidden}; "
+            f"the target's are {target_hidden}"
+        )

@@ -1,0 +1,386 @@
+"""Drafters that read the target's hidden states (EAGLE-3, MTP): random-weight heads written in their
+published checkpoint layouts and loaded through `--speculative-config`. Greedy output equals plain
+greedy token for token in mixed batches; every draft equals a dense reference of the head computed
+from transformers' hidden states of the target; the runner reports exactly the confirmed rows' hidden
+states (verify rows up to the last accepted draft)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from foveal import SamplingParams
+from tests.test_speculative import MIXED_GREEDY
+
+H, HEADS, KV, HD, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 128, 1000, 96
+AUX = [1, 2, 3]  # the target layers the EAGLE-3 head reads (the target has 4)
+
+
+def _eagle3_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    t = {
+        "fc.weight": w(H, 3 * H, scale=0.1),
+        "midlayer.input_layernorm.weight": 1 + w(H),
+        "midlayer.hidden_norm.weight": 1 + w(H),
+        "midlayer.post_attention_layernorm.weight": 1 + w(H),
+        "midlayer.self_attn.q_proj.weight": w(HEADS * HD, 2 * H),
+        "midlayer.self_attn.k_proj.weight": w(KV * HD, 2 * H),
+        "midlayer.self_attn.v_proj.weight": w(KV * HD, 2 * H),
+        "midlayer.self_attn.o_proj.weight": w(H, HEADS * HD),
+        "midlayer.mlp.gate_proj.weight": w(INTER, H),
+        "midlayer.mlp.up_proj.weight": w(INTER, H),
+        "midlayer.mlp.down_proj.weight": w(H, INTER),
+        "norm.weight": 1 + w(H),
+        "lm_head.weight": w(DRAFT_VOCAB, H, scale=1.0),
+    }
+    # the draft vocabulary: DRAFT_VOCAB distinct target ids, stored as offsets (target = draft + d2t)
+    ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+    t["d2t"] = ids - torch.arange(DRAFT_VOCAB)
+    t["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, ids, True)
+    return t
+
+
+def write_eagle3(folder, seed: int = 0, **config) -> str:
+    """A random EAGLE-3 head in the published layout (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": INTER,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "head_dim": HD,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "max_position_embeddings": 256,
+        "rope_theta": 10000.0,
+        "eagle_aux_hidden_state_layer_ids": AUX,
+        **config,
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(
+        {k: v.contiguous() for k, v in _eagle3_tensors(seed).items()}, str(folder / "model.safetensors")
+    )
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny 4-layer Llama target (with a tokenizer) and a random EAGLE-3 head for it."""
+    from tests.test_loader import tiny_hf_tokenizer, tiny_model
+
+    root = tmp_path_factory.mktemp("heads")
+    target = root / "target"
+    model = tiny_model("llama", seed=0, layers=4)
+    model.save_pretrained(target)
+    tiny_hf_tokenizer().save_pretrained(target)
+    return {"target": str(target), "eagle3": write_eagle3(root / "eagle3"), "hf": model}
+
+
+def _llm(saved, spec=None, **kw):
+    from foveal.engine.llm import LLM
+
+    opts = dict(dtype="float32", num_blocks=200, block_size=4, max_num_seqs=8, max_model_len=160)
+    return LLM(saved["target"], speculative_config=spec, **{**opts, **kw})
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, VOCAB, (int(torch.randint(4, 30, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params)
+    eng = llm.engine
+    eng.kv.check_integrity()
+    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished()
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+def test_eagle3_greedy_is_lossless_in_mixed_batches(saved):
+    prompts = _prompts(6, seed=1)
+    plain = _run(_llm(saved, max_num_batched_tokens=12), prompts, MIXED_GREEDY)
+    spec = {"method": "eagle3", "model": saved["eagle3"], "num_speculative_tokens": 3, "adaptive": False}
+    llm = _llm(saved, spec, max_num_batched_tokens=12)  # chunked prompts: partial catch-ups
+    assert _run(llm, prompts, MIXED_GREEDY) == plain
+    st = llm.engine.spec_stats
+    assert st.num_drafts > 0 and st.num_draft_tokens >= 3 * st.num_drafts // 2
+    assert llm.engine.proposer.kv.num_used_blocks == 0  # the head's pool is idle too
+
+
+def test_eagle3_method_is_read_from_the_checkpoint(saved):
+    from foveal.config import SpeculativeConfig
+
+    assert SpeculativeConfig.parse({"model": saved["eagle3"]}).method == "eagle3"
+    assert SpeculativeConfig.parse({"model": saved["target"]}).method == "draft_model"
+
+
+def test_eagle3_head_that_does_not_fit_is_refused(saved, tmp_path):
+    bad_vocab = write_eagle3(tmp_path / "v", vocab_size=VOCAB + 8)
+    with pytest.raises(ValueError, match="vocabulary of 1008; the target's is 1000"):
+        _llm(saved, {"method": "eagle3", "model": bad_vocab})
+    bad_layers = write_eagle3(tmp_path / "l", eagle_aux_hidden_state_layer_ids=[1, 2, 7])
+    with pytest.raises(ValueError, match="three distinct target layers"):
+        _llm(saved, {"method": "eagle3", "model": bad_layers})
+    bad_hidden = write_eagle3(tmp_path / "h", target_hidden_size=2 * H)
+    with pytest.raises(ValueError, match="hidden states of size 128; the target's are 64"):
+        _llm(saved, {"method": "eagle3", "model": bad_hidden})
+
+
+def _proposals(llm, prompts) -> list[tuple[list[int], list[int]]]:
+    """(the row's tokens, its drafts) of every propose() while the prompts run greedily."""
+    proposer = llm.engine.proposer
+    seen = []
+    real = proposer.propose
+
+    def recording(rows):
+        drafts = real(rows)
+        seen.extend((list(r.token_ids), d) for r, d in zip(rows, drafts))
+        return drafts
+
+    proposer.propose = recording
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return seen
+
+
+# -- the drafts against a dense reference -----------------------------------------------------------
+def _rms(x, w, eps=1e-5):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, pos, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, HD, 2, dtype=torch.float32) / HD)
+    ang = pos[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    x1, x2 = x[..., : HD // 2], x[..., HD // 2 :]
+    return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
+
+
+def _eagle3_dense(t, emb, hidden, pos):
+    """The EAGLE-3 layer over a whole sequence of (embedding, hidden) pairs, causal: (normed, prenorm)."""
+    e = _rms(emb, t["midlayer.input_layernorm.weight"])
+    h = _rms(hidden, t["midlayer.hidden_norm.weight"])
+    x = torch.cat([e, h], -1)
+    n = x.shape[0]
+    q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HD)
+    k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, KV, HD)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, KV, HD)
+    q, k = _rope(q, pos), _rope(k, pos)
+    k, v = k.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) / HD**0.5
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, HEADS * HD)
+    r = a @ t["midlayer.self_attn.o_proj.weight"].T + hidden
+    y = _rms(r, t["midlayer.post_attention_layernorm.weight"])
+    m = torch.nn.functional.silu(y @ t["midlayer.mlp.gate_proj.weight"].T) * (
+        y @ t["midlayer.mlp.up_proj.weight"].T
+    )
+    o = m @ t["midlayer.mlp.down_proj.weight"].T + r
+    return _rms(o, t["norm.weight"]), o
+
+
+def _eagle3_reference(t, hf, tokens: list[int], k: int) -> list[int]:
+    """k greedy drafts after `tokens`: the target's hidden states from transformers, fused by fc, paired
+    with the next token; each draft appends (its prenorm output, the draft) and recomputes."""
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        fused = torch.cat([states[i][0] for i in AUX], -1) @ t["fc.weight"].T
+        embed = hf.model.embed_tokens.weight
+        ids, hidden = list(tokens[1:]), fused[:-1]
+        out = []
+        for _ in range(k):
+            normed, pre = _eagle3_dense(t, embed[ids], hidden, torch.arange(len(ids)))
+            d = int((normed[-1] @ t["lm_head.weight"].T).argmax())
+            d += int(t["d2t"][d])
+            out.append(d)
+            ids.append(d)
+            hidden = torch.cat([hidden, pre[-1:]])
+    return out
+
+
+def test_eagle3_drafts_equal_a_dense_reference_of_the_head(saved):
+    """Every propose() of a real run (prefill chunks, several requests, drafts rejected and kept) gives
+    what the dense reference computes from transformers' hidden states of the same tokens."""
+    t = _eagle3_tensors(0)
+    spec = {"method": "eagle3", "model": saved["eagle3"], "num_speculative_tokens": 3, "adaptive": False}
+    llm = _llm(saved, spec, max_num_batched_tokens=10)
+    seen = _proposals(llm, _prompts(3, seed=2))
+    assert len(seen) > 10
+    for tokens, drafts in seen:
+        assert drafts == _eagle3_reference(t, saved["hf"], tokens, len(drafts)), tokens
+
+
+def test_runner_reports_the_hidden_states_of_confirmed_rows(saved):
+    """With n-gram drafts accepted and rejected, the rows the runner reports per request, joined by
+    position, are transformers' hidden states entering layer 2 of the final sequence."""
+
+    class Tap:
+        tap_layers = (2,)
+
+        @staticmethod
+        def fuse(aux, final):
+            return aux[0]
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+             "adaptive": False}  # fmt: skip
+    llm = _llm(saved, ngram, max_num_batched_tokens=10)
+    eng = llm.engine
+    eng.runner.tap = Tap()
+    if eng.runner.graphs is not None:  # recorded decode steps (CPU) keep the rows too
+        eng.runner.graphs.tap = eng.runner.tap
+    got: dict[str, dict[int, torch.Tensor]] = {}
+
+    def observe(states):
+        for rid, (start, h) in states.items():
+            for j in range(h.shape[0]):
+                got.setdefault(rid, {})[start + j] = h[j].clone()
+
+    eng.proposer.observe_hidden = observe
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert (
+        eng.spec_stats.num_accepted_tokens > 0
+        and eng.spec_stats.num_accepted_tokens < eng.spec_stats.num_draft_tokens
+    )
+    for o, p in zip(outs, prompts):
+        seq = p + o.outputs[0].token_ids
+        rows = got[o.request_id]
+        assert sorted(rows) == list(
+            range(len(seq) - 1)
+        )  # every fed position, once the token after it is known
+        with torch.no_grad():
+            want = saved["hf"](torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states[2][0]
+        torch.testing.assert_close(
+            torch.stack([rows[i] for i in range(len(seq) - 1)]), want, atol=1e-4, rtol=1e-4
+        )
+
+
+# -- MTP (MiMo: a Qwen2 decoder with its own next-token layer) --------------------------------------
+def _mtp_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    p = "model.mtp_layers.0."
+    return {
+        p + "token_layernorm.weight": 1 + w(H),
+        p + "hidden_layernorm.weight": 1 + w(H),
+        p + "input_proj.weight": w(H, 2 * H),
+        p + "input_layernorm.weight": 1 + w(H),
+        p + "self_attn.q_proj.weight": w(HEADS * HD, H),
+        p + "self_attn.q_proj.bias": w(HEADS * HD),
+        p + "self_attn.k_proj.weight": w(KV * HD, H),
+        p + "self_attn.k_proj.bias": w(KV * HD),
+        p + "self_attn.v_proj.weight": w(KV * HD, H),
+        p + "self_attn.v_proj.bias": w(KV * HD),
+        p + "self_attn.o_proj.weight": w(H, HEADS * HD),
+        p + "post_attention_layernorm.weight": 1 + w(H),
+        p + "mlp.gate_proj.weight": w(INTER, H),
+        p + "mlp.up_proj.weight": w(INTER, H),
+        p + "mlp.down_proj.weight": w(H, INTER),
+        p + "final_layernorm.weight": 1 + w(H),
+    }
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    """A tiny MiMo checkpoint as published: a Qwen2 decoder's config with model_type mimo and
+    num_nextn_predict_layers, its MTP layer's tensors in the same safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_loader import tiny_hf_tokenizer, tiny_model
+
+    folder = tmp_path_factory.mktemp("mimo")
+    model = tiny_model("qwen2", seed=3, layers=2)
+    model.save_pretrained(folder)
+    tiny_hf_tokenizer().save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1,
+               auto_map={"AutoConfig": "configuration_mimo.MiMoConfig"})  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.update(_mtp_tensors(3))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return {"target": str(folder), "hf": model}
+
+
+def test_mtp_greedy_is_lossless_in_mixed_batches(mimo):
+    prompts = _prompts(6, seed=3)
+    plain = _run(_llm(mimo, max_num_batched_tokens=12), prompts, MIXED_GREEDY)  # MTP weights are skipped
+    llm = _llm(
+        mimo, {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}, max_num_batched_tokens=12
+    )
+    assert _run(llm, prompts, MIXED_GREEDY) == plain
+    assert llm.engine.spec_stats.num_drafts > 0
+    assert llm.engine.proposer.kv.num_used_blocks == 0
+
+
+def _mtp_reference(t, hf, tokens: list[int], k: int) -> list[int]:
+    """k greedy MTP drafts: the layer over (the target's last normed hidden state h_i, x_{i+1}) pairs,
+    causal, dense; each draft appends (the layer's output, the draft) and recomputes."""
+    p = "model.mtp_layers.0."
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+        embed, head = hf.model.embed_tokens.weight, hf.lm_head.weight
+        ids, hidden = list(tokens[1:]), states[:-1]
+        out = []
+        for _ in range(k):
+            n = len(ids)
+            pos = torch.arange(n)
+            e = embed[ids] * (pos != 0)[:, None]
+            x = torch.cat(
+                [_rms(hidden, t[p + "hidden_layernorm.weight"]), _rms(e, t[p + "token_layernorm.weight"])], -1
+            )
+            x = x @ t[p + "input_proj.weight"].T
+            y = _rms(x, t[p + "input_layernorm.weight"])
+            q = (y @ t[p + "self_attn.q_proj.weight"].T + t[p + "self_attn.q_proj.bias"]).view(n, HEADS, HD)
+            kk = (y @ t[p + "self_attn.k_proj.weight"].T + t[p + "self_attn.k_proj.bias"]).view(n, KV, HD)
+            v = (y @ t[p + "self_attn.v_proj.weight"].T + t[p + "self_attn.v_proj.bias"]).view(n, KV, HD)
+            theta = hf.config.rope_parameters["rope_theta"]
+            q, kk = _rope(q, pos, theta), _rope(kk, pos, theta)
+            kk, v = kk.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
+            s = torch.einsum("qhd,khd->hqk", q, kk) / HD**0.5
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, HEADS * HD)
+            r = a @ t[p + "self_attn.o_proj.weight"].T + x
+            y = _rms(r, t[p + "post_attention_layernorm.weight"])
+            m = torch.nn.functional.silu(y @ t[p + "mlp.gate_proj.weight"].T) * (
+                y @ t[p + "mlp.up_proj.weight"].T
+            )
+            o = _rms(m @ t[p + "mlp.down_proj.weight"].T + r, t[p + "final_layernorm.weight"])
+            d = int((o[-1] @ head.T).argmax())
+            out.append(d)
+            ids.append(d)
+            hidden = torch.cat([hidden, o[-1:]])
+    return out
+
+
+def test_mtp_drafts_equal_a_dense_reference_of_the_layer(mimo):
+    t = _mtp_tensors(3)
+    llm = _llm(
+        mimo, {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}, max_num_batched_tokens=10
+    )
+    seen = _proposals(llm, _prompts(3, seed=4))
+    assert len(seen) > 10
+    for tokens, drafts in seen:
+        assert drafts == _mtp_reference(t, mimo["hf"], tokens, len(drafts)), tokens
+
+
+def test_mtp_needs_mtp_layers(saved):
+    with pytest.raises(ValueError, match="has no MTP layers"):
+        _llm(saved, {"method": "mtp"})
