@@ -13,6 +13,12 @@ one word changed, rename a function in code, quote a passage):
   once: output tok/s over the wall time. Greedy
   outputs of every mode are compared with plain decoding token for token (`lossless`).
 
+GPU, full-size random heads in their published layouts (--heads): EAGLE-3 on dummy Llama-3.1-8B, MTP on
+a dummy MiMo-7B-shaped model, DFlash (5 layers, block 8) on dummy Qwen3-8B; per batch the drafter's cost
+per propose() and the speedup with the head drafting for cost and the oracle's drafts forced accepted:
+
+    python benchmarks/speculative.py --heads [--methods eagle3,mtp,dflash] [--batches 1,64] [--block 8]
+
 GPU, a benchmark-only oracle proposer on a random-weight Llama-3.1-8B (benchmarks/configs): it proposes
 the target's own greedy continuation (recorded by a plain run first), each draft kept with probability
 `rate` (else replaced, so acceptance ends there), at batch 1, 8 and 64:
@@ -239,11 +245,14 @@ def force_acceptance(wrong: int) -> None:
     model_runner.verify = forced
 
 
-def oracle_run(llm, k, prompts, fulls, params, rate, vocab, seed, forced) -> dict[str, list[int]]:
-    """All prompts at once on the speculating engine, the oracle proposing from `fulls`."""
+def oracle_run(llm, k, prompts, fulls, params, rate, vocab, seed, forced, wrap=None) -> dict[str, list[int]]:
+    """All prompts at once on the speculating engine, the oracle proposing from `fulls` (`wrap`: what
+    proposes around it)."""
     eng = llm.engine
     refs: dict[str, list[int]] = {}
     eng.proposer = OracleProposer(k, refs, rate, vocab, seed=seed, forced=forced)
+    if wrap is not None:
+        eng.proposer = wrap(eng.proposer)
     outs: dict[str, list[int]] = {}
     for p, full in zip(prompts, fulls):
         rid = eng.add_request(llm.processor.request(p, params))
@@ -334,12 +343,182 @@ def oracle_bench(a) -> dict:
     return {"rows": rows}
 
 
+class CostedOracle:
+    """Benchmark only: the real head drafts (its cost is paid: the target's states fed, its KV
+    written), then the oracle's drafts are the ones proposed (acceptance by `rate`, as the oracle)."""
+
+    def __init__(self, real, oracle):
+        self.real, self.oracle = real, oracle
+        self.tap, self.num_speculative_tokens = real.tap, oracle.num_speculative_tokens
+
+    def propose(self, rows):
+        self.real.propose(rows)
+        return self.oracle.propose(rows)
+
+    def observe_hidden(self, states):
+        self.real.observe_hidden(states)
+
+    def accepted(self, request_id, num_drafts, num_accepted):
+        pass
+
+    def finish(self, request_id):
+        self.real.finish(request_id)
+
+
+HEAD_TARGETS = {"eagle3": "llama-3.1-8b.json", "mtp": "mimo-7b.json", "dflash": "qwen3-8b.json"}
+
+
+def write_random_head(method: str, folder: str, target: dict, k: int, dtype: torch.dtype, device) -> str:
+    """A full-size random head for `target` (a config dict) in its published layout: EAGLE-3 (one layer,
+    32k draft vocabulary), MiMo's MTP layer, or a 5-layer DFlash drafter with block k + 1."""
+    from safetensors.torch import save_file
+
+    h, nh, nkv = target["hidden_size"], target["num_attention_heads"], target["num_key_value_heads"]
+    hd, inter, vocab = target.get("head_dim") or h // nh, target["intermediate_size"], target["vocab_size"]
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g, device=device) * 0.02).to(dtype).cpu()
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype)
+
+    def layer(p: str, inp: int, bias=False, qk_norm=False) -> dict:
+        t = {p + "self_attn.q_proj.weight": w(nh * hd, inp), p + "self_attn.k_proj.weight": w(nkv * hd, inp),
+             p + "self_attn.v_proj.weight": w(nkv * hd, inp), p + "self_attn.o_proj.weight": w(h, nh * hd),
+             p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+             p + "mlp.down_proj.weight": w(h, inter), p + "input_layernorm.weight": ones(h),
+             p + "post_attention_layernorm.weight": ones(h)}  # fmt: skip
+        if bias:
+            for x, n in (("q", nh), ("k", nkv), ("v", nkv)):
+                t[p + f"self_attn.{x}_proj.bias"] = w(n * hd)
+        if qk_norm:
+            t[p + "self_attn.q_norm.weight"], t[p + "self_attn.k_norm.weight"] = ones(hd), ones(hd)
+        return t
+
+    base = {
+        x: target[x] for x in target if not x.startswith("_") and x not in ("architectures", "model_type")
+    }
+    if method == "eagle3":
+        dv = min(32000, vocab)
+        ids = torch.randperm(vocab)[:dv].sort().values
+        t = {"fc.weight": w(h, 3 * h), "norm.weight": ones(h), "lm_head.weight": w(dv, h),
+             "midlayer.hidden_norm.weight": ones(h), "d2t": ids - torch.arange(dv),
+             **layer("midlayer.", 2 * h)}  # fmt: skip
+        cfg = {**base, "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+               "num_hidden_layers": 1, "draft_vocab_size": dv}  # fmt: skip
+    elif method == "mtp":
+        p = "model.mtp_layers.0."
+        t = {p + "token_layernorm.weight": ones(h), p + "hidden_layernorm.weight": ones(h),
+             p + "input_proj.weight": w(h, 2 * h), p + "final_layernorm.weight": ones(h),
+             **layer(p, h, bias=True)}  # fmt: skip
+        cfg = {**base, "architectures": ["MiMoForCausalLM"], "model_type": "mimo"}
+    else:
+        n = 5 if target["num_hidden_layers"] > 8 else 2
+        t = {"fc.weight": w(h, n * h), "hidden_norm.weight": ones(h), "norm.weight": ones(h)}
+        for i in range(n):
+            t.update(layer(f"layers.{i}.", h, qk_norm=True))
+        cfg = {**base, "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": n,
+               "block_size": k + 1, "num_target_layers": target["num_hidden_layers"],
+               "dflash_config": {"mask_token_id": vocab - 1}}  # fmt: skip
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file({n: x.contiguous() for n, x in t.items()}, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+def heads_bench(a) -> dict:
+    """Per head: the drafter's cost per propose() at each batch (the random head's drafts are rejected,
+    so each step feeds one new token per row), then the speedup over plain decoding with the head
+    drafting for cost and the oracle's drafts forced to 100% acceptance (--forced's method)."""
+    import tempfile
+
+    rows = []
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for method in a.methods:
+        cfg = os.path.join(HERE, "configs", HEAD_TARGETS[method])
+        with open(cfg) as f:
+            target = json.load(f)
+        opts = dict(load_format="dummy", dtype=a.dtype, max_num_seqs=max(a.batches),
+                    max_model_len=a.input_len + a.max_tokens + 64)  # fmt: skip
+        if torch.cuda.is_available():
+            opts["kv_cache_memory"] = a.kv_memory_gib * 2**30
+        if a.smoke:  # a tiny 8-layer target of the family, on the CPU
+            from tests.tiny import COMMON
+
+            fam = {"eagle3": ("LlamaForCausalLM", "llama"), "mtp": ("MiMoForCausalLM", "mimo"),
+                   "dflash": ("Qwen3ForCausalLM", "qwen3")}[method]  # fmt: skip
+            target = {**COMMON, "num_hidden_layers": 8, "head_dim": 16, "architectures": [fam[0]],
+                      "model_type": fam[1], "num_nextn_predict_layers": 1, "rope_theta": 10000.0}  # fmt: skip
+            cfg = os.path.join(tempfile.mkdtemp(), "config.json")
+            with open(cfg, "w") as f:
+                json.dump(target, f)
+            opts.update(num_blocks=4096, block_size=16)
+        k = a.block - 1 if method == "dflash" else a.k
+        head = write_random_head(method, tempfile.mkdtemp(), target, k, getattr(torch, a.dtype), dev)
+        plain = LLM(cfg, **opts)
+        spec = {"method": method, "model": head, "num_speculative_tokens": k, "adaptive": False}
+        specd = LLM(cfg, **opts, speculative_config=spec)
+        vocab = plain.processor.info.vocab_size
+        force_acceptance(vocab - 1)
+        real = specd.engine.proposer
+        timed: list[float] = []
+        propose = real.propose
+
+        def timing(batch_rows, propose=propose, timed=timed):
+            t0 = time.perf_counter()
+            out = propose(batch_rows)  # ends reading its drafts back: the device work is done
+            timed.append(time.perf_counter() - t0)
+            return out
+
+        real.propose = timing
+        params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+        short = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        g = torch.Generator().manual_seed(0)
+        for b in a.batches:
+            prompts = [torch.randint(100, vocab - 1, (a.input_len,), generator=g).tolist() for _ in range(b)]
+            run_requests(plain, prompts, short, True)  # warm
+            ref = run_requests(plain, prompts, params, at_once=True)
+            fulls = [p + t for p, t in zip(prompts, ref["tokens"])]
+            specd.engine.proposer = real
+            run_requests(specd, prompts, short, True)  # warm: first-use shapes of the head
+            timed.clear()
+            run_requests(specd, prompts, short, True)
+            draft_ms = statistics.median(timed[2:] or timed) * 1e3  # the steady steps (one new token per row)
+
+            def wrap(oracle, real=real):
+                return CostedOracle(real, oracle)
+
+            oracle_run(specd, k, prompts, fulls, short, 1.0, vocab, 0, True, wrap)  # warm the verify shapes
+            for rep in range(a.reps):
+                t0 = time.perf_counter()
+                outs = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wrap)
+                wall = time.perf_counter() - t0
+                base = run_requests(plain, prompts, params, at_once=True)
+                tok_s = sum(len(v) for v in outs.values()) / wall
+                row = {"method": method, "batch": b, "k": k, "rep": rep, "drafter_ms": round(draft_ms, 2),
+                       "spec_tok_s": round(tok_s, 1), "plain_tok_s": round(base["out_tok_s"], 1),
+                       "speedup_at_100pct": round(tok_s / base["out_tok_s"], 2)}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del plain, specd
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--cpu", action="store_true", help="SmolLM2 on CPU: none / ngram / draft")
     mode.add_argument("--oracle", action="store_true", help="GPU: the oracle proposer on dummy Llama-3.1-8B")
-    ap.add_argument("--smoke", action="store_true", help="--oracle on CPU with a tiny config")
+    mode.add_argument(
+        "--heads", action="store_true", help="GPU: full-size random EAGLE-3 / MTP / DFlash heads"
+    )
+    ap.add_argument("--methods", default="eagle3,dflash", help="--heads: of eagle3, mtp, dflash")
+    ap.add_argument("--block", type=int, default=8, help="--heads: the DFlash block (drafts: block - 1)")
+    ap.add_argument("--smoke", action="store_true", help="--oracle / --heads on CPU with tiny configs")
     ap.add_argument("--dtype", default="bfloat16", help="--oracle: the target's dtype")
     ap.add_argument("--forced", action="store_true", help="--oracle: force the oracle's runs to be accepted")
     ap.add_argument(
@@ -354,15 +533,19 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--kv-memory-gib", type=int, default=16, help="--oracle on CUDA: KV pool per engine")
     a = ap.parse_args()
-    a.batches = [int(x) for x in (a.batches or ("1,16" if a.cpu else "1,8,64")).split(",")]
+    a.batches = [
+        int(x) for x in (a.batches or ("1,16" if a.cpu else "1,64" if a.heads else "1,8,64")).split(",")
+    ]
+    a.methods = a.methods.split(",")
     a.rates = [float(x) for x in a.rates.split(",")]
     a.reps = a.reps or (3 if a.cpu else 2)
     a.max_tokens = a.max_tokens or (128 if a.cpu else 256)
     if a.smoke:
         a.input_len, a.max_tokens, a.reps, a.dtype = 32, 24, 1, "float32"
     torch.set_num_threads(os.cpu_count() or 1)
-    res = cpu_bench(a) if a.cpu else oracle_bench(a)
-    res.update(benchmark="speculative", mode="cpu" if a.cpu else "oracle", k=a.k, commit=commit(),
+    res = cpu_bench(a) if a.cpu else heads_bench(a) if a.heads else oracle_bench(a)
+    mode = "cpu" if a.cpu else "heads" if a.heads else "oracle"
+    res.update(benchmark="speculative", mode=mode, k=a.k, commit=commit(),
                dtype=None if a.cpu else a.dtype, forced=a.forced,
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip
     print(json.dumps(res))

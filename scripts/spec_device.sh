@@ -7,6 +7,10 @@
 #   forced   the same in bfloat16 with --forced: the oracle's runs are accepted by construction (cost)
 #   adaptive issue 19: --forced with the load-aware k policy (the default) at batch 1/8/64/256
 #            (BATCHES, REPS), 32 GiB of KV per engine; adaptive-tests: its tests and the grammar's on CUDA
+#   heads    issue 19: full-size random EAGLE-3 (dummy Llama-3.1-8B) and DFlash (5 layers, block 8, dummy
+#            Qwen3-8B) heads (METHODS; mtp: dummy MiMo-7B shape): the drafter's cost per step at batch 1
+#            and 64, and the speedup with the head drafting for cost and the oracle's drafts forced accepted
+#   heads-tests  the hidden-state drafters' tests (greedy == plain, drafts == dense reference) on CUDA
 #   gemm     time one Llama-3.1-8B MLP projection (4096 -> 14336) at 1..320 rows, fp32 and bf16: the
 #            verify step's extra rows are free only while the GEMM stays bandwidth-bound
 #   w3       W3 alone in its own process, this checkout and before/ alternating, 3 times each (the first
@@ -32,6 +36,14 @@ for part in "$@"; do
       # issue 19: the load-aware policy (the default) against plain decoding, bf16, forced acceptance
       timeout ${T_ORACLE:-540} python3 benchmarks/speculative.py --oracle --forced --batches ${BATCHES:-1,8,64,256} \
         --reps ${REPS:-1} --kv-memory-gib 32 2>&1 | grep -v " INFO " | grep '^{"batch' | cut -c1-400
+      ;;
+    heads)
+      timeout ${T_HEADS:-560} python3 benchmarks/speculative.py --heads --methods ${METHODS:-eagle3,dflash} \
+        --batches ${BATCHES:-1,64} --reps ${REPS:-2} --kv-memory-gib 24 2>&1 | grep -v " INFO " | grep '^{"method' 
+      ;;
+    heads-tests)
+      timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider tests/test_spec_heads.py \
+        tests/test_cuda_graphs.py tests/test_speculative.py -k "not real_model" 2>&1 | tail -8
       ;;
     adaptive-tests)
       timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider tests/test_spec_adaptive.py \

@@ -18,7 +18,7 @@ H, HEADS, KV, HD, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 128, 1000, 96
 AUX = [1, 2, 3]  # the target layers the EAGLE-3 head reads (the target has 4)
 
 
-def _eagle3_tensors(seed: int) -> dict[str, torch.Tensor]:
+def _eagle3_tensors(seed: int, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape, scale=0.2):
@@ -40,13 +40,13 @@ def _eagle3_tensors(seed: int) -> dict[str, torch.Tensor]:
         "lm_head.weight": w(DRAFT_VOCAB, H, scale=1.0),
     }
     # the draft vocabulary: DRAFT_VOCAB distinct target ids, stored as offsets (target = draft + d2t)
-    ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+    ids = torch.randperm(vocab, generator=g)[:DRAFT_VOCAB].sort().values
     t["d2t"] = ids - torch.arange(DRAFT_VOCAB)
-    t["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, ids, True)
+    t["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
     return t
 
 
-def write_eagle3(folder, seed: int = 0, **config) -> str:
+def write_eagle3(folder, seed: int = 0, vocab: int = VOCAB, **config) -> str:
     """A random EAGLE-3 head in the published layout (config.json + model.safetensors)."""
     from safetensors.torch import save_file
 
@@ -61,7 +61,7 @@ def write_eagle3(folder, seed: int = 0, **config) -> str:
         "head_dim": HD,
         "num_hidden_layers": 1,
         "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "draft_vocab_size": DRAFT_VOCAB,
         "max_position_embeddings": 256,
         "rope_theta": 10000.0,
@@ -70,7 +70,8 @@ def write_eagle3(folder, seed: int = 0, **config) -> str:
     }
     (folder / "config.json").write_text(json.dumps(cfg))
     save_file(
-        {k: v.contiguous() for k, v in _eagle3_tensors(seed).items()}, str(folder / "model.safetensors")
+        {k: v.contiguous() for k, v in _eagle3_tensors(seed, vocab).items()},
+        str(folder / "model.safetensors"),
     )
     return str(folder)
 
@@ -297,18 +298,14 @@ def _mtp_tensors(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture(scope="module")
-def mimo(tmp_path_factory):
-    """A tiny MiMo checkpoint as published: a Qwen2 decoder's config with model_type mimo and
-    num_nextn_predict_layers, its MTP layer's tensors in the same safetensors file."""
+def make_mimo(folder, model, tokenizer) -> str:
+    """A tiny MiMo checkpoint as published from a transformers Qwen2 model (hidden 64, 4/2 heads of 16):
+    its config with model_type mimo and num_nextn_predict_layers, the MTP layer's tensors in the same
+    safetensors file."""
     from safetensors.torch import load_file, save_file
 
-    from tests.test_loader import tiny_hf_tokenizer, tiny_model
-
-    folder = tmp_path_factory.mktemp("mimo")
-    model = tiny_model("qwen2", seed=3, layers=2)
     model.save_pretrained(folder)
-    tiny_hf_tokenizer().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1,
                auto_map={"AutoConfig": "configuration_mimo.MiMoConfig"})  # fmt: skip
@@ -316,7 +313,15 @@ def mimo(tmp_path_factory):
     tensors = load_file(str(folder / "model.safetensors"))
     tensors.update(_mtp_tensors(3))
     save_file(tensors, str(folder / "model.safetensors"))
-    return {"target": str(folder), "hf": model}
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    from tests.test_loader import tiny_hf_tokenizer, tiny_model
+
+    model = tiny_model("qwen2", seed=3, layers=2)
+    return {"target": make_mimo(tmp_path_factory.mktemp("mimo"), model, tiny_hf_tokenizer()), "hf": model}
 
 
 def test_mtp_greedy_is_lossless_in_mixed_batches(mimo):
@@ -384,3 +389,125 @@ def test_mtp_drafts_equal_a_dense_reference_of_the_layer(mimo):
 def test_mtp_needs_mtp_layers(saved):
     with pytest.raises(ValueError, match="has no MTP layers"):
         _llm(saved, {"method": "mtp"})
+
+
+# -- DFlash (a block-diffusion drafter over the target's layer outputs) ------------------------------
+DF_LAYERS, DF_BLOCK, DF_TARGET = 2, 4, [1, 3]  # layer 3: the target's last output; MASK: the last id
+
+
+def _dflash_tensors(seed: int, num_features: int = len(DF_TARGET)) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    t = {
+        "fc.weight": w(H, num_features * H, scale=0.1),
+        "hidden_norm.weight": 1 + w(H),
+        "norm.weight": 1 + w(H),
+    }
+    for i in range(DF_LAYERS):
+        p = f"layers.{i}."
+        t.update({
+            p + "input_layernorm.weight": 1 + w(H),
+            p + "post_attention_layernorm.weight": 1 + w(H),
+            p + "self_attn.q_proj.weight": w(HEADS * HD, H),
+            p + "self_attn.k_proj.weight": w(KV * HD, H),
+            p + "self_attn.v_proj.weight": w(KV * HD, H),
+            p + "self_attn.o_proj.weight": w(H, HEADS * HD),
+            p + "self_attn.q_norm.weight": 1 + w(HD),
+            p + "self_attn.k_norm.weight": 1 + w(HD),
+            p + "mlp.gate_proj.weight": w(INTER, H),
+            p + "mlp.up_proj.weight": w(INTER, H),
+            p + "mlp.down_proj.weight": w(H, INTER),
+        })  # fmt: skip
+    return t
+
+
+def write_dflash(
+    folder, seed: int = 0, vocab: int = VOCAB, target_layers=DF_TARGET, num_target_layers=4
+) -> str:
+    """A random DFlash drafter in z-lab's layout (a Qwen3 config, no embedding or LM head)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
+        "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HD,
+        "num_hidden_layers": DF_LAYERS, "rms_norm_eps": 1e-5, "vocab_size": vocab,
+        "max_position_embeddings": 256, "rope_theta": 1000.0, "block_size": DF_BLOCK,
+        "num_target_layers": num_target_layers,
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": target_layers},
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(_dflash_tensors(seed, len(target_layers)), str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def test_dflash_greedy_is_lossless_in_mixed_batches(saved, tmp_path):
+    path = write_dflash(tmp_path / "dflash")
+    prompts = _prompts(6, seed=6)
+    plain = _run(_llm(saved, max_num_batched_tokens=12), prompts, MIXED_GREEDY)
+    llm = _llm(
+        saved, {"model": path, "num_speculative_tokens": 3, "adaptive": False}, max_num_batched_tokens=12
+    )
+    assert llm.engine.config.speculative.method == "dflash"  # read from the checkpoint
+    assert _run(llm, prompts, MIXED_GREEDY) == plain
+    assert llm.engine.spec_stats.num_draft_tokens >= 2 * llm.engine.spec_stats.num_drafts
+    assert llm.engine.proposer.kv.num_used_blocks == 0
+
+
+def _dflash_reference(t, hf, tokens: list[int], k: int) -> list[int]:
+    """The block's drafts, dense: context features of every token but the last (their target states
+    after layers 1 and 3), the block [last token, MASK...] attending to all context and to itself."""
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        n = len(tokens)
+        # HF's last entry is after the final norm: the last layer's raw output is the input of the norm
+        outs = [states[i + 1][0] if i + 1 < len(states) - 1 else None for i in DF_TARGET]
+        if outs[-1] is None:
+            captured = {}
+            hook = hf.model.norm.register_forward_hook(lambda m, a, o: captured.update(x=a[0][0]))
+            hf(torch.tensor([tokens]))
+            hook.remove()
+            outs[-1] = captured["x"]
+        feats = _rms(torch.cat(outs, -1)[: n - 1] @ t["fc.weight"].T, t["hidden_norm.weight"])
+        embed = hf.model.embed_tokens.weight
+        x = embed[[tokens[-1]] + [VOCAB - 1] * (DF_BLOCK - 1)]
+        pos = torch.arange(n - 1 + DF_BLOCK)
+        for i in range(DF_LAYERS):
+            p = f"layers.{i}."
+            src = torch.cat([feats, _rms(x, t[p + "input_layernorm.weight"])])
+            m = src.shape[0]
+            q = _rms(
+                (src @ t[p + "self_attn.q_proj.weight"].T).view(m, HEADS, HD),
+                t[p + "self_attn.q_norm.weight"],
+            )
+            kk = _rms(
+                (src @ t[p + "self_attn.k_proj.weight"].T).view(m, KV, HD), t[p + "self_attn.k_norm.weight"]
+            )
+            v = (src @ t[p + "self_attn.v_proj.weight"].T).view(m, KV, HD)
+            q, kk = _rope(q, pos, 1000.0)[n - 1 :], _rope(kk, pos, 1000.0)
+            kk, v = kk.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
+            s = torch.einsum("qhd,khd->hqk", q, kk) / HD**0.5  # no mask: all context, the block both ways
+            a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(DF_BLOCK, HEADS * HD)
+            x = x + a @ t[p + "self_attn.o_proj.weight"].T
+            y = _rms(x, t[p + "post_attention_layernorm.weight"])
+            mm = torch.nn.functional.silu(y @ t[p + "mlp.gate_proj.weight"].T) * (
+                y @ t[p + "mlp.up_proj.weight"].T
+            )
+            x = x + mm @ t[p + "mlp.down_proj.weight"].T
+        logits = _rms(x, t["norm.weight"]) @ hf.lm_head.weight.T
+    return logits[1 : 1 + k].argmax(-1).tolist()
+
+
+def test_dflash_drafts_equal_a_dense_reference_of_the_block(saved, tmp_path):
+    t = _dflash_tensors(0)
+    path = write_dflash(tmp_path / "dflash")
+    llm = _llm(
+        saved, {"model": path, "num_speculative_tokens": 3, "adaptive": False}, max_num_batched_tokens=10
+    )
+    seen = _proposals(llm, _prompts(3, seed=7))
+    assert len(seen) > 6
+    for tokens, drafts in seen:
+        assert drafts == _dflash_reference(t, saved["hf"], tokens, len(drafts)), tokens

@@ -29,7 +29,8 @@ class StepContext:
     # hidden states after decoder layer i
     deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
     # hidden-state drafters (foveal/spec/hidden.py): the model appends the hidden state entering each of
-    # these decoder layers (HF's hidden_states[i]) to `aux`, in layer order
+    # these decoder layers (HF's hidden_states[i]; i = num_layers: the last layer's output before the
+    # final norm) to `aux`, in layer order
     aux_layers: tuple[int, ...] = ()
     aux: list[torch.Tensor] | None = None
 

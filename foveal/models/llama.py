@@ -152,6 +152,8 @@ class LlamaForCausalLM(CausalLM):
             if deepstack is not None and i < deepstack[1].shape[1]:
                 # the layer's output is x + residual; adding to x puts it on that sum
                 x = x.index_add(0, deepstack[0], deepstack[1][:, i].to(x.dtype))
+        if len(self.layers) in aux:  # the last layer's output, before the final norm
+            ctx.aux.append(x + residual)
         x, _ = self.norm.forward_residual(x, residual)
         return x
 

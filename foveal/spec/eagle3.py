@@ -30,7 +30,7 @@ from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.models.llama import MLP, Attention, DecoderSpec
 from foveal.models.weights import ParamFiller, decoder_param
-from foveal.spec.hidden import OneLayerHead
+from foveal.spec.hidden import DraftHead
 
 
 def is_eagle3_config(config) -> bool:
@@ -45,9 +45,10 @@ def aux_layer_ids(config, target_layers: int) -> tuple[int, ...]:
     if ids is None:
         ids = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
     ids = tuple(int(i) for i in ids) if ids else (2, target_layers // 2, target_layers - 3)
-    if len(set(ids)) != 3 or ids != tuple(sorted(ids)) or not all(0 < i < target_layers for i in ids):
+    # i: the state entering layer i (0: the embeddings; the target's layer count: its last output)
+    if len(set(ids)) != 3 or ids != tuple(sorted(ids)) or not all(0 <= i <= target_layers for i in ids):
         raise ValueError(
-            f"EAGLE-3 reads three distinct target layers, in order, inside 1..{target_layers - 1} "
+            f"EAGLE-3 reads three distinct target layers, in order, inside 0..{target_layers} "
             f"(the target has {target_layers}); the draft names {list(ids)}"
         )
     return ids
@@ -63,7 +64,7 @@ class _Layer(nn.Module):
         self.mlp = MLP(spec)
 
 
-class Eagle3Head(OneLayerHead):
+class Eagle3Head(DraftHead):
     """One EAGLE-3 draft layer with its fc, norm and draft-vocabulary head (spec/hidden.py's DraftHead)."""
 
     name = "eagle3"
@@ -151,3 +152,19 @@ class Eagle3Head(OneLayerHead):
             >= self.vocab_size
         ):
             raise ValueError("the EAGLE-3 d2t map points past the target's vocabulary")
+
+
+def build_eagle3_head(spec, target, target_source, backend, max_model_len: int, device, dtype) -> Eagle3Head:
+    """The EAGLE-3 head at spec.model, refused when its vocabulary or hidden size does not fit."""
+    from foveal.spec.hidden import check_fits, open_head_checkpoint
+
+    folder = open_head_checkpoint(spec.model)
+    with torch.device("meta"):
+        head = Eagle3Head(
+            folder.hf_config, backend, max_model_len + spec.num_speculative_tokens, target.spec.num_layers
+        )
+    check_fits(spec, head.vocab_size, target.spec.vocab_size, head.target_hidden_size, target.spec.hidden)
+    head = head.to_empty(device=device).to(dtype)
+    head.reset_buffers(device)
+    head.load_weights(folder.weights(dtype, device), target.embed_tokens)
+    return head

@@ -53,13 +53,17 @@ class _Seq:
         return start, last[0] + last[1].shape[0]
 
 
-class OneLayerHead(nn.Module):
-    """What the EAGLE-3 and MTP heads share: one decoder layer's KV and the rotary table
-    (`spec`, `config` and `rotary` set by the head)."""
+class DraftHead(nn.Module):
+    """What the heads share: their KV geometry and rotary table (`spec`, `config`, `rotary` and
+    `num_kv_layers` set by the head), the proposer that drives them and the most drafts they give."""
+
+    num_kv_layers = 1
+    max_drafts = 16
+    proposer: type  # ChainProposer or dflash.BlockProposer (set below / in dflash.py)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        return 1, self.spec.num_kv_heads, self.spec.head_dim
+        return self.num_kv_layers, self.spec.num_kv_heads, self.spec.head_dim
 
     def reset_buffers(self, device) -> None:
         self.rotary = RotaryEmbedding(self.config, self.spec.head_dim, self.rotary.cos.shape[0]).to(device)
@@ -242,6 +246,9 @@ class ChainProposer(HiddenStateDrafter):
         return out
 
 
+DraftHead.proposer = ChainProposer
+
+
 def open_head_checkpoint(model: str):
     """An HF folder (config.json + safetensors) of a draft head: a local path or a Hub id."""
     import os
@@ -267,51 +274,41 @@ def build_hidden_proposer(
     max_model_len: int,
     num_blocks: int,
     block_size: int,
-) -> ChainProposer:
-    """The head the config names, checked against the target (vocabulary, hidden size, the layers it
-    reads), with a KV pool of num_blocks blocks for its one layer."""
-    import torch as _torch
-
+) -> HiddenStateDrafter:
+    """The head the config names (eagle3, mtp: chain drafting; dflash: a block per forward), checked
+    against the target by its builder, with a KV pool of num_blocks blocks for its layers."""
     from foveal.attention import kv_quant
 
     if not target.supports_aux_hidden:
         raise ValueError(f"speculative method {spec.method}: the target model cannot report hidden states")
-    tspec = target.spec
-    k = spec.num_speculative_tokens
     if spec.method == "eagle3":
-        from foveal.spec.eagle3 import Eagle3Head
-
-        folder = open_head_checkpoint(spec.model)
-        cfg = folder.hf_config
-        with _torch.device("meta"):
-            head = Eagle3Head(cfg, backend, max_model_len + k, tspec.num_layers)
-        _check_fits(spec, head.vocab_size, tspec.vocab_size, head.target_hidden_size, tspec.hidden)
-        head = head.to_empty(device=device).to(dtype)
-        head.reset_buffers(device)
-        head.load_weights(folder.weights(dtype, device), target.embed_tokens)
+        from foveal.spec.eagle3 import build_eagle3_head as build
     elif spec.method == "mtp":
-        from foveal.spec.mtp import build_mtp_head
-
-        head = build_mtp_head(spec, target, target_source, backend, max_model_len + k, device, dtype)
+        from foveal.spec.mtp import build_mtp_head as build
+    elif spec.method == "dflash":
+        from foveal.spec.dflash import build_dflash_head as build
     else:
         raise ValueError(f"speculative method {spec.method!r} is not a hidden-state drafter")
-    head.eval()
+    head = build(spec, target, target_source, backend, max_model_len, device, dtype).eval()
+    k = min(spec.num_speculative_tokens, head.max_drafts)
     layers, kv_heads, head_dim = head.kv_shape
     caches = kv_quant.allocate_kv_caches(
         "auto", layers, num_blocks * block_size, kv_heads, head_dim, dtype, device
     )
     log.info(
-        "%s head %s: reads target layers %s; %d KV blocks; %d drafts per step",
+        "%s head %s: %d layer(s), reads target layers %s; %d KV blocks; %d drafts per step",
         spec.method,
         spec.model or "(the target's)",
+        layers,
         list(head.tap_layers) or "(last hidden state)",
         num_blocks,
         k,
     )
-    return ChainProposer(head, caches, backend, KVCacheManager(num_blocks, block_size), k, device)
+    kv = KVCacheManager(num_blocks, block_size)
+    return head.proposer(head, caches, backend, kv, k, device)
 
 
-def _check_fits(spec, vocab: int, target_vocab: int, hidden: int, target_hidden: int) -> None:
+def check_fits(spec, vocab: int, target_vocab: int, hidden: int, target_hidden: int) -> None:
     if vocab != target_vocab:
         raise ValueError(
             f"the {spec.method} head {spec.model} has a vocabulary of {vocab}; the target's is {target_vocab}"

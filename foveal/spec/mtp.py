@@ -26,14 +26,14 @@ from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.models.llama import DecoderLayer
 from foveal.models.weights import ParamFiller, decoder_param
-from foveal.spec.hidden import OneLayerHead
+from foveal.spec.hidden import DraftHead
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^model\.mtp_layers\.(\d+)\.(.*)$")
 
 
-class MTPHead(OneLayerHead):
+class MTPHead(DraftHead):
     name = "mtp"
     tap_layers: tuple[int, ...] = ()  # the target's last hidden state only
 
@@ -81,7 +81,7 @@ class MTPHead(OneLayerHead):
         filler.check_complete()
 
 
-def build_mtp_head(spec, target, target_source: str | None, backend, max_positions: int, device, dtype):
+def build_mtp_head(spec, target, target_source: str | None, backend, max_model_len: int, device, dtype):
     """The MTP head of the checkpoint at spec.model (default: the target's own, `target_source`)."""
     from foveal.spec.hidden import open_head_checkpoint
 
@@ -98,7 +98,7 @@ def build_mtp_head(spec, target, target_source: str | None, backend, max_positio
     if n > 1:
         log.info("%s has %d MTP layers; the first drafts every chain step", source, n)
     with torch.device("meta"):
-        head = MTPHead(cfg, target, backend, max_positions)
+        head = MTPHead(cfg, target, backend, max_model_len + spec.num_speculative_tokens)
     head = head.to_empty(device=device).to(dtype)
     head.reset_buffers(device)
     head.load_weights(folder.weights(dtype, device))

@@ -76,14 +76,10 @@ def build_proposer(config, *, target=None, target_source=None, **engine_parts) -
         from foveal.spec.draft_model import build_draft_proposer
 
         return build_draft_proposer(config, **engine_parts)
-    if config.method in ("eagle3", "mtp"):
+    if config.method in ("eagle3", "mtp", "dflash"):
         from foveal.spec.hidden import build_hidden_proposer
 
         return build_hidden_proposer(config, target=target, target_source=target_source, **engine_parts)
-    if config.method == "dflash":
-        from foveal.spec.dflash import build_dflash_proposer
-
-        return build_dflash_proposer(config, target=target, **engine_parts)
     if config.method == "ngram":
         return NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max

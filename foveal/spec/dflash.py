@@ -1,0 +1,201 @@
+"""DFlash: a block-diffusion drafter (z-lab/dflash) that proposes a whole block from the target's hidden
+states in one forward pass.
+
+Checkpoint (z-lab's layout): a Qwen3 config with architectures ["DFlashDraftModel"], `block_size` (top
+level, or in `dflash_config`), `dflash_config.mask_token_id` and `dflash_config.target_layer_ids` (the
+target layers whose outputs it reads: HF's hidden_states[id + 1]); safetensors
+
+    fc.weight [H, K * H], hidden_norm.weight       the K target states of a token -> its context feature
+    layers.{i}.* (Qwen3 decoder layers, q/k norm)  norm.weight
+    (no embedding, no LM head: the target's serve)
+
+A context token's feature c_t = hidden_norm(fc([h_t^{l_1}, ..., h_t^{l_K}])) gives, in every layer, the
+key and value at its position (that layer's k_proj, k_norm, RoPE; v_proj), never a query and never a
+residual stream. The block holds the last token (whose target state is not computed yet) and S - 1
+mask tokens at the next positions, embedded by the target; in each layer the block's queries attend to
+every context key and to the whole block both ways (no causal mask inside it):
+
+    positions   lo .. last (context fed now) | last+1 .. last+S (block: x_{n-1}, MASK, ..., MASK)
+    layer       src = [c rows | input_layernorm(block x)] -> attention (causal; the block one span)
+                x += o_proj(attn)[block] ; x += mlp(post_attention_layernorm(x))
+    drafts      argmax of the target's LM head over norm(x) at block positions 1 .. k (k <= S - 1)
+
+The context keys go into the head's paged KV like a prefill chunk's (the context rows' queries are
+computed and discarded: a few rows per step); the block's keys land at positions the next proposal
+overwrites with context. Greedy drafts, one forward per step for every row (spec/hidden.py holds the
+states until they are fed, as for EAGLE-3).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from foveal.device import to_device
+from foveal.layers.linear import Linear
+from foveal.layers.norm import RMSNorm
+from foveal.layers.rotary import RotaryEmbedding
+from foveal.models.base import StepContext
+from foveal.models.llama import DecoderLayer, DecoderSpec
+from foveal.models.weights import ParamFiller, decoder_param
+from foveal.spec.hidden import DraftHead, HiddenStateDrafter
+from foveal.spec.proposer import ProposeRow
+
+log = logging.getLogger(__name__)
+
+
+def is_dflash_config(config) -> bool:
+    return any("DFlash" in a for a in getattr(config, "architectures", None) or [])
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default: the middle layer for a one-layer drafter, else evenly from 1 to N - 3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def block_size_of(config) -> int:
+    extra = dict(getattr(config, "dflash_config", None) or {})
+    return int(getattr(config, "block_size", None) or extra.get("block_size") or 0)
+
+
+class DFlashHead(DraftHead):
+    name = "dflash"
+
+    def __init__(self, config, target, backend, max_positions: int):
+        super().__init__()
+        self.config = config
+        extra = dict(getattr(config, "dflash_config", None) or {})
+        spec = self.spec = DecoderSpec(config, family_qkv_bias=False, qk_norm=True)
+        n_target = target.spec.num_layers
+        self.block_size = block_size_of(config)
+        self.max_drafts = self.block_size - 1  # block positions 1 .. S - 1
+        if self.block_size < 2:
+            raise ValueError("a DFlash drafter's config needs block_size >= 2")
+        if extra.get("mask_token_id") is None:
+            raise ValueError("a DFlash drafter's config needs dflash_config.mask_token_id")
+        self.mask_token_id = int(extra["mask_token_id"])
+        ids = extra.get("target_layer_ids") or default_target_layers(
+            int(getattr(config, "num_target_layers", None) or n_target), spec.num_layers
+        )
+        ids = [int(i) for i in ids]
+        if ids != sorted(set(ids)) or not all(0 <= i < n_target for i in ids):
+            raise ValueError(
+                f"a DFlash drafter reads distinct target layers, in order, inside 0..{n_target - 1} "
+                f"(the target has {n_target}); this one names {ids}"
+            )
+        self.target_layer_ids = ids
+        self.tap_layers = tuple(i + 1 for i in ids)  # the output of layer i enters layer i + 1
+        self.hidden_size = spec.hidden
+        self.vocab_size = spec.vocab_size
+        self.num_kv_layers = spec.num_layers
+        self.fc = Linear(len(ids) * spec.hidden, spec.hidden, bias=False)
+        self.hidden_norm = RMSNorm(spec.hidden, spec.eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden, spec.eps)
+        self.rotary = RotaryEmbedding(config, spec.head_dim, max_positions)
+        self._target = (target,)  # its embedding and LM head (not a submodule: no copy)
+
+    def fuse(self, aux: list[torch.Tensor], final: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(torch.cat(aux, dim=-1)))
+
+    def forward(self, block_ids, feats, ctx_rows, block_rows, ctx: StepContext) -> torch.Tensor:
+        """norm(x) of the block rows: `feats` [C, H] go to rows `ctx_rows` of the step, the block's
+        tokens to `block_rows`."""
+        target = self._target[0]
+        x = target.embed_input_ids(block_ids)
+        cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
+        src = x.new_empty(ctx.positions.shape[0], x.shape[1])
+        if feats is not None:
+            src.index_copy_(0, ctx_rows, feats.to(x.dtype))
+        for layer, cache in zip(self.layers, ctx.kv_caches):
+            src.index_copy_(0, block_rows, layer.input_layernorm(x))
+            a = layer.self_attn(src, cos, sin, cache, ctx.attn)[block_rows]
+            y, x = layer.post_attention_layernorm.forward_residual(a, x)
+            x = x + layer.mlp(y)
+        return self.norm(x)
+
+    def load_weights(self, weights) -> None:
+        filler = ParamFiller(self)
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                continue  # the target's serve (z-lab's checkpoints have none)
+            target, offset, rows = decoder_param(name, self.spec, tied=False)
+            filler.put(target, tensor, name, offset, rows)
+        filler.check_complete()
+
+
+class BlockProposer(HiddenStateDrafter):
+    """One DFlash forward per step for every row: its unfed context and its block, as one chunk."""
+
+    @torch.inference_mode()
+    def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
+        head, S = self.head, self.head.block_size
+        out: list[list[int]] = [[] for _ in rows]
+        chunks = []  # (row index, seq, first context position, last, drafts wanted)
+        for i, row in enumerate(rows):
+            k = min(row.max_drafts, self.num_speculative_tokens)
+            c = self._catch_up(row, S, 0)
+            if c is not None:
+                chunks.append((i, *c, k))
+        if not chunks:
+            return out
+        block_ids, feats, pos, q_lens, ctxs, tables, slots, spans = [], [], [], [], [], [], [], []
+        ctx_rows, block_rows, picks = [], [], []
+        for i, seq, lo, last, k in chunks:
+            block_ids += [rows[i].token_ids[-1]] + [head.mask_token_id] * (S - 1)
+            if lo <= last:
+                feats.append(self._take(seq, lo, last + 1))
+                ctx_rows += range(len(pos), len(pos) + last + 1 - lo)
+            first = len(block_rows)
+            block_rows += range(len(pos) + last + 1 - lo, len(pos) + last + 1 - lo + S)
+            picks += range(first + 1, first + 1 + k)
+            r = range(lo, last + 1 + S)
+            pos.extend(r)
+            q_lens.append(len(r))
+            ctxs.append(lo - seq.base)
+            tables.append(list(seq.kv.block_ids))
+            slots.extend(self._slot(seq, p) for p in r)
+            b = last + 1 - seq.base
+            spans.append([(b, b + S)])
+        ctx = self._context(pos, q_lens, ctxs, tables, slots, 0, bidirectional=spans)
+        dev = self.device
+
+        def idx(v):
+            return to_device(torch.tensor(v, dtype=torch.long), dev)
+
+        normed = head(
+            idx(block_ids), torch.cat(feats) if feats else None, idx(ctx_rows), idx(block_rows), ctx
+        )
+        drafts = head._target[0].compute_logits(normed[idx(picks)]).argmax(dim=-1).tolist()
+        j = 0
+        for i, *_rest, k in chunks:
+            out[i] = drafts[j : j + k]
+            j += k
+        return out
+
+
+DFlashHead.proposer = BlockProposer
+
+
+def build_dflash_head(spec, target, target_source, backend, max_model_len: int, device, dtype) -> DFlashHead:
+    """The DFlash drafter at spec.model, refused when its vocabulary, hidden size or mask token does
+    not fit the target."""
+    from foveal.spec.hidden import check_fits, open_head_checkpoint
+
+    folder = open_head_checkpoint(spec.model)
+    cfg = folder.hf_config
+    with torch.device("meta"):
+        head = DFlashHead(cfg, target, backend, max_model_len + max(block_size_of(cfg), 2))
+    check_fits(spec, head.vocab_size, target.spec.vocab_size, head.hidden_size, target.spec.hidden)
+    if head.mask_token_id >= target.spec.vocab_size:
+        raise ValueError(f"the DFlash mask token {head.mask_token_id} is outside the target's vocabulary")
+    head = head.to_empty(device=device).to(dtype)
+    head.reset_buffers(device)
+    head.load_weights(folder.weights(dtype, device))
+    return head
