@@ -263,6 +263,11 @@ def oracle_run(llm, k, prompts, fulls, params, rate, vocab, seed, forced, wrap=N
     return outs
 
 
+def curve_ms(curve, lo: float, hi: float) -> list[list[float]]:
+    """A load-aware policy's cost curve between two sizes: [size, milliseconds] points."""
+    return [[round(n), round(t * 1e3, 2)] for n, t in curve.live() if lo <= n <= hi]
+
+
 def oracle_bench(a) -> dict:
     cfg = os.path.join(HERE, "configs", "llama-3.1-8b.json")
     opts = dict(
@@ -335,9 +340,9 @@ def oracle_bench(a) -> dict:
                     pol = eng.spec_policy
                     row["mean_chosen_k"] = round(pol.stats()["mean_chosen_k"], 2)
                     pol.chosen.clear()
-                    row["curve_ms"] = [  # the sizes this batch steps at
-                        [round(n), round(t * 1e3, 2)] for n, t in pol.step_cost.live() if n >= b
-                    ]
+                    # the sizes this batch steps at: plain steps near b rows, verify steps past b tokens
+                    row["plain_ms"] = curve_ms(pol.plain_cost, b / 2, 2 * b)
+                    row["verify_ms"] = curve_ms(pol.verify_cost, b + 1, float("inf"))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return {"rows": rows}
@@ -428,6 +433,12 @@ def write_random_head(method: str, folder: str, target: dict, k: int, dtype: tor
     return folder
 
 
+def phase_ms(before: dict, after: dict) -> dict:
+    """Mean milliseconds per step of each phase of Engine.step between two `step_seconds` readings."""
+    n = max(after["steps"] - before["steps"], 1)
+    return {p: round((after[p] - before[p]) / n * 1e3, 2) for p in ("schedule", "execute", "update")}
+
+
 def heads_bench(a) -> dict:
     """Per head: the drafter's cost per propose() at each batch (the random head's drafts are rejected,
     so each step feeds one new token per row), then the speedup over plain decoding with the head
@@ -492,14 +503,21 @@ def heads_bench(a) -> dict:
 
             oracle_run(specd, k, prompts, fulls, short, 1.0, vocab, 0, True, wrap)  # warm the verify shapes
             for rep in range(a.reps):
+                before = dict(specd.engine.step_seconds)
                 t0 = time.perf_counter()
                 outs = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wrap)
                 wall = time.perf_counter() - t0
+                spent = phase_ms(before, specd.engine.step_seconds)
+                before = dict(plain.engine.step_seconds)
                 base = run_requests(plain, prompts, params, at_once=True)
                 tok_s = sum(len(v) for v in outs.values()) / wall
                 row = {"method": method, "batch": b, "k": k, "rep": rep, "drafter_ms": round(draft_ms, 2),
                        "spec_tok_s": round(tok_s, 1), "plain_tok_s": round(base["out_tok_s"], 1),
-                       "speedup_at_100pct": round(tok_s / base["out_tok_s"], 2)}  # fmt: skip
+                       "speedup_at_100pct": round(tok_s / base["out_tok_s"], 2),
+                       # per engine step: host time scheduling (with proposing), launching (with waiting
+                       # for the device), applying tokens
+                       "spec_step_ms": spent,
+                       "plain_step_ms": phase_ms(before, plain.engine.step_seconds)}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del plain, specd

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 # number of running requests halves)
 _REST_STEPS = 16
 _MAX_REST_STEPS = 256
-_PROBE_STEPS = 4  # plain steps that measure plain decoding's cost (the first is not counted)
+# plain steps that measure plain decoding's cost (with overlap the first is not timed: nothing is in
+# flight before it; and a size's first measurement is not counted)
+_PROBE_STEPS = 4
 
 
 @dataclass(slots=True)
@@ -204,6 +206,8 @@ class Engine:
             self._spec_rest = self._rest_streak = 0  # the load halved since: ask again now
         self._resting = self._spec_rest > 0  # the policy gave no row drafts: plain steps, overlapped
         self._spec_rest -= self._resting
+        if not self._resting and self.spec_policy is not None and self._prompts_fill_budget():
+            self._resting = True  # drafts would only take prompt tokens' place: a plain step, unasked
         if prev is not None and not self._can_overlap():
             deltas += self._resolve(prev)
             prev = None
@@ -242,22 +246,57 @@ class Engine:
         if launched is not None and not (self.async_scheduling and self._can_overlap()):
             deltas += self._resolve(launched)
         self._release_finished()
-        if (
-            self.spec_policy is not None
-            and batch.items
-            and all(x.is_decode for x in batch.items)
-            and (self._resting or any(x.num_drafts for x in batch.items))
-        ):  # a decode step's cost by the tokens it scheduled (the load-aware policy's step curve): a
-            # verify step, or a plain one as the policy's plain steps run (resting: async overlap); not
-            # the plain step that asked the policy, which waited for the one before
-            tokens = sum(x.num_tokens for x in batch.items)
-            self.spec_policy.observe_step(tokens, time.perf_counter() - t_plan)
+        if self.spec_policy is not None:
+            self._observe_cost(batch, prev, t_plan)
         t = self.step_seconds
         t["schedule"] += t1 - t0
         t["execute"] += t2 - t1
         t["update"] += time.perf_counter() - t2
         t["steps"] += not batch.empty
         return deltas
+
+    def _prompts_fill_budget(self) -> bool:
+        """Whether prompt chunks will fill this step's token budget past its decode rows. Then a draft
+        takes a prompt token's place, one for one: the step costs the same, and the prompt token was
+        sure work where the draft is worth a token only if accepted (so the load-aware policy is not
+        asked; its curves hold decode steps only)."""
+        sched = self.scheduler
+        left = sched.config.max_num_batched_tokens
+        seats = sched.config.max_num_seqs - len(sched.running)
+        for req in sched.running:
+            left -= req.num_tokens - req.num_computed_tokens
+            if left <= 0:
+                return True
+        for req in sched.waiting:
+            if seats <= 0:
+                break
+            seats -= 1
+            left -= req.num_tokens - req.num_computed_tokens
+            if left <= 0:
+                return True
+        return False
+
+    def _observe_cost(self, batch, prev, t_plan: float) -> None:
+        """The cost of a decode step (no prompt chunk), by the tokens it scheduled, for the load-aware
+        policy's curves. A verify step runs alone (proposing needs the tokens before it): from its
+        scheduling to its tokens. A plain step as the policy's plain steps run (resting) overlaps the
+        next one's scheduling: timed from its scheduling until the step in flight before it (`prev`)
+        was collected, an interval that spans one device step, `prev`'s, so it counts at `prev`'s size
+        and only where `prev` was a plain decode step too. A rest's first step has none in flight (the
+        step that asked the policy waited for its own tokens): its interval is host work alone, unused.
+        Without overlap (CPU) a plain step is timed to its own tokens, like a verify step."""
+        items = batch.items
+        if not items or not all(x.is_decode for x in items):
+            return
+        seconds = time.perf_counter() - t_plan
+        if any(x.num_drafts for x in items):
+            self.spec_policy.observe_step(sum(x.num_tokens for x in items), seconds, verify=True)
+        elif not self._resting:
+            return  # the plain step that asked the policy waited for the one before it
+        elif self._inflight is None:  # collected in this step: no overlap
+            self.spec_policy.observe_step(sum(x.num_tokens for x in items), seconds)
+        elif prev is not None and all(x.is_decode and not x.num_drafts for x in prev.batch.items):
+            self.spec_policy.observe_step(sum(x.num_tokens for x in prev.batch.items), seconds)
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the tokens in flight arrive: not when
@@ -304,13 +343,13 @@ class Engine:
         if reqs and policy is not None:  # how many drafts each row takes at this load (0: none)
             other = len(self.scheduler.running) - len(reqs)
             rooms = policy.choose([q.request_id for q in reqs], rooms, other)
+            self._rest_rows = len(self.scheduler.running)
             if policy.probing:  # plain decoding's cost is not known at this load: a few plain steps
                 self._spec_rest = _PROBE_STEPS
             elif not any(rooms):  # speculation does not pay at this load: plain steps,
                 # longer each time it is confirmed (each check costs two steps without overlap)
                 self._spec_rest = min(_REST_STEPS << self._rest_streak, _MAX_REST_STEPS)
                 self._rest_streak += 1
-                self._rest_rows = len(self.scheduler.running)
             else:
                 self._rest_streak = 0
             reqs, rooms = [q for q, k in zip(reqs, rooms) if k], [k for k in rooms if k]

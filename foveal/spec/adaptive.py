@@ -5,36 +5,52 @@ At batch 1 a step of 1 + k tokens costs about what a 1-token step costs (the wei
 so drafts are nearly free; at high load the device is compute-bound, every scheduled token costs, and
 drafts the target rejects are lost work (the H200 oracle: batch 64, 40% acceptance, 0.80x; CPU batch 16
 with a large draft: 0.50x). The policy picks, per step, the drafts that maximize expected tokens per
-second under two cost curves it measures as it runs:
+second under the cost curves it measures as it runs:
 
     E(k)    expected tokens = rows + sum over rows of a_r (1 + c_2 + c_2 c_3 + ... + c_2 .. c_k_r)
             (every row of the step counted, speculating or not; a_r: the row's chance that its first
             draft is accepted; c_j: the chance, over recent requests, that draft j is accepted when
             draft j - 1 was: measured per position, as one run's drafts are correlated)
-    T(n)    seconds of a decode step that schedules n tokens (verify steps included)
+    P(r)    seconds of a plain decode step of r rows (as plain steps run: overlapped)
+    T(n)    seconds of a verify step that schedules n tokens
     D(r, k) seconds of proposing: a per-draft-step cost by drafting rows, times the longest k
 
     maximize E / (T(rows + sum k) + D) over the plans: depth d (0 .. max_k) for every row, or only
     for the rows whose acceptance is at least the mean (where those are 0.2 above the rest); a row's
-    room (max_tokens, context) caps it; a plan with drafts must promise 5% more than plain decoding
+    room (max_tokens, context) caps it; all k = 0 costs P(rows); a plan with drafts must promise 5%
+    more than plain decoding
 
 Few plans means few step sizes, each measured after a step or two: choosing every row's k freely
 visits so many sizes that a short run is mostly exploration (the H200 oracle at batch 64 showed it:
 sizes between the CUDA-graph and eager paths cost more than either). All k = 0 is a candidate, so
 the choice is plain decoding whenever the curves say speculation loses.
 A request's first-draft acceptance is counted and shrunk towards recent requests' (a new request
-starts from theirs). The curves are measured step
-times, kept per size bucket (quarter octaves) as running means and interpolated between; a size never
-measured is assumed to cost what the nearest measured size does (optimism: it gets tried, then
-known); a size's first step is not used (it often pays first-use work: a kernel compiled, a graph
-recorded), so each size is tried twice and the faster of its first two steps kept; the running means
-lean to the lower envelope (a slow step is mostly interference: it moves the estimate up a little,
-counting at most twice the estimate); a size measured few times is taken as up to 20% cheaper than
-measured, so a bad first impression is checked again; and a bucket not refreshed for `stale_after`
-observations is forgotten. Where plain decoding's own size has no live measurement at the current
-load, the step is a plain one (what a server without speculation would run anyway) and `probing`
-says so; the engine then runs a few plain steps the way it runs them when speculation does not pay
-(overlapped), which is the cost to compare with.
+starts from theirs). Acceptance is learnt from verify steps only: where the figures say drafting loses
+none run, so a workload whose acceptance rose is noticed only where drafting at the old figure pays.
+The engine asks about decode steps only: a step whose token budget prompt chunks fill runs plain (a
+draft would take a prompt token's place, at the same cost, and is worth a token only if accepted).
+
+The curves are measured step times, kept per size bucket (quarter octaves) as running means and
+interpolated between. Plain steps and verify steps are kept apart: a verify step of n tokens over n /
+(1 + k) rows does not cost what a plain step of n rows does (on the H200 a 256-token verify step at batch 64
+took 13-15 ms, a 256-row plain step 11 ms), and a plain figure taken from verify steps (or from a larger
+size, flat) made plain decoding look dear at batch 256 (0.90x: 1280-token verify steps chosen at 69 ms
+each, where 256 plain rows cost 11). P is read from plain steps only: where plain decoding's own bucket
+has no live measurement at the current load, the step is a plain one (what a server without speculation
+would run anyway) and `probing` says so; the engine then runs a few plain steps the way it runs them
+when speculation does not pay (overlapped), which is the cost to compare with. T(n) is interpolated from
+P at this load (and below it) to the verify sizes measured above it, never below P(rows); past the
+largest of those it grows at the last stretch's cost per token (at least what a row more costs at this
+load), between flat and proportional to the size. A single point is extended flat (batch 1's first
+verify size is assumed as cheap as a plain step: it gets tried, then known); a size far past what was
+measured is not assumed to cost what the largest did (at batch 256 after batch 64: 1280 tokens from the
+256-row plain step and the 320-token verify step, 72 ms, where flat from 320 tokens said 18). A size's
+first step is not used (it often pays first-use work: a kernel compiled, a graph recorded), so each size
+is tried twice and the faster of its first two steps kept; the running means lean to the lower envelope
+(a slow step is mostly interference: it moves the estimate up a little, counting at most twice the
+estimate); a size measured few times is taken as up to 20% cheaper than measured, so a bad first
+impression is checked again; and a bucket not refreshed for `stale_after` decode steps (of either kind)
+is forgotten.
 """
 
 from __future__ import annotations
@@ -51,7 +67,10 @@ _LOG_EVERY = 5000  # row decisions between two log lines
 _MARGIN = 0.05  # a plan with drafts must promise this much more than plain decoding (estimates err)
 _SPREAD = 0.2  # mean acceptance gap between the keen rows and the rest that earns them a plan apart
 _PRIOR_WEIGHT = 4.0  # pseudo-trials of everyone's acceptance in a request's estimate
-_ALL_HORIZON = 4000.0  # recent requests' counts are halved whenever they pass this many verify rows
+# recent requests' counts are halved whenever they pass this many verify rows (2 requests of 256 tokens
+# at batch 1, 8 steps at batch 64): a workload whose acceptance fell is followed within a run (at 4000
+# the simulated H200 with dear host work, batch 64 at 70% after 100%, drafted on 100%'s figures: 0.93x)
+_ALL_HORIZON = 500.0
 _EXPLORE = 0.2  # optimism for a size measured few times (see CostCurve.live)
 _DOWN, _UP = 0.5, 0.1  # running-mean weight of a new measurement below / above the estimate
 
@@ -62,7 +81,8 @@ def _bucket(size: float) -> int:
 
 class CostCurve:
     """Seconds as a function of a size, measured: per quarter-octave bucket a running mean of (size,
-    seconds); interpolated linearly between buckets, flat beyond the measured range."""
+    seconds); interpolated linearly between buckets, flat below the measured range and past it as
+    `_interp` extends it."""
 
     def __init__(self, stale_after: int = 2000, explore: float = _EXPLORE):
         self.explore = explore
@@ -111,9 +131,19 @@ class CostCurve:
         live = self.live()
         if not live:
             return np.zeros(len(sizes))
-        xs = np.array([p[0] for p in live])
-        ys = np.array([p[1] for p in live])
-        return np.interp(sizes, xs, ys)  # flat outside [xs[0], xs[-1]]
+        return _interp(sizes, [p[0] for p in live], [p[1] for p in live])
+
+
+def _interp(sizes, xs, ys, min_slope: float = 0.0) -> np.ndarray:
+    """Linear between the points (xs increasing), flat below the first; past the last it grows at the
+    last segment's slope (at least `min_slope`), taken between 0 and the last point's seconds per unit
+    (flat and proportional): a size past everything measured costs at least what the last stretch says
+    more. One point: flat (or `min_slope`)."""
+    sizes = np.asarray(sizes, dtype=float)
+    out = np.interp(sizes, xs, ys)
+    last = (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9) if len(xs) > 1 else 0.0
+    slope = min(max(last, min_slope, 0.0), ys[-1] / max(xs[-1], 1e-9))
+    return np.where(sizes > xs[-1], ys[-1] + slope * (sizes - xs[-1]), out)
 
 
 class AdaptivePolicy:
@@ -121,7 +151,8 @@ class AdaptivePolicy:
 
     def __init__(self, max_k: int, stale_after: int = 2000, explore: float = _EXPLORE):
         self.max_k = max_k
-        self.step_cost = CostCurve(stale_after, explore)  # decode-step seconds by scheduled tokens
+        self.plain_cost = CostCurve(stale_after, explore)  # plain decode-step seconds by rows: P
+        self.verify_cost = CostCurve(stale_after, explore)  # verify-step seconds by scheduled tokens: T
         self.draft_cost = CostCurve(stale_after, explore)  # seconds per draft step by drafting rows
         self._acc: dict[str, list[float]] = {}  # request id -> [first drafts accepted, first drafts]
         self._all = [0.0, 0.0]  # the same over recent requests
@@ -172,8 +203,8 @@ class AdaptivePolicy:
         kmax = ks_all.max(1) if rows else np.zeros(len(plans), int)
         drafting = (ks_all > 0).sum(1)
         per_step = self.draft_cost.estimate(np.maximum(drafting, 1))
-        seconds = self.step_cost.estimate(n) + np.where(kmax > 0, per_step * kmax, 0.0)
-        self.probing = not self.step_cost.measured(other + rows)
+        seconds = self.step_seconds(n, other + rows) + np.where(kmax > 0, per_step * kmax, 0.0)
+        self.probing = not self.plain_cost.measured(other + rows)
         if self.probing:  # plain decoding's cost at this load first: one plain step
             best = 0
         else:
@@ -195,9 +226,24 @@ class AdaptivePolicy:
             self._window = [0, 0]
         return ks
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A decode-only step (no prefill chunk) that scheduled `tokens` tokens took `seconds`."""
-        self.step_cost.observe(tokens, seconds)
+    def step_seconds(self, sizes, load: int) -> np.ndarray:
+        """Seconds of a decode step of each size (scheduled tokens) at `load` rows: P(load) for a plain
+        step (size == load), T(size) for a verify step (see the module docstring)."""
+        plain = float(self.plain_cost.estimate([load])[0])
+        below = [p for p in self.plain_cost.live() if p[0] < load]
+        # what a row more costs at this load: past every verify size measured, a token costs no less
+        # (verify sizes just above the load, over fewer rows, can cost less than this load's plain step)
+        per_row = (plain - below[-1][1]) / (load - below[-1][0]) if below else 0.0
+        pts = below + [(float(load), plain)] + [p for p in self.verify_cost.live() if p[0] > load]
+        verify = _interp(sizes, [p[0] for p in pts], [p[1] for p in pts], per_row)
+        return np.where(np.asarray(sizes) > load, np.maximum(verify, plain), plain)
+
+    def observe_step(self, tokens: int, seconds: float, verify: bool = False) -> None:
+        """A decode step (no prompt chunk) took `seconds`: a verify step that scheduled `tokens` tokens,
+        or a plain one of `tokens` rows."""
+        mine, other = (self.verify_cost, self.plain_cost) if verify else (self.plain_cost, self.verify_cost)
+        mine.observe(tokens, seconds)
+        other.clock = mine.clock  # one clock: both curves age by decode steps
 
     def observe_drafting(self, rows: int, steps: int, seconds: float) -> None:
         """Proposing for `rows` rows, at most `steps` drafts deep, took `seconds`."""
