@@ -511,3 +511,20 @@ def test_dflash_drafts_equal_a_dense_reference_of_the_block(saved, tmp_path):
     assert len(seen) > 6
     for tokens, drafts in seen:
         assert drafts == _dflash_reference(t, saved["hf"], tokens, len(drafts)), tokens
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_prefix_cache_hit_drafts_from_what_the_target_computed(saved, tmp_path, method):
+    """The second run of a prompt takes its prefix from the cache, so the head never sees those
+    positions' states: it drafts from the first state it gets (output still equals plain greedy)."""
+    head = write_eagle3(tmp_path / "e") if method == "eagle3" else write_dflash(tmp_path / "d")
+    llm = _llm(saved, {"method": method, "model": head, "num_speculative_tokens": 3, "adaptive": False})
+    prompt = _prompts(1, seed=9)[0] * 3
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    (miss,) = llm.generate([prompt], params)
+    drafted, cached = llm.engine.spec_stats.num_draft_tokens, llm.engine.kv.hit_tokens
+    (hit,) = llm.generate([prompt], params)
+    assert cached == 0 and llm.engine.kv.hit_tokens >= 12  # the second run's prefix came from the cache
+    assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
+    assert llm.engine.spec_stats.num_draft_tokens - drafted >= 3 * 4  # it drafted on most steps
+    assert llm.engine.proposer.kv.num_used_blocks == 0
