@@ -139,6 +139,12 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
             num_blocks=num_blocks,
             block_size=bs,
         )
+        if hasattr(proposer, "use_graphs") and _use_graphs(cfg, device, backend):
+            try:  # a chain head's one-token steps (EAGLE-3, MTP) as graphs, like the target's decodes
+                proposer.use_graphs(_graph_rows(cfg), max_len + spec.num_speculative_tokens)
+            except Exception:
+                log.exception("the draft head's graph capture failed; its steps run eagerly")
+                proposer.graphs = None
     runner = ModelRunner(
         model,
         kv_caches,

@@ -20,8 +20,10 @@ every context key and to the whole block both ways (no causal mask inside it):
                 x += o_proj(attn)[block] ; x += mlp(post_attention_layernorm(x))
     drafts      argmax of the target's LM head over norm(x) at block positions 1 .. k (k <= S - 1)
 
-The context keys go into the head's paged KV like a prefill chunk's (the context rows' queries are
-computed and discarded: a few rows per step); the block's keys land at positions the next proposal
+Every row of the step is a one-token query (the attention backends' decode path, which writes all the
+step's keys before any row reads): a context row sees the keys up to its own (its query is computed
+and discarded: a few rows per step), a block row every key up to the block's end, so the block sees
+itself both ways without a mask of its own. The block's keys land at positions the next proposal
 overwrites with context. Greedy drafts, one forward per step for every row (spec/hidden.py holds the
 states until they are fed, as for EAGLE-3).
 """
@@ -145,7 +147,7 @@ class BlockProposer(HiddenStateDrafter):
                 chunks.append((i, *c, k))
         if not chunks:
             return out
-        block_ids, feats, pos, q_lens, ctxs, tables, slots, spans = [], [], [], [], [], [], [], []
+        block_ids, feats, pos, ctxs, tables, slots = [], [], [], [], [], []
         ctx_rows, block_rows, picks = [], [], []
         for i, seq, lo, last, k in chunks:
             block_ids += [rows[i].token_ids[-1]] + [head.mask_token_id] * (S - 1)
@@ -155,15 +157,16 @@ class BlockProposer(HiddenStateDrafter):
             first = len(block_rows)
             block_rows += range(len(pos) + last + 1 - lo, len(pos) + last + 1 - lo + S)
             picks += range(first + 1, first + 1 + k)
-            r = range(lo, last + 1 + S)
-            pos.extend(r)
-            q_lens.append(len(r))
-            ctxs.append(lo - seq.base)
-            tables.append(list(seq.kv.block_ids))
-            slots.extend(self._slot(seq, p) for p in r)
-            b = last + 1 - seq.base
-            spans.append([(b, b + S)])
-        ctx = self._context(pos, q_lens, ctxs, tables, slots, 0, bidirectional=spans)
+            # every row a one-token query (the decode path of every backend): a context row sees the
+            # keys up to its own, a block row every key up to the block's end (the block both ways)
+            end = last + S - seq.base  # the block's last key
+            table = list(seq.kv.block_ids)
+            for p in range(lo, last + 1 + S):
+                pos.append(p)
+                ctxs.append(p - seq.base if p <= last else end)
+                tables.append(table)
+                slots.append(self._slot(seq, p))
+        ctx = self._context(pos, [1] * len(pos), ctxs, tables, slots, len(pos))
         dev = self.device
 
         def idx(v):

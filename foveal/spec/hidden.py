@@ -189,6 +189,18 @@ class HiddenStateDrafter:
 class ChainProposer(HiddenStateDrafter):
     """EAGLE-3 and MTP: one catch-up chunk per row, then k - 1 one-token steps (see the module doc)."""
 
+    graphs = None  # spec/head_graphs.py's HeadStepGraphs, after use_graphs
+
+    def use_graphs(self, max_rows: int, max_model_len: int) -> None:
+        """Run one-token head steps through graphs of up to max_rows rows (captured now on CUDA)."""
+        from foveal.spec.head_graphs import HeadStepGraphs
+
+        self.graphs = HeadStepGraphs(
+            self.head, self.kv_caches, self.backend, block_size=self.kv.block_size, max_seqs=max_rows,
+            max_model_len=max_model_len, device=self.device,
+        )  # fmt: skip
+        self.graphs.capture()
+
     # -- proposing --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
@@ -201,26 +213,8 @@ class ChainProposer(HiddenStateDrafter):
                 chunks.append((i, *c, k))
         if not chunks:
             return out
-        chunks.sort(key=lambda c: c[3] - c[2] != 0)  # the attention layout: one-token chunks first
-        ids, hidden, pos, q_lens, ctxs, tables, slots, last_rows = [], [], [], [], [], [], [], []
-        for i, seq, lo, hi, _k in chunks:
-            toks = rows[i].token_ids
-            ids.extend(toks[lo + 1 : hi + 2])
-            hidden.append(self._take(seq, lo, hi + 1))
-            r = range(lo, hi + 1)
-            pos.extend(r)
-            q_lens.append(len(r))
-            ctxs.append(lo - seq.base)
-            tables.append(list(seq.kv.block_ids))
-            slots.extend(self._slot(seq, p) for p in r)
-            last_rows.append(len(pos) - 1)
-        num_decodes = sum(1 for n in q_lens if n == 1)
-        x = torch.cat(hidden)
-        ctx = self._context(pos, q_lens, ctxs, tables, slots, num_decodes)
-        normed, h = self.head(to_device(torch.tensor(ids), self.device), x, ctx)
-        last = to_device(torch.tensor(last_rows), self.device)
-        draft = self.head.draft(normed[last])
-        h = h[last]
+        chunks.sort(key=lambda c: c[3] != c[2])  # the attention layout: one-token chunks first
+        draft, h = self._catch_up_step(rows, chunks)
         live = list(range(len(chunks)))  # chunks still drafting
         steps = [(live, draft)]
         for j in range(1, max(c[4] for c in chunks)):
@@ -229,21 +223,52 @@ class ChainProposer(HiddenStateDrafter):
                 sel = to_device(torch.tensor(keep), self.device)
                 draft, h = draft[sel], h[sel]
                 live = [live[n] for n in keep]
-            pos, ctxs, tables, slots = [], [], [], []
-            for ci in live:
-                seq, p = chunks[ci][1], chunks[ci][3] + j
-                pos.append(p)
-                ctxs.append(p - seq.base)
-                tables.append(list(seq.kv.block_ids))
-                slots.append(self._slot(seq, p))
-            ctx = self._context(pos, [1] * len(live), ctxs, tables, slots, len(live))
-            normed, h = self.head(draft, h, ctx)
-            draft = self.head.draft(normed)
+            seqs = [(chunks[ci][1], chunks[ci][3] + j) for ci in live]
+            draft, h = self._one_token_step(draft, h, seqs)
             steps.append((live, draft))
         for live, d in steps:  # one wait: every step is queued by now
             for ci, tok in zip(live, d.tolist()):
                 out[chunks[ci][0]].append(tok)
         return out
+
+    def _catch_up_step(self, rows, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's unfed pairs in one forward: (draft 1, its hidden state) per chunk."""
+        ids, hidden, pos, last_rows = [], [], [], []
+        for i, seq, lo, hi, _k in chunks:
+            ids.extend(rows[i].token_ids[lo + 1 : hi + 2])
+            hidden.append(self._take(seq, lo, hi + 1))
+            pos.extend(range(lo, hi + 1))
+            last_rows.append(len(pos) - 1)
+        last = to_device(torch.tensor(last_rows), self.device)
+        ids_d, x = to_device(torch.tensor(ids), self.device), torch.cat(hidden)
+        seqs = [(seq, p) for _, seq, lo, hi, _ in chunks for p in range(lo, hi + 1)]
+        if self.graphs is not None and self.graphs.fits(len(seqs), max(p - q.base + 1 for q, p in seqs)):
+            draft, h = self._one_token_step(ids_d, x, seqs)  # each position a one-token query
+            return draft[last], h[last]
+        q_lens = [hi + 1 - lo for _, _, lo, hi, _ in chunks]
+        ctx = self._context(
+            pos,
+            q_lens,
+            [lo - seq.base for _, seq, lo, _, _ in chunks],
+            [list(seq.kv.block_ids) for _, seq, _, _, _ in chunks],
+            [self._slot(seq, p) for seq, p in seqs],
+            sum(1 for n in q_lens if n == 1),
+        )
+        normed, h = self.head(ids_d, x, ctx)
+        return self.head.draft(normed[last]), h[last]
+
+    def _one_token_step(self, ids, hidden, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (seq, position), each a one-token query over the keys up to its own: (drafts, hidden)."""
+        pos = [p for _, p in seqs]
+        ctxs = [p - seq.base for seq, p in seqs]
+        tables = [list(seq.kv.block_ids) for seq, _ in seqs]
+        if self.graphs is not None and self.graphs.fits(len(seqs), max(ctxs) + 1):
+            batch = AttentionBatch([1] * len(seqs), ctxs, tables, len(seqs), None, self.kv.block_size)
+            return self.graphs.step(ids, hidden, to_device(torch.tensor(pos), self.device), batch)
+        slots = [self._slot(seq, p) for seq, p in seqs]
+        ctx = self._context(pos, [1] * len(seqs), ctxs, tables, slots, len(seqs))
+        normed, h = self.head(ids, hidden, ctx)
+        return self.head.draft(normed), h
 
 
 DraftHead.proposer = ChainProposer
