@@ -181,7 +181,7 @@ def spec_method_of(model: str) -> str:
 
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f'speculative config needs a method: {model} has no config.json to read it from')
+        raise ValueError(f"speculative config needs a method: {model} has no config.json to read it from")
     with open(path) as f:
         cfg = json.load(f)
     archs = " ".join(cfg.get("architectures") or [])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from foveal.attention import cpu_native
-from foveal.attention.base import AttentionBatch
+from foveal.attention.base import AttentionBatch, graph_slots
 from foveal.attention.kv_quant import QuantizedKVCache
 from foveal.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 
@@ -69,7 +69,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ValueError(f"a block table of {used} blocks exceeds the graph's {d.tables.shape[1]}")
         ctxs, tables = batch.context_lens, batch.block_tables
         host = torch.zeros(padded, 2 + used, dtype=torch.long)
-        host[:n, 0] = torch.tensor([t[c // bs] * bs + c % bs for c, t in zip(ctxs, tables)])
+        host[:n, 0] = graph_slots(batch)
         host[:n, 1] = torch.tensor(ctxs) + 1
         host[:n, 2:] = torch.tensor([t + [0] * (used - len(t)) for t in tables])
         static.slot_mapping[:padded] = host[:, 0]

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from foveal.attention.base import AttentionBatch
+from foveal.attention.base import AttentionBatch, graph_slots
 from foveal.attention.kernels import paged_decode, paged_prefill, store_kv
 from foveal.attention.kernels.decode import workspace_numel
 from foveal.attention.kv_quant import QuantizedKVCache
@@ -206,9 +206,7 @@ class TritonAttentionBackend:
             raise ValueError(f"a block table of {used} blocks exceeds the graph's {width}")
         host = torch.zeros(padded, 2 + used, dtype=torch.int32)
         host[:, 0] = -1
-        # the decode token at position ctx goes to slot table[ctx // bs] * bs + ctx % bs (base.py)
-        slots = [t[c // bs] * bs + c % bs for c, t in zip(ctxs, tables)]
-        host[:n, 0] = torch.tensor(slots, dtype=torch.int32)
+        host[:n, 0] = graph_slots(batch)
         host[:n, 1] = torch.tensor(ctxs, dtype=torch.int32) + 1
         host[:n, 2:] = _padded_tables(tables, used)
         buf[:padded, : 2 + used].copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)

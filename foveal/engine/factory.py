@@ -140,8 +140,8 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
             block_size=bs,
         )
         if hasattr(proposer, "use_graphs") and _use_graphs(cfg, device, backend):
-            try:  # a chain head's one-token steps (EAGLE-3, MTP) as graphs, like the target's decodes
-                proposer.use_graphs(_graph_rows(cfg), max_len + spec.num_speculative_tokens)
+            try:  # a head's steps as graphs, like the target's decodes
+                proposer.use_graphs(cfg.scheduler.max_num_seqs, max_len + 2 * spec.num_speculative_tokens + 2)
             except Exception:
                 log.exception("the draft head's graph capture failed; its steps run eagerly")
                 proposer.graphs = None

@@ -35,6 +35,7 @@ import logging
 import torch
 from torch import nn
 
+from foveal.attention.base import AttentionBatch
 from foveal.device import to_device
 from foveal.layers.linear import Linear
 from foveal.layers.norm import RMSNorm
@@ -44,6 +45,7 @@ from foveal.models.llama import DecoderLayer, DecoderSpec
 from foveal.models.weights import ParamFiller, decoder_param
 from foveal.spec.hidden import DraftHead, HiddenStateDrafter
 from foveal.spec.proposer import ProposeRow
+from foveal.worker.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -105,18 +107,14 @@ class DFlashHead(DraftHead):
     def fuse(self, aux: list[torch.Tensor], final: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(self.fc(torch.cat(aux, dim=-1)))
 
-    def forward(self, block_ids, feats, ctx_rows, block_rows, ctx: StepContext) -> torch.Tensor:
-        """norm(x) of the block rows: `feats` [C, H] go to rows `ctx_rows` of the step, the block's
-        tokens to `block_rows`."""
-        target = self._target[0]
-        x = target.embed_input_ids(block_ids)
+    def forward(self, input_ids, feats, is_block, ctx: StepContext) -> torch.Tensor:
+        """norm(x) of every row: a block row (`is_block` [T, 1]) carries its token's stream, a context
+        row its feature in `feats` [T, H] (its stream is computed and never read)."""
+        x = self._target[0].embed_input_ids(input_ids)
         cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
-        src = x.new_empty(ctx.positions.shape[0], x.shape[1])
-        if feats is not None:
-            src.index_copy_(0, ctx_rows, feats.to(x.dtype))
         for layer, cache in zip(self.layers, ctx.kv_caches):
-            src.index_copy_(0, block_rows, layer.input_layernorm(x))
-            a = layer.self_attn(src, cos, sin, cache, ctx.attn)[block_rows]
+            src = torch.where(is_block, layer.input_layernorm(x), feats)
+            a = layer.self_attn(src, cos, sin, cache, ctx.attn)
             y, x = layer.post_attention_layernorm.forward_residual(a, x)
             x = x + layer.mlp(y)
         return self.norm(x)
@@ -147,16 +145,14 @@ class BlockProposer(HiddenStateDrafter):
                 chunks.append((i, *c, k))
         if not chunks:
             return out
-        block_ids, feats, pos, ctxs, tables, slots = [], [], [], [], [], []
-        ctx_rows, block_rows, picks = [], [], []
+        ids, is_block, feats, ctx_rows, pos, ctxs, tables, slots, picks = [], [], [], [], [], [], [], [], []
         for i, seq, lo, last, k in chunks:
-            block_ids += [rows[i].token_ids[-1]] + [head.mask_token_id] * (S - 1)
             if lo <= last:
                 feats.append(self._take(seq, lo, last + 1))
                 ctx_rows += range(len(pos), len(pos) + last + 1 - lo)
-            first = len(block_rows)
-            block_rows += range(len(pos) + last + 1 - lo, len(pos) + last + 1 - lo + S)
-            picks += range(first + 1, first + 1 + k)
+            ids += [0] * (last + 1 - lo) + [rows[i].token_ids[-1]] + [head.mask_token_id] * (S - 1)
+            is_block += [False] * (last + 1 - lo) + [True] * S
+            picks += range(len(pos) + last + 2 - lo, len(pos) + last + 2 - lo + k)
             # every row a one-token query (the decode path of every backend): a context row sees the
             # keys up to its own, a block row every key up to the block's end (the block both ways)
             end = last + S - seq.base  # the block's last key
@@ -166,21 +162,67 @@ class BlockProposer(HiddenStateDrafter):
                 ctxs.append(p - seq.base if p <= last else end)
                 tables.append(table)
                 slots.append(self._slot(seq, p))
-        ctx = self._context(pos, [1] * len(pos), ctxs, tables, slots, len(pos))
         dev = self.device
-
-        def idx(v):
-            return to_device(torch.tensor(v, dtype=torch.long), dev)
-
-        normed = head(
-            idx(block_ids), torch.cat(feats) if feats else None, idx(ctx_rows), idx(block_rows), ctx
-        )
-        drafts = head._target[0].compute_logits(normed[idx(picks)]).argmax(dim=-1).tolist()
+        x = torch.zeros(len(pos), head.hidden_size, dtype=head.norm.weight.dtype, device=dev)
+        if feats:
+            x.index_copy_(0, to_device(torch.tensor(ctx_rows), dev), torch.cat(feats).to(x.dtype))
+        ids_d = to_device(torch.tensor(ids), dev)
+        block_d = to_device(torch.tensor(is_block), dev)[:, None]
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(len(pos), max(ctxs) + 1):
+            batch = AttentionBatch(
+                [1] * len(pos), ctxs, tables, len(pos), torch.tensor(slots), self.kv.block_size
+            )
+            normed = graphs.step(ids_d, x, block_d, to_device(torch.tensor(pos), dev), batch)
+        else:
+            ctx = self._context(pos, [1] * len(pos), ctxs, tables, slots, len(pos))
+            normed = head(ids_d, x, block_d, ctx)
+        picked = normed[to_device(torch.tensor(picks), dev)]  # before the graphs' next replay
+        drafts = head._target[0].compute_logits(picked).argmax(dim=-1).tolist()
         j = 0
         for i, *_rest, k in chunks:
             out[i] = drafts[j : j + k]
             j += k
         return out
+
+    graphs = None  # BlockStepGraphs, after use_graphs
+
+    def use_graphs(self, max_seqs: int, max_model_len: int) -> None:
+        """Run the block steps through graphs (captured now on CUDA) for up to max_seqs requests: up
+        to k + 1 context rows and a block each."""
+        max_rows = max_seqs * (1 + self.num_speculative_tokens + self.head.block_size)
+        self.graphs = BlockStepGraphs(
+            self.head, self.kv_caches, self.backend, block_size=self.kv.block_size, max_seqs=max_rows,
+            max_model_len=max_model_len, device=self.device,
+        )  # fmt: skip
+        self.graphs.capture()
+
+
+class BlockStepGraphs(DecodeGraphs):
+    """DFlash steps as CUDA graphs (every row a one-token query, as the target's decode graphs): the
+    token ids, context features and block flags in static buffers, norm(x) of every row out."""
+
+    def __init__(self, head, kv_caches, backend, **kw):
+        super().__init__(head, kv_caches, backend, **kw)
+        self.feats = torch.zeros(
+            self.max_seqs, head.hidden_size, dtype=head.norm.weight.dtype, device=self.device
+        )
+        self.is_block = torch.zeros(self.max_seqs, 1, dtype=torch.bool, device=self.device)
+        self.normed = torch.zeros_like(self.feats)
+
+    def _forward(self, b: int, meta) -> None:
+        ctx = StepContext(self.positions[:b], self.kv_caches, meta)
+        self.normed[:b].copy_(self.model(self.input_ids[:b], self.feats[:b], self.is_block[:b], ctx))
+
+    def step(self, input_ids, feats, is_block, positions, batch) -> torch.Tensor:
+        """norm(x) [n, H] of n rows: a view of the static output, valid until the next step."""
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.feats[:n].copy_(feats)
+        self.is_block[:n].copy_(is_block)
+        self.replay(batch, n)
+        return self.normed[:n]
 
 
 DFlashHead.proposer = BlockProposer

@@ -43,13 +43,8 @@ class HeadStepGraphs(DecodeGraphs):
         """(drafts [n], next hidden [n, H]) of n one-token rows; both are copies (the next replay
         overwrites the static outputs)."""
         n = input_ids.shape[0]
-        b = self._bucket_of[n]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.hidden_in[:n].copy_(hidden)
-        meta = self.backend.fill_graph_metadata(self.meta, batch, b)
-        if self.emulated:
-            self._forward(b, meta)
-        else:
-            self.graphs[b].replay()
+        self.replay(batch, n)
         return self.draft_out[:n].clone(), self.hidden_out[:n].clone()

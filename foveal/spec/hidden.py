@@ -191,10 +191,12 @@ class ChainProposer(HiddenStateDrafter):
 
     graphs = None  # spec/head_graphs.py's HeadStepGraphs, after use_graphs
 
-    def use_graphs(self, max_rows: int, max_model_len: int) -> None:
-        """Run one-token head steps through graphs of up to max_rows rows (captured now on CUDA)."""
+    def use_graphs(self, max_seqs: int, max_model_len: int) -> None:
+        """Run one-token head steps through graphs (captured now on CUDA) for up to max_seqs requests:
+        a catch-up of up to k + 1 positions each."""
         from foveal.spec.head_graphs import HeadStepGraphs
 
+        max_rows = max_seqs * (1 + self.num_speculative_tokens)
         self.graphs = HeadStepGraphs(
             self.head, self.kv_caches, self.backend, block_size=self.kv.block_size, max_seqs=max_rows,
             max_model_len=max_model_len, device=self.device,

@@ -150,12 +150,16 @@ class DecodeGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Logits [n, vocab] of a decode-only batch of n rows (inputs already on the device)."""
         n = input_ids.shape[0]
-        b = self._bucket_of[n]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
+        self.replay(batch, n)
+        return self.logits[:n]
+
+    def replay(self, batch: AttentionBatch, n: int) -> None:
+        """Run the graph of n rows' bucket over the static inputs (eagerly where nothing is captured)."""
+        b = self._bucket_of[n]
         meta = self.backend.fill_graph_metadata(self.meta, batch, b)
         if self.emulated:
             self._forward(b, meta)
         else:
             self.graphs[b].replay()
-        return self.logits[:n]
