@@ -314,6 +314,8 @@ def oracle_bench(a) -> dict:
             for rep in range(a.reps):
                 eng = specd.engine
                 before = eng.spec_stats.as_dict()
+                eng.spec_sync.clear()
+                eng.spec_asks.clear()
                 t0 = time.perf_counter()
                 outs = oracle_run(specd, a.k, prompts, refs_by_prompt, params, rate, vocab, rep, a.forced)
                 wall = time.perf_counter() - t0
@@ -343,6 +345,8 @@ def oracle_bench(a) -> dict:
                     # the sizes this batch steps at: plain steps near b rows, verify steps past b tokens
                     row["plain_ms"] = curve_ms(pol.plain_cost, b / 2, 2 * b)
                     row["verify_ms"] = curve_ms(pol.verify_cost, b + 1, float("inf"))
+                    # steps that ran without overlap (verify; plain), and the policy's answers
+                    row["sync_steps"], row["asks"] = dict(eng.spec_sync), dict(eng.spec_asks)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return {"rows": rows}

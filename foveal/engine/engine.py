@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,9 @@ log = logging.getLogger(__name__)
 
 # after the load-aware policy gives every row k = 0, this many plain steps (async scheduling allowed)
 # before it is asked again; doubled each time it says so again, up to the max (cut short when the
-# number of running requests halves)
+# number of running requests halves). The policy is asked with the step before in flight, and a step it
+# gives no drafts is a plain one that overlaps too: an answer of k = 0 costs no overlap, only the
+# asking (the rests spare that host work)
 _REST_STEPS = 16
 _MAX_REST_STEPS = 256
 # plain steps that measure plain decoding's cost (with overlap the first is not timed: nothing is in
@@ -113,6 +116,10 @@ class Engine:
         self._resting = False  # this step is one of them: it may overlap like plain decoding
         self._rest_streak = 0  # rests in a row (each one twice as long as the one before)
         self._rest_rows = 0  # running requests when the rest began
+        # steps run without overlap, by why (a verify step; a plain one), and the policy's answers (to
+        # draft, to rest, to probe): per-run counts for benchmarks (async scheduling only)
+        self.spec_sync: Counter = Counter()
+        self.spec_asks: Counter = Counter()
         spec = getattr(config, "speculative", None)
         if proposer is not None and spec is not None and spec.adaptive:
             from foveal.spec.adaptive import AdaptivePolicy
@@ -208,11 +215,19 @@ class Engine:
         self._spec_rest -= self._resting
         if not self._resting and self.spec_policy is not None and self._prompts_fill_budget():
             self._resting = True  # drafts would only take prompt tokens' place: a plain step, unasked
-        if prev is not None and not self._can_overlap():
+        ks = None
+        if not self._resting and self.spec_policy is not None:
+            # asked before the step in flight is collected (its tokens already count in each row's
+            # length, so the rows' rooms are known): where no row gets a draft this is a plain step
+            # and overlaps like a rest's; only drafting waits for those tokens
+            ks = self._ask()
+            self._resting = not any(ks.values())
+        waited = prev is not None and not self._can_overlap()
+        if waited:
             deltas += self._resolve(prev)
             prev = None
         if self.proposer is not None and not self._resting:
-            self._propose()
+            self._propose(ks)
         t_plan = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -243,8 +258,11 @@ class Engine:
                 self._inflight = None
                 return deltas + self._abort_batch(batch, e)
         self._inflight = launched
-        if launched is not None and not (self.async_scheduling and self._can_overlap()):
+        alone = launched is not None and not (self.async_scheduling and self._can_overlap())
+        if alone:
             deltas += self._resolve(launched)
+        if self.async_scheduling and self.proposer is not None and (waited or alone):
+            self.spec_sync["verify" if any(x.num_drafts for x in batch.items) else "plain"] += 1
         self._release_finished()
         if self.spec_policy is not None:
             self._observe_cost(batch, prev, t_plan)
@@ -282,8 +300,8 @@ class Engine:
         scheduling to its tokens. A plain step as the policy's plain steps run (resting) overlaps the
         next one's scheduling: timed from its scheduling until the step in flight before it (`prev`)
         was collected, an interval that spans one device step, `prev`'s, so it counts at `prev`'s size
-        and only where `prev` was a plain decode step too. A rest's first step has none in flight (the
-        step that asked the policy waited for its own tokens): its interval is host work alone, unused.
+        and only where `prev` was a plain decode step too. A step with none in flight (the first plain one
+        after a verify step, which waited for its own tokens) times host work alone: unused.
         Without overlap (CPU) a plain step is timed to its own tokens, like a verify step."""
         items = batch.items
         if not items or not all(x.is_decode for x in items):
@@ -292,7 +310,7 @@ class Engine:
         if any(x.num_drafts for x in items):
             self.spec_policy.observe_step(sum(x.num_tokens for x in items), seconds, verify=True)
         elif not self._resting:
-            return  # the plain step that asked the policy waited for the one before it
+            return  # a plain step that waited for the one before it (not as plain decoding runs)
         elif self._inflight is None:  # collected in this step: no overlap
             self.spec_policy.observe_step(sum(x.num_tokens for x in items), seconds)
         elif prev is not None and all(x.is_decode and not x.num_drafts for x in prev.batch.items):
@@ -321,17 +339,16 @@ class Engine:
                 return True
         return False
 
-    def _propose(self) -> None:
-        """Drafts for every running decode that may speculate; the scheduler gives each 1 + k tokens."""
-        from foveal.spec.proposer import ProposeRow
-
+    def _spec_rows(self, pending: bool = False) -> tuple[list[Request], list[int]]:
+        """The running decodes that may speculate, and each one's room for drafts (a verify row adds
+        up to k + 1 tokens: it stays inside max_tokens and the context). `pending`: rows with tokens in
+        flight count too (they count in the lengths already: the rooms are the same)."""
         reqs, rooms = [], []
         for req in self.scheduler.running:
-            if not req.params.speculative or req.num_pending or req.ends_after_pending:
+            if not req.params.speculative or req.ends_after_pending or (req.num_pending and not pending):
                 continue
             if req.num_tokens - req.num_computed_tokens != 1:
                 continue  # a prefill chunk still to go
-            # a verify row adds up to k + 1 tokens: stay inside max_tokens and the context
             room = min(
                 req.params.max_tokens - req.num_output_tokens - 1,
                 self.info.max_model_len - req.num_tokens - 1,
@@ -339,19 +356,41 @@ class Engine:
             if room > 0:
                 reqs.append(req)
                 rooms.append(room)
+        return reqs, rooms
+
+    def _ask(self) -> dict[str, int]:
+        """The load-aware policy's drafts per request id at this step's load (0: none; no rows: {}),
+        asked with the step in flight (if any) not yet collected; rests and probes follow its answer."""
         policy = self.spec_policy
-        if reqs and policy is not None:  # how many drafts each row takes at this load (0: none)
-            other = len(self.scheduler.running) - len(reqs)
-            rooms = policy.choose([q.request_id for q in reqs], rooms, other)
-            self._rest_rows = len(self.scheduler.running)
-            if policy.probing:  # plain decoding's cost is not known at this load: a few plain steps
-                self._spec_rest = _PROBE_STEPS
-            elif not any(rooms):  # speculation does not pay at this load: plain steps,
-                # longer each time it is confirmed (each check costs two steps without overlap)
-                self._spec_rest = min(_REST_STEPS << self._rest_streak, _MAX_REST_STEPS)
-                self._rest_streak += 1
-            else:
-                self._rest_streak = 0
+        reqs, rooms = self._spec_rows(pending=True)
+        if not reqs:
+            return {}
+        other = len(self.scheduler.running) - len(reqs)
+        ks = policy.choose([q.request_id for q in reqs], rooms, other)
+        self._rest_rows = len(self.scheduler.running)
+        if policy.probing:  # plain decoding's cost is not known at this load: a few plain steps
+            self._spec_rest = _PROBE_STEPS
+            self.spec_asks["probe"] += 1
+        elif not any(ks):  # speculation does not pay at this load: plain steps, longer each time it is
+            # confirmed (an answer of k = 0 costs no overlap; the rests spare asking each step)
+            self._spec_rest = min(_REST_STEPS << self._rest_streak, _MAX_REST_STEPS)
+            self._rest_streak += 1
+            self.spec_asks["rest"] += 1
+        else:
+            self._rest_streak = 0
+            self.spec_asks["draft"] += 1
+        return {q.request_id: k for q, k in zip(reqs, ks)}
+
+    def _propose(self, ks: dict[str, int] | None = None) -> None:
+        """Drafts for every running decode that may speculate (`ks`: the policy's drafts per request,
+        asked before the step in flight was collected; a row that finished since drops out); the
+        scheduler gives each 1 + k tokens."""
+        from foveal.spec.proposer import ProposeRow
+
+        reqs, rooms = self._spec_rows()
+        policy = self.spec_policy
+        if ks is not None:  # how many drafts each row takes at this load (0: none)
+            rooms = [min(room, ks.get(q.request_id, 0)) for q, room in zip(reqs, rooms)]
             reqs, rooms = [q for q, k in zip(reqs, rooms) if k], [k for k in rooms if k]
         if reqs:
             rows = [ProposeRow(q.request_id, q.all_token_ids, k) for q, k in zip(reqs, rooms)]
