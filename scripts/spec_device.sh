@@ -35,7 +35,7 @@ for part in "$@"; do
     adaptive)
       # issue 19: the load-aware policy (the default) against plain decoding, bf16, forced acceptance
       timeout ${T_ORACLE:-540} python3 benchmarks/speculative.py --oracle --forced --batches ${BATCHES:-1,8,64,256} \
-        --reps ${REPS:-1} --kv-memory-gib 32 2>&1 | grep -v " INFO " | grep '^{"batch' | cut -c1-400
+        --reps ${REPS:-1} --kv-memory-gib 32 2>&1 | grep -v " INFO " | grep '^{"batch' | cut -c1-900
       ;;
     heads)
       timeout ${T_HEADS:-560} python3 benchmarks/speculative.py --heads --methods ${METHODS:-eagle3,dflash} \
