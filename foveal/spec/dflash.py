@@ -162,22 +162,22 @@ class BlockProposer(HiddenStateDrafter):
                 ctxs.append(p - seq.base if p <= last else end)
                 tables.append(table)
                 slots.append(self._slot(seq, p))
-        dev = self.device
-        x = torch.zeros(len(pos), head.hidden_size, dtype=head.norm.weight.dtype, device=dev)
+        dev, n = self.device, len(pos)
+        # the step's integer inputs in one copy to the device: ids, positions, block flags, picks, rows
+        flat = to_device(torch.tensor(ids + pos + is_block + picks + ctx_rows, dtype=torch.long), dev)
+        ids_d, pos_d, block_d = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n].bool()[:, None]
+        picks_d, rows_d = flat[3 * n : 3 * n + len(picks)], flat[3 * n + len(picks) :]
+        x = torch.zeros(n, head.hidden_size, dtype=head.norm.weight.dtype, device=dev)
         if feats:
-            x.index_copy_(0, to_device(torch.tensor(ctx_rows), dev), torch.cat(feats).to(x.dtype))
-        ids_d = to_device(torch.tensor(ids), dev)
-        block_d = to_device(torch.tensor(is_block), dev)[:, None]
+            x.index_copy_(0, rows_d, torch.cat(feats).to(x.dtype))
         graphs = self.graphs
-        if graphs is not None and graphs.fits(len(pos), max(ctxs) + 1):
-            batch = AttentionBatch(
-                [1] * len(pos), ctxs, tables, len(pos), torch.tensor(slots), self.kv.block_size
-            )
-            normed = graphs.step(ids_d, x, block_d, to_device(torch.tensor(pos), dev), batch)
+        if graphs is not None and graphs.fits(n, max(ctxs) + 1):
+            batch = AttentionBatch([1] * n, ctxs, tables, n, torch.tensor(slots), self.kv.block_size)
+            normed = graphs.step(ids_d, x, block_d, pos_d, batch)
         else:
-            ctx = self._context(pos, [1] * len(pos), ctxs, tables, slots, len(pos))
+            ctx = self._context(pos, [1] * n, ctxs, tables, slots, n)
             normed = head(ids_d, x, block_d, ctx)
-        picked = normed[to_device(torch.tensor(picks), dev)]  # before the graphs' next replay
+        picked = normed[picks_d]  # before the graphs' next replay
         drafts = head._target[0].compute_logits(picked).argmax(dim=-1).tolist()
         j = 0
         for i, *_rest, k in chunks:

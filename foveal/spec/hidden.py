@@ -241,11 +241,13 @@ class ChainProposer(HiddenStateDrafter):
             hidden.append(self._take(seq, lo, hi + 1))
             pos.extend(range(lo, hi + 1))
             last_rows.append(len(pos) - 1)
-        last = to_device(torch.tensor(last_rows), self.device)
-        ids_d, x = to_device(torch.tensor(ids), self.device), torch.cat(hidden)
+        n = len(pos)  # ids, positions and the chunks' last rows in one copy to the device
+        flat = to_device(torch.tensor(ids + pos + last_rows, dtype=torch.long), self.device)
+        ids_d, pos_d, last = flat[:n], flat[n : 2 * n], flat[2 * n :]
+        x = torch.cat(hidden)
         seqs = [(seq, p) for _, seq, lo, hi, _ in chunks for p in range(lo, hi + 1)]
         if self.graphs is not None and self.graphs.fits(len(seqs), max(p - q.base + 1 for q, p in seqs)):
-            draft, h = self._one_token_step(ids_d, x, seqs)  # each position a one-token query
+            draft, h = self._one_token_step(ids_d, x, seqs, pos_d)  # each position a one-token query
             return draft[last], h[last]
         q_lens = [hi + 1 - lo for _, _, lo, hi, _ in chunks]
         ctx = self._context(
@@ -259,14 +261,17 @@ class ChainProposer(HiddenStateDrafter):
         normed, h = self.head(ids_d, x, ctx)
         return self.head.draft(normed[last]), h[last]
 
-    def _one_token_step(self, ids, hidden, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows (seq, position), each a one-token query over the keys up to its own: (drafts, hidden)."""
+    def _one_token_step(self, ids, hidden, seqs: list, pos_d=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (seq, position), each a one-token query over the keys up to its own: (drafts, hidden)
+        (`pos_d`: the positions on the device already)."""
         pos = [p for _, p in seqs]
         ctxs = [p - seq.base for seq, p in seqs]
         tables = [list(seq.kv.block_ids) for seq, _ in seqs]
         if self.graphs is not None and self.graphs.fits(len(seqs), max(ctxs) + 1):
             batch = AttentionBatch([1] * len(seqs), ctxs, tables, len(seqs), None, self.kv.block_size)
-            return self.graphs.step(ids, hidden, to_device(torch.tensor(pos), self.device), batch)
+            if pos_d is None:
+                pos_d = to_device(torch.tensor(pos), self.device)
+            return self.graphs.step(ids, hidden, pos_d, batch)
         slots = [self._slot(seq, p) for seq, p in seqs]
         ctx = self._context(pos, [1] * len(seqs), ctxs, tables, slots, len(seqs))
         normed, h = self.head(ids, hidden, ctx)
