@@ -12,9 +12,11 @@ request parameter); the grammar decides what is valid, the bias only how soon it
 from __future__ import annotations
 
 import json
+import pathlib
 import tempfile
 
 import pytest
+import torch
 
 from foveal import SamplingParams
 from foveal.request import FinishReason
@@ -76,17 +78,61 @@ def spec_config(proposer: str, path: str) -> dict:
     if proposer == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1, "adaptive": False}  # fmt: skip
-    return {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+    if proposer == "draft_model":
+        return {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+    # a random head in its published layout, for the tiny 2-layer target of `path`
+    from tests.test_spec_heads import write_dflash, write_eagle3
+
+    vocab = json.loads((pathlib.Path(path) / "config.json").read_text())["vocab_size"]
+    folder = pathlib.Path(tempfile.mkdtemp())
+    if proposer == "eagle3":  # the embeddings, layer 1's input and the last layer's output
+        head = write_eagle3(folder, vocab=vocab, eagle_aux_hidden_state_layer_ids=[0, 1, 2])
+    else:
+        head = write_dflash(folder, vocab=vocab, target_layers=[0, 1], num_target_layers=2)
+    return {"method": proposer, "model": head, "num_speculative_tokens": 3, "adaptive": False}
 
 
-@pytest.fixture(scope="module", params=[None, "ngram", "draft_model"])
+def mimo_like(llm) -> str:
+    """A tiny MiMo checkpoint (a Qwen2 decoder with an MTP layer) whose decoder is `llm`'s tiny Llama
+    (zero q/k/v biases: the same model), with its tokenizer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_spec_heads import HD, HEADS, KV, _mtp_tensors
+
+    src = pathlib.Path(llm.engine.config.model.model)
+    folder = pathlib.Path(tempfile.mkdtemp())
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, folder / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "model.safetensors"))
+    for i in range(cfg["num_hidden_layers"]):
+        for name, rows in (("q", HEADS * HD), ("k", KV * HD), ("v", KV * HD)):
+            tensors[f"model.layers.{i}.self_attn.{name}_proj.bias"] = torch.zeros(rows)
+    tensors.update(_mtp_tensors(3))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+@pytest.fixture(scope="module", params=[None, "ngram", "draft_model", "eagle3", "mtp", "dflash"])
 def corpus_llm(request, tiny):
-    """The tiny model plain, with n-gram speculation, and with itself as the draft model."""
+    """The tiny model plain, with n-gram speculation, with itself as the draft model, with random
+    EAGLE-3 and DFlash heads; a tiny MiMo with its MTP layer."""
     if request.param is None:
         return tiny
     from foveal.engine.llm import LLM
 
     path = tiny.engine.config.model.model
+    if request.param == "mtp":
+        mtp = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+        return LLM(
+            mimo_like(tiny), dtype="float32", num_blocks=8192, block_size=16, max_num_seqs=64,
+            max_model_len=12288, speculative_config=mtp,
+        )  # fmt: skip
     return LLM(
         path, dtype="float32", num_blocks=8192, block_size=16, max_num_seqs=64, max_model_len=12288,
         speculative_config=spec_config(request.param, path),
@@ -366,7 +412,7 @@ def test_a_schema_applies_after_thinking(thinker):
     jsonschema.validate(json.loads(c.text), schema)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model", "eagle3", "dflash"])
 def test_thinking_budget_and_schema_with_speculation(thinker, proposer):
     """With drafts on every step the budget still ends thinking after exactly N tokens (the forced
     </think> is a draft boundary), and the schema after it still holds."""
