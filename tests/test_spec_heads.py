@@ -545,3 +545,32 @@ def test_a_prefix_cache_hit_drafts_from_what_the_target_computed(saved, tmp_path
     assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
     assert llm.engine.spec_stats.num_draft_tokens - drafted >= 3 * 4  # it drafted on most steps
     assert llm.engine.proposer.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_vision_language_target_with_a_head_is_lossless(tmp_path, method):
+    """A tiny LLaVA target (its language model taps the states; image rows included) with a random
+    head: greedy output of prompts with 0, 1 and 2 images equals plain greedy."""
+    from foveal.engine.llm import LLM
+    from tests.tiny_vlm import build, image
+
+    tiny = build("llava", str(tmp_path / "llava"))
+    vocab = len(tiny.processor.tokenizer)
+    if method == "eagle3":
+        head = write_eagle3(tmp_path / "h", vocab=vocab, eagle_aux_hidden_state_layer_ids=[0, 1, 2])
+    else:
+        head = write_dflash(tmp_path / "h", vocab=vocab, target_layers=[0, 1], num_target_layers=2)
+    im = tiny.image_text
+    cases = [
+        ("<|user|>Say something.\n<|assistant|>", []),
+        (f"<|user|>{im}What is this?\n<|assistant|>", [image(40, 30, 1)]),
+        (f"<|user|>Compare {im} with {im}.\n<|assistant|>", [image(56, 56, 2), image(28, 70, 3)]),
+    ]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for spec in (None, {"method": method, "model": head, "num_speculative_tokens": 3, "adaptive": False}):
+        llm = LLM(tiny.path, dtype="float32", num_blocks=256, block_size=4, speculative_config=spec)
+        prompts = [llm.processor.render_prompt(t, images=i) for t, i in cases]
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+    assert llm.engine.spec_stats.num_drafts > 0

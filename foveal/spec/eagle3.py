@@ -103,7 +103,8 @@ class Eagle3Head(DraftHead):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed output for the LM head, the hidden state the next position reads)."""
         layer = self.layers[0]
-        e = layer.input_layernorm(self.embed_tokens(input_ids))
+        embed = self.embed_tokens if self.embed_tokens is not None else self._target[0].embed_input_ids
+        e = layer.input_layernorm(embed(input_ids))
         if self.norm_before_residual:
             h = residual = layer.hidden_norm(hidden)
         else:
@@ -119,7 +120,8 @@ class Eagle3Head(DraftHead):
         return ids + self.d2t[ids]
 
     # -- weights ----------------------------------------------------------------------------------
-    def load_weights(self, weights, target_embedding: nn.Embedding) -> None:
+    def load_weights(self, weights, target_model) -> None:
+        """The checkpoint's tensors; without its own embedding the target's serves (a VLM's too)."""
         filler = ParamFiller(self)
         has_d2t = False
         for name, tensor in weights:
@@ -145,8 +147,7 @@ class Eagle3Head(DraftHead):
         filler.check_complete()
         if not has_d2t and self.draft_vocab_size != self.vocab_size:
             raise ValueError("the EAGLE-3 checkpoint has a smaller draft vocabulary but no d2t map")
-        if self.embed_tokens is None:
-            self.embed_tokens = target_embedding
+        self._target = (target_model,)  # not a submodule: no copy of its weights
         if (
             int((self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)).max())
             >= self.vocab_size
@@ -166,5 +167,5 @@ def build_eagle3_head(spec, target, target_source, backend, max_model_len: int, 
     check_fits(spec, head.vocab_size, target.spec.vocab_size, head.target_hidden_size, target.spec.hidden)
     head = head.to_empty(device=device).to(dtype)
     head.reset_buffers(device)
-    head.load_weights(folder.weights(dtype, device), target.embed_tokens)
+    head.load_weights(folder.weights(dtype, device), target)
     return head
