@@ -574,3 +574,21 @@ def test_a_vision_language_target_with_a_head_is_lossless(tmp_path, method):
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
     assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_n_sequences_with_a_head(saved):
+    """n = 3 seeded samples per prompt with EAGLE-3 drafting: the same outputs on a second engine (each
+    sequence drafted from its own states), three different sequences, and greedy n = 2 equal to plain."""
+    spec = {"method": "eagle3", "model": saved["eagle3"], "num_speculative_tokens": 3, "adaptive": False}
+    prompts = _prompts(2, seed=11)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)
+    runs = [
+        [[o.token_ids for o in r.outputs] for r in _llm(saved, spec).generate(prompts, sampled)]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and all(len({tuple(t) for t in seqs}) == 3 for seqs in runs[0])
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [[o.token_ids for o in r.outputs] for r in _llm(saved).generate(prompts, greedy)]
+    llm = _llm(saved, spec)
+    assert [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, greedy)] == plain
+    assert llm.engine.spec_stats.num_drafts > 0 and llm.engine.proposer.kv.num_used_blocks == 0
