@@ -1,12 +1,14 @@
-"""Drafters that read the target's hidden states (EAGLE-3, MTP): one small head with its own paged KV,
-fed pairs (h_i, x_{i+1}) at position i, where h_i is what the target computed at position i (fused by
-the head: EAGLE-3's fc over three layers, MTP's last hidden state) and x_{i+1} the token after it.
-The pair at position i predicts x_{i+2}.
+"""Drafters that read the target's hidden states: a small head with its own paged KV. EAGLE-3 and MTP
+(ChainProposer here) are fed pairs (h_i, x_{i+1}) at position i, where h_i is what the target computed
+at position i (fused by the head: EAGLE-3's fc over three layers, MTP's last hidden state) and x_{i+1}
+the token after it; the pair at position i predicts x_{i+2}. DFlash (spec/dflash.py) shares the state
+keeping and KV of HiddenStateDrafter and drafts a block per forward.
 
     target step  runner taps each token's hidden state -> engine -> observe_hidden(rid: (start, [n, H]))
-    propose      1. catch up: every pair not fed yet, as one chunk per row (a prefill chunk on the
-                    head's KV); its last row's logits give draft 1, its output the next h
+    propose      1. catch up: every pair not fed yet, per row one chunk (or, when they fit the head's
+                    graphs, one-token queries); its last row's logits give draft 1, its output the next h
                  2. k - 1 one-token steps: (h from the step before, draft j) at the next position
+                    (through spec/head_graphs.py's CUDA graphs where captured)
                  3. the k drafts per row, read back once
 
 Only accepted tokens' hidden states reach the head (a verify row reports the rows up to its last
