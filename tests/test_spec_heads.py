@@ -171,46 +171,61 @@ def _rope(x, pos, theta=10000.0):
     return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
 
 
-def _eagle3_dense(t, emb, hidden, pos):
-    """The EAGLE-3 layer over a whole sequence of (embedding, hidden) pairs, causal: (normed, prenorm)."""
-    e = _rms(emb, t["midlayer.input_layernorm.weight"])
-    h = _rms(hidden, t["midlayer.hidden_norm.weight"])
-    x = torch.cat([e, h], -1)
-    n = x.shape[0]
-    q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HD)
-    k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, KV, HD)
-    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, KV, HD)
-    q, k = _rope(q, pos), _rope(k, pos)
+def _attention(t, p, src, pos, theta=10000.0, *, causal=True, bias=False, qk_norm=False, queries=None):
+    """Dense GQA attention of layer `p` over the rows `src` at positions `pos`, o_proj applied; causal,
+    or (causal False) every row sees every row; `queries`: only the last rows ask."""
+    n = src.shape[0]
+
+    def proj(name, heads):
+        y = src @ t[p + f"self_attn.{name}_proj.weight"].T
+        return (y + t[p + f"self_attn.{name}_proj.bias"] if bias else y).view(n, heads, HD)
+
+    q, k, v = proj("q", HEADS), proj("k", KV), proj("v", KV)
+    if qk_norm:
+        q, k = _rms(q, t[p + "self_attn.q_norm.weight"]), _rms(k, t[p + "self_attn.k_norm.weight"])
+    q, k = _rope(q, pos, theta)[n - (queries or n) :], _rope(k, pos, theta)
     k, v = k.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) / HD**0.5
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, HEADS * HD)
-    r = a @ t["midlayer.self_attn.o_proj.weight"].T + hidden
-    y = _rms(r, t["midlayer.post_attention_layernorm.weight"])
-    m = torch.nn.functional.silu(y @ t["midlayer.mlp.gate_proj.weight"].T) * (
-        y @ t["midlayer.mlp.up_proj.weight"].T
-    )
-    o = m @ t["midlayer.mlp.down_proj.weight"].T + r
-    return _rms(o, t["norm.weight"]), o
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(q.shape[0], HEADS * HD)
+    return a @ t[p + "self_attn.o_proj.weight"].T
+
+
+def _mlp(t, p, y):
+    gate, up = y @ t[p + "mlp.gate_proj.weight"].T, y @ t[p + "mlp.up_proj.weight"].T
+    return (torch.nn.functional.silu(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+
+
+def _chain(step, ids: list[int], hidden, k: int) -> list[int]:
+    """k greedy drafts: step(ids, hidden) -> (draft, the last row's output state); each draft is
+    appended with that state (the next position's pair) and everything recomputed."""
+    out = []
+    for _ in range(k):
+        d, h = step(ids, hidden)
+        out.append(d)
+        ids, hidden = ids + [d], torch.cat([hidden, h])
+    return out
 
 
 def _eagle3_reference(t, hf, tokens: list[int], k: int) -> list[int]:
     """k greedy drafts after `tokens`: the target's hidden states from transformers, fused by fc, paired
-    with the next token; each draft appends (its prenorm output, the draft) and recomputes."""
+    with the next token, through the EAGLE-3 layer over the whole sequence (causal, dense)."""
+    p, embed = "midlayer.", hf.model.embed_tokens.weight
+
+    def step(ids, hidden):
+        x = torch.cat(
+            [_rms(embed[ids], t[p + "input_layernorm.weight"]), _rms(hidden, t[p + "hidden_norm.weight"])], -1
+        )
+        r = _attention(t, p, x, torch.arange(len(ids))) + hidden
+        o = _mlp(t, p, _rms(r, t[p + "post_attention_layernorm.weight"])) + r
+        d = int((_rms(o, t["norm.weight"])[-1] @ t["lm_head.weight"].T).argmax())
+        return d + int(t["d2t"][d]), o[-1:]
+
     with torch.no_grad():
         states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
         fused = torch.cat([states[i][0] for i in AUX], -1) @ t["fc.weight"].T
-        embed = hf.model.embed_tokens.weight
-        ids, hidden = list(tokens[1:]), fused[:-1]
-        out = []
-        for _ in range(k):
-            normed, pre = _eagle3_dense(t, embed[ids], hidden, torch.arange(len(ids)))
-            d = int((normed[-1] @ t["lm_head.weight"].T).argmax())
-            d += int(t["d2t"][d])
-            out.append(d)
-            ids.append(d)
-            hidden = torch.cat([hidden, pre[-1:]])
-    return out
+        return _chain(step, list(tokens[1:]), fused[:-1], k)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -348,40 +363,25 @@ def _mtp_reference(t, hf, tokens: list[int], k: int) -> list[int]:
     """k greedy MTP drafts: the layer over (the target's last normed hidden state h_i, x_{i+1}) pairs,
     causal, dense; each draft appends (the layer's output, the draft) and recomputes."""
     p = "model.mtp_layers.0."
+    embed, head = hf.model.embed_tokens.weight, hf.lm_head.weight
+    theta = hf.config.rope_parameters["rope_theta"]
+
+    def step(ids, hidden):
+        pos = torch.arange(len(ids))
+        e = embed[ids] * (pos != 0)[:, None]
+        x = torch.cat(
+            [_rms(hidden, t[p + "hidden_layernorm.weight"]), _rms(e, t[p + "token_layernorm.weight"])], -1
+        )
+        x = x @ t[p + "input_proj.weight"].T
+        r = _attention(t, p, _rms(x, t[p + "input_layernorm.weight"]), pos, theta, bias=True) + x
+        o = _rms(
+            _mlp(t, p, _rms(r, t[p + "post_attention_layernorm.weight"])) + r, t[p + "final_layernorm.weight"]
+        )
+        return int((o[-1] @ head.T).argmax()), o[-1:]
+
     with torch.no_grad():
         states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
-        embed, head = hf.model.embed_tokens.weight, hf.lm_head.weight
-        ids, hidden = list(tokens[1:]), states[:-1]
-        out = []
-        for _ in range(k):
-            n = len(ids)
-            pos = torch.arange(n)
-            e = embed[ids] * (pos != 0)[:, None]
-            x = torch.cat(
-                [_rms(hidden, t[p + "hidden_layernorm.weight"]), _rms(e, t[p + "token_layernorm.weight"])], -1
-            )
-            x = x @ t[p + "input_proj.weight"].T
-            y = _rms(x, t[p + "input_layernorm.weight"])
-            q = (y @ t[p + "self_attn.q_proj.weight"].T + t[p + "self_attn.q_proj.bias"]).view(n, HEADS, HD)
-            kk = (y @ t[p + "self_attn.k_proj.weight"].T + t[p + "self_attn.k_proj.bias"]).view(n, KV, HD)
-            v = (y @ t[p + "self_attn.v_proj.weight"].T + t[p + "self_attn.v_proj.bias"]).view(n, KV, HD)
-            theta = hf.config.rope_parameters["rope_theta"]
-            q, kk = _rope(q, pos, theta), _rope(kk, pos, theta)
-            kk, v = kk.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
-            s = torch.einsum("qhd,khd->hqk", q, kk) / HD**0.5
-            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-            a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, HEADS * HD)
-            r = a @ t[p + "self_attn.o_proj.weight"].T + x
-            y = _rms(r, t[p + "post_attention_layernorm.weight"])
-            m = torch.nn.functional.silu(y @ t[p + "mlp.gate_proj.weight"].T) * (
-                y @ t[p + "mlp.up_proj.weight"].T
-            )
-            o = _rms(m @ t[p + "mlp.down_proj.weight"].T + r, t[p + "final_layernorm.weight"])
-            d = int((o[-1] @ head.T).argmax())
-            out.append(d)
-            ids.append(d)
-            hidden = torch.cat([hidden, o[-1:]])
-    return out
+        return _chain(step, list(tokens[1:]), states[:-1], k)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -394,6 +394,8 @@ def test_mtp_drafts_equal_a_dense_reference_of_the_layer(mimo, graphs):
         llm.engine.proposer.use_graphs(16, 200)
     seen = _proposals(llm, _prompts(3, seed=4))
     assert len(seen) > 10
+    if graphs:
+        assert llm.engine.proposer.graphs.input_ids.any()  # the steps went through the static buffers
     for tokens, drafts in seen:
         assert drafts == _mtp_reference(t, mimo["hf"], tokens, len(drafts)), tokens
 
@@ -487,28 +489,11 @@ def _dflash_reference(t, hf, tokens: list[int], k: int) -> list[int]:
         embed = hf.model.embed_tokens.weight
         x = embed[[tokens[-1]] + [VOCAB - 1] * (DF_BLOCK - 1)]
         pos = torch.arange(n - 1 + DF_BLOCK)
-        for i in range(DF_LAYERS):
+        for i in range(DF_LAYERS):  # no mask: every context key, the block both ways
             p = f"layers.{i}."
             src = torch.cat([feats, _rms(x, t[p + "input_layernorm.weight"])])
-            m = src.shape[0]
-            q = _rms(
-                (src @ t[p + "self_attn.q_proj.weight"].T).view(m, HEADS, HD),
-                t[p + "self_attn.q_norm.weight"],
-            )
-            kk = _rms(
-                (src @ t[p + "self_attn.k_proj.weight"].T).view(m, KV, HD), t[p + "self_attn.k_norm.weight"]
-            )
-            v = (src @ t[p + "self_attn.v_proj.weight"].T).view(m, KV, HD)
-            q, kk = _rope(q, pos, 1000.0)[n - 1 :], _rope(kk, pos, 1000.0)
-            kk, v = kk.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
-            s = torch.einsum("qhd,khd->hqk", q, kk) / HD**0.5  # no mask: all context, the block both ways
-            a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(DF_BLOCK, HEADS * HD)
-            x = x + a @ t[p + "self_attn.o_proj.weight"].T
-            y = _rms(x, t[p + "post_attention_layernorm.weight"])
-            mm = torch.nn.functional.silu(y @ t[p + "mlp.gate_proj.weight"].T) * (
-                y @ t[p + "mlp.up_proj.weight"].T
-            )
-            x = x + mm @ t[p + "mlp.down_proj.weight"].T
+            x = x + _attention(t, p, src, pos, 1000.0, causal=False, qk_norm=True, queries=DF_BLOCK)
+            x = x + _mlp(t, p, _rms(x, t[p + "post_attention_layernorm.weight"]))
         logits = _rms(x, t["norm.weight"]) @ hf.lm_head.weight.T
     return logits[1 : 1 + k].argmax(-1).tolist()
 
