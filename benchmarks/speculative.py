@@ -364,6 +364,17 @@ class CostedOracle:
         self.real.propose(rows)
         return self.oracle.propose(rows)
 
+    def propose_device(self, rows):
+        """The head drafts on the device (unread, as the engine runs it); the oracle's drafts follow
+        it to the device, so the verify step still waits for the head's work."""
+        self.real.propose_device(rows)
+        drafts = self.oracle.propose(rows)
+        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+        dev = self.real.device
+        if dev.type == "cuda":
+            flat = flat.pin_memory().to(dev, non_blocking=True)
+        return flat, [len(d) for d in drafts]
+
     def observe_hidden(self, states):
         self.real.observe_hidden(states)
 
@@ -372,6 +383,12 @@ class CostedOracle:
 
     def finish(self, request_id):
         self.real.finish(request_id)
+
+
+class HostCostedOracle(CostedOracle):
+    """CostedOracle as a proposer whose drafts the host reads before scheduling (--drafts host)."""
+
+    propose_device = None
 
 
 HEAD_TARGETS = {"eagle3": "llama-3.1-8b.json", "mtp": "mimo-7b.json", "dflash": "qwen3-8b.json"}
@@ -479,15 +496,15 @@ def heads_bench(a) -> dict:
         force_acceptance(vocab - 1)
         real = specd.engine.proposer
         timed: list[float] = []
-        propose = real.propose
+        propose = real.propose_device
 
         def timing(batch_rows, propose=propose, timed=timed):
             t0 = time.perf_counter()
-            out = propose(batch_rows)  # ends reading its drafts back: the device work is done
+            out = propose(batch_rows)
+            out[0].tolist()  # read back: the device work is done
             timed.append(time.perf_counter() - t0)
             return out
 
-        real.propose = timing
         params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
         short = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
@@ -499,31 +516,65 @@ def heads_bench(a) -> dict:
             specd.engine.proposer = real
             run_requests(specd, prompts, short, True)  # warm: first-use shapes of the head
             timed.clear()
+            real.propose_device = timing
             run_requests(specd, prompts, short, True)
+            del real.propose_device  # the class's again: drafts left on the device
             draft_ms = statistics.median(timed[2:] or timed) * 1e3  # the steady steps (one new token per row)
 
             def wrap(oracle, real=real):
                 return CostedOracle(real, oracle)
 
-            oracle_run(specd, k, prompts, fulls, short, 1.0, vocab, 0, True, wrap)  # warm the verify shapes
+            def wrap_host(oracle, real=real):
+                return HostCostedOracle(real, oracle)
+
+            wraps = {"device": wrap, "host": wrap_host}
+            for d in a.drafts:  # warm the verify shapes
+                oracle_run(specd, k, prompts, fulls, short, 1.0, vocab, 0, True, wraps[d])
             for rep in range(a.reps):
-                before = dict(specd.engine.step_seconds)
-                t0 = time.perf_counter()
-                outs = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wrap)
-                wall = time.perf_counter() - t0
-                spent = phase_ms(before, specd.engine.step_seconds)
-                before = dict(plain.engine.step_seconds)
-                base = run_requests(plain, prompts, params, at_once=True)
-                tok_s = sum(len(v) for v in outs.values()) / wall
-                row = {"method": method, "batch": b, "k": k, "rep": rep, "drafter_ms": round(draft_ms, 2),
-                       "spec_tok_s": round(tok_s, 1), "plain_tok_s": round(base["out_tok_s"], 1),
-                       "speedup_at_100pct": round(tok_s / base["out_tok_s"], 2),
-                       # per engine step: host time scheduling (with proposing), launching (with waiting
-                       # for the device), applying tokens
-                       "spec_step_ms": spent,
-                       "plain_step_ms": phase_ms(before, plain.engine.step_seconds)}  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for d in a.drafts:  # alternating: the host's speed varies
+                    before = dict(specd.engine.step_seconds)
+                    t0 = time.perf_counter()
+                    outs = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wraps[d])
+                    wall = time.perf_counter() - t0
+                    spent = phase_ms(before, specd.engine.step_seconds)
+                    before = dict(plain.engine.step_seconds)
+                    base = run_requests(plain, prompts, params, at_once=True)
+                    tok_s = sum(len(v) for v in outs.values()) / wall
+                    row = {"method": method, "batch": b, "k": k, "rep": rep, "drafts": d,
+                           "drafter_ms": round(draft_ms, 2),
+                           "spec_tok_s": round(tok_s, 1), "plain_tok_s": round(base["out_tok_s"], 1),
+                           "speedup_at_100pct": round(tok_s / base["out_tok_s"], 2),
+                           # per engine step: host time scheduling (with proposing), launching (with
+                           # waiting for the device), applying tokens
+                           "spec_step_ms": spent,
+                           "plain_step_ms": phase_ms(before, plain.engine.step_seconds)}  # fmt: skip
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            if a.profile:  # a timed and a traced run of each: where a step's time goes
+                from benchmarks.step_profile import HostTimes, StepProfile
+
+                for name, llm in (("spec", specd), ("plain", plain)):
+                    graphs = {"target": llm.engine.runner.graphs}
+                    if name == "spec" and getattr(real, "graphs", None) is not None:
+                        graphs["drafter"] = real.graphs
+                    with HostTimes(llm.engine, {k: g for k, g in graphs.items() if g is not None}) as ht:
+                        if name == "spec":
+                            oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, 0, True, wrap)
+                        else:
+                            run_requests(plain, prompts, params, at_once=True)
+                    print(json.dumps({"host_ms": name, "method": method, "batch": b, **ht.per_step()}))
+
+                few = SamplingParams(
+                    temperature=0, max_tokens=min(12 * (k + 1), a.max_tokens), ignore_eos=True
+                )
+                for name, llm in (("spec", specd), ("plain", plain)):
+                    path = os.path.join(a.profile, f"{method}_b{b}_{name}.json")
+                    with StepProfile(llm.engine, path) as prof:
+                        if name == "spec":
+                            oracle_run(specd, k, prompts, fulls, few, 1.0, vocab, 0, True, wrap)
+                        else:
+                            run_requests(plain, prompts, short, at_once=True)
+                    print(json.dumps({"profile": name, "method": method, "batch": b, **prof.summary()}))
         del plain, specd
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -540,6 +591,10 @@ def main() -> None:
     )
     ap.add_argument("--methods", default="eagle3,dflash", help="--heads: of eagle3, mtp, dflash")
     ap.add_argument("--block", type=int, default=8, help="--heads: the DFlash block (drafts: block - 1)")
+    ap.add_argument(
+        "--drafts", default="device", help="--heads: device (staged unread), host (read first), or both"
+    )
+    ap.add_argument("--profile", default=None, help="--heads: a folder for traces of a few steps each")
     ap.add_argument("--smoke", action="store_true", help="--oracle / --heads on CPU with tiny configs")
     ap.add_argument("--dtype", default="bfloat16", help="--oracle: the target's dtype")
     ap.add_argument("--forced", action="store_true", help="--oracle: force the oracle's runs to be accepted")
@@ -559,6 +614,7 @@ def main() -> None:
         int(x) for x in (a.batches or ("1,16" if a.cpu else "1,64" if a.heads else "1,8,64")).split(",")
     ]
     a.methods = a.methods.split(",")
+    a.drafts = a.drafts.split(",")
     a.rates = [float(x) for x in a.rates.split(",")]
     a.reps = a.reps or (3 if a.cpu else 2)
     a.max_tokens = a.max_tokens or (128 if a.cpu else 256)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from foveal import SamplingParams
+from foveal.spec.proposer import split_drafts
 from tests.test_speculative import MIXED_GREEDY
 
 H, HEADS, KV, HD, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 128, 1000, 96
@@ -146,14 +147,14 @@ def _proposals(llm, prompts) -> list[tuple[list[int], list[int]]]:
     """(the row's tokens, its drafts) of every propose() while the prompts run greedily."""
     proposer = llm.engine.proposer
     seen = []
-    real = proposer.propose
+    real = proposer.propose_device  # what the engine calls: the drafts stay on the device
 
     def recording(rows):
-        drafts = real(rows)
-        seen.extend((list(r.token_ids), d) for r, d in zip(rows, drafts))
-        return drafts
+        flat, counts = real(rows)
+        seen.extend((list(r.token_ids), d) for r, d in zip(rows, split_drafts(flat.tolist(), counts)))
+        return flat, counts
 
-    proposer.propose = recording
+    proposer.propose_device = recording
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     return seen
 

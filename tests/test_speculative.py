@@ -118,6 +118,72 @@ def test_mixed_batch_opt_out_stops_logprobs_penalties_chunks(folder):
     assert stats.num_accepted_tokens > 0
 
 
+class _DeviceOracle:
+    """Drafts computed "on the device" (propose_device): each row's recorded continuation, every
+    third proposal's last draft made wrong (so staged drafts are rejected too)."""
+
+    tap = None
+    num_speculative_tokens = 3
+
+    def __init__(self, refs: dict[tuple, list[int]]):
+        self.refs, self.calls = refs, 0
+
+    def propose_device(self, rows):
+        flat, counts = [], []
+        for row in rows:
+            full = next(f for p, f in self.refs.items() if tuple(row.token_ids[: len(p)]) == p)
+            d = full[len(row.token_ids) : len(row.token_ids) + min(row.max_drafts, 3)]
+            self.calls += 1
+            if d and self.calls % 3 == 0:
+                d[-1] = (d[-1] + 1) % 250
+            flat += d
+            counts.append(len(d))
+        return torch.tensor(flat, dtype=torch.long), counts
+
+    def accepted(self, request_id, num_drafts, num_accepted):
+        pass
+
+    def finish(self, request_id):
+        pass
+
+
+def test_drafts_left_on_the_device_are_verified_as_their_ids(folder):
+    """A proposer's device drafts are staged in the runner's token buffer unread (placeholders in the
+    scheduled items) and verified from there; rows whose sampling reads the drafts (penalties) get
+    them as ids. Correct drafts are accepted, wrong ones rejected, output equals plain greedy."""
+    from foveal.sched.batch import DEVICE_DRAFT
+
+    prompts = _prompts(6, seed=4)
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+    ] * 2
+    plain = _run(_llm(folder), prompts, params)
+    llm = _llm(folder, NGRAM, max_num_batched_tokens=12)
+    eng = llm.engine
+    eng.proposer = oracle = _DeviceOracle({tuple(p): p + list(o[0]) for p, o in zip(prompts, plain)})
+    seen = {"staged": 0, "ids": 0}
+    launch = eng.runner.launch
+
+    def counting(batch, **kw):
+        for s in batch.items:
+            if s.num_drafts:
+                seen["staged" if s.drafts[0] == DEVICE_DRAFT else "ids"] += 1
+        return launch(batch, **kw)
+
+    eng.runner.launch = counting
+    spec = _run(llm, prompts, params)
+    for a, b in zip(spec, plain):
+        assert a[:3] == b[:3]
+        if b[3] is not None:
+            assert [x.token_id for x in a[3]] == [x.token_id for x in b[3]]
+    st = eng.spec_stats
+    assert seen["staged"] > 0 and seen["ids"] > 0 and oracle.calls > 0
+    # every proposal is right but every third one's last draft: most drafts are accepted
+    assert st.num_accepted_tokens >= st.num_draft_tokens // 2 > 0
+
+
 def test_seeded_sampling_is_reproducible_with_speculation(folder):
     prompts = _prompts(4, seed=2)
     params = [

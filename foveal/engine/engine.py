@@ -21,6 +21,7 @@ from foveal.config import EngineConfig
 from foveal.engine.detokenizer import IncrementalDetokenizer
 from foveal.engine.input_processor import EngineInfo
 from foveal.request import EngineRequest, FinishReason, Request, RequestStatus, TokenDelta, TokenLogprobs
+from foveal.sched.batch import DEVICE_DRAFT
 from foveal.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -395,10 +396,27 @@ class Engine:
         if reqs:
             rows = [ProposeRow(q.request_id, q.all_token_ids, k) for q, k in zip(reqs, rooms)]
             t0 = time.perf_counter()
-            for req, drafts in zip(reqs, self.proposer.propose(rows)):
-                req.draft_ids = drafts
+            if getattr(self.proposer, "propose_device", None) is not None:
+                drafts = self._stage_drafts(reqs, rows)
+            else:
+                drafts = self.proposer.propose(rows)
+            for req, d in zip(reqs, drafts):
+                req.draft_ids = d
             if policy is not None:
                 policy.observe_drafting(len(rows), max(rooms), time.perf_counter() - t0)
+
+    def _stage_drafts(self, reqs: list[Request], rows) -> list[list[int]]:
+        """Drafts computed on the device, staged in the runner's token buffer unread: each row's draft
+        ids are DEVICE_DRAFT placeholders, so the verify step is launched while the device still
+        drafts. Rows whose sampling reads the drafts' values (`_reads_host`) get them read back."""
+        from foveal.spec.proposer import split_drafts
+
+        flat, counts = self.proposer.propose_device(rows)
+        staged = self.runner.stage_drafts([q.request_id for q in reqs], counts, flat)
+        read = [not ok or self._reads_host(q) for q, ok in zip(reqs, staged)]
+        values = flat.tolist() if any(r and c for r, c in zip(read, counts)) else None
+        out = split_drafts(values, counts) if values is not None else [[]] * len(counts)
+        return [d if r else [DEVICE_DRAFT] * c for d, r, c in zip(out, read, counts)]
 
     def _resolve(self, launched) -> list[TokenDelta]:
         """Wait for a launched step's tokens; apply them and emit the deltas."""

@@ -11,11 +11,16 @@ One item feeds a run of consecutive positions of one request and says which of t
     decode              start=p   tokens [x]                num_logits 1
     decode, async       start=p   tokens []  num_pending 1  x is still on the device (the runner's buffer)
     verify (k drafts)   start=p   tokens [x d1 .. dk]       num_logits 1+k, num_drafts k
+    verify, staged      start=p   tokens [x -1 .. -1]       the drafts are on the device (DEVICE_DRAFT)
 
 Fed positions are start .. start + num_tokens - 1: the host-known `token_ids`, then `num_pending`
 tokens the previous step sampled and the host has not seen yet. A decode item is a short query whose
 every position gives logits; items come decodes first, then prefill chunks (the attention layout).
 Drafts' K/V is provisional: verification keeps the accepted ones and the scheduler rewinds the rest.
+A drafter that drafts on the device leaves its drafts there: the engine stages them in the runner's
+token buffer (`ModelRunner.stage_drafts`: row j + 1 of the request's slot holds draft j) and the item
+carries DEVICE_DRAFT in their place; the host learns them with the step's tokens (an accepted draft
+is the token verification emits at its row).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from foveal.request import MultiModalItem, SamplingParams
+
+DEVICE_DRAFT = -1  # a draft id only the device knows (staged in the runner's token buffer)
 
 
 class ScheduledItem(NamedTuple):

@@ -134,17 +134,18 @@ class BlockProposer(HiddenStateDrafter):
     """One DFlash forward per step for every row: its unfed context and its block, as one chunk."""
 
     @torch.inference_mode()
-    def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
+    def propose_device(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
         head, S = self.head, self.head.block_size
-        out: list[list[int]] = [[] for _ in rows]
+        counts = [0] * len(rows)
         chunks = []  # (row index, seq, first context position, last, drafts wanted)
         for i, row in enumerate(rows):
             k = min(row.max_drafts, self.num_speculative_tokens)
             c = self._catch_up(row, S, 0)
             if c is not None:
                 chunks.append((i, *c, k))
+                counts[i] = k
         if not chunks:
-            return out
+            return torch.empty(0, dtype=torch.long, device=self.device), counts
         ids, is_block, feats, ctx_rows, pos, ctxs, tables, slots, picks = [], [], [], [], [], [], [], [], []
         for i, seq, lo, last, k in chunks:
             if lo <= last:
@@ -177,13 +178,8 @@ class BlockProposer(HiddenStateDrafter):
         else:
             ctx = self._context(pos, [1] * n, ctxs, tables, slots, n)
             normed = head(ids_d, x, block_d, ctx)
-        picked = normed[picks_d]  # before the graphs' next replay
-        drafts = head._target[0].compute_logits(picked).argmax(dim=-1).tolist()
-        j = 0
-        for i, *_rest, k in chunks:
-            out[i] = drafts[j : j + k]
-            j += k
-        return out
+        picked = normed[picks_d]  # before the graphs' next replay; the chunks are in row order
+        return head._target[0].compute_logits(picked).argmax(dim=-1), counts
 
     graphs = None  # BlockStepGraphs, after use_graphs
 

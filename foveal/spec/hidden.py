@@ -9,7 +9,8 @@ keeping and KV of HiddenStateDrafter and drafts a block per forward.
                     graphs, one-token queries); its last row's logits give draft 1, its output the next h
                  2. k - 1 one-token steps: (h from the step before, draft j) at the next position
                     (through spec/head_graphs.py's CUDA graphs where captured)
-                 3. the k drafts per row, read back once
+                 3. the k drafts per row: a flat device tensor (propose_device, staged for the
+                    verify step without a wait) or read back once (propose)
 
 Only accepted tokens' hidden states reach the head (a verify row reports the rows up to its last
 accepted draft), so what it fed never needs undoing; the chain's speculative positions are overwritten
@@ -32,7 +33,7 @@ from foveal.device import to_device
 from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.request import Request, SamplingParams
-from foveal.spec.proposer import ProposeRow
+from foveal.spec.proposer import ProposeRow, split_drafts
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,14 @@ class HiddenStateDrafter:
         positions = to_device(torch.tensor(pos, dtype=torch.long), self.device)
         return StepContext(positions, self.kv_caches, meta)
 
+    def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
+        """The drafts per row, read back to the host (propose_device's, one wait)."""
+        flat, counts = self.propose_device(rows)
+        return split_drafts(flat.tolist(), counts)
+
+    def propose_device(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
+        raise NotImplementedError
+
     def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         pass  # the accepted tokens' hidden states arrive through observe_hidden
 
@@ -207,20 +216,23 @@ class ChainProposer(HiddenStateDrafter):
 
     # -- proposing --------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in rows]
+    def propose_device(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
+        counts = [0] * len(rows)
         chunks = []  # (row index, seq, first position, last position, drafts wanted)
         for i, row in enumerate(rows):
             k = min(row.max_drafts, self.num_speculative_tokens)
             c = self._catch_up(row, k - 1, 1)
             if c is not None:
                 chunks.append((i, *c, k))
+                counts[i] = k
         if not chunks:
-            return out
+            return torch.empty(0, dtype=torch.long, device=self.device), counts
         chunks.sort(key=lambda c: c[3] != c[2])  # the attention layout: one-token chunks first
         draft, h = self._catch_up_step(rows, chunks)
         live = list(range(len(chunks)))  # chunks still drafting
-        steps = [(live, draft)]
+        steps = [draft]
+        at: dict[tuple[int, int], int] = {(ci, 0): ci for ci in live}  # (chunk, step) -> index in cat
+        done = len(live)
         for j in range(1, max(c[4] for c in chunks)):
             keep = [n for n, ci in enumerate(live) if chunks[ci][4] > j]
             if len(keep) < len(live):
@@ -229,11 +241,16 @@ class ChainProposer(HiddenStateDrafter):
                 live = [live[n] for n in keep]
             seqs = [(chunks[ci][1], chunks[ci][3] + j) for ci in live]
             draft, h = self._one_token_step(draft, h, seqs)
-            steps.append((live, draft))
-        for live, d in steps:  # one wait: every step is queued by now
-            for ci, tok in zip(live, d.tolist()):
-                out[chunks[ci][0]].append(tok)
-        return out
+            steps.append(draft)
+            at.update(((ci, j), done + n) for n, ci in enumerate(live))
+            done += len(live)
+        # row after row (the rows' order), each row's drafts in step order
+        if len(steps[-1]) == len(chunks) and all(a[0] < b[0] for a, b in zip(chunks, chunks[1:])):
+            return torch.stack(steps, 1).view(-1), counts  # the common case: k each, rows in order
+        order = [at[ci, j] for ci in sorted(range(len(chunks)), key=lambda c: chunks[c][0])
+                 for j in range(chunks[ci][4])]  # fmt: skip
+        flat = torch.cat(steps)[to_device(torch.tensor(order, dtype=torch.long), self.device)]
+        return flat, counts
 
     def _catch_up_step(self, rows, chunks) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's unfed pairs in one forward: (draft 1, its hidden state) per chunk."""

@@ -7,6 +7,12 @@ how many were accepted, and when a request ends it is told to forget it. A propo
 keeps per request (an n-gram index, a draft model's KV); the engine keeps nothing of it.
 
     engine step:  propose(rows) -> drafts per row -> schedule 1 + k tokens -> verify -> accepted(...)
+
+A drafter that computes its drafts on the device (the hidden-state heads) also offers
+`propose_device(rows)`: the drafts of every row in one flat device tensor, row after row, and each
+row's count. The engine then stages them in the runner's token buffer without reading them back, so
+the host schedules and launches the verify step while the device still drafts (only rows whose
+sampling reads the drafts' values, a grammar or penalties, have them read back).
 """
 
 from __future__ import annotations
@@ -33,11 +39,22 @@ class Proposer(Protocol):
 
     def propose(self, rows: list[ProposeRow]) -> list[list[int]]: ...
 
+    # optional: def propose_device(self, rows) -> tuple[torch.Tensor, list[int]]  (see the module doc)
+
     def observe_hidden(self, states: dict) -> None: ...  # called only when `tap` is set
 
     def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None: ...
 
     def finish(self, request_id: str) -> None: ...
+
+
+def split_drafts(values: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
+    """Flat drafts, row after row, back into one list per row (`counts` drafts each)."""
+    out, at = [], 0
+    for c in counts:
+        out.append(list(values[at : at + c]))
+        at += c
+    return out
 
 
 class NgramProposer:

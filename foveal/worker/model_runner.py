@@ -31,7 +31,7 @@ from foveal.device import to_device
 from foveal.models.base import StepContext
 from foveal.request import TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
-from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
+from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, ScheduledItem
 from foveal.spec.rejection import verify
 from foveal.structured.guide import Guide
 
@@ -143,6 +143,40 @@ class ModelRunner:
     def num_held(self) -> int:
         return len(self._held)
 
+    @torch.inference_mode()
+    def stage_drafts(self, request_ids: list[str], counts: list[int], flat: torch.Tensor) -> list[bool]:
+        """Put drafts computed on the device where a verify step reads them, unread by the host:
+        request i's `counts[i]` drafts (flat, row after row) at rows 1 .. k of its token-buffer slot,
+        in one device copy. Per request whether it was staged (False: not held here, or more drafts
+        than a row holds; its drafts must come as ids)."""
+        width = self.token_buffer.shape[1]
+        dst: list[int] = []
+        src: list[int] = []
+        staged, at = [], 0
+        for rid, c in zip(request_ids, counts):
+            held = self._held.get(rid)
+            ok = held is not None and c < width
+            if ok and c:
+                dst.extend(range(held.slot * width + 1, held.slot * width + 1 + c))
+                src.extend(range(at, at + c))
+            staged.append(ok)
+            at += c
+        if dst:
+            flat = flat.to(self.device, non_blocking=True)
+            if len(src) < flat.shape[0]:  # some rows' drafts are not staged
+                flat = flat[to_device(torch.tensor(src, dtype=torch.long), self.device)]
+            dst_d = to_device(torch.tensor(dst, dtype=torch.long), self.device)
+            self.token_buffer.view(-1).index_copy_(0, dst_d, flat)
+        return staged
+
+    def _draft_sources(self, s: ScheduledItem, width: int) -> list[int]:
+        """The flat token-buffer indices of a verify item's staged drafts (DEVICE_DRAFT ids); [] when
+        the host knows them."""
+        if not s.num_drafts or s.token_ids[-1] != DEVICE_DRAFT:
+            return []
+        base = self._held[s.request_id].slot * width + 1
+        return list(range(base, base + s.num_drafts))
+
     def _with_pending(self, input_ids: torch.Tensor, src: list[int]) -> torch.Tensor:
         """input_ids with every position whose `src` entry is >= 0 replaced by that flat index of the
         token buffer (the tokens of a step the host has not seen yet)."""
@@ -184,6 +218,9 @@ class ModelRunner:
                 continue
             prefill_seen = prefill_seen or not decode
             ids.extend(s.token_ids)
+            staged = self._draft_sources(s, width)
+            if staged:  # drafts still on the device: read from the buffer
+                pending += [-1] * (len(ids) - len(staged) - len(pending)) + staged
             if s.num_pending:
                 slot = self._held[s.request_id].slot
                 pending += [-1] * (len(ids) - len(pending)) + [slot * width + j for j in range(s.num_pending)]
@@ -335,7 +372,8 @@ class ModelRunner:
                 tables.append(list(s.block_table))
                 continue
             ids.extend(s.token_ids)
-            pending += [-1] * len(s.token_ids)
+            staged = self._draft_sources(s, width)
+            pending += [-1] * (len(s.token_ids) - len(staged)) + staged
             if s.num_pending:
                 ids += [0] * s.num_pending
                 pending += [held.slot * width + j for j in range(s.num_pending)]
@@ -405,6 +443,8 @@ class ModelRunner:
             return [SamplingRow(req.params, req.prompt_token_ids, out, req.eos_token_ids, first)]
         drafts = list(s.drafts)
         penalties = req.params.needs_penalties
+        if penalties and drafts[0] == DEVICE_DRAFT:
+            raise RuntimeError(f"{s.request_id}: penalties count the drafts; they were left on the device")
         return [
             SamplingRow(
                 req.params,
@@ -436,12 +476,17 @@ class ModelRunner:
         batch, logits, launched.logits = launched.batch, launched.logits, None
         rows: list[SamplingRow] = []
         drafts: list[int] = []  # per logits row: the draft it checks, -1 for an item's last row
+        sources: list[int] = []  # per logits row: where a staged draft is in the token buffer, or -1
+        width = self.token_buffer.shape[1]
         for s in batch.items:
             if not s.num_logits:
                 continue
             launched.rows.append((s.request_id, len(rows), s.num_logits))
             rows += self._sampling_rows(s, self._held[s.request_id])
             if s.num_drafts:
+                staged = self._draft_sources(s, width)
+                if staged:
+                    sources += [-1] * (len(drafts) - len(sources)) + staged
                 drafts += s.drafts
             drafts.append(-1)
         if not rows:
@@ -450,7 +495,10 @@ class ModelRunner:
         masks = self._masks(batch, len(rows))
         verifying = len(drafts) > len(launched.rows)
         if verifying:
-            tokens, launched.accepted = self._verify(logits, rows, launched.rows, drafts, masks)
+            draft_ids = to_device(torch.tensor(drafts, dtype=torch.long), self.device)
+            if sources:
+                draft_ids = self._with_pending(draft_ids, sources + [-1] * (len(drafts) - len(sources)))
+            tokens, launched.accepted = self._verify(logits, rows, launched.rows, draft_ids, masks)
         else:
             tokens, logprobs = self.sampler.sample(logits, rows, masks)
             launched.logprobs = logprobs
@@ -505,6 +553,8 @@ class ModelRunner:
                 g.filled(masks[i])
         for g, r, s in other:
             if s.num_drafts:
+                if s.drafts[0] == DEVICE_DRAFT:
+                    raise RuntimeError(f"{s.request_id}: a grammar masks by the drafts, left on the device")
                 g.fill_rows(list(s.drafts), masks[len(idx) : len(idx) + s.num_logits])
                 idx += range(r, r + s.num_logits)
             else:
@@ -531,7 +581,7 @@ class ModelRunner:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         items: list[tuple[str, int, int]],
-        drafts,
+        drafts: torch.Tensor,
         masks=None,
     ):
         """Verify every item's drafts against the target's logits (an item without drafts is a k = 0
@@ -541,7 +591,7 @@ class ModelRunner:
         firsts = [rows[first] for _, first, _ in items]
         return verify(
             x,
-            to_device(torch.tensor(drafts, dtype=torch.long), self.device),
+            drafts,
             ks,
             [r.params.greedy for r in firsts],
             [r.params.seed for r in firsts],

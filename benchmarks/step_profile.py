@@ -1,0 +1,199 @@
+"""Where an engine step's time goes: a torch.profiler trace of a few engine steps, summarised per step.
+
+    with StepProfile(llm.engine, "/tmp/out/spec.json") as p:
+        ...run some steps...
+    print(p.summary())
+
+The engine's phases (propose, schedule, launch, resolve, collect inside resolve) are marked as
+profiler ranges; each GPU kernel is charged to the phase whose host call launched it (the runtime
+call's correlation id: a CUDA graph's kernels carry their cudaGraphLaunch's). The summary, per engine
+step: wall time, the time the GPU was busy (the union of kernel intervals) and idle, host milliseconds
+in each phase, GPU milliseconds launched from each phase, and the kernels that took the most GPU time.
+The chrome trace is kept for a closer look (chrome://tracing, ui.perfetto.dev). CUPTI's tracing slows
+the host: a CUDA graph launch of ~600 nodes shows as 0.5-1.1 ms under it and takes ~10-35 us without
+it (scripts/graph_launch_probe.py; HostTimes' `*.replay`), so read host times from HostTimes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+PHASES = {"scheduler": ("schedule",), "runner": ("launch", "collect")}
+
+
+class _GraphTimer:
+    """Stands in for a CUDA graph in a graphs' dict: replays it, timing the host call."""
+
+    def __init__(self, graph, totals: dict, name: str):
+        self.graph, self.totals, self.name = graph, totals, name
+
+    def replay(self):
+        t0 = time.perf_counter()
+        self.graph.replay()
+        self.totals[self.name] += time.perf_counter() - t0
+
+
+class HostTimes:
+    """Host seconds in each engine phase and in each CUDA graph launch, without a profiler (whose
+    tracing slows launches): `totals` per name, `per_step()` in milliseconds."""
+
+    def __init__(self, engine, graphs: dict | None = None):
+        self.engine, self.graphs = engine, graphs or {}
+        self.totals: dict[str, float] = defaultdict(float)
+        self._restore: list[tuple[object, str]] = []
+        self._swapped: list[tuple[dict, int, object]] = []
+
+    def _time(self, obj, name: str, label: str) -> None:
+        fn, totals = getattr(obj, name), self.totals
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+        self._restore.append((obj, name))
+
+    def __enter__(self):
+        eng = self.engine
+        self.steps0 = eng.step_seconds["steps"]
+        for obj, name, label in (
+            (eng, "_propose", "engine.propose"),
+            (eng, "_resolve", "engine.resolve"),
+            (eng.scheduler, "schedule", "scheduler.schedule"),
+            (eng.runner, "launch", "runner.launch"),
+            (eng.runner, "collect", "runner.collect"),
+        ):
+            self._time(obj, name, label)
+        for label, g in self.graphs.items():  # DecodeGraphs-like: .graphs {bucket: CUDAGraph}
+            for b, graph in list(g.graphs.items()):
+                self._swapped.append((g.graphs, b, graph))
+                g.graphs[b] = _GraphTimer(graph, self.totals, f"{label}.replay")
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name in self._restore:
+            delattr(obj, name)
+        for d, b, graph in self._swapped:
+            d[b] = graph
+        self.steps = self.engine.step_seconds["steps"] - self.steps0
+        return False
+
+    def per_step(self) -> dict:
+        n = max(self.steps, 1)
+        return {"steps": self.steps, **{k: round(v / n * 1e3, 3) for k, v in sorted(self.totals.items())}}
+
+
+class StepProfile:
+    def __init__(self, engine, path: str):
+        self.engine, self.path = engine, path
+        self._restore: list[tuple[object, str]] = []
+
+    def _mark(self, obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def marked(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+
+        setattr(obj, name, marked)
+        self._restore.append((obj, name))
+
+    def __enter__(self):
+        eng = self.engine
+        self._mark(eng, "_resolve", "engine.resolve")
+        self._mark(eng, "_propose", "engine.propose")
+        self._mark(eng, "step", "engine.step")
+        for attr, names in PHASES.items():
+            obj = getattr(eng, attr, None)
+            for n in names if obj is not None else ():
+                self._mark(obj, n, f"{attr}.{n}")
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(*exc)
+        for obj, name in self._restore:
+            delattr(obj, name)  # the instance attribute goes: the class's method shows again
+        self.prof.export_chrome_trace(self.path)
+        return False
+
+    def summary(self, top: int = 12) -> dict:
+        return summarize(self.path, top)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(path: str, top: int = 12) -> dict:
+    """Per engine step (the `engine.step` ranges that launched GPU work): milliseconds of wall, GPU
+    busy, host per phase and GPU launched per phase; the top kernels' GPU milliseconds per step."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    ranges = [e for e in events if e.get("cat") == "user_annotation"]
+    steps = sorted((e for e in ranges if e["name"] == "engine.step"), key=lambda e: e["ts"])
+    runtime = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not steps:
+        return {"steps": 0}
+    t0, t1 = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
+    n = len(steps)
+    host: dict[str, float] = defaultdict(float)
+    for r in ranges:
+        if r["name"] != "engine.step" and t0 <= r["ts"] <= t1:
+            host[r["name"]] += r["dur"]
+    by_phase: dict[str, float] = defaultdict(float)
+    by_kernel: dict[str, float] = defaultdict(float)
+    busy = []
+    inner = sorted(ranges, key=lambda r: r["dur"])  # innermost range first
+    for k in gpu:
+        if not (t0 <= k["ts"] <= t1 + 50_000):
+            continue
+        busy.append((k["ts"], k["ts"] + k["dur"]))
+        by_kernel[k["name"][:90]] += k["dur"]
+        call = runtime.get(k.get("args", {}).get("correlation"))
+        phase = "other"
+        if call is not None:
+            for r in inner:
+                if r["ts"] <= call["ts"] <= r["ts"] + r["dur"] and r.get("tid") == call.get("tid"):
+                    phase = r["name"]
+                    break
+        by_phase[phase] += k["dur"]
+    wall = t1 - t0
+    gpu_busy = _union(busy)
+    ms = 1e-3 / n
+    return {
+        "steps": n,
+        "wall_ms": round(wall * ms, 3),
+        "gpu_busy_ms": round(gpu_busy * ms, 3),
+        "gpu_idle_ms": round((wall - gpu_busy) * ms, 3),
+        "host_ms": {k: round(v * ms, 3) for k, v in sorted(host.items())},
+        "gpu_ms_by_phase": {k: round(v * ms, 3) for k, v in sorted(by_phase.items())},
+        "top_kernels_ms": {
+            k: round(v * ms, 4) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
+        },
+    }
