@@ -72,6 +72,8 @@ class SamplingParams:
     thinking_budget: int | None = (
         None  # thinking tokens before the end of thinking is forced (None: the default)
     )
+    # a diffusion model's denoising knobs: a DiffusionParams (foveal/diffusion/state.py), or None
+    diffusion: Any = None
     # logit_bias as two parallel tuples (token ids, biases): made once here, read by the sampler each step
     bias_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     bias_values: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -142,6 +144,8 @@ class SamplingParams:
             raise bad("thinking_budget", "must be an integer >= 0")
         if self.structured is not None and not hasattr(self.structured, "kind"):
             raise bad("structured", "must be a GrammarSpec")
+        if self.diffusion is not None and not hasattr(self.diffusion, "threshold"):
+            raise bad("diffusion", "must be a DiffusionParams")
         if len(self.stop) > MAX_STOPS:
             raise bad("stop", f"at most {MAX_STOPS} stop strings")
         if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
@@ -297,6 +301,8 @@ class Request:
     ends_after_pending: bool = False
     # speculative decoding: proposals for the positions after the last token, verified by the next step
     draft_ids: list[int] = field(default_factory=list)
+    # a diffusion model's canvas (foveal/diffusion/state.py DiffusionState), set by the engine
+    diffusion: Any = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

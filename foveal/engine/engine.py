@@ -18,6 +18,7 @@ import torch
 
 from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.config import EngineConfig
+from foveal.diffusion.state import new_diffusion_state
 from foveal.engine.detokenizer import IncrementalDetokenizer
 from foveal.engine.input_processor import EngineInfo
 from foveal.request import EngineRequest, FinishReason, Request, RequestStatus, TokenDelta, TokenLogprobs
@@ -139,6 +140,8 @@ class Engine:
         self._arrivals += 1
         req = Request.admit(request, self._arrivals)
         params = req.params
+        if self.info.diffusion is not None:
+            req.diffusion = new_diffusion_state(self.info.diffusion, req)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,
@@ -323,7 +326,7 @@ class Engine:
         only on the host), unless the load-aware policy is resting (it gave no row drafts: the next
         steps are plain ones). Rows whose sampling reads earlier tokens (`_reads_host_tokens`) overlap
         too: their step's forward pass is launched first, their sampling once those tokens are in."""
-        return self.proposer is None or self._resting
+        return (self.proposer is None or self._resting) and self.info.diffusion is None
 
     @staticmethod
     def _reads_host(req: Request) -> bool:
@@ -452,7 +455,7 @@ class Engine:
             t = self._tracked.get(rid)
             if t is not None:
                 t.req.encoder_time_s += spent
-        self.scheduler.resolve(launched.batch, out.tokens)
+        self.scheduler.resolve(launched.batch, out.tokens, out.confidence)
         for rid in out.done:  # the grammar is complete: nothing but EOS could follow
             t = self._tracked.get(rid)
             if t is not None and not t.req.is_finished:

@@ -19,6 +19,7 @@ import torch
 from foveal.attention import kv_quant
 from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.config import EngineConfig
+from foveal.diffusion.info import diffusion_info
 from foveal.engine.engine import Engine
 from foveal.engine.input_processor import EngineInfo, InputProcessor
 from foveal.sched.scheduler import Scheduler
@@ -119,6 +120,8 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         is_multimodal=model.is_multimodal,
         block_size=bs,
         prefix_caching=cfg.cache.enable_prefix_caching,
+        diffusion=diffusion_info(hf),
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens or 0,
     )
     scheduler = Scheduler(
         cfg.scheduler, kv, max_len, encoder_cache=encoder_cache, atomic_mm_spans=model.mm_bidirectional

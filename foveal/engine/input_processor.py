@@ -18,6 +18,7 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass, replace
+from typing import Any
 
 from foveal.config import OutputConfig
 from foveal.engine.tool_prompt import has_tool_turns, renders_tools, with_tool_prompt
@@ -41,6 +42,8 @@ class EngineInfo:
     is_multimodal: bool = False
     block_size: int = 16
     prefix_caching: bool = True
+    diffusion: Any = None  # a diffusion model's DiffusionInfo (foveal/diffusion/info.py), else None
+    max_num_batched_tokens: int = 0  # one step's token budget (a masked diffusion pass must fit it)
 
 
 def _salted(item, cache_salt: str | None):
@@ -345,8 +348,11 @@ class InputProcessor:
             params = replace(params, max_tokens=room)
         if self.keep_special_ids and params.skip_special_tokens and not params.keep_special_token_ids:
             params = replace(params, keep_special_token_ids=self.keep_special_ids)
-        elif params.max_tokens > room:
+        if params.max_tokens > room:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what}")
+        diffusion = info.diffusion is not None or params.diffusion is not None
+        if diffusion:
+            self._check_diffusion(len(ids), params, limit, what)
         return EngineRequest(
             request_id or new_request_id(),
             tuple(ids),
@@ -356,5 +362,52 @@ class InputProcessor:
             rope=mm.rope if mm is not None and mm.items else None,
             cache_salt=cache_salt,
             shared_prefix_len=min(mm.shared_prefix_len, len(ids)) if mm is not None else 0,
-            guide=self._guide(ids, params, thinking),
+            guide=None if diffusion else self._guide(ids, params, thinking),
         )
+
+    # sampling fields a diffusion pass does not apply (yet): field -> whether the request sets it
+    _NOT_FOR_DIFFUSION = {
+        "logprobs": lambda p: p.logprobs is not None,
+        "repetition_penalty": lambda p: p.repetition_penalty != 1.0,
+        "presence_penalty": lambda p: p.presence_penalty != 0.0,
+        "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
+        "logit_bias": lambda p: bool(p.logit_bias),
+        "min_tokens": lambda p: p.min_tokens > 0,
+        "top_p": lambda p: p.top_p != 1.0,
+        "top_k": lambda p: p.top_k > 0,
+        "min_p": lambda p: p.min_p != 0.0,
+        "structured": lambda p: p.structured is not None,
+        "thinking_budget": lambda p: p.thinking_budget is not None,
+    }
+
+    def _check_diffusion(self, prompt_len: int, params: SamplingParams, limit: int, what: str) -> None:
+        """A diffusion model's request: the fields its passes do not apply are refused by name; the
+        knobs must fit the model; a pass must fit one step (masked) and the last block the context."""
+        d = self.info.diffusion
+        if d is None:
+            raise InvalidParameter(
+                "diffusion", f"{self.info.model_name} is not a diffusion model: steps, block_length and "
+                "threshold apply to diffusion models only",
+            )  # fmt: skip
+        for name, used in self._NOT_FOR_DIFFUSION.items():
+            if used(params):
+                raise InvalidParameter(name, f"{name} is not supported with diffusion decoding")
+        knobs = params.diffusion
+        if d.kind == "block":
+            if knobs is not None and knobs.block_length not in (None, d.block_size):
+                raise InvalidParameter(
+                    "block_length",
+                    f"block_length={knobs.block_length}: this model denoises blocks of {d.block_size}",
+                )
+            end = -(-(prompt_len + params.max_tokens) // d.block_size) * d.block_size
+            if end > limit:
+                raise ValueError(
+                    f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}), rounded up to whole "
+                    f"blocks of {d.block_size}, exceeds {what}"
+                )
+        elif prompt_len + params.max_tokens > self.info.max_num_batched_tokens:
+            raise ValueError(
+                f"a masked diffusion pass computes prompt + max_tokens ({prompt_len} + {params.max_tokens}) "
+                f"tokens in one step; the step's token budget is {self.info.max_num_batched_tokens} "
+                "(--max-num-batched-tokens)"
+            )

@@ -56,12 +56,9 @@ def load_config(path: str):
     try:
         with open(file) as f:
             data = {k: v for k, v in json.load(f).items() if not k.startswith("_comment")}
-        from foveal.loader.safetensors_loader import CONFIG_ALIASES
+        from foveal.loader.safetensors_loader import foreign_config
 
-        kind = data.pop("model_type")
-        if kind in CONFIG_ALIASES:
-            kind = CONFIG_ALIASES[kind]
-            data.pop("auto_map", None)
+        kind, data = foreign_config(data) or (data.pop("model_type"), data)
         config = AutoConfig.for_model(kind, **data)
     except Exception as e:
         raise ModelLoadError(f"could not read a model config from {file}: {type(e).__name__}: {e}") from e

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # model types whose config is another family's plus a few fields, their own config class being remote
 # code: read with that family's class (the extra fields stay attributes)
-CONFIG_ALIASES = {"mimo": "qwen2"}
+CONFIG_ALIASES = {"mimo": "qwen2", "sdar": "qwen3"}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -75,10 +75,9 @@ def open_hf_folder(path: str) -> HFFolder:
     try:
         with open(os.path.join(path, "config.json")) as f:
             data = json.load(f)
-        alias = CONFIG_ALIASES.get(data.get("model_type"))
-        if alias is not None:
-            data = {k: v for k, v in data.items() if k not in ("model_type", "auto_map")}
-            hf_config = AutoConfig.for_model(alias, **data)
+        foreign = foreign_config(data)
+        if foreign is not None:
+            hf_config = AutoConfig.for_model(foreign[0], **foreign[1])
         else:
             hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:
@@ -92,6 +91,86 @@ def open_hf_folder(path: str) -> HFFolder:
         "read config and %d safetensors headers of %s in %.2f s", len(files), path, time.perf_counter() - t0
     )
     return HFFolder(path=path, hf_config=hf_config, files=files)
+
+
+def foreign_config(data: dict) -> tuple[str, dict] | None:
+    """(transformers model type, its config fields) for a config.json whose own config class is remote
+    code: an alias's fields as they are, a remapped family's (CONFIG_REMAPS) renamed; None for a model
+    type transformers reads itself. Both the safetensors and the dummy loader go through here."""
+    kind = data.get("model_type")
+    if kind in CONFIG_REMAPS:
+        return CONFIG_REMAPS[kind](data)
+    if kind in CONFIG_ALIASES:
+        # a null rope_scaling (SDAR's) is what transformers 5 assumes anyway, and it warns about the key
+        drop = ("model_type", "auto_map") + (("rope_scaling",) if data.get("rope_scaling") is None else ())
+        return CONFIG_ALIASES[kind], {k: v for k, v in data.items() if k not in drop}
+    return None
+
+
+# LLaDA (OLMo-style names) switches our Llama decoder cannot follow, with the only value it can run (a
+# published config sets each of them so); any other value is refused rather than run wrongly, an absent
+# or null one taken as that value
+_LLADA_FIXED = {
+    "block_type": "llama",
+    "activation_type": "silu",
+    "layer_norm_type": "rms",
+    "layer_norm_with_affine": True,
+    "bias_for_layer_norm": False,
+    "attention_layer_norm": False,
+    "rope": True,
+    "alibi": False,
+    "input_emb_norm": False,
+    "scale_logits": False,
+}
+# fields kept as they are (token ids, dtype, the mask token the diffusion sampler needs)
+_LLADA_KEPT = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id", "torch_dtype", "dtype")
+
+
+def llada_config(data: dict) -> tuple[str, dict]:
+    """LLaDA's config.json (model_type "llada", OLMo-style fields) -> ("llama", LlamaConfig fields).
+
+    LLaDA-8B's decoder is the Llama layer (RMSNorm, RoPE, SwiGLU, no biases, no QK norm) under other
+    names: d_model -> hidden_size, n_heads / n_kv_heads -> num_attention_heads / num_key_value_heads,
+    n_layers -> num_hidden_layers, mlp_hidden_size -> intermediate_size, max_sequence_length ->
+    max_position_embeddings, embedding_size (the padded vocabulary; else vocab_size) -> vocab_size,
+    weight_tying -> tie_word_embeddings. `architectures` stays ["LLaDAModelLM"], so the registry picks
+    the class that also renames its tensors, and `mask_token_id` stays on the config."""
+    for key, value in _LLADA_FIXED.items():
+        if data.get(key) is not None and data[key] != value:
+            raise ValueError(f"LLaDA config: {key}={data[key]!r} is not supported (only {value!r})")
+    for key in ("clip_qkv", "rope_scaling"):
+        if data.get(key):
+            raise ValueError(f"LLaDA config: {key}={data[key]!r} is not supported")
+    if data.get("include_qkv_bias") and not data.get("include_bias"):
+        raise ValueError(
+            "LLaDA config: include_qkv_bias without include_bias (a q/k/v-only bias) is not supported"
+        )
+    missing = [k for k in ("d_model", "n_heads", "n_layers", "mlp_hidden_size") if data.get(k) is None]
+    if missing:
+        raise ValueError(f"LLaDA config lacks {', '.join(missing)}")
+    bias = bool(data.get("include_bias", False))
+    fields = dict(
+        architectures=list(data.get("architectures") or ["LLaDAModelLM"]),
+        hidden_size=data["d_model"],
+        num_attention_heads=data["n_heads"],
+        num_key_value_heads=data.get("n_kv_heads") or data["n_heads"],
+        num_hidden_layers=data["n_layers"],
+        intermediate_size=data["mlp_hidden_size"],
+        hidden_act="silu",
+        rms_norm_eps=data.get("rms_norm_eps", 1e-5),
+        rope_parameters={"rope_type": "default", "rope_theta": float(data.get("rope_theta", 10000.0))},
+        max_position_embeddings=data.get("max_sequence_length", 2048),
+        vocab_size=data.get("embedding_size") or data["vocab_size"],
+        tie_word_embeddings=bool(data.get("weight_tying", False)),
+        attention_bias=bias,
+        mlp_bias=bias,
+    )
+    fields.update({k: data[k] for k in _LLADA_KEPT if k in data})
+    return "llama", fields
+
+
+# model types whose config.json must be renamed into a transformers family's (see foreign_config)
+CONFIG_REMAPS = {"llada": llada_config}
 
 
 def load_hf_tokenizer(path: str):

@@ -10,6 +10,8 @@ _MODELS = {
     "Qwen2ForCausalLM": "foveal.models.llama:Qwen2ForCausalLM",
     "MiMoForCausalLM": "foveal.models.llama:MiMoForCausalLM",
     "Qwen3ForCausalLM": "foveal.models.llama:Qwen3ForCausalLM",
+    "LLaDAModelLM": "foveal.models.llama:LLaDAModelLM",
+    "SDARForCausalLM": "foveal.models.llama:SDARForCausalLM",
     "LlavaForConditionalGeneration": "foveal.models.llava:LlavaForConditionalGeneration",
     "Gemma3ForCausalLM": "foveal.models.gemma3_text:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "foveal.models.gemma3:Gemma3ForConditionalGeneration",

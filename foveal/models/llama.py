@@ -1,6 +1,7 @@
 """Decoder-only Llama-family models on the paged KV cache: Llama 2/3.x, SmolLM2, Mistral (no sliding
-window), Qwen2/Qwen2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm). The differences are config
-switches, not copies.
+window), Qwen2/Qwen2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm); and the diffusion LMs built on
+them, LLaDA (Llama, renamed tensors) and SDAR (Qwen3), whose masks the attention spans carry. The
+differences are config switches, not copies.
 
 Tokens of all sequences in a step are flattened to [T]; the attention backend knows which token
 belongs to which sequence. q/k/v and gate/up projections are fused into one matmul each.
@@ -207,3 +208,49 @@ class MiMoForCausalLM(Qwen2ForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class SDARForCausalLM(Qwen3ForCausalLM):
+    """SDAR (JetLM/SDAR-*-Chat): block diffusion on a Qwen3 decoder with Qwen3's tensor names. Only the
+    attention differs (block-causal: see foveal/diffusion/info.py), which the runner's spans carry."""
+
+
+# LLaDA's tensor names (under model.transformer.) -> ours (HF Llama's, under model.)
+_LLADA_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "attn_out": "self_attn.o_proj",
+    "ff_norm": "post_attention_layernorm",
+    "ff_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "ff_out": "mlp.down_proj",
+}
+_LLADA_TOP = {"wte": "model.embed_tokens", "ln_f": "model.norm", "ff_out": "lm_head"}
+
+
+def llada_tensor_name(name: str) -> str:
+    """LLaDA checkpoint name -> the HF Llama name of the same tensor (other names pass unchanged):
+
+    model.transformer.wte.weight                  -> model.embed_tokens.weight
+    model.transformer.blocks.3.attn_out.weight    -> model.layers.3.self_attn.o_proj.weight
+    model.transformer.ln_f.weight                 -> model.norm.weight
+    model.transformer.ff_out.weight               -> lm_head.weight  (the untied head)"""
+    parts = name.split(".")
+    if parts[:2] != ["model", "transformer"] or len(parts) < 4:
+        return name
+    if parts[2] == "blocks" and len(parts) >= 6 and parts[4] in _LLADA_BLOCK:
+        return ".".join(["model.layers", parts[3], _LLADA_BLOCK[parts[4]], *parts[5:]])
+    if parts[2] in _LLADA_TOP:
+        return ".".join([_LLADA_TOP[parts[2]], *parts[3:]])
+    return name
+
+
+class LLaDAModelLM(LlamaForCausalLM):
+    """LLaDA-8B (GSAI-ML/LLaDA-8B-*): masked diffusion on a Llama decoder, every token attending to
+    every token. Its config.json is renamed into a LlamaConfig by the loader (`llada_config`); its
+    tensors are renamed here (`llada_tensor_name`)."""
+
+    def load_weight(self, filler: ParamFiller, name: str, tensor: torch.Tensor, prefix: str = "") -> None:
+        super().load_weight(filler, llada_tensor_name(name), tensor, prefix)

@@ -12,6 +12,7 @@ One item feeds a run of consecutive positions of one request and says which of t
     decode, async       start=p   tokens []  num_pending 1  x is still on the device (the runner's buffer)
     verify (k drafts)   start=p   tokens [x d1 .. dk]       num_logits 1+k, num_drafts k
     verify, staged      start=p   tokens [x -1 .. -1]       the drafts are on the device (DEVICE_DRAFT)
+    denoise (diffusion) start=w   tokens [window]           num_logits: the window's rows, denoise >= 0
 
 Fed positions are start .. start + num_tokens - 1: the host-known `token_ids`, then `num_pending`
 tokens the previous step sampled and the host has not seen yet. A decode item is a short query whose
@@ -44,6 +45,9 @@ class ScheduledItem(NamedTuple):
     num_logits: int = 0  # the last num_logits fed positions give logits (0: a prefill chunk mid-prompt)
     num_pending: int = 0  # fed tokens after token_ids that are still on the device
     num_drafts: int = 0  # the last num_drafts of token_ids are proposals, verified by this step
+    # a diffusion model's denoising pass (the request's pass index, >= 0): the item is one chunk whose
+    # rows see each other both ways, its K/V is provisional, each logits row gives (token, confidence)
+    denoise: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -52,12 +56,12 @@ class ScheduledItem(NamedTuple):
     @property
     def is_decode(self) -> bool:
         """A short query: every fed position gives logits (a decode, or a verify run of 1 + k)."""
-        return self.num_logits == self.num_tokens
+        return self.num_logits == self.num_tokens and self.denoise < 0
 
     @property
     def committed(self) -> bool:
-        """Whether every K/V this item writes is kept (no drafts to verify)."""
-        return self.num_drafts == 0
+        """Whether every K/V this item writes is kept (no drafts to verify, not a denoising pass)."""
+        return self.num_drafts == 0 and self.denoise < 0
 
     @property
     def drafts(self) -> tuple[int, ...]:
@@ -75,6 +79,10 @@ class NewRequest:
     mm_items: tuple[MultiModalItem, ...] = ()
     rope: Any = None  # the model family's positions for the prompt (MultiModalPrompt.rope), for the model
     guide: Any = None  # GuideSpec (foveal/structured/guide.py): grammar and think-block steering, or None
+    # a diffusion model's request: (kind, block, mask token id); its attention: ("masked", 0, m) every
+    # token sees every token, ("block", size, m) causal across blocks of `size` positions, both ways
+    # inside one; None: an autoregressive request
+    diffusion: tuple[str, int, int] | None = None
 
 
 @dataclass(slots=True)

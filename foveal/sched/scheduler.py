@@ -110,6 +110,25 @@ class Scheduler:
             if req.ends_after_pending:  # its last token is in flight: nothing more to compute
                 i += 1
                 continue
+            if req.diffusion is not None:  # a denoising pass, a commit or a prompt chunk of whole blocks
+                plan = self._diffusion_plan(req, budget, req.num_computed_tokens)
+                if plan is None:
+                    i += 1
+                    continue
+                start, toks, num_logits, denoise = plan
+                while not self.kv.can_allocate(req, len(toks)):
+                    victim = self.running[-1]
+                    self._preempt(victim, batch)
+                    if victim is req:
+                        break
+                if req.status is not RequestStatus.RUNNING:
+                    break
+                self.kv.allocate(req, len(toks))
+                bt = tuple(req.block_ids)
+                chunks.append(ScheduledItem(req.request_id, start, toks, bt, num_logits, denoise=denoise))
+                budget -= len(toks)
+                i += 1
+                continue
             start = req.num_computed_tokens
             if req.draft_ids:
                 if self._verify(req, decodes, budget):
@@ -152,8 +171,15 @@ class Scheduler:
         ):
             req = self.waiting[0]
             cached = self.kv.find_cached(req)  # the longest prefix already in the cache: not recomputed
+            if req.diffusion is not None:
+                cached = self._diffusion_cached(req, cached)
             start = req.num_computed_tokens + len(cached) * self.kv.block_size
-            n = self._chunk(req, min(req.num_tokens - start, budget), start)
+            plan = None
+            if req.diffusion is not None:
+                plan = self._diffusion_plan(req, budget, start)
+                n = 0 if plan is None else len(plan[1])
+            else:
+                n = self._chunk(req, min(req.num_tokens - start, budget), start)
             if n == 0 or not self.kv.can_allocate(req, n, cached):
                 break
             self.waiting.popleft()
@@ -166,7 +192,13 @@ class Scheduler:
             if req.request_id not in self._known:
                 self._known.add(req.request_id)
                 batch.new_requests.append(_new_request(req))
-            item = self._item(req, n)
+            if plan is not None:
+                _, toks, num_logits, denoise = plan
+                item = ScheduledItem(
+                    req.request_id, start, toks, tuple(req.block_ids), num_logits, denoise=denoise
+                )
+            else:
+                item = self._item(req, n)
             (decodes if item.is_decode else chunks).append(item)
             self._spend_encoder(req, n)
             budget -= n
@@ -184,6 +216,42 @@ class Scheduler:
         self.kv.allocate(req, n)
         decodes.append(self._item(req, 1))
         return True
+
+    @staticmethod
+    def _diffusion_plan(req: Request, budget: int, start: int):
+        """A diffusion request's next item from `start` (its computed positions) within `budget`:
+        (start, tokens, logits rows, denoise pass or -1), or None when it does not fit this step.
+        Masked models compute prompt + canvas each pass; block models first the prompt's (or, after a
+        preemption, the committed) whole blocks, then their window: a denoising pass, or its commit."""
+        d = req.diffusion
+        if d.kind == "masked":
+            toks = tuple(req.prompt_token_ids) + tuple(d.canvas)
+            if len(toks) > budget:
+                return None
+            return 0, toks, d.canvas_len - d.active[0], d.step_index
+        if start < d.window_start:
+            n = min(d.window_start - start, budget)
+            n -= n % d.block  # whole blocks (a chunk holds every key its rows see both ways)
+            if n == 0:
+                return None
+            return start, tuple(req.all_token_ids[start : start + n]), 0, -1
+        if len(d.canvas) > budget:
+            return None
+        if d.commit_pending:
+            return start, tuple(d.canvas), 0, -1
+        return start, tuple(d.canvas), len(d.canvas), d.step_index
+
+    def _diffusion_cached(self, req: Request, cached: list[int]) -> list[int]:
+        """A block model's prefix hit, cut to whole attention blocks of committed tokens (a token's K/V
+        depends on the rest of its block); masked models keep nothing."""
+        d = req.diffusion
+        if d.kind == "masked":
+            return []
+        cached = list(cached)
+        bs = self.kv.block_size
+        while cached and (len(cached) * bs > d.window_start or len(cached) * bs % d.block):
+            cached.pop()
+        return cached
 
     def _needs_encoder(self, req: Request, idx: int) -> bool:
         it = req.mm_items[idx]
@@ -276,18 +344,30 @@ class Scheduler:
         req = self._by_id.get(s.request_id)
         return req if req is not None and req.status is RequestStatus.RUNNING else None
 
-    def resolve(self, batch: ScheduledBatch, sampled: dict[str, list[int]]) -> list[Request]:
+    def resolve(
+        self, batch: ScheduledBatch, sampled: dict[str, list[int]], confidence: dict | None = None
+    ) -> list[Request]:
         """The step's tokens arrived: fill the pending tokens (a verify row: rewind its rejected drafts
         and append what it accepted), publish full blocks, apply token-level stop rules, truncating a
         run of several tokens at the first stop. `sampled` maps a request id to its new tokens, and
         comes back with each run cut where its request stopped. Returns the requests that finished
-        (already freed; tokens still in flight dropped)."""
+        (already freed; tokens still in flight dropped). A diffusion model's pass comes with each row's
+        `confidence`; its request's tokens become the ones that turned final (maybe none)."""
         finished = []
         for s in batch.items:
             req = self._by_id.get(s.request_id)
             if req is None or req.is_finished or not s.num_logits:
                 if req is not None and req.status is RequestStatus.RUNNING:
+                    d = req.diffusion
+                    if d is not None and d.commit_pending and s.start == d.window_start and s.num_tokens:
+                        d.committed()  # the final window's K/V is written
                     self.kv.publish(req)
+                continue
+            if s.denoise >= 0:
+                reason = self._denoised(req, s, sampled, confidence or {})
+                if reason is not None:
+                    self.finish(req, reason)
+                    finished.append(req)
                 continue
             toks = sampled[s.request_id]
             if not s.committed:  # keep the K/V of the fed token and the accepted drafts only
@@ -307,6 +387,24 @@ class Scheduler:
                 self.finish(req, reason)
                 finished.append(req)
         return finished
+
+    def _denoised(
+        self, req: Request, s: ScheduledItem, sampled: dict, confidence: dict
+    ) -> FinishReason | None:
+        """A denoising pass's rows reached the host: the window's K/V goes (provisional), the canvas
+        takes the chosen tokens, and the tokens that turned final become the request's new output
+        (`sampled` then holds those), cut at a stop."""
+        if req.status is RequestStatus.RUNNING:
+            self.kv.rewind(req, s.start)
+        final = req.diffusion.observe(sampled[s.request_id], confidence[s.request_id])
+        new: list[int] = []
+        sampled[s.request_id] = new
+        for tok in final:
+            new.append(tok)
+            reason = self.check_stop(req, tok, self._append(req, tok))
+            if reason is not None:
+                return reason
+        return None
 
     @staticmethod
     def _append(req: Request, tok: int) -> int:
@@ -339,4 +437,5 @@ def _new_request(req: Request) -> NewRequest:
         tuple(req.mm_items),
         req.rope,
         req.guide,
+        None if req.diffusion is None else req.diffusion.runner_view,
     )

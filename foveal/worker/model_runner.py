@@ -48,6 +48,8 @@ class RunnerOutput:
     # hidden-state drafters (`ModelRunner.tap`): per request, (position of the first row, [n, H]) for
     # the step's rows whose input tokens are confirmed (a verify row's: up to its last accepted draft)
     hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # diffusion models: per request, each denoising row's confidence (its token is in `tokens`)
+    confidence: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -76,6 +78,7 @@ class Launched:
     encoder_time_s: dict[str, float] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # until sampled: the forward pass's logits rows
     tapped: torch.Tensor | None = None  # [T, H]: every fed token's state for a hidden-state drafter
+    denoised: bool = False  # a diffusion step: `host` is [2, rows] (tokens, confidences) in float64
 
 
 class ModelRunner:
@@ -101,6 +104,7 @@ class ModelRunner:
         self.mask_seconds = 0.0  # host time spent filling grammar masks (and the rows filled)
         self.mask_rows = 0
         self._num_guided = 0  # held requests with a guide: none, and a step fills no masks at all
+        self._num_diffusion = 0  # held requests of a diffusion model (their own attention shape)
         self._mask_bufs: list[torch.Tensor | None] = [None, None]
         self._mask_turn = 0
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
@@ -121,6 +125,7 @@ class ModelRunner:
             if held is not None:
                 self._free_slots.append(held.slot)
                 self._num_guided -= held.guide is not None
+                self._num_diffusion -= held.req.diffusion is not None
 
     def _admit(self, batch: ScheduledBatch) -> None:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
@@ -130,6 +135,7 @@ class ModelRunner:
                 shift = self.model.position_shift(new.rope)
                 self._held[new.request_id] = _Held(new, self._slot(), shift, guide=guide)
                 self._num_guided += guide is not None
+                self._num_diffusion += new.diffusion is not None
 
     def _slot(self) -> int:
         if not self._free_slots:
@@ -198,7 +204,7 @@ class ModelRunner:
         prefill_seen = False
         for s in batch.items:
             n, base = len(s.token_ids) + s.num_pending, len(ids)
-            decode = s.num_logits == n
+            decode = s.num_logits == n and s.denoise < 0
             if decode and prefill_seen:
                 raise ValueError(f"{s.request_id}: decode items must come before prefill chunks in a batch")
             if n == 1 and decode:  # a plain decode (the common row: kept lean, this loop runs for every row)
@@ -266,7 +272,7 @@ class ModelRunner:
         """Per attention row, the image spans its chunk overlaps, for models whose image tokens attend
         both ways (Gemma 3); None when no chunk of the step touches one. A decode row needs none: a
         single query token sees every earlier token anyway."""
-        if not self.model.mm_bidirectional:
+        if not self.model.mm_bidirectional and not self._num_diffusion:
             return None
         spans: list[list[tuple[int, int]]] = []
         for s in batch.items:
@@ -274,13 +280,15 @@ class ModelRunner:
                 spans += [[] for _ in range(s.num_tokens)]
                 continue
             a, b = s.start, s.start + s.num_tokens
-            spans.append(
-                [
-                    (it.offset, it.end)
-                    for it in self._held[s.request_id].req.mm_items
-                    if it.offset < b and a < it.end
-                ]
-            )
+            req = self._held[s.request_id].req
+            if req.diffusion is not None:  # a diffusion model's attention shape (NewRequest.diffusion)
+                kind, size, _ = req.diffusion
+                if kind == "masked":
+                    spans.append([(0, b)])
+                else:  # block-causal: the chunk's blocks, each both ways (chunks hold whole blocks)
+                    spans.append([(k, min(k + size, b)) for k in range(a - a % size, b, size)])
+                continue
+            spans.append([(it.offset, it.end) for it in req.mm_items if it.offset < b and a < it.end])
         return spans if any(spans) else None
 
     def _image_embeddings(self, batch: ScheduledBatch, spent: dict[str, float]):
@@ -358,7 +366,7 @@ class ModelRunner:
         for s in items:
             held = self._held[s.request_id]
             req, p, n = held.req, s.start, len(s.token_ids) + s.num_pending
-            if s.num_logits != n or p < len(req.prompt_token_ids):
+            if s.num_logits != n or p < len(req.prompt_token_ids) or s.denoise >= 0:
                 return None  # not a short query of generated tokens
             if n == 1:  # a plain decode (the common row: kept lean, this loop runs for every row)
                 if s.num_pending:
@@ -474,6 +482,8 @@ class ModelRunner:
         """Sample (and verify) a launched step's logits: per-row parameters, grammar masks filled on
         the host now (the guides have seen every earlier token), the tokens into the buffer."""
         batch, logits, launched.logits = launched.batch, launched.logits, None
+        if self._num_diffusion:
+            return self._denoise(launched, logits)
         rows: list[SamplingRow] = []
         drafts: list[int] = []  # per logits row: the draft it checks, -1 for an item's last row
         sources: list[int] = []  # per logits row: where a staged draft is in the token buffer, or -1
@@ -512,7 +522,12 @@ class ModelRunner:
         launched.tokens = tokens
         if verifying:
             launched.logprobs = self.sampler.logprobs(logits[:, : self.sampler.vocab_size], rows, tokens)
-        host = tokens if launched.accepted is None else torch.cat([tokens, launched.accepted])
+        accepted = launched.accepted
+        self._start_copy(launched, tokens if accepted is None else torch.cat([tokens, accepted]))
+
+    @staticmethod
+    def _start_copy(launched: Launched, host: torch.Tensor) -> None:
+        """Start the step's results on their way to the host (collect waits for `event`)."""
         if host.is_cuda:
             pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
             pinned.copy_(host, non_blocking=True)
@@ -520,6 +535,32 @@ class ModelRunner:
             launched.event.record()
             host = pinned
         launched.host = host
+
+    def _denoise(self, launched: Launched, logits: torch.Tensor) -> None:
+        """A diffusion model's step: each denoising item's rows give (token, confidence) (diffusion/
+        sampling.py), to the host as one float64 tensor [2, rows] (token ids are exact in float64)."""
+        from foveal.diffusion.sampling import choose
+
+        x0s, confs, row = [], [], 0
+        for s in launched.batch.items:
+            if not s.num_logits:
+                continue
+            if s.denoise < 0:
+                raise RuntimeError(f"{s.request_id}: a diffusion model samples only in denoising passes")
+            req, n = self._held[s.request_id].req, s.num_logits
+            total = s.num_tokens - len(req.prompt_token_ids) if req.diffusion[0] == "masked" else n
+            x0, conf = choose(
+                logits[row : row + n, : self.sampler.vocab_size], req.diffusion[2], req.params.temperature,
+                req.params.seed, s.denoise, total,
+            )  # fmt: skip
+            launched.rows.append((s.request_id, row, n))
+            x0s.append(x0)
+            confs.append(conf)
+            row += n
+        if not x0s:
+            return
+        launched.denoised = True
+        self._start_copy(launched, torch.stack([torch.cat(x0s).double(), torch.cat(confs).double()]))
 
     def _masks(self, batch: ScheduledBatch, num_rows: int):
         """The grammar masks of the step's constrained logits rows, on the device (None if there are
@@ -607,6 +648,12 @@ class ModelRunner:
             return out
         if launched.event is not None:
             launched.event.synchronize()
+        if launched.denoised:  # per item: the rows' tokens and confidences
+            x0, conf = launched.host.tolist()
+            for rid, first, n in launched.rows:
+                out.tokens[rid] = [int(t) for t in x0[first : first + n]]
+                out.confidence[rid] = conf[first : first + n]
+            return out
         host = launched.host.tolist()
         num_rows = launched.tokens.shape[0]
         kept: dict[str, int] = {}

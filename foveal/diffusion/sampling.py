@@ -1,0 +1,51 @@
+"""A denoising pass's choice per position, on the device: the token the model picks (x0) and its
+probability (the confidence that decides which masked positions take their token; diffusion/state.py).
+
+    never the mask   the mask token's logit is -inf first (a random-weight model may rank it first; a
+                     trained one gives it ~0: the published samplers leave it, and stall on it)
+    greedy           x0 = argmax(logits)
+    temperature T    x0 = argmax(logits - T * log(-log U)), U ~ Uniform(0, 1) in float64 (Gumbel-max: a
+                     draw from softmax(logits / T); LLaDA's generate() writes it exp(l) / (-log U)^T)
+    confidence       softmax(logits)[x0] in float32 (of the untempered logits, as LLaDA)
+
+U of a seeded request comes from a generator seeded with draw_seed(seed, pass index) drawing a
+[window rows, vocab] tensor (masked models: the whole canvas's rows, of which the pass uses those
+from its active block on), so a request's draws do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foveal.sample.sampler import draw_seed
+
+_generators: dict[torch.device, torch.Generator] = {}
+
+
+def uniforms(seed: int | None, index: int, rows: int, vocab: int, device) -> torch.Tensor:
+    """The pass's U [rows, vocab] float64 (seed None: the global generator)."""
+    device = torch.device(device)
+    if seed is None:
+        return torch.rand(rows, vocab, dtype=torch.float64, device=device)
+    g = _generators.get(device)
+    if g is None:
+        g = _generators[device] = torch.Generator(device)
+    g.manual_seed(draw_seed(seed, index))
+    return torch.rand(rows, vocab, dtype=torch.float64, device=device, generator=g)
+
+
+def choose(
+    logits: torch.Tensor, mask_id: int, temperature: float, seed: int | None, index: int, total_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x0 [n] int64, confidence [n] float32) of the pass's last n = logits.shape[0] rows of a window
+    of `total_rows` (the uniforms' rows line up with the window's)."""
+    logits = logits.clone()
+    logits[:, mask_id] = float("-inf")
+    if temperature == 0:
+        x0 = logits.argmax(-1)
+    else:
+        n, vocab = logits.shape
+        u = uniforms(seed, index, total_rows, vocab, logits.device)[total_rows - n :]
+        x0 = (logits.double() - temperature * torch.log(-torch.log(u))).argmax(-1)
+    conf = logits.float().softmax(-1).gather(1, x0[:, None]).squeeze(1)
+    return x0, conf

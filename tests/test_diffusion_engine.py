@@ -1,0 +1,246 @@
+"""Diffusion LMs in the engine loop: each sampler equals a reference of its published algorithm
+(tests/diffusion_reference.py, transformers on the same random weights), batched equals alone, a
+cached prefix equals none, one streamed chunk per final block, bad requests refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foveal import SamplingParams
+from foveal.diffusion.sampling import uniforms
+from foveal.diffusion.state import DiffusionParams
+from foveal.request import InvalidParameter
+from tests.diffusion_models import EOS_ID, MASK_ID, hf_model, write_llada, write_sdar
+from tests.diffusion_reference import block_generate, llada_generate
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory):
+    path = write_llada(tmp_path_factory.mktemp("llada"), seed=0)
+    return path, hf_model(path)
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    path = write_sdar(tmp_path_factory.mktemp("sdar"), seed=1, block_size=4)
+    return path, hf_model(path)
+
+
+def _llm(path, **kw):
+    from foveal.engine.llm import LLM
+
+    opts = dict(dtype="float32", num_blocks=256, block_size=4, max_num_seqs=8, max_model_len=256)
+    return LLM(path, **{**opts, **kw})
+
+
+def _prompts(n: int, seed: int, lo: int = 3, hi: int = 14) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append(torch.randint(3, 250, (k,), generator=g).tolist())
+    return out
+
+
+def _gen(llm, prompts, params) -> list[list[int]]:
+    outs = llm.generate(prompts, params)
+    eng = llm.engine
+    eng.kv.check_integrity()
+    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished() and eng.runner.num_held == 0
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _uniforms(seed):
+    return lambda index, shape: uniforms(seed, index, shape[0], shape[1], "cpu")
+
+
+# -- each sampler against its reference ------------------------------------------------------------
+@pytest.mark.parametrize(
+    "steps,block,gen,temperature",
+    [(4, 4, 8, 0.0), (2, 8, 16, 0.0), (8, 8, 8, 0.0), (3, 4, 12, 0.9), (6, 4, 12, 0.9)],
+)
+def test_masked_diffusion_equals_llada_generate(llada, steps, block, gen, temperature):
+    """LLaDA's sampler (low-confidence remasking, semi-autoregressive blocks; `steps` per block here,
+    the reference's total is steps x blocks), greedy and sampled with a seed."""
+    path, hf = llada
+    llm = _llm(path)
+    prompts = _prompts(3, seed=steps + gen)
+    knobs = DiffusionParams(steps=steps, block_length=block)
+    for i, p in enumerate(prompts):
+        params = SamplingParams(
+            temperature=temperature, seed=100 + i, max_tokens=gen, ignore_eos=True, diffusion=knobs
+        )
+        [got] = _gen(llm, [p], params)
+        want = llada_generate(
+            hf, p, steps=steps * (gen // block), gen_length=gen, block_length=block,
+            temperature=temperature, mask_id=MASK_ID, uniforms=_uniforms(100 + i),
+        )  # fmt: skip
+        assert got == want, (p, got, want)
+
+
+BLOCK_CASES = [
+    ("low_confidence_static", 4, None, 0.0),
+    ("low_confidence_static", 2, None, 0.0),
+    ("low_confidence_dynamic", 4, 0.5, 0.0),
+    ("threshold", None, 0.5, 0.0),
+    ("threshold", None, 1.0, 0.0),  # one token per forward
+    ("low_confidence_dynamic", 3, 0.4, 0.8),
+]
+
+
+@pytest.mark.parametrize("strategy,steps,threshold,temperature", BLOCK_CASES)
+def test_block_diffusion_equals_the_reference(sdar, strategy, steps, threshold, temperature):
+    """SDAR's block diffusion (static and dynamic low-confidence rules) and Fast-dLLM's threshold rule,
+    prompts that end inside a block and on a boundary, committed blocks' K/V kept in the paged cache."""
+    path, hf = sdar
+    llm = _llm(path)
+    knobs = DiffusionParams(steps=steps, threshold=threshold)
+    for i, p in enumerate(_prompts(3, seed=7, lo=4, hi=13) + [list(range(5, 13))]):
+        params = SamplingParams(
+            temperature=temperature, seed=i, max_tokens=10, ignore_eos=True, diffusion=knobs
+        )
+        [got] = _gen(llm, [p], params)
+        want = block_generate(
+            hf, p, block_size=4, gen_length=10, mask_id=MASK_ID, steps_per_block=steps, strategy=strategy,
+            threshold=0.9 if threshold is None else threshold, temperature=temperature, uniforms=_uniforms(i),
+        )  # fmt: skip
+        assert got == want, (p, got, want)
+
+
+def test_block_diffusion_stops_at_eos(sdar):
+    """Without ignore_eos the request ends at the first EOS of a final block (not in the output)."""
+    path, hf = sdar
+    llm = _llm(path)
+    knobs = DiffusionParams(steps=2)
+    for p in _prompts(6, seed=11):
+        want = block_generate(
+            hf, p, block_size=4, gen_length=24, mask_id=MASK_ID, steps_per_block=2,
+            strategy="low_confidence_static", stop_ids=(EOS_ID,),
+        )  # fmt: skip
+        [got] = _gen(llm, [p], SamplingParams(temperature=0, max_tokens=24, diffusion=knobs))
+        assert got == (want[:-1] if want and want[-1] == EOS_ID else want)
+
+
+# -- batching, caching, streaming --------------------------------------------------------------------
+def test_a_batch_of_diffusion_requests_equals_each_alone(llada, sdar):
+    """8 requests of different lengths and knobs in one batch (chunks of several requests per step)
+    give what each gives alone; seeded sampled ones too."""
+    for path, knobs in (
+        (llada[0], [DiffusionParams(steps=s, block_length=b) for s, b in ((2, 4), (4, 4), (1, 8), (3, 8))]),
+        (
+            sdar[0],
+            [
+                DiffusionParams(steps=2),
+                DiffusionParams(threshold=0.5),
+                DiffusionParams(steps=4),
+                DiffusionParams(steps=3, threshold=0.3),
+            ],
+        ),  # fmt: skip
+    ):
+        prompts = _prompts(8, seed=3)
+        params = [
+            SamplingParams(
+                temperature=0.0 if i % 3 else 0.7,
+                seed=i,
+                max_tokens=8 + 4 * (i % 3),
+                ignore_eos=True,
+                diffusion=knobs[i % 4],
+            )  # fmt: skip
+            for i in range(8)
+        ]
+        llm = _llm(path)
+        together = _gen(llm, prompts, params)
+        alone = [_gen(llm, [p], q)[0] for p, q in zip(prompts, params)]
+        assert together == alone
+        assert all(len(t) == q.max_tokens for t, q in zip(together, params))
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_block_diffusion_with_a_cached_prefix_equals_without(sdar, tmp_path, block):
+    """The second request with the same long prompt reuses the committed blocks' K/V (a prefix hit of
+    whole attention blocks: with blocks of 8 over KV blocks of 4 the hit stops at a block of 8) and
+    gives the same tokens; so does a request whose prompt ends mid-block."""
+    path = sdar[0] if block == 4 else write_sdar(tmp_path, seed=2, block_size=8)
+    knobs = DiffusionParams(steps=2)
+    base = _prompts(1, seed=5, lo=30, hi=31)[0]
+    for prompt in (base, base[:-2]):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, diffusion=knobs)
+        cold = _gen(_llm(path, enable_prefix_caching=False), [prompt], params)
+        llm = _llm(path)
+        first = _gen(llm, [prompt], params)
+        hits = llm.engine.kv.hit_tokens
+        again = _gen(llm, [prompt], params)
+        assert first == cold == again
+        # whole blocks of the prompt came from the cache (and only whole attention blocks of 4)
+        cached = llm.engine.kv.hit_tokens - hits
+        assert cached >= 16 and cached % block == 0
+
+
+def test_streaming_gives_one_chunk_per_final_block(llada, sdar):
+    """Each engine delta of a diffusion request is one block's tokens, and they join to the output."""
+    for path, knobs, block in (
+        (llada[0], DiffusionParams(steps=2, block_length=4), 4),
+        (sdar[0], DiffusionParams(steps=2), 4),
+    ):
+        llm = _llm(path)
+        eng = llm.engine
+        prompt = _prompts(1, seed=9, lo=6, hi=7)[0]  # 6 tokens: SDAR's first block generates 2
+        params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, diffusion=knobs)
+        rid = eng.add_request(llm.processor.request(prompt, params))
+        chunks = []
+        while eng.has_unfinished():
+            chunks += [d.token_ids for d in eng.step() if d.request_id == rid and d.token_ids]
+        want = _gen(llm, [prompt], params)[0]
+        assert [t for c in chunks for t in c] == want
+        sizes = [len(c) for c in chunks]
+        if "llada" in path:
+            assert sizes == [4, 4, 4, 2]
+        else:
+            assert sizes == [2, 4, 4, 4]
+        assert block == 4
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+def test_diffusion_requests_refuse_what_they_do_not_apply(llada, sdar):
+    llm = _llm(sdar[0])
+    for field, value in (("logprobs", 2), ("repetition_penalty", 1.2), ("top_p", 0.9), ("min_tokens", 2)):
+        with pytest.raises(InvalidParameter, match=field) as e:
+            llm.processor.request([5, 6, 7], SamplingParams(max_tokens=8, **{field: value}))
+        assert e.value.param == field
+    with pytest.raises(InvalidParameter, match="blocks of 4"):
+        llm.processor.request([5, 6], SamplingParams(max_tokens=8, diffusion=DiffusionParams(block_length=8)))
+    masked = _llm(llada[0], max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="token budget is 64"):
+        masked.processor.request(list(range(5, 40)), SamplingParams(max_tokens=40))
+
+
+def test_diffusion_knobs_on_an_autoregressive_model_are_refused(tmp_path):
+    from tests.test_loader import tiny_hf_tokenizer, tiny_model
+
+    model = tiny_model("llama", seed=0)
+    model.save_pretrained(tmp_path)
+    tiny_hf_tokenizer().save_pretrained(tmp_path)
+    llm = _llm(str(tmp_path))
+    with pytest.raises(InvalidParameter, match="not a diffusion model"):
+        llm.processor.request([5, 6], SamplingParams(max_tokens=4, diffusion=DiffusionParams(steps=2)))
+    with pytest.raises(InvalidParameter, match="steps"):
+        DiffusionParams(steps=0)
+
+
+def test_cancelled_diffusion_requests_leak_no_blocks(sdar, llada):
+    for path in (sdar[0], llada[0]):
+        llm = _llm(path)
+        eng = llm.engine
+        params = SamplingParams(
+            temperature=0, max_tokens=20, ignore_eos=True, diffusion=DiffusionParams(steps=4)
+        )
+        rids = [eng.add_request(llm.processor.request(p, params)) for p in _prompts(4, seed=2)]
+        for _ in range(3):
+            eng.step()
+        eng.abort(rids[0])
+        eng.abort(rids[2])
+        while eng.has_unfinished():
+            eng.step()
+        eng.kv.check_integrity()
+        assert eng.kv.num_used_blocks == 0 and eng.runner.num_held == 0
