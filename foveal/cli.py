@@ -127,6 +127,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="thinking tokens a request may spend before the end of thinking is forced (default: no limit)",
     )
+    g.add_argument(
+        "--diffusion-steps", type=int, default=None,
+        help="diffusion models: denoising steps per block by default (default: one token per step)",
+    )  # fmt: skip
+    g.add_argument(
+        "--diffusion-block-length", type=int, default=None,
+        help="masked diffusion models: generated tokens per semi-autoregressive block (default: 32)",
+    )  # fmt: skip
+    g.add_argument(
+        "--diffusion-threshold", type=float, default=None,
+        help="diffusion models: each step unmasks every position whose confidence passes this (default: off)",
+    )  # fmt: skip
     g.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "INFO"))
 
 
@@ -166,6 +178,9 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         tool_call_parser=a.tool_call_parser,
         enable_thinking=a.enable_thinking,
         thinking_budget=a.thinking_budget,
+        diffusion_steps=a.diffusion_steps,
+        diffusion_block_length=a.diffusion_block_length,
+        diffusion_threshold=a.diffusion_threshold,
     )
 
 

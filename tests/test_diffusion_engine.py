@@ -244,3 +244,49 @@ def test_cancelled_diffusion_requests_leak_no_blocks(sdar, llada):
             eng.step()
         eng.kv.check_integrity()
         assert eng.kv.num_used_blocks == 0 and eng.runner.num_held == 0
+
+
+# -- the HTTP edge --------------------------------------------------------------------------------
+def test_served_diffusion_streams_blocks_and_refuses_by_name(tmp_path):
+    """Through the official client (a dummy-weight SDAR config: the synthetic tokenizer spells token i
+    " t<i>", so every token has text): the knobs as an extra body object, the stream's content deltas
+    one per final block joining to the whole text, a 400 naming a refused field."""
+    import json
+
+    import openai
+
+    from tests.diffusion_models import sdar_config
+    from tests.test_server import serving
+
+    cfg = tmp_path / "sdar.json"
+    cfg.write_text(json.dumps(sdar_config(block_size=4)))
+    knobs = {"diffusion": {"steps": 2}}
+    engine = {"model": str(cfg), "load_format": "dummy", "block_size": 4, "max_model_len": 256}
+    with serving({**engine, "diffusion_threshold": 0.5}, {}) as s:
+        c = s.client()
+        args = dict(model=s.model, prompt="t5 t6 t7 t8 t9 t10", max_tokens=14, temperature=0.0)
+        whole = c.completions.create(**args, extra_body={**knobs, "ignore_eos": True})
+        text = whole.choices[0].text
+        assert whole.usage.completion_tokens == 14 and text
+        parts = [
+            ch.choices[0].text
+            for ch in c.completions.create(**args, stream=True, extra_body={**knobs, "ignore_eos": True})
+            if ch.choices and ch.choices[0].text
+        ]
+        assert "".join(parts) == text and len(parts) >= 3  # one chunk per final block
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(**args, logprobs=2)
+        assert "logprobs" in str(e.value)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(**args, extra_body={"diffusion": {"steps": 0}})
+        assert "steps" in str(e.value)
+    assert s.engine.kv.num_used_blocks == 0
+
+
+def test_server_default_knobs_fill_what_a_request_leaves_out(llada):
+    llm = _llm(llada[0], diffusion_steps=3, diffusion_block_length=8, diffusion_threshold=0.4)
+    req = llm.processor.request([5, 6, 7], SamplingParams(max_tokens=16))
+    assert req.params.diffusion == DiffusionParams(steps=3, block_length=8, threshold=0.4)
+    own = DiffusionParams(steps=5, block_length=4)
+    req = llm.processor.request([5, 6, 7], SamplingParams(max_tokens=16, diffusion=own))
+    assert req.params.diffusion == DiffusionParams(steps=5, block_length=4, threshold=0.4)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from foveal.config import OutputConfig
+from foveal.diffusion.state import DiffusionParams
 from foveal.engine.tool_prompt import has_tool_turns, renders_tools, with_tool_prompt
 from foveal.parsing import reasoning, tools
 from foveal.request import EngineRequest, InvalidParameter, MultiModalPrompt, SamplingParams, new_request_id
@@ -352,7 +353,7 @@ class InputProcessor:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what}")
         diffusion = info.diffusion is not None or params.diffusion is not None
         if diffusion:
-            self._check_diffusion(len(ids), params, limit, what)
+            params = self._check_diffusion(len(ids), params, limit, what)
         return EngineRequest(
             request_id or new_request_id(),
             tuple(ids),
@@ -380,9 +381,10 @@ class InputProcessor:
         "thinking_budget": lambda p: p.thinking_budget is not None,
     }
 
-    def _check_diffusion(self, prompt_len: int, params: SamplingParams, limit: int, what: str) -> None:
+    def _check_diffusion(self, prompt_len: int, params: SamplingParams, limit: int, what: str):
         """A diffusion model's request: the fields its passes do not apply are refused by name; the
-        knobs must fit the model; a pass must fit one step (masked) and the last block the context."""
+        knobs (the server's defaults where the request names none) must fit the model; a pass must fit
+        one step (masked) and the last block the context. Returns the params with the knobs filled."""
         d = self.info.diffusion
         if d is None:
             raise InvalidParameter(
@@ -392,9 +394,17 @@ class InputProcessor:
         for name, used in self._NOT_FOR_DIFFUSION.items():
             if used(params):
                 raise InvalidParameter(name, f"{name} is not supported with diffusion decoding")
-        knobs = params.diffusion
+        knobs, o = params.diffusion or DiffusionParams(), self.output
+        knobs = DiffusionParams(
+            steps=o.diffusion_steps if knobs.steps is None else knobs.steps,
+            block_length=knobs.block_length
+            if knobs.block_length is not None or d.kind == "block"
+            else o.diffusion_block_length,
+            threshold=o.diffusion_threshold if knobs.threshold is None else knobs.threshold,
+        )
+        params = replace(params, diffusion=knobs)
         if d.kind == "block":
-            if knobs is not None and knobs.block_length not in (None, d.block_size):
+            if knobs.block_length not in (None, d.block_size):
                 raise InvalidParameter(
                     "block_length",
                     f"block_length={knobs.block_length}: this model denoises blocks of {d.block_size}",
@@ -411,3 +421,4 @@ class InputProcessor:
                 f"tokens in one step; the step's token budget is {self.info.max_num_batched_tokens} "
                 "(--max-num-batched-tokens)"
             )
+        return params

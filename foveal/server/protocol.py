@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from foveal.diffusion.state import DiffusionParams
 from foveal.request import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
@@ -201,6 +202,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class DiffusionKnobs(BaseModel):
+    """A diffusion model's denoising knobs (foveal/diffusion/state.py); the server's defaults fill the
+    ones left out."""
+
+    model_config = _STRICT
+    steps: Annotated[int, _shown(minimum=1), _INTEGRAL] | None = None
+    block_length: Annotated[int, _shown(minimum=1), _INTEGRAL] | None = None
+    threshold: Prob | None = None
+
+
 class _Common(BaseModel):
     model_config = _STRICT
     model: str | None = None
@@ -246,6 +257,8 @@ class _Common(BaseModel):
     # thinking tokens before the end of thinking is forced (vLLM's name: thinking_token_budget)
     thinking_budget: Annotated[int, _shown(minimum=0), _INTEGRAL] | None = None
     thinking_token_budget: Annotated[int, _shown(minimum=0), _INTEGRAL] | None = None
+    # diffusion models: {"steps", "block_length", "threshold"} (refused by autoregressive models)
+    diffusion: DiffusionKnobs | None = None
 
     @property
     def grammar_source(self) -> str | None:
@@ -330,6 +343,7 @@ class _Common(BaseModel):
                 speculative=self.speculative,
                 structured=self.grammar(),
                 thinking_budget=self.thinking_limit,
+                diffusion=None if self.diffusion is None else DiffusionParams(**self.diffusion.model_dump()),
             )
         except InvalidParameter as e:
             name = (names or {}).get(e.param)
