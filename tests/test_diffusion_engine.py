@@ -290,3 +290,16 @@ def test_server_default_knobs_fill_what_a_request_leaves_out(llada):
     own = DiffusionParams(steps=5, block_length=4)
     req = llm.processor.request([5, 6, 7], SamplingParams(max_tokens=16, diffusion=own))
     assert req.params.diffusion == DiffusionParams(steps=5, block_length=4, threshold=0.4)
+
+
+def test_block_diffusion_rows_eager_equal_the_decode_graphs(sdar):
+    """A block model's rows are one-token queries seeing their block's end: the recorded decode-step
+    graphs (explicit slots) and the eager path give the same tokens."""
+    path, _ = sdar
+    prompts = _prompts(5, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, diffusion=DiffusionParams(steps=2))
+    graphs = _llm(path)
+    assert graphs.engine.runner.graphs is not None
+    eager = _llm(path, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    assert _gen(graphs, prompts, params) == _gen(eager, prompts, params)

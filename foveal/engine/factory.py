@@ -98,7 +98,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
     # from the real layout (quantized values + their scales), so fp8/int8 get ~2x the blocks
     block_bytes = layers * bs * kv_quant.bytes_per_token(kv_dtype, dtype, kv_heads, head_dim)
     num_blocks = cfg.cache.num_blocks or _num_blocks(
-        cfg, model, block_bytes, device, backend, dtype, max_len, vocab_size
+        cfg, model, block_bytes, device, backend, dtype, max_len, vocab_size, diffusion_info(hf)
     )
     kv_caches = kv_quant.allocate_kv_caches(
         kv_dtype, layers, num_blocks * bs, kv_heads, head_dim, dtype, device
@@ -170,7 +170,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
             kv_caches,
             backend,
             block_size=bs,
-            max_seqs=_graph_rows(cfg),
+            max_seqs=_graph_rows(cfg, info.diffusion),
             max_model_len=max_len,
             device=device,
             tap=runner.tap,
@@ -221,10 +221,12 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
     return engine, InputProcessor(info, ckpt.tokenizer, mm_processor, cfg.output)
 
 
-def _graph_rows(cfg: EngineConfig) -> int:
+def _graph_rows(cfg: EngineConfig, diffusion=None) -> int:
     """Rows a decode-step graph covers: every sequence's 1 + k tokens when speculating (verify runs
-    are decode rows)."""
+    are decode rows); a block diffusion model's two windows (a commit and the next window's pass)."""
     spec = cfg.speculative
+    if diffusion is not None and diffusion.kind == "block":
+        return cfg.scheduler.max_num_seqs * 2 * diffusion.block_size
     return cfg.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
 
 
@@ -264,7 +266,15 @@ def _use_cpu_graphs(cfg: EngineConfig, device: torch.device, backend, kv_caches,
 
 
 def _num_blocks(
-    cfg: EngineConfig, model, block_bytes: int, device, backend, dtype, max_len: int, vocab_size: int
+    cfg: EngineConfig,
+    model,
+    block_bytes: int,
+    device,
+    backend,
+    dtype,
+    max_len: int,
+    vocab_size: int,
+    diffusion=None,
 ) -> int:
     budget = cfg.cache.kv_cache_memory
     if budget is None:
@@ -284,7 +294,7 @@ def _num_blocks(
             )
             reserve = 0
             if _use_graphs(cfg, device, backend):
-                reserve = DecodeGraphs.reserve_bytes(_graph_rows(cfg), vocab_size, dtype)
+                reserve = DecodeGraphs.reserve_bytes(_graph_rows(cfg, diffusion), vocab_size, dtype)
             budget = memory.kv_pool_bytes(device, cfg.cache.gpu_memory_utilization, peak, reserve)
         else:
             budget = DEFAULT_CPU_KV_BYTES

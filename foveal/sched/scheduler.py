@@ -125,7 +125,9 @@ class Scheduler:
                     break
                 self.kv.allocate(req, len(toks))
                 bt = tuple(req.block_ids)
-                chunks.append(ScheduledItem(req.request_id, start, toks, bt, num_logits, denoise=denoise))
+                item = ScheduledItem(req.request_id, start, toks, bt, num_logits, denoise=denoise)
+                # a block model's rows are one-token queries (ModelRunner._diffusion_rows): decode rows
+                (decodes if req.diffusion.kind == "block" else chunks).append(item)
                 budget -= len(toks)
                 i += 1
                 continue
@@ -197,9 +199,10 @@ class Scheduler:
                 item = ScheduledItem(
                     req.request_id, start, toks, tuple(req.block_ids), num_logits, denoise=denoise
                 )
+                (decodes if req.diffusion.kind == "block" else chunks).append(item)
             else:
                 item = self._item(req, n)
-            (decodes if item.is_decode else chunks).append(item)
+                (decodes if item.is_decode else chunks).append(item)
             self._spend_encoder(req, n)
             budget -= n
         decodes += chunks
@@ -222,7 +225,9 @@ class Scheduler:
         """A diffusion request's next item from `start` (its computed positions) within `budget`:
         (start, tokens, logits rows, denoise pass or -1), or None when it does not fit this step.
         Masked models compute prompt + canvas each pass; block models first the prompt's (or, after a
-        preemption, the committed) whole blocks, then their window: a denoising pass, or its commit."""
+        preemption, the committed) whole blocks, then their window: a denoising pass, or the final
+        window's commit together with the next window's first pass (both in one forward: the next
+        window's rows see the committed keys written in the same step)."""
         d = req.diffusion
         if d.kind == "masked":
             toks = tuple(req.prompt_token_ids) + tuple(d.canvas)
@@ -237,8 +242,10 @@ class Scheduler:
             return start, tuple(req.all_token_ids[start : start + n]), 0, -1
         if len(d.canvas) > budget:
             return None
-        if d.commit_pending:
-            return start, tuple(d.canvas), 0, -1
+        if d.commit_pending:  # the final window's K/V, and (when it fits) the next window's first pass
+            if 2 * d.block > budget:
+                return start, tuple(d.canvas), 0, -1
+            return start, tuple(d.canvas) + (d.mask_id,) * d.block, d.block, d.step_index
         return start, tuple(d.canvas), len(d.canvas), d.step_index
 
     def _diffusion_cached(self, req: Request, cached: list[int]) -> list[int]:
@@ -394,9 +401,13 @@ class Scheduler:
         """A denoising pass's rows reached the host: the window's K/V goes (provisional), the canvas
         takes the chosen tokens, and the tokens that turned final become the request's new output
         (`sampled` then holds those), cut at a stop."""
+        d = req.diffusion
+        if d.commit_pending:  # the pass began with the final window: its K/V stays
+            d.committed()
         if req.status is RequestStatus.RUNNING:
-            self.kv.rewind(req, s.start)
-        final = req.diffusion.observe(sampled[s.request_id], confidence[s.request_id])
+            self.kv.rewind(req, d.window_start)
+            self.kv.publish(req)
+        final = d.observe(sampled[s.request_id], confidence[s.request_id])
         new: list[int] = []
         sampled[s.request_id] = new
         for tok in final:

@@ -183,6 +183,17 @@ class ModelRunner:
         base = self._held[s.request_id].slot * width + 1
         return list(range(base, base + s.num_drafts))
 
+    def _diffusion_rows(self, s: ScheduledItem) -> list[int] | None:
+        """A block diffusion model's item as one-token queries: per fed token the last key it sees (its
+        attention block's end, within the item), so the decode path of every backend gives the block-
+        causal shape (all of a step's keys are written before any row reads). None for other items."""
+        shape = self._held[s.request_id].req.diffusion
+        if shape is None or shape[0] != "block":
+            return None
+        size, a = shape[1], s.start
+        b = a + s.num_tokens
+        return [min(p - p % size + size, b) - 1 for p in range(a, b)]
+
     def _with_pending(self, input_ids: torch.Tensor, src: list[int]) -> torch.Tensor:
         """input_ids with every position whose `src` entry is >= 0 replaced by that flat index of the
         token buffer (the tokens of a step the host has not seen yet)."""
@@ -204,10 +215,11 @@ class ModelRunner:
         prefill_seen = False
         for s in batch.items:
             n, base = len(s.token_ids) + s.num_pending, len(ids)
-            decode = s.num_logits == n and s.denoise < 0
+            rows_ctx = self._diffusion_rows(s) if self._num_diffusion else None
+            decode = (s.num_logits == n and s.denoise < 0) or rows_ctx is not None
             if decode and prefill_seen:
                 raise ValueError(f"{s.request_id}: decode items must come before prefill chunks in a batch")
-            if n == 1 and decode:  # a plain decode (the common row: kept lean, this loop runs for every row)
+            if n == 1 and decode and rows_ctx is None:  # a plain decode (the common row: kept lean)
                 p, bt = s.start, s.block_table
                 if s.num_pending:
                     pending += [-1] * (base - len(pending)) + [self._held[s.request_id].slot * width]
@@ -238,7 +250,7 @@ class ModelRunner:
             if decode:  # a short query: one attention row per token, each after the ones before it
                 num_decodes += n
                 q_lens += [1] * n
-                ctxs.extend(r)
+                ctxs.extend(r if rows_ctx is None else rows_ctx)
                 tables += [bt] * n
             else:
                 q_lens.append(n)
@@ -282,11 +294,10 @@ class ModelRunner:
             a, b = s.start, s.start + s.num_tokens
             req = self._held[s.request_id].req
             if req.diffusion is not None:  # a diffusion model's attention shape (NewRequest.diffusion)
-                kind, size, _ = req.diffusion
-                if kind == "masked":
+                if req.diffusion[0] == "masked":  # every token sees every token
                     spans.append([(0, b)])
-                else:  # block-causal: the chunk's blocks, each both ways (chunks hold whole blocks)
-                    spans.append([(k, min(k + size, b)) for k in range(a - a % size, b, size)])
+                else:  # block-causal: one-token queries that see their block's end (_diffusion_rows)
+                    spans += [[] for _ in range(s.num_tokens)]
                 continue
             spans.append([(it.offset, it.end) for it in req.mm_items if it.offset < b and a < it.end])
         return spans if any(spans) else None
@@ -363,9 +374,22 @@ class ModelRunner:
             return None
         width = self.token_buffer.shape[1]
         ids, rope, pending, ctxs, tables = [], [], [], [], []
+        partial = False  # some item's rows do not all give logits (a block diffusion item)
+        slots: list[int] = []  # a diffusion model's rows' slots (their keys are not at their contexts)
         for s in items:
             held = self._held[s.request_id]
             req, p, n = held.req, s.start, len(s.token_ids) + s.num_pending
+            rows_ctx = self._diffusion_rows(s) if self._num_diffusion else None
+            if rows_ctx is not None:  # a block diffusion item: one-token queries seeing their blocks
+                partial |= s.num_logits < n
+                ids.extend(s.token_ids)
+                pending += [-1] * n
+                ctxs.extend(rows_ctx)
+                bt, bs = s.block_table, self.block_size
+                slots += [bt[q // bs] * bs + q % bs for q in range(p, p + n)]  # rows write their own
+                rope.extend(range(p + held.shift, p + n + held.shift))
+                tables += [list(s.block_table)] * n
+                continue
             if s.num_logits != n or p < len(req.prompt_token_ids) or s.denoise >= 0:
                 return None  # not a short query of generated tokens
             if n == 1:  # a plain decode (the common row: kept lean, this loop runs for every row)
@@ -389,6 +413,8 @@ class ModelRunner:
             ctxs.extend(r)
             rope.extend(range(p + held.shift, p + n + held.shift))
             tables += [list(s.block_table)] * n
+        if slots and len(slots) != num_rows:
+            return None  # diffusion rows beside others: the eager path takes every row's slot
         host = to_device(torch.tensor([ids, rope, pending], dtype=torch.long), self.device)
         input_ids = host[0]
         if any(r >= 0 for r in pending):
@@ -398,12 +424,19 @@ class ModelRunner:
             context_lens=ctxs,
             block_tables=tables,
             num_decodes=num_rows,
-            slot_mapping=None,  # the graph metadata derives slots from positions and block tables
+            # the graph metadata derives slots from contexts and block tables, or takes them as given
+            slot_mapping=torch.tensor(slots, dtype=torch.long) if slots else None,
             block_size=self.block_size,
         )
         logits = self.graphs.run(input_ids, host[1], attn)
         if self.tap is not None:  # the graphs' static buffer: the next replay overwrites it
             self._tapped = self.graphs.tapped[:num_rows].clone()
+        if partial:  # each item's last num_logits rows
+            picks, row = [], 0
+            for s in items:
+                picks += range(row + s.num_tokens - s.num_logits, row + s.num_tokens)
+                row += s.num_tokens
+            logits = logits[to_device(torch.tensor(picks, dtype=torch.long), self.device)]
         return logits
 
     @torch.inference_mode()
