@@ -303,3 +303,34 @@ def test_block_diffusion_rows_eager_equal_the_decode_graphs(sdar):
     eager = _llm(path, enforce_eager=True)
     assert eager.engine.runner.graphs is None
     assert _gen(graphs, prompts, params) == _gen(eager, prompts, params)
+
+
+def test_recomputing_the_prefix_gives_what_the_block_cache_gives(sdar, monkeypatch):
+    """The benchmark's yardstick (no K/V kept, the prefix computed again in every pass) is the same
+    sampler: the same tokens, and nothing held in the pool between passes."""
+    from foveal.engine import engine as engine_mod
+
+    path, _ = sdar
+    prompts = _prompts(4, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, diffusion=DiffusionParams(steps=2))
+    cached = _gen(_llm(path), prompts, params)
+    real = engine_mod.new_diffusion_state
+
+    def recompute(info, req):
+        state = real(info, req)
+        state.recompute_prefix = True
+        return state
+
+    monkeypatch.setattr(engine_mod, "new_diffusion_state", recompute)
+    llm = _llm(path)
+    seen = []
+    schedule = llm.engine.scheduler.schedule
+
+    def watching():
+        batch = schedule()
+        seen.extend(s.start for s in batch.items)
+        return batch
+
+    llm.engine.scheduler.schedule = watching
+    assert _gen(llm, prompts, params) == cached
+    assert seen and set(seen) == {0}  # every pass from position 0

@@ -98,6 +98,9 @@ class DiffusionState:
         self.canvas_len = max_tokens  # generated tokens wanted
         self.done = 0  # generated tokens final (handed out)
         self.commit_pending = False  # block kind: the window is final, its K/V to be written next
+        # block kind: keep no K/V and compute the whole prefix in every pass (LLaDA2's reference
+        # sampler does; benchmarks/diffusion.py measures the block cache against it)
+        self.recompute_prefix = False
         if kind == "block":
             self.block = block_size  # the attention block: each window is one (the last may run past
             self.window_start = len(prompt) // block_size * block_size  # max_tokens: cut by the caller)

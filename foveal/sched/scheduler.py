@@ -234,6 +234,11 @@ class Scheduler:
             if len(toks) > budget:
                 return None
             return 0, toks, d.canvas_len - d.active[0], d.step_index
+        if d.recompute_prefix:  # no K/V kept: every pass computes the prefix again (a yardstick)
+            end = d.window_start + (len(d.canvas) if d.commit_pending else 0)
+            window = (d.mask_id,) * d.block if d.commit_pending else tuple(d.canvas)
+            toks = tuple(req.all_token_ids[:end]) + window
+            return (0, toks, len(window), d.step_index) if len(toks) <= budget else None
         if start < d.window_start:
             n = min(d.window_start - start, budget)
             n -= n % d.block  # whole blocks (a chunk holds every key its rows see both ways)
@@ -252,7 +257,7 @@ class Scheduler:
         """A block model's prefix hit, cut to whole attention blocks of committed tokens (a token's K/V
         depends on the rest of its block); masked models keep nothing."""
         d = req.diffusion
-        if d.kind == "masked":
+        if d.kind == "masked" or d.recompute_prefix:
             return []
         cached = list(cached)
         bs = self.kv.block_size
@@ -405,7 +410,7 @@ class Scheduler:
         if d.commit_pending:  # the pass began with the final window: its K/V stays
             d.committed()
         if req.status is RequestStatus.RUNNING:
-            self.kv.rewind(req, d.window_start)
+            self.kv.rewind(req, 0 if d.recompute_prefix else d.window_start)
             self.kv.publish(req)
         final = d.observe(sampled[s.request_id], confidence[s.request_id])
         new: list[int] = []
