@@ -105,7 +105,9 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
 
 
 def bench(a) -> list[dict]:
-    configs = smoke_configs() if a.smoke else {m: os.path.join(HERE, "configs", c) for m, c in CONFIGS.items()}
+    configs = {m: os.path.join(HERE, "configs", c) for m, c in CONFIGS.items()}
+    if a.smoke:
+        configs = smoke_configs()
     opts = dict(load_format="dummy", dtype=a.dtype, max_num_seqs=max(a.batches))
     if torch.cuda.is_available():
         opts["kv_cache_memory"] = a.kv_memory_gib * 2**30
@@ -129,7 +131,8 @@ def bench(a) -> list[dict]:
             knobs = KNOBS.get(model, {"plain": (None, False)})
             for name, (knob, recompute_too) in knobs.items():
                 params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, diffusion=knob)
-                run(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, diffusion=knob))
+                warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, diffusion=knob)
+                run(llm, prompts[:1], warm)
                 modes = ["cached", "recompute"] if recompute_too else ["cached"]
                 for rep in range(a.reps):
                     for mode in modes:  # alternating
@@ -145,8 +148,8 @@ def bench(a) -> list[dict]:
                             res = run(llm, prompts, params)
                         finally:
                             engine_mod.new_diffusion_state = real
-                        row = {"model": model, "knobs": name, "batch": b, "rep": rep,
-                               "kv": mode if knob is not None and model == "sdar" else None, **res}  # fmt: skip
+                        kv = mode if knob is not None and model == "sdar" else None
+                        row = {"model": model, "knobs": name, "batch": b, "rep": rep, "kv": kv, **res}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
         del llm
@@ -173,8 +176,9 @@ def main() -> None:
         a.input_len, a.max_tokens, a.llada_max_tokens, a.dtype, a.batches = 16, 16, 16, "float32", [1, 4]
     torch.set_num_threads(os.cpu_count() or 1)
     rows = bench(a)
-    print(json.dumps({"benchmark": "diffusion", "commit": commit(), "dtype": a.dtype, "rows": rows,
-                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))  # fmt: skip
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    res = {"benchmark": "diffusion", "commit": commit(), "dtype": a.dtype, "rows": rows, "device": device}
+    print(json.dumps(res))
 
 
 if __name__ == "__main__":
