@@ -334,3 +334,20 @@ def test_recomputing_the_prefix_gives_what_the_block_cache_gives(sdar, monkeypat
     llm.engine.scheduler.schedule = watching
     assert _gen(llm, prompts, params) == cached
     assert seen and set(seen) == {0}  # every pass from position 0
+
+
+def test_preempted_diffusion_requests_give_what_they_give_alone(llada, sdar):
+    """A KV pool too small for every request at once: block models' requests are preempted (and
+    recompute their committed blocks), masked ones (holding nothing between passes) wait their turn;
+    each still gives the tokens it gives alone."""
+    for path, pool in ((sdar[0], 10), (llada[0], 9)):
+        prompts = _prompts(6, seed=17, lo=8, hi=14)
+        params = SamplingParams(
+            temperature=0, max_tokens=20, ignore_eos=True, diffusion=DiffusionParams(steps=2, block_length=4)
+        )
+        alone = [_gen(_llm(path), [p], params)[0] for p in prompts[:2]]
+        tight = _llm(path, num_blocks=pool)
+        got = _gen(tight, prompts, params)
+        assert tight.engine.scheduler.num_preemptions > 0 or path == llada[0]
+        assert got[:2] == alone
+        assert got == _gen(_llm(path), prompts, params)
