@@ -83,13 +83,44 @@ def forward_logits(hf, ids: Sequence[int], allowed: torch.Tensor) -> torch.Tenso
     return out.logits[0].float()
 
 
+def keep_filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Bool [n, vocab]: the tokens top_k (the k largest logits) and then top_p (the most probable ones
+    of softmax(logits / T), T = 1 when greedy, until their sum reaches top_p; the first always) keep."""
+    keep = torch.isfinite(logits)
+    for i in range(logits.shape[0]):
+        row = logits[i].clone()
+        if 0 < top_k < row.numel():
+            kth = row.sort(descending=True).values[top_k - 1]
+            keep[i] &= row >= kth
+        if top_p < 1:
+            row = row.masked_fill(~keep[i], float("-inf")) / (temperature if temperature > 0 else 1.0)
+            probs = row.softmax(-1)
+            order = probs.argsort(descending=True, stable=True)
+            before = 0.0
+            for j in order.tolist():
+                if not keep[i, j]:
+                    continue
+                if before >= top_p:
+                    keep[i, j] = False
+                before += float(probs[j])
+    return keep
+
+
 def choose(
-    logits: torch.Tensor, mask_id: int, temperature: float, u: torch.Tensor | None
+    logits: torch.Tensor,
+    mask_id: int,
+    temperature: float,
+    u: torch.Tensor | None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[list[int], list[float]]:
     """(x0, confidence) per row of `logits` [n, vocab] (the module docstring's rule); `u` [n, vocab]
-    float64 when temperature > 0."""
+    float64 when temperature > 0. top_k / top_p drop tokens first (keep_filtered): x0 is chosen among
+    the rest and the confidence is renormalised over them."""
     logits = logits.float().clone()
     logits[:, mask_id] = float("-inf")
+    if top_k > 0 or top_p < 1:
+        logits = logits.masked_fill(~keep_filtered(logits, temperature, top_k, top_p), float("-inf"))
     if temperature == 0:
         x0 = logits.argmax(-1)
     else:
@@ -122,6 +153,8 @@ def llada_generate(
     temperature: float = 0.0,
     mask_id: int,
     uniforms: Uniforms | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> list[int]:
     """LLaDA's generate() with remasking 'low_confidence' and cfg_scale 0. Returns the gen_length
     generated ids (canvas positions P .. P + gen_length - 1), not cut at EOS.
@@ -154,7 +187,7 @@ def llada_generate(
             if temperature > 0:
                 u = uniforms(step_index, (gen_length, logits.shape[1]))
             step_index += 1
-            x0, conf = choose(logits, mask_id, temperature, u)
+            x0, conf = choose(logits, mask_id, temperature, u, top_k, top_p)
             masked = [j for j in range(hi - p) if x[p + j] == mask_id]  # canvas indices before hi
             for j in most_confident(masked, conf, ntt[i]):
                 x[p + j] = x0[j]
@@ -175,6 +208,8 @@ def block_generate(
     temperature: float = 0.0,
     uniforms: Uniforms | None = None,
     stop_ids: Sequence[int] = (),
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> list[int]:
     """Block diffusion (SDAR; Fast-dLLM's threshold rule), the model's block-causal mask over the whole
     sequence, no KV cache.
@@ -224,7 +259,7 @@ def block_generate(
             if temperature > 0:
                 u = uniforms(step_index, (bs, logits.shape[1]))
             step_index += 1
-            x0, conf = choose(logits, mask_id, temperature, u)
+            x0, conf = choose(logits, mask_id, temperature, u, top_k, top_p)
             masked = [j for j in range(bs) if x[start + j] == mask_id]
             if strategy == "threshold":
                 chosen = set(most_confident(masked, conf, 1))

@@ -204,7 +204,7 @@ def test_streaming_gives_one_chunk_per_final_block(llada, sdar):
 # -- refusals ------------------------------------------------------------------------------------------
 def test_diffusion_requests_refuse_what_they_do_not_apply(llada, sdar):
     llm = _llm(sdar[0])
-    for field, value in (("logprobs", 2), ("repetition_penalty", 1.2), ("top_p", 0.9), ("min_tokens", 2)):
+    for field, value in (("logprobs", 2), ("repetition_penalty", 1.2), ("min_p", 0.1), ("min_tokens", 2)):
         with pytest.raises(InvalidParameter, match=field) as e:
             llm.processor.request([5, 6, 7], SamplingParams(max_tokens=8, **{field: value}))
         assert e.value.param == field
@@ -351,3 +351,38 @@ def test_preempted_diffusion_requests_give_what_they_give_alone(llada, sdar):
         assert tight.engine.scheduler.num_preemptions > 0 or path == llada[0]
         assert got[:2] == alone
         assert got == _gen(_llm(path), prompts, params)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(0.0, 5, 1.0), (0.0, 0, 0.5), (0.8, 20, 0.9), (1.0, 0, 0.7)]
+)
+def test_top_k_and_top_p_filter_the_choice_and_renormalise_the_confidence(
+    llada, sdar, temperature, top_k, top_p
+):
+    """top_k / top_p drop tokens before the choice; the confidence is renormalised over the rest (so
+    they change which positions unmask even when greedy): both kinds against their references."""
+    for path, hf, kind in ((sdar[0], sdar[1], "block"), (llada[0], llada[1], "masked")):
+        llm = _llm(path)
+        for i, p in enumerate(_prompts(2, seed=31)):
+            knobs = DiffusionParams(steps=2, block_length=4)
+            params = SamplingParams(
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=50 + i, max_tokens=8, ignore_eos=True,
+                diffusion=knobs,
+            )  # fmt: skip
+            [got] = _gen(llm, [p], params)
+            common = dict(
+                temperature=temperature, mask_id=MASK_ID, uniforms=_uniforms(50 + i), top_k=top_k, top_p=top_p
+            )
+            if kind == "block":
+                want = block_generate(
+                    hf,
+                    p,
+                    block_size=4,
+                    gen_length=8,
+                    steps_per_block=2,
+                    strategy="low_confidence_static",
+                    **common,
+                )
+            else:
+                want = llada_generate(hf, p, steps=4, gen_length=8, block_length=4, **common)
+            assert got == want, (kind, p, got, want)

@@ -15,6 +15,8 @@ from its active block on), so a request's draws do not depend on its batch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from foveal.sample.sampler import draw_seed
@@ -35,17 +37,26 @@ def uniforms(seed: int | None, index: int, rows: int, vocab: int, device) -> tor
 
 
 def choose(
-    logits: torch.Tensor, mask_id: int, temperature: float, seed: int | None, index: int, total_rows: int
+    logits: torch.Tensor, mask_id: int, params, index: int, total_rows: int, sampler
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x0 [n] int64, confidence [n] float32) of the pass's last n = logits.shape[0] rows of a window
-    of `total_rows` (the uniforms' rows line up with the window's)."""
-    logits = logits.clone()
-    logits[:, mask_id] = float("-inf")
-    if temperature == 0:
-        x0 = logits.argmax(-1)
+    of `total_rows` (the uniforms' rows line up with the window's), for a request's SamplingParams.
+    top_k / top_p drop tokens first (the plain sampler's filter, `sampler.filter`, on the tempered
+    logits; temperature 1 when greedy): x0 is chosen among the rest and the confidence is renormalised
+    over them (as Dream's sampler)."""
+    x = logits.float()  # a copy (or a new tensor): the caller's logits stay as they are
+    x = x.clone() if x is logits else x
+    x[:, mask_id] = float("-inf")
+    t = params.temperature
+    if params.top_k > 0 or params.top_p < 1:
+        p = params if t > 0 else replace(params, temperature=1.0)
+        kept = torch.isfinite(sampler.filter(x.clone(), [p] * x.shape[0]))
+        x = x.masked_fill(~kept, float("-inf"))
+    if t == 0:
+        x0 = x.argmax(-1)
     else:
-        n, vocab = logits.shape
-        u = uniforms(seed, index, total_rows, vocab, logits.device)[total_rows - n :]
-        x0 = (logits.double() - temperature * torch.log(-torch.log(u))).argmax(-1)
-    conf = logits.float().softmax(-1).gather(1, x0[:, None]).squeeze(1)
+        n, vocab = x.shape
+        u = uniforms(params.seed, index, total_rows, vocab, x.device)[total_rows - n :]
+        x0 = (x.double() - t * torch.log(-torch.log(u))).argmax(-1)
+    conf = x.softmax(-1).gather(1, x0[:, None]).squeeze(1)
     return x0, conf

@@ -374,8 +374,6 @@ class InputProcessor:
         "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
         "logit_bias": lambda p: bool(p.logit_bias),
         "min_tokens": lambda p: p.min_tokens > 0,
-        "top_p": lambda p: p.top_p != 1.0,
-        "top_k": lambda p: p.top_k > 0,
         "min_p": lambda p: p.min_p != 0.0,
         "structured": lambda p: p.structured is not None,
         "thinking_budget": lambda p: p.thinking_budget is not None,

@@ -106,13 +106,13 @@ class Sampler:
         x = self.process_logits(logits, rows, masks)
         ng = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(ng) == len(rows):
-            tokens = self._draw(self._filter(x, [r.params for r in rows]).softmax(-1), rows)
+            tokens = self._draw(self.filter(x, [r.params for r in rows]).softmax(-1), rows)
         else:
             tokens = x.argmax(-1)
             if ng:
                 idx = torch.tensor(ng, dtype=torch.long, device=x.device)
                 sub = [rows[i] for i in ng]
-                tokens[idx] = self._draw(self._filter(x[idx], [r.params for r in sub]).softmax(-1), sub)
+                tokens[idx] = self._draw(self.filter(x[idx], [r.params for r in sub]).softmax(-1), sub)
         return tokens, self.logprobs(raw, rows, tokens)
 
     # ---- steps 1-4: masking, bias, penalties -------------------------------------------------------
@@ -210,10 +210,11 @@ class Sampler:
         ng = [i for i, r in enumerate(rows) if not r.params.greedy]
         if ng:
             idx = _long(ng, x.device)
-            x[idx] = self._filter(x[idx], [rows[i].params for i in ng])
+            x[idx] = self.filter(x[idx], [rows[i].params for i in ng])
         return x
 
-    def _filter(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def filter(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Rows of logits temperature-scaled, then min_p, top_k and top_p (dropped tokens -inf)."""
         V = self.vocab_size
         neg_inf = float("-inf")
         # one host->device copy for every per-row scalar; off switches get values that keep everything

@@ -583,8 +583,8 @@ class ModelRunner:
             req, n = self._held[s.request_id].req, s.num_logits
             total = s.num_tokens - len(req.prompt_token_ids) if req.diffusion[0] == "masked" else n
             x0, conf = choose(
-                logits[row : row + n, : self.sampler.vocab_size], req.diffusion[2], req.params.temperature,
-                req.params.seed, s.denoise, total,
+                logits[row : row + n, : self.sampler.vocab_size], req.diffusion[2], req.params, s.denoise,
+                total, self.sampler,
             )  # fmt: skip
             launched.rows.append((s.request_id, row, n))
             x0s.append(x0)
