@@ -119,13 +119,16 @@ def test_auto_picks_triton_only_on_cuda():
     assert get_backend("triton", DEVICE).name == "triton"
 
 
-def test_bidirectional_step_falls_back_to_torch():
-    case = Case([(7, 1), (0, 14), (8, 10)], num_kv=1, group=4, seed=5)
-    case.batch.bidirectional = [[], [(2, 6), (8, 13)], [(10, 15)]]
-    c_ref, c_tri = case.cache.clone(), case.cache.clone()
-    ref = case.run(TorchAttentionBackend(), c_ref, window=6)
-    out = case.run(TritonAttentionBackend(), c_tri, window=6)
-    assert torch.equal(out, ref) and torch.equal(c_tri, c_ref)
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bidirectional_spans_in_the_prefill_kernel(window, dtype):
+    """Spans (Gemma 3's images; a masked diffusion model's whole sequence; several in a chunk, one
+    reaching back into the cached context) run in the prefill kernel, as the torch backend masks them."""
+    case = Case([(7, 1), (0, 14), (8, 10), (0, 40), (0, 9)], num_kv=1, group=4, seed=5, dtype=dtype)
+    case.batch.bidirectional = [[], [(2, 6), (8, 13)], [(5, 15)], [(0, 40)], [(0, 4), (4, 8), (8, 9)]]
+    compare(case, TritonAttentionBackend(), window=window)
+    meta = TritonAttentionBackend().plan(case.batch, DEVICE)
+    assert meta.fallback is None and meta.query_limits is not None  # no torch fallback any more
 
 
 def test_quantized_cache_falls_back_to_torch():

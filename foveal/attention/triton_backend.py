@@ -33,8 +33,11 @@ slot -1, seq_len 0, so they store nothing and attend to nothing) and returns vie
 split count then follows from max_blocks_per_seq and the padded row count, never from the batch's
 lengths, so a graph captured for `padded` rows replays with any batch that fits.
 
-Fallback to the torch backend, per step or per layer, planned only when needed:
-  - a step with bidirectional spans (Gemma 3 images): plan() hands the whole step to torch;
+Bidirectional spans (Gemma 3 images, a masked diffusion model's canvas) become one more segment of
+the packed metadata: per prefill row the last key it sees (its position, or its span's end - 1), read
+by the prefill kernel (kernels/prefill.py); decode rows need none (a last token sees everything before).
+
+Fallback to the torch backend, per layer, planned only when needed:
   - a quantized pool (kv_quant.QuantizedKVCache): forward() plans torch metadata for the step on the
     first such layer and reuses it for the others.
 Graph metadata carries no batch, so it has no fallback: capture graphs only over plain tensor pools.
@@ -74,6 +77,7 @@ class TritonAttentionMetadata:
     fallback: TorchAttentionMetadata | None = None  # made on first need
     workspace: torch.Tensor | None = None  # decode split partials, shared by the step's layers
     graph_buffer: torch.Tensor | None = None  # graph metadata: the static int32 buffer
+    query_limits: torch.Tensor | None = None  # [prefill rows] int32: last key seen (bidirectional spans)
 
 
 _NUM_SMS: dict[torch.device, int] = {}
@@ -87,6 +91,20 @@ def _num_sms(device: torch.device) -> int:
         else:
             _NUM_SMS[device] = CPU_NUM_SMS
     return _NUM_SMS[device]
+
+
+def _query_limits(batch: AttentionBatch) -> torch.Tensor:
+    """Per prefill row, the last key position it sees: its own, or the end - 1 of the span it is in
+    (int32, padded to a multiple of 4 like the other segments)."""
+    out: list[int] = []
+    nd = batch.num_decodes
+    for q_len, ctx, spans in zip(batch.query_lens[nd:], batch.context_lens[nd:], batch.bidirectional[nd:]):
+        lim = list(range(ctx, ctx + q_len))
+        for lo, hi in spans:
+            for p in range(max(lo, ctx), min(hi, ctx + q_len)):
+                lim[p - ctx] = max(lim[p - ctx], hi - 1)
+        out += lim
+    return torch.tensor(out + [0] * (_round4(len(out)) - len(out)), dtype=torch.int32)
 
 
 def _padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
@@ -148,20 +166,18 @@ class TritonAttentionBackend:
         a = _round4(nd)
         b = a + _round4(num_prefills + 1)
         c = b + _round4(num_prefills)
-        fallback = None
-        if batch.bidirectional is not None:
-            # image spans need masks the kernels do not have: the whole step goes to torch
-            fallback = self._torch.plan(batch, device)
-            dev = torch.zeros(c + n * width, dtype=torch.int32, device=device)
-        else:
-            head = torch.zeros(c, dtype=torch.int32)
-            head[:nd] = torch.tensor([x + 1 for x in ctxs[:nd]], dtype=torch.int32)
-            head[a : a + num_prefills + 1] = torch.tensor(
-                list(itertools.accumulate(prefill_lens, initial=0)), dtype=torch.int32
-            )
-            head[b : b + num_prefills] = torch.tensor(ctxs[nd:], dtype=torch.int32)
-            dev = to_device(torch.cat([head, _padded_tables(tables, width).view(-1)]), device)  # one copy
-        all_tables = dev[c:].view(n, width)
+        limits = _query_limits(batch) if batch.bidirectional is not None else None
+        head = torch.zeros(c, dtype=torch.int32)
+        head[:nd] = torch.tensor([x + 1 for x in ctxs[:nd]], dtype=torch.int32)
+        head[a : a + num_prefills + 1] = torch.tensor(
+            list(itertools.accumulate(prefill_lens, initial=0)), dtype=torch.int32
+        )
+        head[b : b + num_prefills] = torch.tensor(ctxs[nd:], dtype=torch.int32)
+        parts = [head, _padded_tables(tables, width).view(-1)]
+        if limits is not None:
+            parts.append(limits)
+        dev = to_device(torch.cat(parts), device)  # one copy
+        all_tables = dev[c : c + n * width].view(n, width)
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             block_size=batch.block_size,
@@ -176,7 +192,7 @@ class TritonAttentionBackend:
             context_lens=dev[b : b + num_prefills],
             prefill_block_table=all_tables[nd:],
             batch=batch,
-            fallback=fallback,
+            query_limits=None if limits is None else dev[c + n * width :],
         )
 
     def graph_metadata(
@@ -260,6 +276,7 @@ class TritonAttentionBackend:
                 max_q_len=meta.max_q_len,
                 window=window,
                 softcap=softcap,
+                query_limits=meta.query_limits,
             )
         return out
 

@@ -16,6 +16,12 @@ its own tokens alike, from the paged cache (the store kernel has already written
         full tiles: every row sees every key (no causal mask, only the window's)
         diagonal tiles: causal mask kpos <= qpos, reads masked past the last query
 
+Bidirectional spans (Gemma 3's images, a diffusion model's canvas): each query row may carry the last
+key it sees (`query_limits`, >= its own position: a span's end - 1 inside a span); the causal bound
+becomes kpos <= limit, the full tiles stop at the tile's smallest limit and the diagonal ones at its
+largest (every such key is written: a chunk holds the rest of any span it enters). A window still
+counts back from the query's own position.
+
 A short chunk after a context (draft verification: 1..k+1 tokens) is the same thing with few rows, so
 BLOCK_M shrinks with the longest chunk of the step (a host int) to waste fewer padding rows.
 """
@@ -40,6 +46,7 @@ def _tile(
     n0,
     hi,
     qpos,
+    qlim,
     window,
     d,
     d_ok,
@@ -74,7 +81,7 @@ def _tile(
         k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_kv + offs, mask=kv_mask, other=0.0)
     if CAUSAL:
-        allowed = pos[None, :] <= qpos[:, None]
+        allowed = pos[None, :] <= qlim[:, None]
     else:
         allowed = pos_ok[None, :]
     if USE_WINDOW:
@@ -91,6 +98,7 @@ def _prefill_kernel(
     tables_ptr,
     cu_q_ptr,
     ctx_ptr,
+    lim_ptr,
     out_ptr,
     qk_scale,
     cap_in,
@@ -112,6 +120,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_LIMIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -139,12 +148,19 @@ def _prefill_kernel(
     qpos = ctx + qi
 
     q_first = ctx + q0
-    hi = ctx + tl.minimum(q0 + BLOCK_Q, q_len)  # one past the tile's last query position
+    if USE_LIMIT:  # the last key each row sees (>= its position)
+        qlim = tl.load(lim_ptr + rows, mask=row_ok, other=0)
+        hi = tl.max(tl.where(row_ok, qlim, 0), axis=0) + 1
+        seen_by_all = tl.min(tl.where(row_ok, qlim, 2147483647), axis=0)
+    else:
+        qlim = qpos
+        hi = ctx + tl.minimum(q0 + BLOCK_Q, q_len)  # one past the tile's last query position
+        seen_by_all = q_first
     if USE_WINDOW:
         lo = tl.maximum(q_first - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
         lo = q_first * 0
-    full_end = tl.maximum(lo, (q_first + 1) // BLOCK_N * BLOCK_N)  # keys every row of the tile sees
+    full_end = tl.maximum(lo, (seen_by_all + 1) // BLOCK_N * BLOCK_N)  # keys every row of the tile sees
 
     m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -154,13 +170,13 @@ def _prefill_kernel(
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_PAD
     for n0 in range(lo, full_end, BLOCK_N):
         m_i, l_i, acc = _tile(
-            q, k_base, stride_kv, table, n0, hi, qpos, window, d, d_ok, m_i, l_i, acc,
+            q, k_base, stride_kv, table, n0, hi, qpos, qlim, window, d, d_ok, m_i, l_i, acc,
             qk_scale, cap_in, cap_out, stride_slot, BLOCK_SIZE, BLOCK_N, EVEN_D, False,
             USE_WINDOW, USE_SOFTCAP, DOT_PREC, UPCAST,
         )  # fmt: skip
     for n0 in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _tile(
-            q, k_base, stride_kv, table, n0, hi, qpos, window, d, d_ok, m_i, l_i, acc,
+            q, k_base, stride_kv, table, n0, hi, qpos, qlim, window, d, d_ok, m_i, l_i, acc,
             qk_scale, cap_in, cap_out, stride_slot, BLOCK_SIZE, BLOCK_N, EVEN_D, True,
             USE_WINDOW, USE_SOFTCAP, DOT_PREC, UPCAST,
         )  # fmt: skip
@@ -200,6 +216,7 @@ def paged_prefill(
     max_q_len: int,
     window: int | None = None,
     softcap: float | None = None,
+    query_limits: torch.Tensor | None = None,  # [Tp] int32: the last key position each row sees
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = kv_cache.shape[2]
@@ -221,6 +238,7 @@ def paged_prefill(
         block_table,
         cu_q_lens,
         context_lens,
+        cu_q_lens if query_limits is None else query_limits,  # unread without limits
         out,
         qk_scale,
         cap_in,
@@ -242,6 +260,7 @@ def paged_prefill(
         BLOCK_N=block_n,
         USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
+        USE_LIMIT=query_limits is not None,
         **dot_args(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
