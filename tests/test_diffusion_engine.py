@@ -280,6 +280,11 @@ def test_served_diffusion_streams_blocks_and_refuses_by_name(tmp_path):
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(**args, extra_body={"diffusion": {"steps": 0}})
         assert "steps" in str(e.value)
+        # counted like any request: two finished, 28 generated tokens
+        import httpx
+
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'foveal_generation_tokens_total 28.0' in metrics, metrics[:400]
     assert s.engine.kv.num_used_blocks == 0
 
 
