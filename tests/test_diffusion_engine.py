@@ -284,7 +284,7 @@ def test_served_diffusion_streams_blocks_and_refuses_by_name(tmp_path):
         import httpx
 
         metrics = httpx.get(s.url + "/metrics").text
-        assert 'foveal_generation_tokens_total 28.0' in metrics, metrics[:400]
+        assert "foveal_generation_tokens_total 28.0" in metrics, metrics[:400]
     assert s.engine.kv.num_used_blocks == 0
 
 
@@ -391,3 +391,56 @@ def test_top_k_and_top_p_filter_the_choice_and_renormalise_the_confidence(
             else:
                 want = llada_generate(hf, p, steps=4, gen_length=8, block_length=4, **common)
             assert got == want, (kind, p, got, want)
+
+
+# -- the extra knobs, on the canvas alone ----------------------------------------------------------
+def _state(**knobs):
+    from foveal.diffusion.state import DiffusionState
+
+    return DiffusionState("masked", 99, [1, 2], 6, DiffusionParams(block_length=6, **knobs), 0)
+
+
+def test_max_tokens_per_step_caps_each_pass_and_the_block_still_ends():
+    st = _state(threshold=0.0, max_tokens_per_step=2)  # every position passes the threshold
+    conf = [0.1, 0.9, 0.5, 0.7, 0.3, 0.2]
+    x0 = [10, 11, 12, 13, 14, 15]
+    assert st.observe(x0, conf) == [] and st.canvas == [99, 11, 99, 13, 99, 99]  # the two most confident
+    assert st.observe(x0, conf) == [] and st.canvas == [99, 11, 12, 13, 14, 99]
+    assert st.observe(x0, conf) == x0  # the last two: the block is final
+    capped = _state(steps=2, max_tokens_per_step=1)  # a schedule of 3 + 3 held back to 1 per pass
+    for n in range(1, 6):
+        assert capped.observe(x0, conf) == [] and capped.canvas.count(99) == 6 - n
+    assert capped.observe(x0, conf) == x0
+
+
+def test_min_threshold_lowers_the_threshold_over_the_blocks_steps():
+    st = _state(steps=3, threshold=0.9, min_threshold=0.5)  # passes at 0.9, 0.7, 0.5
+    conf = [0.8, 0.72, 0.95, 0.71, 0.4, 0.75]
+    x0 = [10, 11, 12, 13, 14, 15]
+    st.observe(x0, conf)  # > 0.9: position 2 only, topped up to the schedule's 2 with 0
+    assert [i for i, t in enumerate(st.canvas) if t != 99] == [0, 2]
+    st.observe(x0, conf)  # > 0.7: 5, 1 and 3 (at 0.9 it would be the schedule's 2: 5 and 1)
+    assert [i for i, t in enumerate(st.canvas) if t != 99] == [0, 1, 2, 3, 5]
+    assert st.observe(x0, conf) == x0  # > 0.5: none; the last masked one by the schedule
+    with pytest.raises(InvalidParameter, match="min_threshold"):
+        DiffusionParams(min_threshold=0.5)
+    with pytest.raises(InvalidParameter, match="max_tokens_per_step"):
+        DiffusionParams(max_tokens_per_step=0)
+
+
+def test_one_token_per_pass_when_capped_in_the_engine(llada):
+    llm = _llm(llada[0])
+    knobs = DiffusionParams(threshold=0.0, max_tokens_per_step=1, block_length=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, diffusion=knobs)
+    passes = 0
+    schedule = llm.engine.scheduler.schedule
+
+    def counting():
+        nonlocal passes
+        batch = schedule()
+        passes += sum(s.denoise >= 0 for s in batch.items)
+        return batch
+
+    llm.engine.scheduler.schedule = counting
+    [got] = _gen(llm, [[5, 6, 7]], params)
+    assert len(got) == 8 and passes == 8

@@ -24,6 +24,11 @@ block's schedule: the block's masks spread over `steps` steps, the remainder to 
     threshold t, no steps every one with confidence > t, and at least the most confident one
                           (Fast-dLLM's parallel decoding: as many steps as it takes)
 
+and then mlx-vlm's two extras: `min_threshold` lowers the threshold linearly over the block's scheduled
+steps (from t at the first to the minimum at the last), `max_tokens_per_step` keeps at most that many
+of a pass's positions (the most confident; a block it holds back runs past its schedule, one position
+per pass at least).
+
 The schedule splits the masks the block has when it starts (for the first block of a block model, the
 positions after the prompt's tail); SDAR's own generate() splits the block length instead. Ties in
 confidence go to the earlier position.
@@ -45,6 +50,9 @@ class DiffusionParams:
     steps: int | None = None  # denoising steps per block (None: one token per step, or the threshold's)
     block_length: int | None = None  # masked models: generated tokens per semi-autoregressive block
     threshold: float | None = None  # confidence threshold for parallel unmasking (see the module doc)
+    # the threshold falls linearly to this over the block's steps (mlx-vlm's minimum threshold)
+    min_threshold: float | None = None
+    max_tokens_per_step: int | None = None  # at most this many positions unmasked per pass
 
     def __post_init__(self) -> None:
         if self.steps is not None and (not _is_int(self.steps) or self.steps < 1):
@@ -56,9 +64,22 @@ class DiffusionParams:
                 "block_length",
                 f"invalid diffusion parameter block_length={self.block_length!r}: an integer >= 1",
             )
-        t = self.threshold
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0):
-            raise InvalidParameter("threshold", f"invalid diffusion parameter threshold={t!r}: in [0, 1]")
+        for name in ("threshold", "min_threshold"):
+            t = getattr(self, name)
+            if t is not None and (
+                isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0
+            ):
+                raise InvalidParameter(name, f"invalid diffusion parameter {name}={t!r}: in [0, 1]")
+        if self.min_threshold is not None and (self.threshold is None or self.min_threshold > self.threshold):
+            raise InvalidParameter(
+                "min_threshold", "invalid diffusion parameter min_threshold: needs a threshold >= it"
+            )
+        m = self.max_tokens_per_step
+        if m is not None and (not _is_int(m) or m < 1):
+            raise InvalidParameter(
+                "max_tokens_per_step",
+                f"invalid diffusion parameter max_tokens_per_step={m!r}: an integer >= 1",
+            )
 
 
 def transfer_schedule(num_masks: int, steps: int) -> list[int]:
@@ -68,16 +89,25 @@ def transfer_schedule(num_masks: int, steps: int) -> list[int]:
     return [base + (i < rem) for i in range(steps)]
 
 
-def pick(conf: list[float], masked: list[bool], k: int, threshold: float | None, at_least: int) -> list[int]:
+def pick(
+    conf: list[float],
+    masked: list[bool],
+    k: int,
+    threshold: float | None,
+    at_least: int,
+    cap: int | None = None,
+) -> list[int]:
     """The positions to unmask: with a threshold every masked one above it, topped up to `at_least` by
-    confidence; without one the `k` most confident. Only masked positions, never more than there are."""
+    confidence; without one the `k` most confident; then at most `cap` of them, the most confident.
+    Only masked positions, never more than there are."""
     cands = sorted((i for i, m in enumerate(masked) if m), key=lambda i: -conf[i])  # stable: earlier first
     if threshold is None:
-        return sorted(cands[: min(k, len(cands))])
-    over = [i for i in cands if conf[i] > threshold]
-    if len(over) < at_least:
-        over = cands[: min(at_least, len(cands))]
-    return sorted(over)
+        chosen = cands[: min(k, len(cands))]
+    else:
+        chosen = [i for i in cands if conf[i] > threshold]
+        if len(chosen) < at_least:
+            chosen = cands[: min(at_least, len(cands))]
+    return sorted(chosen[:cap] if cap else chosen)
 
 
 class DiffusionState:
@@ -94,6 +124,7 @@ class DiffusionState:
     ):
         self.kind, self.mask_id = kind, mask_id
         self.steps, self.threshold = params.steps, params.threshold
+        self.min_threshold, self.cap = params.min_threshold, params.max_tokens_per_step
         self.step_index = 0  # denoising passes so far (the noise stream of sampled requests)
         self.canvas_len = max_tokens  # generated tokens wanted
         self.done = 0  # generated tokens final (handed out)
@@ -143,18 +174,24 @@ class DiffusionState:
         block = self.canvas[lo:hi]
         masked = [t == self.mask_id for t in block]
         s = self.block_step
-        k = self.schedule[s] if s < len(self.schedule) else 0
+        # past its schedule (a cap held it back) a block goes on one position per pass at least
+        k = self.schedule[s] if s < len(self.schedule) else 1
         at_least = k if self.steps else 1
-        for i in pick(conf[: hi - lo], masked, k, self.threshold, at_least):
+        for i in pick(conf[: hi - lo], masked, k, self._threshold_now(), at_least, self.cap):
             self.canvas[lo + i] = x0[i]
         self.block_step += 1
         if any(t == self.mask_id for t in self.canvas[lo:hi]):
-            if self.steps and self.block_step >= len(self.schedule) and self.threshold is None:
-                raise RuntimeError(
-                    "a block kept masks after its last scheduled step"
-                )  # pick() never allows it
             return []
         return self._finish_block()
+
+    def _threshold_now(self) -> float | None:
+        """The threshold of this pass: with a minimum, falling linearly from the threshold at the block's
+        first pass to the minimum at its last scheduled one (mlx-vlm's rule), then staying there."""
+        t, m = self.threshold, self.min_threshold
+        if t is None or m is None:
+            return t
+        span = max(len(self.schedule) - 1, 1)
+        return t - (t - m) * min(self.block_step, span) / span
 
     def _finish_block(self) -> list[int]:
         lo, hi = self.active

@@ -393,7 +393,8 @@ class InputProcessor:
             if used(params):
                 raise InvalidParameter(name, f"{name} is not supported with diffusion decoding")
         knobs, o = params.diffusion or DiffusionParams(), self.output
-        knobs = DiffusionParams(
+        knobs = replace(
+            knobs,
             steps=o.diffusion_steps if knobs.steps is None else knobs.steps,
             block_length=knobs.block_length
             if knobs.block_length is not None or d.kind == "block"

@@ -210,6 +210,8 @@ class DiffusionKnobs(BaseModel):
     steps: Annotated[int, _shown(minimum=1), _INTEGRAL] | None = None
     block_length: Annotated[int, _shown(minimum=1), _INTEGRAL] | None = None
     threshold: Prob | None = None
+    min_threshold: Prob | None = None
+    max_tokens_per_step: Annotated[int, _shown(minimum=1), _INTEGRAL] | None = None
 
 
 class _Common(BaseModel):
