@@ -210,6 +210,9 @@ def block_generate(
     stop_ids: Sequence[int] = (),
     top_k: int = 0,
     top_p: float = 1.0,
+    editing_threshold: float | None = None,
+    stability_steps: int = 2,
+    max_post_steps: int = 16,
 ) -> list[int]:
     """Block diffusion (SDAR; Fast-dLLM's threshold rule), the model's block-causal mask over the whole
     sequence, no KV cache.
@@ -227,6 +230,11 @@ def block_generate(
       threshold               every masked one with confidence > threshold, and always the most
                               confident one (steps_per_block is ignored; as many forwards as it takes;
                               threshold 1.0 gives exactly one token per forward)
+
+    With `editing_threshold` e (mlx-vlm's editing), each forward also rewrites the block's positions
+    unmasked in earlier forwards (not the prompt's tail) whose x0 differs with confidence > e, and a
+    block with no mask left gets more forwards until `stability_steps` in a row change nothing or
+    `max_post_steps` forwards have run since its last mask went.
 
     Blocks are generated while fewer than gen_length tokens have been generated (generated = positions
     P onward; the first block generates bs - P % bs of them), and no more after the first block whose
@@ -252,8 +260,12 @@ def block_generate(
         x += [mask_id] * (end - len(x))
         masks0 = sum(t == mask_id for t in x[start:end])
         ntt = num_transfer_tokens(masks0, steps_per_block) if strategy != "threshold" else None
-        s = 0
-        while mask_id in x[start:end]:
+        s = post = stable = 0
+        fixed = max(0, p - start)  # the prompt's tail: never a candidate, never edited
+        while mask_id in x[start:end] or (
+            editing_threshold is not None and stable < stability_steps and post < max_post_steps
+        ):
+            had_mask = mask_id in x[start:end]
             logits = forward_logits(hf, x[:end], block_causal_mask(end, bs))[start:end]
             u = None
             if temperature > 0:
@@ -261,7 +273,15 @@ def block_generate(
             step_index += 1
             x0, conf = choose(logits, mask_id, temperature, u, top_k, top_p)
             masked = [j for j in range(bs) if x[start + j] == mask_id]
-            if strategy == "threshold":
+            edits = []
+            if editing_threshold is not None:  # earlier unmasked positions whose token would change
+                edits = [
+                    j for j in range(fixed, bs)
+                    if x[start + j] != mask_id and x0[j] != x[start + j] and conf[j] > editing_threshold
+                ]  # fmt: skip
+            if not masked:
+                chosen = set()
+            elif strategy == "threshold":
                 chosen = set(most_confident(masked, conf, 1))
                 chosen |= {j for j in masked if conf[j] > threshold}
             else:
@@ -272,9 +292,12 @@ def block_generate(
                     chosen = set(over)
                 else:
                     chosen = set(most_confident(masked, conf, k))
-            for j in chosen:
+            for j in list(chosen) + edits:
                 x[start + j] = x0[j]
             s += 1
+            if editing_threshold is not None and mask_id not in x[start:end]:
+                post += not had_mask
+                stable = 0 if chosen or edits else stable + 1
         new = x[max(start, p) : end]
         generated += len(new)
         start = end

@@ -444,3 +444,25 @@ def test_one_token_per_pass_when_capped_in_the_engine(llada):
     llm.engine.scheduler.schedule = counting
     [got] = _gen(llm, [[5, 6, 7]], params)
     assert len(got) == 8 and passes == 8
+
+
+@pytest.mark.parametrize("editing,stability,post", [(0.0, 2, 3), (0.3, 1, 16), (0.05, 3, 5)])
+def test_editing_rewrites_unmasked_positions_like_the_reference(sdar, editing, stability, post):
+    """mlx-vlm's editing: earlier unmasked positions take a differing token above the editing
+    threshold, and a filled block runs until it holds still (or its post-fill passes run out)."""
+    path, hf = sdar
+    llm = _llm(path)
+    knobs = DiffusionParams(
+        steps=2, editing_threshold=editing, stability_steps=stability, max_post_steps=post
+    )
+    for p in _prompts(3, seed=41) + [list(range(5, 13))]:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, diffusion=knobs)
+        [got] = _gen(llm, [p], params)
+        want = block_generate(
+            hf, p, block_size=4, gen_length=10, mask_id=MASK_ID, steps_per_block=2,
+            strategy="low_confidence_static", editing_threshold=editing, stability_steps=stability,
+            max_post_steps=post,
+        )  # fmt: skip
+        assert got == want, (p, got, want)
+    with pytest.raises(InvalidParameter, match="needs editing_threshold"):
+        DiffusionParams(stability_steps=2)

@@ -24,10 +24,13 @@ block's schedule: the block's masks spread over `steps` steps, the remainder to 
     threshold t, no steps every one with confidence > t, and at least the most confident one
                           (Fast-dLLM's parallel decoding: as many steps as it takes)
 
-and then mlx-vlm's two extras: `min_threshold` lowers the threshold linearly over the block's scheduled
+and then mlx-vlm's extras: `min_threshold` lowers the threshold linearly over the block's scheduled
 steps (from t at the first to the minimum at the last), `max_tokens_per_step` keeps at most that many
 of a pass's positions (the most confident; a block it holds back runs past its schedule, one position
-per pass at least).
+per pass at least), and editing: with `editing_threshold` e, a generated position unmasked in an
+earlier pass takes the pass's token where it differs with confidence > e (the prompt's tail never),
+and a block with no mask left goes on until `stability_steps` passes in a row change nothing or
+`max_post_steps` passes have run past its last mask.
 
 The schedule splits the masks the block has when it starts (for the first block of a block model, the
 positions after the prompt's tail); SDAR's own generate() splits the block length instead. Ties in
@@ -53,6 +56,12 @@ class DiffusionParams:
     # the threshold falls linearly to this over the block's steps (mlx-vlm's minimum threshold)
     min_threshold: float | None = None
     max_tokens_per_step: int | None = None  # at most this many positions unmasked per pass
+    # mlx-vlm's editing: a position unmasked earlier takes the pass's token when it differs and its
+    # confidence passes this; a block with no mask left then ends after `stability_steps` passes in a
+    # row that change nothing, or after `max_post_steps` passes past its last mask
+    editing_threshold: float | None = None
+    stability_steps: int | None = None  # (default 2)
+    max_post_steps: int | None = None  # (default 16)
 
     def __post_init__(self) -> None:
         if self.steps is not None and (not _is_int(self.steps) or self.steps < 1):
@@ -64,7 +73,15 @@ class DiffusionParams:
                 "block_length",
                 f"invalid diffusion parameter block_length={self.block_length!r}: an integer >= 1",
             )
-        for name in ("threshold", "min_threshold"):
+        for name in ("stability_steps", "max_post_steps"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < (1 if name == "stability_steps" else 0)):
+                raise InvalidParameter(name, f"invalid diffusion parameter {name}={v!r}: a count of passes")
+            if v is not None and self.editing_threshold is None:
+                raise InvalidParameter(
+                    name, f"invalid diffusion parameter {name}: it needs editing_threshold"
+                )
+        for name in ("threshold", "min_threshold", "editing_threshold"):
             t = getattr(self, name)
             if t is not None and (
                 isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0
@@ -125,6 +142,9 @@ class DiffusionState:
         self.kind, self.mask_id = kind, mask_id
         self.steps, self.threshold = params.steps, params.threshold
         self.min_threshold, self.cap = params.min_threshold, params.max_tokens_per_step
+        self.editing = params.editing_threshold
+        self.stability_steps = params.stability_steps or 2
+        self.max_post_steps = 16 if params.max_post_steps is None else params.max_post_steps
         self.step_index = 0  # denoising passes so far (the noise stream of sampled requests)
         self.canvas_len = max_tokens  # generated tokens wanted
         self.done = 0  # generated tokens final (handed out)
@@ -155,6 +175,7 @@ class DiffusionState:
         lo, hi = self.active
         masks = sum(1 for t in self.canvas[lo:hi] if t == self.mask_id)
         self.block_step = 0
+        self.post = self.stable = 0  # editing: passes past the block's last mask; unchanged in a row
         self.schedule = transfer_schedule(masks, self.steps or max(masks, 1))
 
     @property
@@ -177,11 +198,27 @@ class DiffusionState:
         # past its schedule (a cap held it back) a block goes on one position per pass at least
         k = self.schedule[s] if s < len(self.schedule) else 1
         at_least = k if self.steps else 1
-        for i in pick(conf[: hi - lo], masked, k, self._threshold_now(), at_least, self.cap):
+        edits = []
+        if self.editing is not None:  # earlier unmasked generated positions the pass would change
+            first = self.fixed if self.kind == "block" else 0
+            edits = [
+                i
+                for i in range(first, hi - lo)
+                if not masked[i] and x0[i] != block[i] and conf[i] > self.editing
+            ]
+        picked = (
+            pick(conf[: hi - lo], masked, k, self._threshold_now(), at_least, self.cap) if any(masked) else []
+        )
+        for i in edits + picked:
             self.canvas[lo + i] = x0[i]
         self.block_step += 1
         if any(t == self.mask_id for t in self.canvas[lo:hi]):
             return []
+        if self.editing is not None:  # a filled block may still change: it ends once it holds still
+            self.post += not any(masked)
+            self.stable = 0 if edits or picked else self.stable + 1
+            if self.stable < self.stability_steps and self.post < self.max_post_steps:
+                return []
         return self._finish_block()
 
     def _threshold_now(self) -> float | None:

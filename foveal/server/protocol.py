@@ -212,6 +212,9 @@ class DiffusionKnobs(BaseModel):
     threshold: Prob | None = None
     min_threshold: Prob | None = None
     max_tokens_per_step: Annotated[int, _shown(minimum=1), _INTEGRAL] | None = None
+    editing_threshold: Prob | None = None
+    stability_steps: Annotated[int, _shown(minimum=1), _INTEGRAL] | None = None
+    max_post_steps: Annotated[int, _shown(minimum=0), _INTEGRAL] | None = None
 
 
 class _Common(BaseModel):
