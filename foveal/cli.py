@@ -128,18 +128,25 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="thinking tokens a request may spend before the end of thinking is forced (default: no limit)",
     )
     g.add_argument(
-        "--diffusion-steps", type=int, default=None,
-        help="diffusion models: denoising steps per block by default (default: one token per step)",
-    )  # fmt: skip
-    g.add_argument(
-        "--diffusion-block-length", type=int, default=None,
-        help="masked diffusion models: generated tokens per semi-autoregressive block (default: 32)",
-    )  # fmt: skip
-    g.add_argument(
-        "--diffusion-threshold", type=float, default=None,
-        help="diffusion models: each step unmasks every position whose confidence passes this (default: off)",
+        "--diffusion-config", type=_json_object, default=None,
+        help='diffusion models: the denoising knobs a request gets by default, e.g. \'{"steps": 4, '
+        '"block_length": 32, "threshold": 0.9}\' (any of steps, block_length, threshold, min_threshold, '
+        "max_tokens_per_step, editing_threshold, stability_steps, max_post_steps)",
     )  # fmt: skip
     g.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "INFO"))
+
+
+def _json_object(value: str) -> dict:
+    """A JSON object flag (argparse error otherwise)."""
+    import json
+
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(out, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return out
 
 
 def _speculative_config(value: str):
@@ -178,9 +185,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         tool_call_parser=a.tool_call_parser,
         enable_thinking=a.enable_thinking,
         thinking_budget=a.thinking_budget,
-        diffusion_steps=a.diffusion_steps,
-        diffusion_block_length=a.diffusion_block_length,
-        diffusion_threshold=a.diffusion_threshold,
+        diffusion_config=a.diffusion_config,
     )
 
 

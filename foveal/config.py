@@ -281,10 +281,9 @@ class OutputConfig:
     enable_thinking: bool | None = None  # chat_template_kwargs.enable_thinking's default (None: template's)
     thinking_budget: int | None = None  # thinking tokens a request may spend (None: no limit)
     grammar_cache_entries: int = 256  # compiled grammars kept (LRU)
-    # diffusion models: a request's denoising knobs where it names none (foveal/diffusion/state.py)
-    diffusion_steps: int | None = None  # steps per block (None: one token per step)
-    diffusion_block_length: int | None = None  # masked models' semi-autoregressive block (None: 32)
-    diffusion_threshold: float | None = None  # confidence threshold for parallel unmasking (None: off)
+    # diffusion models: the denoising knobs a request gets where it names none, by name (the fields of
+    # foveal/diffusion/state.py's DiffusionParams: steps, block_length, threshold, ...); None: none
+    diffusion_config: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,12 +352,15 @@ class EngineConfig:
         o = self.output
         if o.thinking_budget is not None and o.thinking_budget < 0:
             raise ValueError("thinking_budget must be >= 0 tokens")
-        if o.diffusion_steps is not None and o.diffusion_steps < 1:
-            raise ValueError("diffusion_steps must be >= 1")
-        if o.diffusion_block_length is not None and o.diffusion_block_length < 1:
-            raise ValueError("diffusion_block_length must be >= 1")
-        if o.diffusion_threshold is not None and not 0.0 <= o.diffusion_threshold <= 1.0:
-            raise ValueError("diffusion_threshold must be in [0, 1]")
+        if o.diffusion_config is not None:
+            from foveal.diffusion.state import DiffusionParams
+
+            if not isinstance(o.diffusion_config, dict):
+                raise ValueError("diffusion_config must be a mapping of knob names to values")
+            try:
+                DiffusionParams(**o.diffusion_config)
+            except TypeError as e:  # an unknown knob
+                raise ValueError(f"diffusion_config: {e}") from None
         if o.grammar_cache_entries < 1:
             raise ValueError("grammar_cache_entries must be >= 1")
         if c.max_request_kv_tokens is not None and c.max_request_kv_tokens < 2:

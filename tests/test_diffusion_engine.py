@@ -262,7 +262,7 @@ def test_served_diffusion_streams_blocks_and_refuses_by_name(tmp_path):
     cfg.write_text(json.dumps(sdar_config(block_size=4)))
     knobs = {"diffusion": {"steps": 2}}
     engine = {"model": str(cfg), "load_format": "dummy", "block_size": 4, "max_model_len": 256}
-    with serving({**engine, "diffusion_threshold": 0.5}, {}) as s:
+    with serving({**engine, "diffusion_config": {"threshold": 0.5}}, {}) as s:
         c = s.client()
         args = dict(model=s.model, prompt="t5 t6 t7 t8 t9 t10", max_tokens=14, temperature=0.0)
         whole = c.completions.create(**args, extra_body={**knobs, "ignore_eos": True})
@@ -289,7 +289,7 @@ def test_served_diffusion_streams_blocks_and_refuses_by_name(tmp_path):
 
 
 def test_server_default_knobs_fill_what_a_request_leaves_out(llada):
-    llm = _llm(llada[0], diffusion_steps=3, diffusion_block_length=8, diffusion_threshold=0.4)
+    llm = _llm(llada[0], diffusion_config={"steps": 3, "block_length": 8, "threshold": 0.4})
     req = llm.processor.request([5, 6, 7], SamplingParams(max_tokens=16))
     assert req.params.diffusion == DiffusionParams(steps=3, block_length=8, threshold=0.4)
     own = DiffusionParams(steps=5, block_length=4)
@@ -466,3 +466,12 @@ def test_editing_rewrites_unmasked_positions_like_the_reference(sdar, editing, s
         assert got == want, (p, got, want)
     with pytest.raises(InvalidParameter, match="needs editing_threshold"):
         DiffusionParams(stability_steps=2)
+
+
+def test_a_bad_diffusion_config_is_refused_at_start():
+    from foveal.config import EngineConfig
+
+    with pytest.raises(ValueError, match="unexpected keyword"):
+        EngineConfig.from_kwargs(diffusion_config={"stepz": 3})
+    with pytest.raises(ValueError, match="threshold"):
+        EngineConfig.from_kwargs(diffusion_config={"threshold": 2.0})

@@ -392,15 +392,10 @@ class InputProcessor:
         for name, used in self._NOT_FOR_DIFFUSION.items():
             if used(params):
                 raise InvalidParameter(name, f"{name} is not supported with diffusion decoding")
-        knobs, o = params.diffusion or DiffusionParams(), self.output
-        knobs = replace(
-            knobs,
-            steps=o.diffusion_steps if knobs.steps is None else knobs.steps,
-            block_length=knobs.block_length
-            if knobs.block_length is not None or d.kind == "block"
-            else o.diffusion_block_length,
-            threshold=o.diffusion_threshold if knobs.threshold is None else knobs.threshold,
-        )
+        knobs, defaults = params.diffusion or DiffusionParams(), dict(self.output.diffusion_config or {})
+        if d.kind == "block":
+            defaults.pop("block_length", None)  # a block model's block is its own
+        knobs = replace(knobs, **{k: v for k, v in defaults.items() if getattr(knobs, k) is None})
         params = replace(params, diffusion=knobs)
         if d.kind == "block":
             if knobs.block_length not in (None, d.block_size):
