@@ -263,6 +263,18 @@ def oracle_run(llm, k, prompts, fulls, params, rate, vocab, seed, forced, wrap=N
     return outs
 
 
+def stepped_run(llm, prompts, params) -> dict[str, list[int]]:
+    """All prompts at once on an engine without a proposer, driven as oracle_run drives (--control)."""
+    eng = llm.engine
+    outs: dict[str, list[int]] = {}
+    for p in prompts:
+        outs[eng.add_request(llm.processor.request(p, params))] = []
+    while eng.has_unfinished():
+        for d in eng.step():
+            outs[d.request_id] += d.token_ids
+    return outs
+
+
 def curve_ms(curve, lo: float, hi: float) -> list[list[float]]:
     """A load-aware policy's cost curve between two sizes: [size, milliseconds] points."""
     return [[round(n), round(t * 1e3, 2)] for n, t in curve.live() if lo <= n <= hi]
@@ -288,7 +300,8 @@ def oracle_bench(a) -> dict:
     # its proposer is replaced by the oracle; k per row by load (adaptive) or always k (--fixed)
     spec = {"method": "ngram", "num_speculative_tokens": a.k, "adaptive": not a.fixed}
     plain = LLM(cfg, **opts)
-    specd = LLM(cfg, **opts, speculative_config=spec)
+    # --control: a second plain engine in the speculating engine's place (the engine-to-engine noise)
+    specd = LLM(cfg, **opts) if a.control else LLM(cfg, **opts, speculative_config=spec)
     vocab = plain.processor.info.vocab_size
     if a.forced:
         force_acceptance(vocab - 1)
@@ -308,6 +321,9 @@ def oracle_bench(a) -> dict:
         warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         policy, specd.engine.spec_policy = specd.engine.spec_policy, None
         for depth in range(1, a.k + 1) if policy is not None else [a.k]:
+            if a.control:
+                stepped_run(specd, prompts, warm)
+                break
             oracle_run(specd, depth, prompts, refs_by_prompt, warm, 1.0, vocab, 0, a.forced)
         specd.engine.spec_policy = policy
         for rate in a.rates:
@@ -317,7 +333,10 @@ def oracle_bench(a) -> dict:
                 eng.spec_sync.clear()
                 eng.spec_asks.clear()
                 t0 = time.perf_counter()
-                outs = oracle_run(specd, a.k, prompts, refs_by_prompt, params, rate, vocab, rep, a.forced)
+                if a.control:
+                    outs = stepped_run(specd, prompts, params)
+                else:
+                    outs = oracle_run(specd, a.k, prompts, refs_by_prompt, params, rate, vocab, rep, a.forced)
                 wall = time.perf_counter() - t0
                 after = eng.spec_stats.as_dict()
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
@@ -336,7 +355,7 @@ def oracle_bench(a) -> dict:
                     "acceptance": round(acc, 3), "mean_len": round(1 + (after["num_accepted_tokens"]
                     - before["num_accepted_tokens"]) / steps, 2) if steps else None,
                     "lossless": list(outs.values()) == base["tokens"],
-                    "policy": "fixed" if a.fixed else "adaptive",
+                    "policy": "control" if a.control else "fixed" if a.fixed else "adaptive",
                 }  # fmt: skip
                 if eng.spec_policy is not None:  # what it chose, and the step costs it had learned
                     pol = eng.spec_policy
@@ -598,6 +617,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="--oracle / --heads on CPU with tiny configs")
     ap.add_argument("--dtype", default="bfloat16", help="--oracle: the target's dtype")
     ap.add_argument("--forced", action="store_true", help="--oracle: force the oracle's runs to be accepted")
+    ap.add_argument(
+        "--control", action="store_true", help="--oracle: a plain engine in the speculating one's place"
+    )
     ap.add_argument(
         "--fixed", action="store_true", help="--oracle: every row drafts k (no load-aware policy)"
     )

@@ -7,6 +7,7 @@
 #   forced   the same in bfloat16 with --forced: the oracle's runs are accepted by construction (cost)
 #   adaptive issue 19: --forced with the load-aware k policy (the default) at batch 1/8/64/256
 #            (BATCHES, REPS), 32 GiB of KV per engine; adaptive-tests: its tests and the grammar's on CUDA
+#   control  a plain engine in the speculating engine's place, same driver (the matrix's noise floor)
 #   heads    issue 19: full-size random EAGLE-3 (dummy Llama-3.1-8B) and DFlash (5 layers, block 8, dummy
 #            Qwen3-8B) heads (METHODS; mtp: dummy MiMo-7B shape): the drafter's cost per step at batch 1
 #            and 64, and the speedup with the head drafting for cost and the oracle's drafts forced accepted
@@ -36,6 +37,11 @@ for part in "$@"; do
       # issue 19: the load-aware policy (the default) against plain decoding, bf16, forced acceptance
       timeout ${T_ORACLE:-540} python3 benchmarks/speculative.py --oracle --forced --batches ${BATCHES:-1,8,64,256} \
         --reps ${REPS:-1} --kv-memory-gib 32 2>&1 | grep -v " INFO " | grep '^{"batch' | cut -c1-900
+      ;;
+    control)
+      # the adaptive matrix's engine-to-engine noise: a second plain engine where the speculating one was
+      timeout ${T_ORACLE:-540} python3 benchmarks/speculative.py --oracle --control --batches ${BATCHES:-1,8,64,256} \
+        --rates 1.0 --reps ${REPS:-3} --kv-memory-gib 32 2>&1 | grep -v " INFO " | grep '^{"batch' | cut -c1-300
       ;;
     heads)
       timeout ${T_HEADS:-560} python3 benchmarks/speculative.py --heads --methods ${METHODS:-eagle3,dflash} \
