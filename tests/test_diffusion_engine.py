@@ -475,3 +475,8 @@ def test_a_bad_diffusion_config_is_refused_at_start():
         EngineConfig.from_kwargs(diffusion_config={"stepz": 3})
     with pytest.raises(ValueError, match="threshold"):
         EngineConfig.from_kwargs(diffusion_config={"threshold": 2.0})
+
+
+def test_speculation_is_refused_for_a_diffusion_model(sdar):
+    with pytest.raises(ValueError, match="speculative decoding does not apply"):
+        _llm(sdar[0], speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -128,6 +128,11 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
     )
     spec = cfg.speculative
     proposer = None
+    if spec is not None and info.diffusion is not None:
+        raise ValueError(
+            f"{info.model_name} is a diffusion model: speculative decoding does not apply (a pass already "
+            "fills several positions); drop --speculative-config"
+        )
     if spec is not None:
         from foveal.spec.proposer import build_proposer
 
