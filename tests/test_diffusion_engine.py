@@ -480,3 +480,23 @@ def test_a_bad_diffusion_config_is_refused_at_start():
 def test_speculation_is_refused_for_a_diffusion_model(sdar):
     with pytest.raises(ValueError, match="speculative decoding does not apply"):
         _llm(sdar[0], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_a_budget_under_two_blocks_commits_in_a_pass_of_its_own(sdar):
+    """With fewer than 2 x block_size tokens per step the final window's commit cannot share the next
+    window's pass: it runs alone, and the tokens are the same."""
+    path, _ = sdar
+    prompts = _prompts(3, seed=23, lo=3, hi=8)  # < 8 tokens: no prompt chunk starts past position 0
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, diffusion=DiffusionParams(steps=2))
+    tight = _llm(path, max_num_batched_tokens=6)
+    commits = []
+    schedule = tight.engine.scheduler.schedule
+
+    def watching():
+        batch = schedule()
+        commits.extend(s for s in batch.items if s.denoise < 0 and s.num_tokens == 4 and s.start >= 4)
+        return batch
+
+    tight.engine.scheduler.schedule = watching
+    assert _gen(tight, prompts, params) == _gen(_llm(path), prompts, params)
+    assert commits  # commits ran as passes of their own

@@ -124,10 +124,7 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING:
                     break
                 self.kv.allocate(req, len(toks))
-                bt = tuple(req.block_ids)
-                item = ScheduledItem(req.request_id, start, toks, bt, num_logits, denoise=denoise)
-                # a block model's rows are one-token queries (ModelRunner._diffusion_rows): decode rows
-                (decodes if req.diffusion.kind == "block" else chunks).append(item)
+                self._diffusion_item(req, plan, decodes, chunks)
                 budget -= len(toks)
                 i += 1
                 continue
@@ -195,11 +192,7 @@ class Scheduler:
                 self._known.add(req.request_id)
                 batch.new_requests.append(_new_request(req))
             if plan is not None:
-                _, toks, num_logits, denoise = plan
-                item = ScheduledItem(
-                    req.request_id, start, toks, tuple(req.block_ids), num_logits, denoise=denoise
-                )
-                (decodes if req.diffusion.kind == "block" else chunks).append(item)
+                self._diffusion_item(req, plan, decodes, chunks)
             else:
                 item = self._item(req, n)
                 (decodes if item.is_decode else chunks).append(item)
@@ -252,6 +245,14 @@ class Scheduler:
                 return start, tuple(d.canvas), 0, -1
             return start, tuple(d.canvas) + (d.mask_id,) * d.block, d.block, d.step_index
         return start, tuple(d.canvas), len(d.canvas), d.step_index
+
+    @staticmethod
+    def _diffusion_item(req: Request, plan, decodes: list, chunks: list) -> None:
+        """The planned item, with the decodes for a block model (its rows are one-token queries:
+        ModelRunner._diffusion_rows), with the chunks for a masked one."""
+        start, toks, num_logits, denoise = plan
+        item = ScheduledItem(req.request_id, start, toks, tuple(req.block_ids), num_logits, denoise=denoise)
+        (decodes if req.diffusion.kind == "block" else chunks).append(item)
 
     def _diffusion_cached(self, req: Request, cached: list[int]) -> list[int]:
         """A block model's prefix hit, cut to whole attention blocks of committed tokens (a token's K/V
