@@ -6,11 +6,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # keep `import foveal` light: torch loads only when the engine is used
-    if name == "LLM":
-        from foveal.engine.llm import LLM
+    if name in ("LLM", "LoRARequest"):
+        from foveal.engine import llm
 
-        return LLM
+        return getattr(llm, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "FinishReason", "SamplingParams", "TokenDelta", "__version__"]
+__all__ = ["LLM", "LoRARequest", "FinishReason", "SamplingParams", "TokenDelta", "__version__"]

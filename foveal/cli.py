@@ -133,7 +133,43 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         '"block_length": 32, "threshold": 0.9}\' (any of steps, block_length, threshold, min_threshold, '
         "max_tokens_per_step, editing_threshold, stability_steps, max_post_steps)",
     )  # fmt: skip
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format)")
+    g.add_argument(
+        "--max-loras", type=int, default=4, help="adapters on the device at once (one step's most)"
+    )
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    g.add_argument(
+        "--max-cpu-loras", type=int, default=None,
+        help="adapters kept in host memory (default 2 x --max-loras); others are read again when used",
+    )  # fmt: skip
+    g.add_argument(
+        "--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+        help='adapters served from the start: name=path (a folder or a Hub id), or a JSON object '
+        '{"name": ..., "path": ...} (as in vLLM); the request\'s "model" field picks one',
+    )  # fmt: skip
     g.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "INFO"))
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """--lora-modules item: name=path, or vLLM's JSON {"name", "path"[, "base_model_name"]}."""
+    import json
+
+    if value.lstrip().startswith("{"):
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if (
+            not isinstance(obj, dict)
+            or not isinstance(obj.get("name"), str)
+            or not isinstance(obj.get("path"), str)
+        ):
+            raise argparse.ArgumentTypeError('a JSON LoRA module needs string "name" and "path"')
+        return obj["name"], obj["path"]
+    name, eq, path = value.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected name=path")
+    return name, path
 
 
 def _json_object(value: str) -> dict:
@@ -186,6 +222,11 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         enable_thinking=a.enable_thinking,
         thinking_budget=a.thinking_budget,
         diffusion_config=a.diffusion_config,
+        enable_lora=a.enable_lora or bool(a.lora_modules),
+        max_loras=a.max_loras,
+        max_lora_rank=a.max_lora_rank,
+        max_cpu_loras=a.max_cpu_loras,
+        lora_modules=tuple(a.lora_modules),
     )
 
 

@@ -287,6 +287,17 @@ class OutputConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA adapters (foveal/lora): vLLM's options and defaults where it has them."""
+
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters on the device at once: the most distinct adapters one step runs
+    max_lora_rank: int = 16  # the largest rank an adapter may have (sizes the device slots)
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: 2 x max_loras); reloaded on use
+    lora_modules: tuple = ()  # adapters registered at start: (name, path) pairs
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -294,6 +305,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | cpu | triton (auto: triton on CUDA, cpu on CPU)
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
     output: OutputConfig = field(default_factory=OutputConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -309,6 +321,7 @@ class EngineConfig:
             ("cache", CacheConfig),
             ("scheduler", SchedulerConfig),
             ("output", OutputConfig),
+            ("lora", LoRAConfig),
         )
         for name, sub in subs:
             names = {f.name for f in dataclasses.fields(sub)}
@@ -363,5 +376,13 @@ class EngineConfig:
                 raise ValueError(f"diffusion_config: {e}") from None
         if o.grammar_cache_entries < 1:
             raise ValueError("grammar_cache_entries must be >= 1")
+        lo = self.lora
+        if lo.enable_lora:
+            if lo.max_loras < 1 or lo.max_lora_rank < 1:
+                raise ValueError("max_loras and max_lora_rank must be >= 1")
+            if lo.max_cpu_loras is not None and lo.max_cpu_loras < lo.max_loras:
+                raise ValueError(f"max_cpu_loras ({lo.max_cpu_loras}) must be >= max_loras ({lo.max_loras})")
+        elif lo.lora_modules:
+            raise ValueError("lora_modules needs enable_lora")
         if c.max_request_kv_tokens is not None and c.max_request_kv_tokens < 2:
             raise ValueError("max_request_kv_tokens must be >= 2 (a prompt token and a generated one)")

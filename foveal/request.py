@@ -255,6 +255,7 @@ class EngineRequest:
     cache_salt: str | None = None
     shared_prefix_len: int = 0
     guide: Any = None  # GuideSpec (foveal/structured/guide.py): the answer's grammar, think markers, budget
+    lora: Any = None  # foveal.lora.adapter.HostAdapter: the LoRA adapter to run with (None: the base model)
 
 
 @dataclass(slots=True, eq=False)
@@ -303,6 +304,7 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)
     # a diffusion model's canvas (foveal/diffusion/state.py DiffusionState), set by the engine
     diffusion: Any = None
+    lora: Any = None  # foveal.lora.adapter.HostAdapter, or None (see EngineRequest)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -322,6 +324,7 @@ class Request:
             cache_salt=r.cache_salt,
             shared_prefix_len=r.shared_prefix_len,
             guide=r.guide,
+            lora=r.lora,
         )
 
     @property

@@ -10,9 +10,6 @@ differ by a few fp32 ulps, or rarely 2 ulps of a 16-bit dtype.
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +18,7 @@ from foveal.layers import fused
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import apply_rotary, apply_rotary_qk
 from foveal.models.base import StepContext
+from tests.interpreter import interpreter_rounds_to_nearest_even  # noqa: F401 (autouse)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors need the interpreter
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -29,30 +27,6 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ULPS = {torch.bfloat16: (2, 0), torch.float16: (2, 0), torch.float32: (8, 0)}
 if DEVICE == "cpu":  # the interpreter's exp is numpy's, not torch's (measured: <= 4 fp32 ulps)
     ULPS = {torch.bfloat16: (2, 1), torch.float16: (2, 1), torch.float32: (8, 8)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_rounds_to_nearest_even():
-    """Triton 3.9's interpreter truncates fp32 -> bf16 casts where the GPU rounds to nearest even;
-    make it round as the GPU does, for this module's tests only."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    cast_impl = builder.cast_impl
-
-    def rtne_cast(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return cast_impl(self, src, dst_type)
-
-    builder.cast_impl = rtne_cast
-    yield
-    builder.cast_impl = cast_impl
 
 
 def max_ulps(a: torch.Tensor, b: torch.Tensor) -> int:

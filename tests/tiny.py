@@ -103,6 +103,7 @@ class Harness:
         max_num_seqs=16,
         dtype=torch.float32,
         backend="torch",
+        lora: tuple[int, int] | None = None,
     ):
         cfg = hf_model.config
         backend = get_backend(backend, "cpu")
@@ -119,6 +120,10 @@ class Harness:
         self.kv = KVCacheManager(num_blocks, block_size)
         self.sched = Scheduler(SchedulerConfig(budget, max_num_seqs), self.kv, cfg.max_position_embeddings)
         self.runner = ModelRunner(self.model, caches, backend, block_size, "cpu", cfg.vocab_size)
+        if lora is not None:  # (adapter slots, max rank)
+            from foveal.lora.slots import LoRASlots
+
+            self.runner.lora = LoRASlots(self.model, *lora, dtype, "cpu")
 
     def use_backend(self, backend) -> None:
         """Swap the attention backend (same cache layout) between steps: in-process A/B runs."""
@@ -127,7 +132,7 @@ class Harness:
             if hasattr(m, "backend"):
                 m.backend = backend
 
-    def add(self, rid: str, ids: list[int], max_tokens: int = 32) -> Request:
-        req = Request(rid, list(ids), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    def add(self, rid: str, ids: list[int], max_tokens: int = 32, lora=None) -> Request:
+        req = Request(rid, list(ids), SamplingParams(temperature=0.0, max_tokens=max_tokens), lora=lora)
         self.sched.add(req)
         return req

@@ -7,9 +7,10 @@ newly full blocks into the prefix cache; `free` returns all of a request's block
 tail, least likely to be shared, is evicted first). Block ids live on the Request, in order.
 
 Block keys chain (parent key, the block's token ids, extra keys): the tenant salt (first block; the
-chain carries it on), and the content hash of every image whose placeholder span overlaps the block,
-since placeholder ids are the same for every image. A hit never covers the whole sequence: at least
-one token is computed, so the step has logits to sample from.
+chain carries it on), the LoRA adapter's per-load id (first block), and the content hash of every
+image whose placeholder span overlaps the block, since placeholder ids are the same for every image.
+A hit never covers the whole sequence: at least one token is computed, so the step has logits to
+sample from.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class KVCacheManager:
             # unless a shared prefix is set): every key from there on is the tenant's alone
             if i == req.shared_prefix_len // bs and req.cache_salt is not None:
                 extra.insert(0, ("salt", req.cache_salt))
+            # a LoRA adapter changes every K/V from the first token: its id (unique per load, so a
+            # reloaded adapter of the same name shares nothing with the old one) keys block 0 onwards
+            if i == 0 and req.lora is not None:
+                extra.insert(0, ("lora", req.lora.uid))
             keys.append(hash_block(keys[-1] if keys else None, req.all_token_ids[lo:hi], extra))
         return keys
 

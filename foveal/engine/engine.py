@@ -185,6 +185,13 @@ class Engine:
             out["vision_cache"] = self.encoder_cache.stats().as_dict()
         return out
 
+    def lora_report(self) -> dict:
+        """Sequences per LoRA adapter (its name), running and waiting, and the device's slots."""
+        s = self.scheduler
+        running = Counter(r.lora.name for r in s.running if r.lora is not None)
+        waiting = Counter(r.lora.name for r in s.waiting if r.lora is not None)
+        return {"running": dict(running), "waiting": dict(waiting), "max_loras": self.runner.lora.num_slots}
+
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.num_unfinished > 0 or self._inflight is not None
 

@@ -91,6 +91,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         mm_processor = MultiModalProcessor(ckpt.processor, type(model).mm_adapter(hf))
         encoder_cache = EncoderCache(cfg.cache.vision_cache_memory)
     load_s = time.perf_counter() - t0
+    lora_slots, lora_registry = _lora(cfg, model, dtype, device)  # before the KV pool's sizing
 
     layers, kv_heads, head_dim = model.kv_shape
     bs = cfg.cache.block_size
@@ -124,7 +125,12 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens or 0,
     )
     scheduler = Scheduler(
-        cfg.scheduler, kv, max_len, encoder_cache=encoder_cache, atomic_mm_spans=model.mm_bidirectional
+        cfg.scheduler,
+        kv,
+        max_len,
+        encoder_cache=encoder_cache,
+        atomic_mm_spans=model.mm_bidirectional,
+        max_loras=cfg.lora.max_loras if lora_slots is not None else 0,
     )
     spec = cfg.speculative
     proposer = None
@@ -164,6 +170,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         max_tokens_per_row=1 + (spec.num_speculative_tokens if spec else 0),
     )
     runner.tap = proposer.tap if proposer is not None else None  # what a hidden-state drafter reads
+    runner.lora = lora_slots
     graphs = None
     if _use_graphs(cfg, device, backend):
         from foveal.worker.cuda_graphs import DecodeGraphs as graphs
@@ -179,6 +186,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
             max_model_len=max_len,
             device=device,
             tap=runner.tap,
+            lora_groups=lora_slots.num_slots + 1 if lora_slots is not None else 0,
         )
         try:
             runner.graphs.capture()  # CUDA: every bucket now; CPU: each at its first step
@@ -223,7 +231,35 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         log.info("--quantization gguf runs a GGUF's Q4_0/Q4_1/Q8_0 weights as stored (faster on CPU)")
     elif ckpt.format != "gguf" and cfg.model.quantization == "gguf":
         log.warning("--quantization gguf applies to GGUF files: the %s weights stay dense", ckpt.format)
-    return engine, InputProcessor(info, ckpt.tokenizer, mm_processor, cfg.output)
+    processor = InputProcessor(info, ckpt.tokenizer, mm_processor, cfg.output)
+    processor.lora = lora_registry
+    return engine, processor
+
+
+def _lora(cfg: EngineConfig, model, dtype: torch.dtype, device: torch.device):
+    """LoRA's device slots on the model's linears and the registry of served adapters (the start-up
+    ones loaded now), or (None, None) when LoRA is off."""
+    lo = cfg.lora
+    if not lo.enable_lora:
+        return None, None
+    from foveal.lora.registry import LoRARegistry
+    from foveal.lora.slots import LoRASlots
+
+    slots = LoRASlots(model, lo.max_loras, lo.max_lora_rank, dtype, device)
+    registry = LoRARegistry(
+        slots.layout, dtype, lo.max_lora_rank, lo.max_cpu_loras or 2 * lo.max_loras, pin=device.type == "cuda"
+    )
+    for name, path in lo.lora_modules:
+        registry.load(name, path)
+    log.info(
+        "LoRA: %d device slots of rank <= %d on %d linears (%.1f MiB); %d adapters registered",
+        lo.max_loras,
+        lo.max_lora_rank,
+        len(slots.stacks),
+        slots.nbytes / 2**20,
+        len(lo.lora_modules),
+    )
+    return slots, registry
 
 
 def _graph_rows(cfg: EngineConfig, diffusion=None) -> int:

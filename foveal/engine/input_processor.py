@@ -93,6 +93,7 @@ class InputProcessor:
             self.tool_special = {m: special[m] for m in markup if m in special}
         self.keep_special_ids = tuple(sorted(keep))
         self._grammars = None  # the GrammarCache, made at the first constrained request
+        self.lora = None  # foveal.lora.registry.LoRARegistry when adapters are enabled (set at start)
         self._grammars_lock = threading.Lock()
 
     @property

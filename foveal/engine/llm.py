@@ -4,12 +4,16 @@ no scheduling logic of its own.
 
 Images (vision-language models): chat message parts `{"type": "image", "image": <PIL.Image>}`, or a
 prompt made with `llm.processor.render_prompt(text, images=[...])`.
+
+LoRA adapters: `LLM(model, enable_lora=True)`, then `generate(prompts, params,
+lora_request=LoRARequest("sql", "/path/to/adapter"))` (one for all prompts, or a list, one per prompt;
+None for the base model). An adapter is registered at its first use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from foveal.config import EngineConfig
 from foveal.engine.factory import build_engine
@@ -44,6 +48,26 @@ class RequestOutput:
 PromptLike = str | list[int] | MultiModalPrompt
 
 
+class LoRARequest:
+    """An adapter for a prompt: `LoRARequest(name, path)`, or vLLM's `LoRARequest(name, int_id, path)`
+    (the int id is not needed here: adapters are told apart by name)."""
+
+    __slots__ = ("lora_name", "lora_path")
+
+    def __init__(self, lora_name: str, *args, lora_path: str | None = None, lora_int_id: int | None = None):
+        if lora_path is None:
+            if len(args) == 1:
+                lora_path = args[0]
+            elif len(args) == 2:
+                lora_path = args[1]
+        if not isinstance(lora_path, str) or not lora_name:
+            raise TypeError("LoRARequest(name, path) or LoRARequest(name, int_id, path)")
+        self.lora_name, self.lora_path = lora_name, lora_path
+
+    def __repr__(self) -> str:
+        return f"LoRARequest({self.lora_name!r}, {self.lora_path!r})"
+
+
 class LLM:
     """Offline generation. Keyword arguments are engine options (see foveal.config), e.g.
     `LLM(dtype="bfloat16", max_num_seqs=64, kv_cache_memory=2**30)`."""
@@ -60,20 +84,23 @@ class LLM:
         self,
         prompts: PromptLike | list[PromptLike],
         params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        return self._run(self._as_list(prompts), params)
+        return self._run(self._as_list(prompts), params, lora=lora_request)
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
         params: SamplingParams | list[SamplingParams] | None = None,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if not messages:
             raise ValueError("messages must not be empty")
         convs = [messages] if isinstance(messages[0], dict) else messages
         kw = chat_template_kwargs or {}
-        return self._run([self._chat_prompt(c, kw) for c in convs], params, kw.get("enable_thinking"))
+        prompts = [self._chat_prompt(c, kw) for c in convs]
+        return self._run(prompts, params, kw.get("enable_thinking"), lora_request)
 
     def _chat_prompt(self, messages: list[dict], kw: dict) -> MultiModalPrompt:
         """Pull PIL images out of {"type": "image", "image": ...} parts, in order."""
@@ -93,9 +120,15 @@ class LLM:
             msgs.append(m)
         return self.processor.render_chat(msgs, images=images, **kw)
 
-    def stream(self, prompt: PromptLike, params: SamplingParams | None = None) -> Iterator[TokenDelta]:
+    def stream(
+        self,
+        prompt: PromptLike,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> Iterator[TokenDelta]:
         """Yield each step's delta for one prompt (n must be 1) until it finishes."""
-        rid = self.engine.add_request(self.processor.request(prompt, params))
+        req = replace(self.processor.request(prompt, params), lora=self._adapter(lora_request))
+        rid = self.engine.add_request(req)
         try:
             while True:
                 for d in self.engine.step():
@@ -113,14 +146,28 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _run(self, prompts: list[PromptLike], params, thinking: bool | None = None) -> list[RequestOutput]:
+    def _adapter(self, lora: LoRARequest | None):
+        if lora is None:
+            return None
+        if self.processor.lora is None:
+            raise ValueError("a lora_request needs an engine started with enable_lora=True")
+        return self.processor.lora.get_or_load(lora.lora_name, lora.lora_path)
+
+    def _run(
+        self, prompts: list[PromptLike], params, thinking: bool | None = None, lora=None
+    ) -> list[RequestOutput]:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         # every prompt processed (and validated) before any is admitted
         rids = [new_request_id("gen") for _ in prompts]
+        adapters = [self._adapter(x) for x in loras]
         batches = [
-            self.processor.requests(p, sp, rid, thinking=thinking) for p, sp, rid in zip(prompts, plist, rids)
+            [replace(r, lora=a) for r in self.processor.requests(p, sp, rid, thinking=thinking)]
+            for p, sp, rid, a in zip(prompts, plist, rids, adapters)
         ]
         results: list[RequestOutput] = []
         where: dict[str, CompletionOutput] = {}

@@ -58,6 +58,7 @@ class RequestStream:
         self.loop = loop
         self.timeout = timeout
         self.finished = False
+        self.model: str | None = None  # the served name its responses carry (a LoRA adapter's), or None
 
     async def _get(self):
         try:
@@ -160,7 +161,8 @@ class EngineLoop:
             why = self.dead_reason if self.state == "dead" else f"the server is {self.state}"
             stream.queue.put_nowait(StreamError(f"not accepting requests: {why}", 503, "unavailable"))
             return stream
-        stats = RequestStats(request_id, streaming=streaming, tenant=tenant)
+        adapter = choices[0].lora.name if choices and choices[0].lora is not None else None
+        stats = RequestStats(request_id, streaming=streaming, tenant=tenant, adapter=adapter)
         self._cmds.put(("submit", stream, list(choices), stats))
         return stream
 
@@ -369,7 +371,10 @@ class EngineLoop:
                 spec.update(e.spec_policy.stats())
         r = e.runner
         masks = {"mask_seconds": r.mask_seconds, "mask_rows": r.mask_rows} if r.mask_rows else None
-        report = StepReport(e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec, masks)
+        lora = e.lora_report() if r.lora is not None else None
+        report = StepReport(
+            e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec, masks, lora
+        )
         self._safe(self.sink.step, report)
 
     def _close_all(self, err: StreamError) -> None:

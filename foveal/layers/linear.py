@@ -176,5 +176,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
+    lora = None  # foveal.lora.stacks.LoRAStacks when LoRA adapters are enabled for this projection
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)

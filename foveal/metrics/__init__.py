@@ -23,6 +23,7 @@ class RequestStats:
     request_id: str
     streaming: bool = False
     tenant: str | None = None  # who sent it (the API key's tenant); None without auth
+    adapter: str | None = None  # the LoRA adapter it runs with (its served name); None: the base model
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
@@ -110,6 +111,8 @@ class StepReport:
     # "chosen_k"); None when the engine does not speculate
     spec: dict | None = None
     structured: dict | None = None  # grammar-mask totals {"mask_seconds", "mask_rows"}; None before any
+    # LoRA: {"running": {adapter: sequences}, "waiting": {...}, "max_loras": n}; None when LoRA is off
+    lora: dict | None = None
 
 
 class MetricsSink(Protocol):

@@ -50,9 +50,42 @@ class PrometheusSink:
         self._spec_pos_seen: dict[str, int] = {}
         self._spec_k: Counter | None = None
         self._spec_k_seen: dict[str, int] = {}
+        self._lora: tuple[Counter, Gauge, Gauge, Gauge] | None = None  # registered with LoRA's first report
+        self._lora_names: set[str] = set()
+
+    def _lora_series(self) -> tuple[Counter, Gauge, Gauge, Gauge]:
+        if self._lora is None:
+            r = self.registry
+            self._lora = (
+                Counter(
+                    "foveal_lora_requests", "Requests received per LoRA adapter", ["adapter"], registry=r
+                ),
+                Gauge(
+                    "foveal_lora_running_requests",
+                    "Sequences running per LoRA adapter",
+                    ["adapter"],
+                    registry=r,
+                ),
+                Gauge(
+                    "foveal_lora_waiting_requests",
+                    "Sequences waiting per LoRA adapter",
+                    ["adapter"],
+                    registry=r,
+                ),
+                # vLLM's vllm:lora_requests_info (gateway endpoint pickers read it): the labels carry the
+                # running / waiting adapters, the value is the time of the report
+                Gauge(
+                    "foveal_lora_requests_info",
+                    "Running and waiting LoRA adapters",
+                    ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                    registry=r,
+                ),
+            )
+        return self._lora
 
     def request_started(self, stats: RequestStats) -> None:
-        pass
+        if stats.adapter is not None:
+            self._lora_series()[0].labels(adapter=stats.adapter).inc()
 
     def token(self, stats: RequestStats, now: float, num_tokens: int) -> None:
         times = stats.token_times
@@ -89,6 +122,8 @@ class PrometheusSink:
             self._prefix_seen = prefix
         if spec is not None:
             self._spec_step(spec)
+        if report.lora is not None:
+            self._lora_step(report.lora)
         if structured is not None:
             self._totals(
                 "mask",
@@ -105,6 +140,22 @@ class PrometheusSink:
                     ),
                 ],
             )
+
+    def _lora_step(self, lora: dict) -> None:
+        import time
+
+        _, running, waiting, info = self._lora_series()
+        run, wait = lora["running"], lora["waiting"]
+        self._lora_names |= set(run) | set(wait)
+        for name in self._lora_names:  # an adapter gone from both reads 0, not its last count
+            running.labels(adapter=name).set(run.get(name, 0))
+            waiting.labels(adapter=name).set(wait.get(name, 0))
+        info.clear()
+        info.labels(
+            running_lora_adapters=",".join(sorted(run)),
+            waiting_lora_adapters=",".join(sorted(wait)),
+            max_lora=str(lora["max_loras"]),
+        ).set(time.time())
 
     def grammar(self, stats) -> None:
         """The grammar cache's lifetime totals (GrammarCacheStats), read when /metrics is scraped."""

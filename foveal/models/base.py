@@ -33,6 +33,8 @@ class StepContext:
     # final norm) to `aux`, in layer order
     aux_layers: tuple[int, ...] = ()
     aux: list[torch.Tensor] | None = None
+    # LoRA adapters (foveal/lora): the step's rows grouped by adapter slot; None: no adapter row
+    lora: Any = None
 
 
 class CausalLM(nn.Module):

@@ -167,17 +167,24 @@ class VisionLanguageModel(CausalLM):
         filler = ParamFiller(self)
         own: dict[str, set[str]] = {}
         for name, tensor in weights:
-            for prefixes, target in self.PREFIXES:
-                rest = next((name[len(p) :] for p in prefixes if name.startswith(p)), None)
-                if rest is None:
-                    continue
-                if target == "text":
-                    self.language_model.load_weight(filler, rest, tensor, prefix="language_model.")
-                elif target == "lm_head":
-                    self.language_model.load_weight(filler, "lm_head." + rest, tensor, "language_model.")
-                else:
-                    filler.put(f"{target}.{_match_level(rest, target, own, self)}", tensor, name)
-                break
-            else:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            self.load_weight(filler, name, tensor, own)
         filler.check_complete()
+
+    def load_weight(
+        self, filler: ParamFiller, name: str, tensor: torch.Tensor, own: dict | None = None
+    ) -> None:
+        """One checkpoint tensor, routed by its prefix (`own` caches the towers' parameter names)."""
+        for prefixes, target in self.PREFIXES:
+            rest = next((name[len(p) :] for p in prefixes if name.startswith(p)), None)
+            if rest is None:
+                continue
+            if target == "text":
+                self.language_model.load_weight(filler, rest, tensor, prefix="language_model.")
+            elif target == "lm_head":
+                self.language_model.load_weight(filler, "lm_head." + rest, tensor, "language_model.")
+            else:
+                filler.put(
+                    f"{target}.{_match_level(rest, target, {} if own is None else own, self)}", tensor, name
+                )
+            return
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")

@@ -83,6 +83,7 @@ class NewRequest:
     # token sees every token, ("block", size, m) causal across blocks of `size` positions, both ways
     # inside one; None: an autoregressive request
     diffusion: tuple[str, int, int] | None = None
+    lora: Any = None  # foveal.lora.adapter.HostAdapter: the adapter its rows run with, or None (base)
 
 
 @dataclass(slots=True)

@@ -40,6 +40,7 @@ class Scheduler:
         *,
         encoder_cache=None,
         atomic_mm_spans: bool = False,
+        max_loras: int = 0,
     ):
         if config.max_num_batched_tokens is None:
             raise ValueError("the scheduler needs a token budget: use SchedulerConfig.for_device(...)")
@@ -49,6 +50,7 @@ class Scheduler:
         self.encoder_budget = config.max_encoder_tokens_per_step or config.max_num_batched_tokens
         self.kv = kv
         self.max_model_len = max_model_len
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (the device's slots)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -162,6 +164,9 @@ class Scheduler:
             budget -= n
             i += 1
         # Waiting requests only when nobody was preempted this step (they would just evict each other).
+        # A request whose adapter would be one more than the slots hold waits, the ones behind it go on.
+        adapters = {r.lora.uid for r in self.running if r.lora is not None} if self.max_loras else set()
+        passed: list[Request] = []
         while (
             self.waiting
             and budget > 0
@@ -169,6 +174,15 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            lora = req.lora
+            if (
+                self.max_loras
+                and lora is not None
+                and lora.uid not in adapters
+                and len(adapters) >= self.max_loras
+            ):
+                passed.append(self.waiting.popleft())
+                continue
             cached = self.kv.find_cached(req)  # the longest prefix already in the cache: not recomputed
             if req.diffusion is not None:
                 cached = self._diffusion_cached(req, cached)
@@ -184,6 +198,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora.uid)
             self.kv.allocate(req, n, cached)
             if req.num_preemptions == 0 and not req.output_token_ids:
                 req.num_cached_tokens = start
@@ -198,6 +214,7 @@ class Scheduler:
                 (decodes if item.is_decode else chunks).append(item)
             self._spend_encoder(req, n)
             budget -= n
+        self.waiting.extendleft(reversed(passed))
         decodes += chunks
         return batch
 
@@ -455,4 +472,5 @@ def _new_request(req: Request) -> NewRequest:
         req.rope,
         req.guide,
         None if req.diffusion is None else req.diffusion.runner_view,
+        req.lora,
     )

@@ -170,18 +170,35 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             req = model_cls.model_validate(data)
         except ValidationError as e:
             raise from_validation(e) from None
+        adapter = None
         if req.model is not None and req.model not in names:
-            raise APIError(
-                404,
-                f"model '{req.model}' does not exist; this server serves '{model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+            adapter = await lora_adapter(req.model)
         try:
             params = req.sampling_params()  # validated as it is made (request.py)
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-        return req, params
+        return req, params, adapter
+
+    async def lora_adapter(name: str):
+        """The LoRA adapter served as `name` (read again from its path if its host copy was dropped);
+        404 listing the served names when there is none."""
+        reg = processor.lora
+        adapter = None
+        if reg is not None:
+            try:
+                adapter = await asyncio.to_thread(reg.get, name)
+            except ValueError as e:  # AdapterError: its files changed or went away since it was loaded
+                raise APIError(400, f"LoRA adapter '{name}' cannot be read: {e}", param="model") from None
+        if adapter is None:
+            served = ", ".join(f"'{n}'" for n in [model_name, *(reg.names() if reg is not None else [])])
+            raise APIError(
+                404, f"model '{name}' does not exist; this server serves {served}", param="model",
+                code="model_not_found",
+            )  # fmt: skip
+        return adapter
+
+    def with_adapter(choices: list, adapter) -> list:
+        return choices if adapter is None else [dataclasses.replace(c, lora=adapter) for c in choices]
 
     async def admit(request: Request, stream: RequestStream) -> None:
         try:
@@ -219,6 +236,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
         stream = loop.submit(
             rid, choices, streaming=req.stream, timeout=cfg.request_timeout, tenant=request.state.tenant
         )
+        stream.model = choices[0].lora.name if choices and choices[0].lora is not None else None
         await admit(request, stream)
         if req.stream:
             gen = stream_chat(stream, req, plan) if chat else stream_completion(stream, req)
@@ -278,14 +296,20 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             "id": stream.request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": model_name,
+            "model": stream.model or model_name,
             "choices": choices,
             "usage": tally.usage(),
             "system_fingerprint": None,
         }
 
-    def _chunk(rid, obj, choices, usage_field: bool) -> dict:
-        c = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": choices}
+    def _chunk(rid, obj, choices, usage_field: bool, model: str | None = None) -> dict:
+        c = {
+            "id": rid,
+            "object": obj,
+            "created": int(time.time()),
+            "model": model or model_name,
+            "choices": choices,
+        }
         if usage_field:
             c["usage"] = None
         return c
@@ -300,7 +324,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                 yield chunk
             if inc:
                 usage = tally.usage()
-                yield sse.sse({**_chunk(rid, obj, [], False), "usage": usage})
+                yield sse.sse({**_chunk(rid, obj, [], False, stream.model), "usage": usage})
         except StreamFailed as e:
             yield sse.error_event(e.error.message, e.error.type)
         finally:
@@ -319,7 +343,9 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
 
         async def body(tally):
             for i in range(stream.num_choices):
-                yield sse.sse(_chunk(rid, obj, [choice(i, {"role": "assistant", "content": ""})], inc))
+                yield sse.sse(
+                    _chunk(rid, obj, [choice(i, {"role": "assistant", "content": ""})], inc, stream.model)
+                )
             async for i, d in stream.deltas():
                 reason = sse.finish(d.finish_reason)
                 frags = outs[i].feed(d.text)
@@ -329,12 +355,14 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                 if lp and not frags:
                     frags = [{"content": ""}]  # the step's logprobs, though its text is held back
                 for k, frag in enumerate(frags):  # the step's logprobs ride on its first fragment
-                    yield sse.sse(_chunk(rid, obj, [choice(i, frag, lp if k == 0 else None)], inc))
+                    yield sse.sse(
+                        _chunk(rid, obj, [choice(i, frag, lp if k == 0 else None)], inc, stream.model)
+                    )
                 if d.finished:
                     if d.error:
                         yield sse.error_event(d.error)
                     end = choice(i, {}, None, _chat_finish(outs[i], reason))
-                    yield sse.sse(_chunk(rid, obj, [end], inc))
+                    yield sse.sse(_chunk(rid, obj, [end], inc, stream.model))
                     tally.add(i, d)
 
         return framed(stream, obj, inc, body, req.n)
@@ -355,7 +383,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                         "logprobs": lp,
                         "finish_reason": sse.finish(d.finish_reason),
                     }
-                    yield sse.sse(_chunk(rid, obj, [c], inc))
+                    yield sse.sse(_chunk(rid, obj, [c], inc, stream.model))
                 if d.finished:
                     if d.error:
                         yield sse.error_event(d.error)
@@ -365,21 +393,21 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req, params = await parse(request, ChatCompletionRequest)
+        req, params, adapter = await parse(request, ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         request.state.request_id = rid
         log.info(
             "%s: chat request, %d message(s), n=%d, stream=%s", rid, len(req.messages), params.n, req.stream
         )
         choices, plan = await prompts.chat(req, params, rid, cache_salt(request, req))
-        return await run(request, rid, req, choices, plan)
+        return await run(request, rid, req, with_adapter(choices, adapter), plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req, params = await parse(request, CompletionRequest)
+        req, params, adapter = await parse(request, CompletionRequest)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         request.state.request_id = rid
-        choices = await prompts.completion(req, params, rid, cache_salt(request, req))
+        choices = with_adapter(await prompts.completion(req, params, rid, cache_salt(request, req)), adapter)
         log.info(
             "%s: completion request, %d sequence(s), n=%d, stream=%s", rid, len(choices), params.n, req.stream
         )
@@ -393,7 +421,59 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             "owned_by": "foveal",
             "max_model_len": info.max_model_len,
         }
-        return {"object": "list", "data": [{"id": model_name, **card}]}
+        data = [{"id": model_name, "root": info.model_name, "parent": None, **card}]
+        if processor.lora is not None:  # adapters, with the served model as their parent (vLLM's cards)
+            data += [
+                {"id": name, "root": path, "parent": model_name, **card}
+                for name, path in processor.lora.cards()
+            ]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """vLLM's runtime adapter loading: {"lora_name", "lora_path"}; admins only when auth is on."""
+        reg = lora_admin(request, "loading")
+        body = await lora_body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
+        if name in names:
+            raise APIError(400, f"'{name}' is the base model's name", param="lora_name")
+        try:
+            adapter = await asyncio.to_thread(reg.load, name, path)
+        except ValueError as e:  # AdapterError included: the message names the field or file
+            raise APIError(400, str(e), param="lora_path") from None
+        log.info(
+            "%s: LoRA adapter %r loaded from %s (rank %d)", request.state.request_id, name, path, adapter.rank
+        )
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        """{"lora_name"}: new requests can no longer name it; running ones finish with it."""
+        reg = lora_admin(request, "unloading")
+        name = (await lora_body(request)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "'lora_name' must be provided.", param="lora_name")
+        if not reg.unload(name):
+            raise APIError(
+                404, f"The lora adapter '{name}' cannot be found.", "not_found_error", param="lora_name"
+            )
+        log.info("%s: LoRA adapter %r unloaded", request.state.request_id, name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+    def lora_admin(request: Request, what: str):
+        if not request.state.admin:
+            raise APIError(403, f"{what} LoRA adapters needs an admin API key", "permission_error")
+        if processor.lora is None:
+            raise APIError(400, "LoRA is not enabled on this server (start it with --enable-lora)")
+        return processor.lora
+
+    async def lora_body(request: Request) -> dict:
+        data = await read_json(request, cfg.max_body_bytes, cfg.body_timeout)
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return data
 
     @app.get("/health")
     async def health():

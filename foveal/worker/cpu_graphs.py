@@ -129,30 +129,35 @@ class CpuDecodeGraphs(DecodeGraphs):
     def __init__(self, model, kv_caches, backend, *, max_seqs: int, **kw):
         super().__init__(model, kv_caches, backend, max_seqs=min(max_seqs, MAX_ROWS), **kw)
         self.tapes: dict[int, list | None] = {}  # bucket -> tape; None: not recordable, eager
+        self.lora_tapes: dict[int, list | None] = {}  # the same with the LoRA ops (a step with adapters)
         self.nbytes = 0  # activation memory the tapes keep
 
     def capture(self) -> None:
         """Nothing ahead of time: each bucket is recorded by its first step."""
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, lora=None
+    ) -> torch.Tensor:
         n = input_ids.shape[0]
         b = self._bucket_of[n]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
+        kw = {"lora": True} if self.fill_lora(lora, n) else {}
         if n < b:
             self.input_ids[n:b].zero_()
             self.positions[n:b].zero_()
         meta = self.backend.fill_graph_metadata(self.meta, batch, b)
-        tape = self.tapes.get(b, ())
+        tapes = self.lora_tapes if kw else self.tapes
+        tape = tapes.get(b, ())
         if tape is None:
-            self._forward(b, meta)
+            self._forward(b, meta, **kw)
         elif tape:
             replay(tape)
         else:
-            self.tapes[b] = self._record(b, meta)
+            tapes[b] = self._record(b, meta, **kw)
         return self.logits[:n]
 
-    def _record(self, b: int, meta) -> list | None:
+    def _record(self, b: int, meta, **kw) -> list | None:
         """Run bucket b's first step under the recorder; its tape, or None when the step cannot be
         recorded. Whatever goes wrong while recording (an op a tape cannot follow, a tensor it cannot
         hold) costs the bucket its replays, never the batch: the step then runs again, eagerly (its K/V
@@ -161,7 +166,7 @@ class CpuDecodeGraphs(DecodeGraphs):
         native.recording.tape = tape
         try:
             with _Recorder(tape):
-                self._forward(b, meta)
+                self._forward(b, meta, **kw)
             nbytes = _made_bytes(tape)
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
@@ -171,7 +176,7 @@ class CpuDecodeGraphs(DecodeGraphs):
             native.recording.tape = None
         if reason is not None:
             log.warning("decode steps of %d rows run eagerly: recording failed (%s)", b, reason)
-            self._forward(b, meta)
+            self._forward(b, meta, **kw)
             return None
         if self.nbytes + nbytes > MAX_BYTES:
             log.info("decode steps of %d rows run eagerly: recorded steps hold %d MiB", b, self.nbytes >> 20)

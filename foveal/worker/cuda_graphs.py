@@ -57,6 +57,7 @@ class DecodeGraphs:
         max_model_len: int,
         device,
         tap=None,
+        lora_groups: int = 0,
     ):
         self.model = model
         self.tap = tap  # a hidden-state drafter's (ModelRunner.tap): its rows land in `tapped` too
@@ -70,7 +71,17 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self.meta = backend.graph_metadata(max_seqs, self.max_blocks, block_size, self.device)
+        # LoRA (lora_groups = adapter slots + the base group): the step's rows grouped by slot, an input
+        # like the token ids (foveal/lora/stacks.py LoRABatch). A step with an adapter row replays a graph
+        # of `lora_graphs` (which adapters, in which rows, is data: one graph serves every mixture); a
+        # step of base rows only, the plain graph (no LoRA kernels)
+        self.lora_groups = lora_groups
+        if lora_groups:
+            self.lora_perm = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
+            self.lora_offs = torch.full((lora_groups,), max_seqs, dtype=torch.int32, device=self.device)
+            self.lora_offs[:-1] = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same steps with the LoRA kernels
         # the metadata each graph was captured with: a replay reads and writes the tensors the capture
         # saw (the backend's split-KV workspace is made by the warm-up forward and hangs off this
         # object), so they must live as long as the graph; dropped, their memory goes back to the
@@ -106,25 +117,32 @@ class DecodeGraphs:
                 block_size=self.block_size,
             )
             meta = self.backend.fill_graph_metadata(self.meta, batch, b)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward(b, meta)  # warm-up: kernels compile and autotune outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._forward(b, meta)
-            self.graphs[b] = graph
+            for graphs, lora in ((self.graphs, {}), (self.lora_graphs, {"lora": True})):
+                if lora and not self.lora_groups:
+                    continue
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._forward(b, meta, **lora)  # warm-up: kernels compile outside the capture
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._forward(b, meta, **lora)
+                graphs[b] = graph
             self.captured_meta[b] = meta
         torch.cuda.synchronize(self.device)
         log.info(
             "captured %d CUDA graphs for decode batches up to %d in %.1f s",
-            len(self.graphs),
+            len(self.graphs) + len(self.lora_graphs),
             self.max_seqs,
             time.perf_counter() - t0,
         )
 
-    def _forward(self, b: int, meta) -> None:
+    def _forward(self, b: int, meta, lora: bool = False) -> None:
         ctx = StepContext(self.positions[:b], self.kv_caches, meta)
+        if lora:
+            from foveal.lora.stacks import LoRABatch
+
+            ctx.lora = LoRABatch(self.lora_perm[:b], self.lora_offs)
         if self.tap is not None:
             ctx.aux_layers, ctx.aux = self.tap.tap_layers, []
         hidden = self.model(self.input_ids[:b], ctx)
@@ -147,19 +165,41 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, max_len: int) -> bool:
         return 0 < num_seqs <= self.max_seqs and max_len <= self.max_blocks * self.block_size
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Logits [n, vocab] of a decode-only batch of n rows (inputs already on the device)."""
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, lora=None
+    ) -> torch.Tensor:
+        """Logits [n, vocab] of a decode-only batch of n rows (inputs already on the device). `lora`:
+        per item (adapter slot, rows) when LoRA is on (foveal/lora/slots.py group_rows)."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.replay(batch, n)
+        self.replay(batch, n, self.fill_lora(lora, n))
         return self.logits[:n]
 
-    def replay(self, batch: AttentionBatch, n: int) -> None:
-        """Run the graph of n rows' bucket over the static inputs (eagerly where nothing is captured)."""
+    def fill_lora(self, groups, n: int) -> bool:
+        """The static LoRA grouping of the n rows' bucket (padding rows in the base group); whether
+        any row has an adapter (else nothing is filled)."""
+        base = self.lora_groups - 1
+        if not self.lora_groups or not groups or all(g == base for g, _ in groups):
+            return False
+        from foveal.lora.slots import group_rows
+
+        b = self._bucket_of[n]
+        packed = group_rows(groups, self.lora_groups, b)
+        host = torch.tensor(packed, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        self.lora_perm[:b].copy_(dev[:b])
+        self.lora_offs.copy_(dev[b:])
+        return True
+
+    def replay(self, batch: AttentionBatch, n: int, lora: bool = False) -> None:
+        """Run the graph of n rows' bucket over the static inputs (eagerly where nothing is captured);
+        `lora`: the variant with the LoRA kernels."""
         b = self._bucket_of[n]
         meta = self.backend.fill_graph_metadata(self.meta, batch, b)
         if self.emulated:
-            self._forward(b, meta)
+            self._forward(b, meta, lora=True) if lora else self._forward(b, meta)
         else:
-            self.graphs[b].replay()
+            (self.lora_graphs if lora else self.graphs)[b].replay()

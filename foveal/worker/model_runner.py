@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,8 @@ class ModelRunner:
         self._mask_bufs: list[torch.Tensor | None] = [None, None]
         self._mask_turn = 0
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
+        self.lora = None  # foveal.lora.slots.LoRASlots when adapters are enabled (set by the engine)
+        self._lora_refs: Counter = Counter()  # adapter uid -> held requests using it
         # a hidden-state drafter's tap (spec/hidden.py): `tap_layers` the model reports, `fuse(aux,
         # final)` -> [T, H] kept per fed token; None: nothing is kept
         self.tap = None
@@ -126,6 +129,8 @@ class ModelRunner:
                 self._free_slots.append(held.slot)
                 self._num_guided -= held.guide is not None
                 self._num_diffusion -= held.req.diffusion is not None
+                if held.req.lora is not None:
+                    self._lora_refs[held.req.lora.uid] -= 1
 
     def _admit(self, batch: ScheduledBatch) -> None:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
@@ -136,6 +141,8 @@ class ModelRunner:
                 self._held[new.request_id] = _Held(new, self._slot(), shift, guide=guide)
                 self._num_guided += guide is not None
                 self._num_diffusion += new.diffusion is not None
+                if new.lora is not None:
+                    self._lora_refs[new.lora.uid] += 1
 
     def _slot(self) -> int:
         if not self._free_slots:
@@ -279,6 +286,19 @@ class ModelRunner:
         else:
             positions = to_device(torch.tensor(pos, dtype=torch.long), dev)
         return input_ids, positions, meta, logits_idx
+
+    def _lora_groups(self, items: list[ScheduledItem]) -> tuple[list[tuple[int, int]], bool]:
+        """Per item (its adapter's slot, or the base group; its rows), loading the step's adapters into
+        slots; and whether any item has an adapter."""
+        lo, held = self.lora, self._held
+        adapters = [a for s in items if (a := held[s.request_id].req.lora) is not None]
+        slots = lo.slots_for(adapters, self._lora_refs) if adapters else {}
+        base = lo.num_slots
+        groups = [
+            (base if (a := held[s.request_id].req.lora) is None else slots[a.uid], s.num_tokens)
+            for s in items
+        ]
+        return groups, bool(adapters)
 
     def _bidirectional_spans(self, batch: ScheduledBatch) -> list[list[tuple[int, int]]] | None:
         """Per attention row, the image spans its chunk overlaps, for models whose image tokens attend
@@ -428,7 +448,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long) if slots else None,
             block_size=self.block_size,
         )
-        logits = self.graphs.run(input_ids, host[1], attn)
+        lora = self._lora_groups(items)[0] if self.lora is not None else None
+        logits = self.graphs.run(input_ids, host[1], attn, lora)
         if self.tap is not None:  # the graphs' static buffer: the next replay overwrites it
             self._tapped = self.graphs.tapped[:num_rows].clone()
         if partial:  # each item's last num_logits rows
@@ -452,6 +473,13 @@ class ModelRunner:
                 return logits
         input_ids, positions, meta, logits_idx = self._prepare(batch)
         ctx = StepContext(positions, self.kv_caches, meta)
+        if self.lora is not None:
+            groups, adapters = self._lora_groups(batch.items)
+            if adapters:
+                from foveal.lora.slots import group_rows
+
+                packed = group_rows(groups, self.lora.num_slots + 1)
+                ctx.lora = self.lora.batch(to_device(torch.tensor(packed), self.device), input_ids.shape[0])
         if self.tap is not None:
             ctx.aux_layers, ctx.aux = self.tap.tap_layers, []
         if self.model.is_multimodal:
