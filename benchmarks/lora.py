@@ -15,6 +15,9 @@ the normal path. Greedy, fixed output length (ignore_eos).
     CPU:   python benchmarks/lora.py --batch 16 --adapters 8 --quantization gguf   (the embedded SmolLM2)
 
 Prints one JSON line per mode and rep, then a summary line (tokens/s per mode, ratio to plain).
+
+    python benchmarks/lora.py --kernels     (CUDA) the Triton LoRA add of each Llama-3.1-8B projection
+                                            alone, in a CUDA graph, vs the projection's own GEMM
 """
 
 from __future__ import annotations
@@ -77,8 +80,64 @@ def run(llm: LLM, prompts, params, loras) -> dict:
     return {"seconds": round(dt, 3), "output_tokens": n, "tok_s": round(n / dt, 1)}
 
 
+def kernels(rank: int, slots: int) -> None:
+    """Microseconds per LoRA add (shrink + expand) of each Llama-3.1-8B projection under graph replay, for
+    1 and `slots` adapters among the rows, beside the base GEMM of the projection (bf16)."""
+    from foveal.lora import ops_triton
+    from foveal.lora.slots import group_rows
+
+    shapes = {
+        "qkv": (4096, 6144, 3),
+        "o": (4096, 4096, 1),
+        "gate_up": (4096, 28672, 2),
+        "down": (14336, 4096, 1),
+    }
+    dev, dt = torch.device("cuda"), torch.bfloat16
+
+    def timed(fn, n=50) -> float:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            g.replay()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / (5 * n) * 1e6
+
+    for name, (inp, out, n) in shapes.items():
+        K = n * rank
+        A = torch.randn(slots + 1, K, inp, device=dev, dtype=dt) * 0.01
+        B = torch.randn(slots + 1, out, K, device=dev, dtype=dt) * 0.01
+        W = torch.randn(out, inp, device=dev, dtype=dt) * 0.01
+        for T in (1, 16, 64, 256):
+            x = torch.randn(T, inp, device=dev, dtype=dt)
+            y = torch.zeros(T, out, device=dev, dtype=dt)
+            row = {
+                "proj": name,
+                "rows": T,
+                "gemm_us": round(timed(lambda: torch.nn.functional.linear(x, W)), 1),
+            }
+            for active in (1, slots):
+                segs = [(i % active, 1) for i in range(T)]
+                packed = torch.tensor(group_rows(segs, slots + 1), device=dev)
+                perm, offs = packed[:T], packed[T:].to(torch.int32)
+                for split in (None, 1, 4, 16):
+                    us = timed(lambda: ops_triton._lora_add(x, y, A, B, perm, offs, slots, split))
+                    row[f"lora{active}_split{split or 'auto'}_us"] = round(us, 1)
+            print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", action="store_true", help="CUDA: time the LoRA add per projection")
     ap.add_argument("--model", default=None, help="a model folder, GGUF or config.json (default: SmolLM2)")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -92,6 +151,8 @@ def main() -> None:
     ap.add_argument("--kv-memory-gib", type=float, default=None, help="a fixed KV pool per engine")
     ap.add_argument("--modes", default="plain,base,lora1,loraN")
     a = ap.parse_args()
+    if a.kernels:
+        return kernels(a.rank, a.adapters)
     opts = dict(dtype=a.dtype, load_format=a.load_format, quantization=a.quantization, max_num_seqs=a.batch,
                 max_model_len=a.input_len + a.output_len + 16)  # fmt: skip
     if a.kv_memory_gib:

@@ -169,7 +169,7 @@ def test_mixed_batch_equals_each_request_alone(lora_setup, path):
     from foveal.worker.cuda_graphs import DecodeGraphs
 
     base, adapters = lora_setup
-    llm = _llm(base, enforce_eager=path != "recorded")
+    llm = _llm(base, enforce_eager=path != "recorded", device="cpu")
     runner = llm.engine.runner
     if path == "recorded":
         assert isinstance(runner.graphs, CpuDecodeGraphs)

@@ -111,7 +111,7 @@ def test_fp32_strided_views():
 
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_fp32_split_k(split_k):
-    """The atomic split-K shrink (chosen for long IN and few rows on a GPU), forced on a short odd IN;
+    """The split-K shrink (chosen for long IN and few rows on a GPU), forced on a short odd IN;
     with split 3 some programs get no IN step at all."""
     case = make_case(21, 80, 96, 24, 3, 4, (1,), seed=split_k)
     check(*case[:6], 3, case[6], atol=1e-5, rtol=1e-5, split_k=split_k)

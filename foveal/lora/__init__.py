@@ -1,0 +1,13 @@
+"""LoRA adapters, many per batch (issue 21).
+
+    peft.py        PEFT's format: config (refusals, per-module scaling), tensor names, Hub ids
+    adapter.py     where LoRA goes in a model (LoRALayout) and one adapter in host memory (HostAdapter)
+    registry.py    served adapters by name (request side: the server, LLM's LoRARequest)
+    slots.py       device slots of the model thread (LRU), a step's rows grouped by slot
+    stacks.py      per-linear stacked weights and the batched add (CPU: torch._grouped_mm)
+    ops_triton.py  the CUDA kernels (grouped shrink + expand)
+
+A request carries its HostAdapter (plain data) from the request side to the runner, which puts it in a
+slot before the step that needs it; the step's StepContext.lora tells every LoRA-capable linear which
+rows use which slot.
+"""

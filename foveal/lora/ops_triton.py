@@ -21,10 +21,11 @@ on the host, and the launch is CUDA-graph safe.
 - shrink: program (row tile x K tile, split, slot) gathers its rows of x through perm and multiplies them
   by A[s]^T over IN into an fp32 scratch h [T, K] indexed by sorted position (h row i belongs to row
   perm[i]). With little work per slot (decode: few rows, long IN like 4096 / 14336) IN is split over
-  SPLIT_K programs that add their partial sums into a zeroed h with atomics; then the fp32 sum order of
-  h may vary between runs (not with SPLIT_K <= 2: 0 + a + b == 0 + b + a).
-- expand: program (row tile x OUT tile, slot) reads its sorted rows of h, rounds them to d, multiplies by
-  B[s]^T over K, and adds the tile into y at rows perm[i]. Each (row, column) of y has one writer.
+  SPLIT_K programs, each storing its partial sum in its own plane of h [SPLIT_K, T, K]; the expand adds
+  the planes in a fixed order (no zeroing kernel, no atomics: the result does not vary run to run).
+- expand: program (row tile x OUT tile, slot) reads its sorted rows of h (the planes' sum), rounds them
+  to d, multiplies by B[s]^T over K, and adds the tile into y at rows perm[i]. Each (row, column) of y
+  has one writer.
 tl.dot needs every tile dimension >= 16, so small K (rank 8) and odd sizes are padded and masked.
 Block sizes follow fixed rules on the shapes (no autotuning: it is not CUDA-graph friendly).
 Only APIs of Triton 3.6 are used.
@@ -55,6 +56,7 @@ def _lora_shrink_kernel(
     h_ptr,
     perm_ptr,
     offs_ptr,
+    T,
     IN,
     K,
     xs_row,
@@ -102,12 +104,9 @@ def _lora_shrink_kernel(
             at = at.to(tl.float32)
         acc = tl.dot(xt, at, acc, input_precision=DOT_PREC)
 
-    h_ptrs = h_ptr + pos[:, None] * K + cols[None, :]
-    h_mask = row_mask[:, None] & col_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(h_ptrs, acc, mask=h_mask)
-    else:
-        tl.atomic_add(h_ptrs, acc, mask=h_mask)
+    # split k's partial sum: its own [T, K] plane of h (the expand adds the planes up)
+    h_ptrs = h_ptr + pid_k.to(tl.int64) * T * K + pos[:, None] * K + cols[None, :]
+    tl.store(h_ptrs, acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -117,10 +116,12 @@ def _lora_expand_kernel(
     y_ptr,
     perm_ptr,
     offs_ptr,
+    T,
     OUT,
     K,
     ys_row,
     ys_col,
+    SPLIT_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -147,9 +148,11 @@ def _lora_expand_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        ht = tl.load(
-            h_ptr + pos[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-        )
+        h_ptrs = h_ptr + pos[:, None] * K + ks[None, :]
+        h_mask = row_mask[:, None] & k_mask[None, :]
+        ht = tl.load(h_ptrs, mask=h_mask, other=0.0)
+        for p in tl.static_range(1, SPLIT_K):  # the shrink's split partial sums, in a fixed order
+            ht += tl.load(h_ptrs + p * T * K, mask=h_mask, other=0.0)
         ht = ht.to(b_ptr.dtype.element_ty)  # h rounds to the activation dtype, as PEFT's lora_A output does
         bt = tl.load(  # [BLOCK_K, BLOCK_N] tile of B[slot]^T
             b_base + cols[None, :].to(tl.int64) * K + ks[:, None],
@@ -194,7 +197,7 @@ def _split_k(T: int, IN: int, K: int, block_m: int, block_n: int, block_k: int) 
 
 
 def _lora_add(x, y, A, B, perm, offs, num_slots: int, split_k: int | None = None) -> None:
-    """lora_add_triton with an optional split_k override (the tests force the atomic path with it)."""
+    """lora_add_triton with an optional split_k override (the tests force the split path with it)."""
     T, IN = x.shape
     OUT = y.shape[1]
     K = A.shape[1]
@@ -211,7 +214,7 @@ def _lora_add(x, y, A, B, perm, offs, num_slots: int, split_k: int | None = None
     sk = _pow2_tile(IN, hi=sk)
     if split_k is None:
         split_k = _split_k(T, IN, K, block_m, sn, sk)
-    h = (torch.zeros if split_k > 1 else torch.empty)((T, K), dtype=torch.float32, device=x.device)
+    h = torch.empty((split_k, T, K), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(T, block_m) * triton.cdiv(K, sn), split_k, num_slots)
     _lora_shrink_kernel[grid](
         x,
@@ -219,6 +222,7 @@ def _lora_add(x, y, A, B, perm, offs, num_slots: int, split_k: int | None = None
         h,
         perm,
         offs,
+        T,
         IN,
         K,
         x.stride(0),
@@ -239,10 +243,12 @@ def _lora_add(x, y, A, B, perm, offs, num_slots: int, split_k: int | None = None
         y,
         perm,
         offs,
+        T,
         OUT,
         K,
         y.stride(0),
         y.stride(1),
+        SPLIT_K=split_k,
         **dot,
         BLOCK_M=block_m,
         BLOCK_N=en,
