@@ -23,6 +23,7 @@ Prints one JSON line per mode and rep, then a summary line (tokens/s per mode, r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -123,14 +124,14 @@ def kernels(rank: int, slots: int) -> None:
             row = {
                 "proj": name,
                 "rows": T,
-                "gemm_us": round(timed(lambda: torch.nn.functional.linear(x, W)), 1),
+                "gemm_us": round(timed(functools.partial(torch.nn.functional.linear, x, W)), 1),
             }
             for active in (1, slots):
                 segs = [(i % active, 1) for i in range(T)]
                 packed = torch.tensor(group_rows(segs, slots + 1), device=dev)
                 perm, offs = packed[:T], packed[T:].to(torch.int32)
                 for split in (None, 1, 4, 16):
-                    us = timed(lambda: ops_triton._lora_add(x, y, A, B, perm, offs, slots, split))
+                    us = timed(functools.partial(ops_triton._lora_add, x, y, A, B, perm, offs, slots, split))
                     row[f"lora{active}_split{split or 'auto'}_us"] = round(us, 1)
             print(json.dumps(row), flush=True)
 
