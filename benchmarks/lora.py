@@ -113,6 +113,7 @@ def kernels(rank: int, slots: int) -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / (5 * n) * 1e6
 
+    splits = [int(s) for s in os.environ.get("SPLITS", "1,2,4,8").split(",")]
     for name, (inp, out, n) in shapes.items():
         K = n * rank
         A = torch.randn(slots + 1, K, inp, device=dev, dtype=dt) * 0.01
@@ -130,10 +131,11 @@ def kernels(rank: int, slots: int) -> None:
                 segs = [(i % active, 1) for i in range(T)]
                 packed = torch.tensor(group_rows(segs, slots + 1), device=dev)
                 perm, offs = packed[:T], packed[T:].to(torch.int32)
-                for split in (None, 1, 4, 16):
-                    us = timed(functools.partial(ops_triton._lora_add, x, y, A, B, perm, offs, slots, split))
-                    row[f"lora{active}_split{split or 'auto'}_us"] = round(us, 1)
-            print(json.dumps(row), flush=True)
+                for split, bn in [(None, None)] + [(s, b) for s in splits for b in (64, 128, 256)]:
+                    f = functools.partial(ops_triton._lora_add, x, y, A, B, perm, offs, slots, split, bn)
+                    row[f"lora{active}_s{split or 'auto'}_n{bn or 'auto'}"] = round(timed(f), 1)
+            best = {a: min((v, k) for k, v in row.items() if k.startswith(f"lora{a}_")) for a in (1, slots)}
+            print(json.dumps({**row, "best": best}), flush=True)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ for part in "$@"; do
         tests/test_cuda_graphs.py tests/test_async_scheduling.py -k "not real_model" 2>&1 | tail -15
       ;;
     kernels)
-      timeout ${T_KERNELS:-200} python3 benchmarks/lora.py --kernels --rank 16 --adapters 8 2>&1 | grep '^{'
+      timeout ${T_KERNELS:-200} python3 benchmarks/lora.py --kernels --rank 16 --adapters 8 2>&1 | grep -v ' INFO ' | tail -20
       ;;
     bench)
       timeout ${T_BENCH:-420} python3 benchmarks/lora.py --model benchmarks/configs/llama-3.1-8b.json \

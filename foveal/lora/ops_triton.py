@@ -196,7 +196,9 @@ def _split_k(T: int, IN: int, K: int, block_m: int, block_n: int, block_k: int) 
     return max(1, min(32, IN // 256, triton.cdiv(128, tiles), triton.cdiv(IN, block_k)))
 
 
-def _lora_add(x, y, A, B, perm, offs, num_slots: int, split_k: int | None = None) -> None:
+def _lora_add(
+    x, y, A, B, perm, offs, num_slots: int, split_k: int | None = None, expand_bn: int | None = None
+) -> None:
     """lora_add_triton with an optional split_k override (the tests force the split path with it)."""
     T, IN = x.shape
     OUT = y.shape[1]
@@ -234,7 +236,7 @@ def _lora_add(x, y, A, B, perm, offs, num_slots: int, split_k: int | None = None
         BLOCK_K=sk,
     )
 
-    en = _pow2_tile(OUT, hi=64 if T <= 256 else 128)  # expand: columns of y per program
+    en = expand_bn or _pow2_tile(OUT, hi=64 if T <= 256 else 128)  # expand: columns of y per program
     ek = _pow2_tile(K)  # expand: K step
     grid = (triton.cdiv(T, block_m) * triton.cdiv(OUT, en), num_slots)
     _lora_expand_kernel[grid](
