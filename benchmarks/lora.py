@@ -134,8 +134,11 @@ def kernels(rank: int, slots: int) -> None:
                 for split, bn in [(None, None)] + [(s, b) for s in splits for b in (64, 128, 256)]:
                     f = functools.partial(ops_triton._lora_add, x, y, A, B, perm, offs, slots, split, bn)
                     row[f"lora{active}_s{split or 'auto'}_n{bn or 'auto'}"] = round(timed(f), 1)
-            best = {a: min((v, k) for k, v in row.items() if k.startswith(f"lora{a}_")) for a in (1, slots)}
-            print(json.dumps({**row, "best": best}), flush=True)
+            out_row = {k: v for k, v in row.items() if "auto" in k or not k.startswith("lora")}
+            for a in (1, slots):  # the fastest configuration per number of adapters
+                v, k = min((v, k) for k, v in row.items() if k.startswith(f"lora{a}_"))
+                out_row[f"best{a}"] = [k.split("_", 1)[1], v]
+            print(json.dumps(out_row), flush=True)
 
 
 def main() -> None:
