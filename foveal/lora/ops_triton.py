@@ -255,6 +255,7 @@ def _lora_add(
         BLOCK_M=block_m,
         BLOCK_N=en,
         BLOCK_K=ek,
+        num_stages=2,  # one or two K steps per program: deeper pipelining only costs shared memory
     )
 
 
