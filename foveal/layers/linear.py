@@ -179,5 +179,7 @@ class Linear(nn.Linear):
     lora = None  # foveal.lora.stacks.LoRAStacks when LoRA adapters are enabled for this projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
-        return y if self.lora is None else self.lora.add(x, y)
+        lo = self.lora
+        if lo is not None and lo.state.batch is not None:
+            return lo.forward(x, self.weight, self.bias)  # this step has rows with adapters
+        return linear(x, self.weight, self.bias)

@@ -189,34 +189,35 @@ def _block_m(T: int) -> int:
     return 16 if T <= 64 else 32 if T <= 256 else 64
 
 
-def _split_k(T: int, IN: int, K: int, block_m: int, block_n: int, block_k: int) -> int:
-    """Programs per row tile along IN for the shrink: enough to fill a GPU (~128 programs per slot's
-    worth of tiles) while each keeps >= 256 columns of IN (several BLOCK_K steps) to itself."""
-    tiles = triton.cdiv(T, block_m) * triton.cdiv(K, block_n)
-    return max(1, min(32, IN // 256, triton.cdiv(128, tiles), triton.cdiv(IN, block_k)))
+def _split_k(T: int, IN: int) -> int:
+    """Programs along IN per row tile of the shrink. Measured on the H200 (benchmarks/lora.py --kernels,
+    Llama-3.1-8B projections, 1 and 8 adapters): 8 for decode-sized batches (vs 16-32 before: every
+    plane is read again by each expand program), fewer as rows grow, each keeping >= 512 of IN."""
+    most = 8 if T <= 256 else 4 if T <= 1024 else 1
+    return max(1, min(most, IN // 512))
 
 
-def _lora_add(
-    x, y, A, B, perm, offs, num_slots: int, split_k: int | None = None, expand_bn: int | None = None
-) -> None:
-    """lora_add_triton with an optional split_k override (the tests force the split path with it)."""
+def _expand_bn(T: int, OUT: int) -> int:
+    """Columns of y per expand program: wide tiles (fewer programs re-reading h), measured best at 256
+    for the 8B projections (128 for 4096-wide ones at 256 rows: within noise)."""
+    return _pow2_tile(OUT, hi=256)
+
+
+def lora_shrink(x, A, perm, offs, num_slots: int, split_k: int | None = None) -> torch.Tensor:
+    """h [split, T, K] fp32: row i of plane p is the p-th partial sum of x[perm[i]] @ A[s].T, for the
+    rows of groups s < num_slots (other rows: unwritten)."""
     T, IN = x.shape
-    OUT = y.shape[1]
     K = A.shape[1]
-    assert y.shape[0] == T and A.shape[2] == IN and B.shape[1] == OUT and B.shape[2] == K
-    assert A.is_contiguous() and B.is_contiguous() and x.dtype == y.dtype == A.dtype == B.dtype
+    assert A.is_contiguous() and x.dtype == A.dtype and A.shape[2] == IN
     assert perm.shape == (T,) and offs.dim() == 1 and 0 <= num_slots <= offs.shape[0] <= A.shape[0]
-    if T == 0 or num_slots == 0:
-        return
-    dot = _dot_args(x.dtype)
-
     block_m = _block_m(T)
     sn = _pow2_tile(K)  # shrink: columns of h per program
     sk = 32 if x.dtype == torch.float32 else 64  # shrink: IN step (fp32 tiles are twice the bytes)
     sk = _pow2_tile(IN, hi=sk)
-    if split_k is None:
-        split_k = _split_k(T, IN, K, block_m, sn, sk)
+    split_k = split_k or _split_k(T, IN)
     h = torch.empty((split_k, T, K), dtype=torch.float32, device=x.device)
+    if T == 0 or num_slots == 0:
+        return h
     grid = (triton.cdiv(T, block_m) * triton.cdiv(K, sn), split_k, num_slots)
     _lora_shrink_kernel[grid](
         x,
@@ -230,13 +231,24 @@ def _lora_add(
         x.stride(0),
         x.stride(1),
         SPLIT_K=split_k,
-        **dot,
+        **_dot_args(x.dtype),
         BLOCK_M=block_m,
         BLOCK_N=sn,
         BLOCK_K=sk,
     )
+    return h
 
-    en = expand_bn or _pow2_tile(OUT, hi=64 if T <= 256 else 128)  # expand: columns of y per program
+
+def lora_expand(h, y, B, perm, offs, num_slots: int, expand_bn: int | None = None) -> None:
+    """y[perm[i]] += round(sum of h's planes at row i) @ B[s].T in place, for the rows of groups s <
+    num_slots (other rows untouched)."""
+    split_k, T, K = h.shape
+    OUT = y.shape[1]
+    assert B.is_contiguous() and y.dtype == B.dtype and B.shape[1] == OUT and B.shape[2] == K
+    if T == 0 or num_slots == 0:
+        return
+    block_m = _block_m(T)
+    en = expand_bn or _expand_bn(T, OUT)  # expand: columns of y per program
     ek = _pow2_tile(K)  # expand: K step
     grid = (triton.cdiv(T, block_m) * triton.cdiv(OUT, en), num_slots)
     _lora_expand_kernel[grid](
@@ -251,12 +263,21 @@ def _lora_add(
         y.stride(0),
         y.stride(1),
         SPLIT_K=split_k,
-        **dot,
+        **_dot_args(y.dtype),
         BLOCK_M=block_m,
         BLOCK_N=en,
         BLOCK_K=ek,
         num_stages=2,  # one or two K steps per program: deeper pipelining only costs shared memory
     )
+
+
+def _lora_add(
+    x, y, A, B, perm, offs, num_slots: int, split_k: int | None = None, expand_bn: int | None = None
+) -> None:
+    """lora_add_triton with tile overrides (tests force the split path; the benchmark sweeps them)."""
+    assert y.shape[0] == x.shape[0] and x.dtype == y.dtype
+    h = lora_shrink(x, A, perm, offs, num_slots, split_k)
+    lora_expand(h, y, B, perm, offs, num_slots, expand_bn)
 
 
 def lora_add_triton(x, y, A, B, perm, offs, num_slots: int) -> None:

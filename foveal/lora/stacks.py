@@ -33,12 +33,19 @@ class LoRABatch:
 
 
 class LoRAState:
-    """What every stack of one model reads: the current step's batch (None: no adapter row, skip)."""
+    """What every stack of one model reads: the current step's batch (None: no adapter row, skip), and
+    on CUDA the side stream the shrinks run on."""
 
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "_side")
 
     def __init__(self):
         self.batch: LoRABatch | None = None
+        self._side = None
+
+    def side_stream(self, device):
+        if self._side is None:  # made by the first (eager) step, before any graph capture
+            self._side = torch.cuda.Stream(device)
+        return self._side
 
 
 class LoRAStacks:
@@ -66,17 +73,28 @@ class LoRAStacks:
             A[j * R : j * R + r].copy_(a, non_blocking=True)
             B[off : off + rows, j * R : j * R + r].copy_(b, non_blocking=True)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y + each row's adapter delta (y is the linear's output; updated in place)."""
-        batch = self.state.batch
-        if batch is None:
-            return y
-        if y.is_cuda:
-            from foveal.lora.ops_triton import lora_add_triton
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The linear's output plus each row's adapter delta (the step's batch must be set).
 
-            lora_add_triton(x, y, self.A, self.B, batch.perm, batch.offs, self.num_slots)
+        On CUDA the shrink runs on a side stream while the base GEMM runs (it reads only x), and the
+        expand adds into the GEMM's output after both: a small kernel hides behind a big one, in eager
+        steps and in captured graphs alike (the side stream forks from and joins the main one)."""
+        from foveal.layers.linear import linear
+
+        batch = self.state.batch
+        if x.is_cuda:
+            from foveal.lora.ops_triton import lora_expand, lora_shrink
+
+            main = torch.cuda.current_stream(x.device)
+            side = self.state.side_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                h = lora_shrink(x, self.A, batch.perm, batch.offs, self.num_slots)
+            y = linear(x, weight, bias)
+            main.wait_stream(side)
+            lora_expand(h, y, self.B, batch.perm, batch.offs, self.num_slots)
             return y
-        return lora_add_grouped(x, y, self.A, self.B, batch.perm, batch.offs)
+        return lora_add_grouped(x, linear(x, weight, bias), self.A, self.B, batch.perm, batch.offs)
 
 
 def lora_add_grouped(x, y, A, B, perm, offs) -> torch.Tensor:
