@@ -428,3 +428,65 @@ def test_offline_api_errors(lora_setup):
     assert LoRARequest("x", 3, "/p").lora_path == "/p"  # vLLM's (name, int id, path)
     with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
         llm.generate([[1, 2]], PARAMS, lora_request=[None, None])
+
+
+def test_vlm_language_model_adapter_equals_peft(tmp_path):
+    """A VLM (LLaVA): an adapter on its language model routes through the VLM's checkpoint prefixes and
+    generates PEFT's tokens on a text prompt; vision-tower and projector modules are refused."""
+    from foveal import LLM, LoRARequest
+    from tests.tiny_vlm import build_llava
+
+    tiny = build_llava(str(tmp_path / "vlm"))
+    target = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    pm = save_adapter(tmp_path / "adapter", tiny.hf, 8, seed=7, target_modules=target)
+    llm = LLM(
+        tiny.path,
+        dtype="float32",
+        device="cpu",
+        enable_lora=True,
+        max_lora_rank=8,
+        num_blocks=64,
+        block_size=4,
+    )
+    layout = llm.engine.runner.lora.layout
+    assert layout.route("model.language_model.layers.1.mlp.up_proj")[0].name.endswith(
+        "layers.1.mlp.gate_up_proj"
+    )
+    for module in (
+        "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",
+        "model.multi_modal_projector.linear_1",
+    ):
+        with pytest.raises(AdapterError, match="not supported"):
+            layout.route(module)
+    prompt = [5, 9, 14, 3, 22, 8]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = llm.generate([prompt], params, lora_request=LoRARequest("v", str(tmp_path / "adapter")))
+    with torch.no_grad():
+        want = pm.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        with pm.disable_adapter():
+            base = pm.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert got[0].outputs[0].token_ids == want[0, len(prompt) :].tolist()
+    assert want[0, len(prompt) :].tolist() != base[0, len(prompt) :].tolist()  # the adapter matters
+
+
+def test_slots_never_evict_an_adapter_in_use(tmp_path):
+    """Two slots, three adapters: a slot whose adapter a held request uses is never the victim, even
+    when it is the least recently used; a step's own adapters are never evicted by each other."""
+    from collections import Counter
+
+    h = Harness(tiny_hf_model("llama"), lora=(2, 8))
+    slots = h.runner.lora
+    ads = []
+    for i in range(3):
+        save_adapter(tmp_path / str(i), tiny_hf_model("llama"), 8, seed=i)
+        ads.append(load_adapter(f"x{i}", str(tmp_path / str(i)), slots.layout, torch.float32, 8))
+    x0, x1, x2 = ads
+    assert slots.slots_for([x0]) == {x0.uid: 0}
+    assert slots.slots_for([x1]) == {x1.uid: 1}  # x0 is now the least recently used
+    held = Counter({x0.uid: 1})  # a request with x0 is running
+    assert slots.slots_for([x2], held) == {x2.uid: 1}  # x1 goes, not x0
+    assert slots.resident == [x0.uid, x2.uid]
+    assert slots.slots_for([x1, x0], Counter()) == {x0.uid: 0, x1.uid: 1}  # the step's x0 stays
+    with pytest.raises(RuntimeError, match="max-loras"):
+        slots.slots_for(ads)
+    assert slots.num_loads == 4
