@@ -76,6 +76,17 @@ def test_logits_equal_peft(family, rank, tmp_path):
     _parity(h, pm, adapter, [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 13, 9)])
 
 
+def test_grouped_gemm_path_equals_peft(tmp_path, monkeypatch):
+    """The CPU path without the native kernel (no compiler, or a half-precision model): grouped GEMMs."""
+    from foveal.lora import stacks
+
+    monkeypatch.setattr(stacks, "_cpu_kernel", lambda: None)
+    pm = save_adapter(tmp_path, tiny_hf_model("qwen2"), 16, seed=5)
+    h = Harness(tiny_hf_model("qwen2"), lora=(2, 16))
+    adapter = load_adapter("a", str(tmp_path), h.runner.lora.layout, torch.float32, 16)
+    _parity(h, pm, adapter, [[7, 1, 8, 2, 8], [1, 8, 2]], steps=4)
+
+
 def test_rslora_patterns_and_partial_targets_equal_peft(tmp_path):
     """rsLoRA scaling, per-module rank and alpha patterns, and an adapter on q/v/down only (the other
     slices of the fused q/k/v stay zero)."""

@@ -5,20 +5,23 @@ slot (index S, never written):
 
     A [S + 1, n*R, in]     rows j*R .. j*R + r_j - 1 of slot s: slice j's A (the rest zero)
     B [S + 1, out, n*R]    block-diagonal: slice j's rows x rank block j hold s_j * B_j (the rest zero)
+                           (on a CPU stored transposed, [S + 1, n*R, out]: what its kernels read along)
 
 so h = A[s] x and y += B[s] h apply every slice of the slot's adapter in two GEMMs, and a slice the
 adapter leaves out (or a rank below R) contributes exact zeros. Writing a slot zeroes it first: an
 adapter of rank 8 after one of rank 64 sees no stale rows.
 
 A step's rows are grouped by slot (`LoRABatch`: perm lists the rows slot by slot, the base group last;
-offs holds each group's end). On a CPU the add is two grouped GEMMs (`torch._grouped_mm`, one aten op
-each, so recorded decode steps replay it) over all rows, the base group multiplying zeros; on CUDA two
-Triton kernels (foveal/lora/ops_triton.py) whose blocks for the base group never start. Neither reads
+offs holds each group's end). On a CPU the add is one native call (cpu_lora.c, fp32: reads only the
+diagonal blocks of B, touches only adapter rows; recorded decode steps replay it), or else two grouped
+GEMMs (`torch._grouped_mm`) over all rows, the base group multiplying zeros; on CUDA two Triton kernels
+(foveal/lora/ops_triton.py) whose blocks for the base group never start. Neither reads
 the batch on the host, so the mapping is an input of a CUDA graph, not a constant baked into it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +58,11 @@ class LoRAStacks:
         self.num_slots = num_slots
         self.rank = max_rank
         k = len(target.slices) * max_rank
+        self._bounds: torch.Tensor | None = None  # the slices' row bounds, for the CPU kernel
         self.A = torch.zeros(num_slots + 1, k, target.in_features, dtype=dtype, device=device)
-        self.B = torch.zeros(num_slots + 1, target.out_features, k, dtype=dtype, device=device)
+        self.transposed = torch.device(device).type == "cpu"  # B as [S + 1, n*R, out]
+        shape = (k, target.out_features) if self.transposed else (target.out_features, k)
+        self.B = torch.zeros(num_slots + 1, *shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +77,10 @@ class LoRAStacks:
             off, rows = self.target.slices[j]
             r = a.shape[0]
             A[j * R : j * R + r].copy_(a, non_blocking=True)
-            B[off : off + rows, j * R : j * R + r].copy_(b, non_blocking=True)
+            if self.transposed:
+                B[j * R : j * R + r, off : off + rows].copy_(b.t())
+            else:
+                B[off : off + rows, j * R : j * R + r].copy_(b, non_blocking=True)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The linear's output plus each row's adapter delta (the step's batch must be set).
@@ -94,12 +103,42 @@ class LoRAStacks:
             main.wait_stream(side)
             lora_expand(h, y, self.B, batch.perm, batch.offs, self.num_slots)
             return y
-        return lora_add_grouped(x, linear(x, weight, bias), self.A, self.B, batch.perm, batch.offs)
+        y = linear(x, weight, bias)
+        fn = _cpu_kernel() if x.dtype == torch.float32 else None
+        if fn is None or x.stride(-1) != 1 or y.stride(-1) != 1 or x.dim() != 2:
+            return lora_add_grouped(x, y, self.A, self.B, batch.perm, batch.offs)
+        if self._bounds is None:
+            self._bounds = torch.tensor([off for off, _ in self.target.slices] + [self.target.out_features])
+        T = x.shape[0]
+        fn(
+            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), self.A.data_ptr(), self.B.data_ptr(),
+            batch.perm.data_ptr(), batch.offs.data_ptr(), self.num_slots, T, self.target.in_features,
+            self.target.out_features, self.A.shape[1], self.rank, self._bounds.data_ptr(),
+            len(self.target.slices), torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+
+@functools.cache
+def _cpu_kernel():
+    """foveal_lora_f32 (cpu_lora.c), or None where no compiler built it (the grouped path runs)."""
+    import ctypes
+    from pathlib import Path
+
+    from foveal import native
+
+    lib = native.load(Path(__file__).with_name("cpu_lora.c"), "CPU LoRA kernel")
+    if lib is None:
+        return None
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    sig = [P, I64, P, I64, P, P, P, P, I64, I64, I64, I64, I64, I64, P, I64, ctypes.c_int]
+    return native.Entry(lib.foveal_lora_f32, sig)
 
 
 def lora_add_grouped(x, y, A, B, perm, offs) -> torch.Tensor:
-    """The grouped-GEMM form (every group, the base one multiplying its zero weights): y in place."""
+    """The grouped-GEMM form (every group, the base one multiplying its zero weights; B transposed,
+    [S + 1, n*R, out]): y in place."""
     xs = x.index_select(0, perm).to(A.dtype)
     h = torch._grouped_mm(xs, A.transpose(1, 2), offs)
-    d = torch._grouped_mm(h, B.transpose(1, 2), offs)
+    d = torch._grouped_mm(h, B, offs)  # B stored transposed on a CPU: [S + 1, n*R, out]
     return y.index_add_(0, perm, d.to(y.dtype))
