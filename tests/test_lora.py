@@ -76,6 +76,17 @@ def test_logits_equal_peft(family, rank, tmp_path):
     _parity(h, pm, adapter, [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 13, 9)])
 
 
+def test_cuda_layout_in_the_interpreter_equals_peft(tmp_path):
+    """The CUDA path (every slot's A stacked under the weight, one GEMM, the Triton expand) on CPU
+    tensors in Triton's interpreter: PEFT's logits, base rows untouched."""
+    pytest.importorskip("triton")
+    pm = save_adapter(tmp_path, tiny_hf_model("qwen3"), 8, seed=6)
+    h = Harness(tiny_hf_model("qwen3"), lora=(2, 8, True))
+    assert all(st.W_ext is not None for st in h.runner.lora.stacks.values())
+    adapter = load_adapter("a", str(tmp_path), h.runner.lora.layout, torch.float32, 8)
+    _parity(h, pm, adapter, [[3, 9, 4, 7, 1], [8, 2, 6]], steps=3)
+
+
 def test_grouped_gemm_path_equals_peft(tmp_path, monkeypatch):
     """The CPU path without the native kernel (no compiler, or a half-precision model): grouped GEMMs."""
     from foveal.lora import stacks

@@ -149,3 +149,34 @@ def test_no_slots_or_rows():
     lora_add_triton(x, got, A, B, perm, offs, 0)
     assert torch.equal(got, y)
     lora_add_triton(x[:0], got[:0], A, B, perm[:0], torch.zeros_like(offs), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_expand(dtype):
+    """The CUDA path's expand: the base GEMM ran over [W; A_0; ...] (ye holds y and every slot's h);
+    each adapter row gets y + h_s @ B[s]^T, each base row its y, all into a fresh output."""
+    from foveal.lora.ops_triton import lora_expand_fused
+    from foveal.lora.slots import group_rows
+
+    T, IN, OUT, K, S = 13, 64, 96, 24, 3
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(OUT, IN, generator=g)
+    A = torch.randn(S, K, IN, generator=g) * 0.1
+    B = (torch.randn(S + 1, OUT, K, generator=g) * 0.1).to(dtype)
+    B[S] = float("nan")  # the base slot is never read
+    x = torch.randn(T, IN, generator=g)
+    slots = torch.randint(0, S + 1, (T,), generator=g).tolist()
+    slots[0] = 1  # at least one adapter row and
+    slots[1] = S  # one base row
+    packed = torch.tensor(group_rows([(s, 1) for s in slots], S + 1))
+    perm, offs = packed[:T], packed[T:].to(torch.int32)
+    ye = (x @ torch.cat([W, A.reshape(S * K, IN)]).T).to(dtype)
+    got = lora_expand_fused(ye, B, perm, offs, S, OUT)
+    want = ye[:, :OUT].float().clone()
+    for r, s in enumerate(slots):
+        if s < S:
+            want[r] += ye[r, OUT + s * K : OUT + (s + 1) * K].float() @ B[s].float().T
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=tol, rtol=tol)
+    base = [r for r, s in enumerate(slots) if s == S]
+    assert torch.equal(got[base], ye[base, :OUT])  # base rows: copied exactly

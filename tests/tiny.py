@@ -103,7 +103,7 @@ class Harness:
         max_num_seqs=16,
         dtype=torch.float32,
         backend="torch",
-        lora: tuple[int, int] | None = None,
+        lora: tuple | None = None,
     ):
         cfg = hf_model.config
         backend = get_backend(backend, "cpu")
@@ -120,10 +120,10 @@ class Harness:
         self.kv = KVCacheManager(num_blocks, block_size)
         self.sched = Scheduler(SchedulerConfig(budget, max_num_seqs), self.kv, cfg.max_position_embeddings)
         self.runner = ModelRunner(self.model, caches, backend, block_size, "cpu", cfg.vocab_size)
-        if lora is not None:  # (adapter slots, max rank)
+        if lora is not None:  # (adapter slots, max rank[, fused: the CUDA path, in Triton's interpreter])
             from foveal.lora.slots import LoRASlots
 
-            self.runner.lora = LoRASlots(self.model, *lora, dtype, "cpu")
+            self.runner.lora = LoRASlots(self.model, lora[0], lora[1], dtype, "cpu", *lora[2:])
 
     def use_backend(self, backend) -> None:
         """Swap the attention backend (same cache layout) between steps: in-process A/B runs."""

@@ -170,6 +170,98 @@ def _lora_expand_kernel(
     tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+@triton.jit
+def _lora_expand_fused_kernel(
+    ye_ptr,
+    b_ptr,
+    out_ptr,
+    perm_ptr,
+    offs_ptr,
+    num_slots,
+    OUT,
+    K,
+    ye_row,
+    out_row,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[r] = ye[r, :OUT] + ye[r, OUT + s*K : OUT + (s+1)*K] @ B[s].T for the rows r of group s; the
+    base group (s == num_slots) copies ye[r, :OUT]."""
+    n_tiles = tl.cdiv(OUT, BLOCK_N)
+    pid_m = tl.program_id(0) // n_tiles
+    pid_n = tl.program_id(0) % n_tiles
+    slot = tl.program_id(1)
+    start, count = _group_bounds(offs_ptr, slot)
+    if pid_m * BLOCK_M >= count:
+        return
+
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = local < count
+    rows = tl.load(perm_ptr + (start + local).to(tl.int64), mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < OUT
+    mask = row_mask[:, None] & col_mask[None, :]
+    y = tl.load(ye_ptr + rows[:, None] * ye_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if slot < num_slots:
+        b_base = b_ptr + slot.to(tl.int64) * OUT * K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            ht = tl.load(  # the row's h for its slot: the GEMM's extra columns (already rounded to d)
+                ye_ptr + rows[:, None] * ye_row + OUT + slot * K + ks[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            bt = tl.load(
+                b_base + cols[None, :].to(tl.int64) * K + ks[:, None],
+                mask=k_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                ht = ht.to(tl.float32)
+                bt = bt.to(tl.float32)
+            acc = tl.dot(ht, bt, acc, input_precision=DOT_PREC)
+        y += acc
+    tl.store(out_ptr + rows[:, None] * out_row + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_expand_fused(ye, B, perm, offs, num_slots: int, out_features: int) -> torch.Tensor:
+    """The LoRA linear's output [T, out]: ye = x @ [W; A_0; ...; A_{S-1}]^T (the base GEMM with every
+    slot's A stacked under W, so one GEMM gives y and every slot's h), each row plus its own slot's
+    h @ B[s]^T; rows of the base group (index num_slots of offs) copied. Every row is written."""
+    T = ye.shape[0]
+    K = B.shape[2]
+    assert ye.stride(1) == 1 and B.is_contiguous() and ye.dtype == B.dtype and B.shape[1] == out_features
+    out = torch.empty((T, out_features), dtype=ye.dtype, device=ye.device)
+    if T == 0:
+        return out
+    block_m = _block_m(T)
+    en = _expand_bn(T, out_features)
+    grid = (triton.cdiv(T, block_m) * triton.cdiv(out_features, en), num_slots + 1)
+    _lora_expand_fused_kernel[grid](
+        ye,
+        B,
+        out,
+        perm,
+        offs,
+        num_slots,
+        out_features,
+        K,
+        ye.stride(0),
+        out.stride(0),
+        **_dot_args(ye.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=en,
+        BLOCK_K=_pow2_tile(K),
+        num_stages=2,
+    )
+    return out
+
+
 def _dot_args(dtype: torch.dtype) -> dict:
     """DOT_PREC and UPCAST for the kernels. A float32 dot defaults to TF32 on tensor cores (~1e-3
     relative error), so fp32 asks for IEEE; 16-bit dtypes ignore the setting. Triton's interpreter holds

@@ -23,7 +23,7 @@ from foveal.lora.stacks import LoRABatch, LoRAStacks, LoRAState
 
 
 class LoRASlots:
-    def __init__(self, model, num_slots: int, max_rank: int, dtype: torch.dtype, device):
+    def __init__(self, model, num_slots: int, max_rank: int, dtype: torch.dtype, device, fused=None):
         if num_slots < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be at least 1")
         self.layout = LoRALayout(model)
@@ -34,8 +34,9 @@ class LoRASlots:
         self.state = LoRAState()
         self.stacks: dict[str, LoRAStacks] = {}
         for name, target in self.layout.targets.items():
-            st = LoRAStacks(target, self.state, num_slots, max_rank, dtype, self.device)
-            model.get_submodule(name).lora = st
+            mod = model.get_submodule(name)
+            st = LoRAStacks(target, self.state, num_slots, max_rank, dtype, self.device, mod, fused)
+            mod.lora = st
             self.stacks[name] = st
         model.register_forward_pre_hook(self._bind)
         self.resident: list[int | None] = [None] * num_slots  # each slot's adapter uid (not the adapter:

@@ -36,37 +36,50 @@ class LoRABatch:
 
 
 class LoRAState:
-    """What every stack of one model reads: the current step's batch (None: no adapter row, skip), and
-    on CUDA the side stream the shrinks run on."""
+    """What every stack of one model reads: the current step's batch (None: no adapter row, skip)."""
 
-    __slots__ = ("batch", "_side")
+    __slots__ = ("batch",)
 
     def __init__(self):
         self.batch: LoRABatch | None = None
-        self._side = None
-
-    def side_stream(self, device):
-        if self._side is None:  # made by the first (eager) step, before any graph capture
-            self._side = torch.cuda.Stream(device)
-        return self._side
 
 
 class LoRAStacks:
-    def __init__(self, target, state: LoRAState, num_slots: int, max_rank: int, dtype, device):
+    def __init__(
+        self, target, state: LoRAState, num_slots: int, max_rank: int, dtype, device, linear=None, fused=None
+    ):
         self.target = target
         self.state = state
         self.num_slots = num_slots
         self.rank = max_rank
         k = len(target.slices) * max_rank
         self._bounds: torch.Tensor | None = None  # the slices' row bounds, for the CPU kernel
-        self.A = torch.zeros(num_slots + 1, k, target.in_features, dtype=dtype, device=device)
-        self.transposed = torch.device(device).type == "cpu"  # B as [S + 1, n*R, out]
+        self.W_ext = None
+        # fused: the CUDA layout and kernel (None: on CUDA; tests run it on CPU in Triton's interpreter)
+        if (torch.device(device).type == "cuda" if fused is None else fused) and linear is not None:
+            # the slots' A stacked under the linear's weight, in one buffer (the weight becomes a view of
+            # its first rows: base steps read exactly what they read before); one GEMM over it gives the
+            # base output and every slot's h together
+            out, inp = linear.weight.shape
+            self.W_ext = torch.zeros(out + num_slots * k, inp, dtype=dtype, device=device)
+            with torch.no_grad():
+                self.W_ext[:out].copy_(linear.weight)
+                linear.weight.data = self.W_ext[:out]
+            self.A = self.W_ext[out:].view(num_slots, k, inp)
+            bias = linear.bias
+            self.bias_ext = (
+                None if bias is None else torch.cat([bias.detach(), bias.new_zeros(num_slots * k)])
+            )
+        else:
+            self.A = torch.zeros(num_slots + 1, k, target.in_features, dtype=dtype, device=device)
+        # B as [S + 1, n*R, out] for the CPU kernels; [S + 1, out, n*R] for the CUDA one
+        self.transposed = self.W_ext is None and torch.device(device).type == "cpu"
         shape = (k, target.out_features) if self.transposed else (target.out_features, k)
         self.B = torch.zeros(num_slots + 1, *shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
-        return self.A.nbytes + self.B.nbytes
+        return self.A.nbytes + self.B.nbytes  # (on CUDA, A is the part of W_ext past the weight)
 
     def write(self, slot: int, pieces) -> None:
         """Put one adapter's pieces [(slice, A [r, in], scaled B [rows, r])] in `slot` (others: zero)."""
@@ -85,24 +98,18 @@ class LoRAStacks:
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The linear's output plus each row's adapter delta (the step's batch must be set).
 
-        On CUDA the shrink runs on a side stream while the base GEMM runs (it reads only x), and the
-        expand adds into the GEMM's output after both: a small kernel hides behind a big one, in eager
-        steps and in captured graphs alike (the side stream forks from and joins the main one)."""
+        On CUDA the shrink is part of the base GEMM (x @ [W; A_0; ...]^T: a few percent more weight
+        rows, no kernel of its own) and one Triton kernel adds each row's h_s @ B[s]^T to its output."""
         from foveal.layers.linear import linear
 
         batch = self.state.batch
-        if x.is_cuda:
-            from foveal.lora.ops_triton import lora_expand, lora_shrink
+        if self.W_ext is not None:
+            from foveal.lora.ops_triton import lora_expand_fused
 
-            main = torch.cuda.current_stream(x.device)
-            side = self.state.side_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                h = lora_shrink(x, self.A, batch.perm, batch.offs, self.num_slots)
-            y = linear(x, weight, bias)
-            main.wait_stream(side)
-            lora_expand(h, y, self.B, batch.perm, batch.offs, self.num_slots)
-            return y
+            ye = linear(x, self.W_ext, self.bias_ext)
+            return lora_expand_fused(
+                ye, self.B, batch.perm, batch.offs, self.num_slots, self.target.out_features
+            )
         y = linear(x, weight, bias)
         fn = _cpu_kernel() if x.dtype == torch.float32 else None
         if fn is None or x.stride(-1) != 1 or y.stride(-1) != 1 or x.dim() != 2:
