@@ -16,8 +16,8 @@ the normal path. Greedy, fixed output length (ignore_eos).
 
 Prints one JSON line per mode and rep, then a summary line (tokens/s per mode, ratio to plain).
 
-    python benchmarks/lora.py --kernels     (CUDA) the Triton LoRA add of each Llama-3.1-8B projection
-                                            alone, in a CUDA graph, vs the projection's own GEMM
+    python benchmarks/lora.py --kernels     (CUDA) each Llama-3.1-8B projection with LoRA (the GEMM
+                                            over [W; A...] and the expand) vs its plain GEMM, in a graph
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def run(llm: LLM, prompts, params, loras) -> dict:
 
 
 def kernels(rank: int, slots: int) -> None:
-    """Microseconds per LoRA add (shrink + expand) of each Llama-3.1-8B projection under graph replay, for
-    1 and `slots` adapters among the rows, beside the base GEMM of the projection (bf16)."""
-    from foveal.lora import ops_triton
+    """Microseconds per projection of Llama-3.1-8B under graph replay (bf16): the base GEMM alone, and
+    the LoRA path (the GEMM over [W; every slot's A], then the expand) with 1 and `slots` adapters."""
+    from foveal.lora.ops_triton import lora_expand_fused
     from foveal.lora.slots import group_rows
 
     shapes = {
@@ -113,35 +113,22 @@ def kernels(rank: int, slots: int) -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / (5 * n) * 1e6
 
-    splits = [int(s) for s in os.environ.get("SPLITS", "1,2,4,8").split(",")]
+    def lora_path(x, w_ext, B, perm, offs, out):
+        return lora_expand_fused(torch.nn.functional.linear(x, w_ext), B, perm, offs, slots, out)
+
     for name, (inp, out, n) in shapes.items():
         K = n * rank
-        A = torch.randn(slots + 1, K, inp, device=dev, dtype=dt) * 0.01
+        w_ext = torch.randn(out + slots * K, inp, device=dev, dtype=dt) * 0.01
         B = torch.randn(slots + 1, out, K, device=dev, dtype=dt) * 0.01
-        W = torch.randn(out, inp, device=dev, dtype=dt) * 0.01
         for T in (1, 16, 64, 256):
             x = torch.randn(T, inp, device=dev, dtype=dt)
-            y = torch.zeros(T, out, device=dev, dtype=dt)
-            row = {
-                "proj": name,
-                "rows": T,
-                "gemm_us": round(timed(functools.partial(torch.nn.functional.linear, x, W)), 1),
-            }
+            row = {"proj": name, "rows": T}
+            row["gemm_us"] = round(timed(functools.partial(torch.nn.functional.linear, x, w_ext[:out])), 1)
             for active in (1, slots):
-                segs = [(i % active, 1) for i in range(T)]
-                packed = torch.tensor(group_rows(segs, slots + 1), device=dev)
-                perm, offs = packed[:T], packed[T:].to(torch.int32)
-                for split, bn in [(None, None)] + [(s, b) for s in splits for b in (64, 128, 256)]:
-                    f = functools.partial(ops_triton._lora_add, x, y, A, B, perm, offs, slots, split, bn)
-                    try:
-                        row[f"lora{active}_s{split or 'auto'}_n{bn or 'auto'}"] = round(timed(f), 1)
-                    except Exception as e:  # a tile that does not fit the GPU (shared memory)
-                        print(f"{name} T={T} split={split} bn={bn}: {type(e).__name__}", file=sys.stderr)
-            out_row = {k: v for k, v in row.items() if "auto" in k or not k.startswith("lora")}
-            for a in (1, slots):  # the fastest configuration per number of adapters
-                v, k = min((v, k) for k, v in row.items() if k.startswith(f"lora{a}_"))
-                out_row[f"best{a}"] = [k.split("_", 1)[1], v]
-            print(json.dumps(out_row), flush=True)
+                packed = torch.tensor(group_rows([(i % active, 1) for i in range(T)], slots + 1), device=dev)
+                f = functools.partial(lora_path, x, w_ext, B, packed[:T], packed[T:].to(torch.int32), out)
+                row[f"lora{active}_us"] = round(timed(f), 1)
+            print(json.dumps(row), flush=True)
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 # Issue 21 on the H200 (device tool, carry [".whl"]; .whl from scripts/device_wheels.sh has peft):
 #   tests   the LoRA tests on CUDA (Triton shrink/expand, mixed adapters through captured graphs and async
 #           scheduling == each request alone == PEFT) and the graph/async tests beside them
-#   kernels benchmarks/lora.py --kernels: each 8B projection's LoRA add alone (graph replay) vs its GEMM
+#   kernels benchmarks/lora.py --kernels: each 8B projection with LoRA vs its plain GEMM (graph replay)
 #   bench   benchmarks/lora.py: dummy Llama-3.1-8B, bf16, rank 16 on every linear, batch 64: plain engine,
 #           LoRA engine with base rows, 1 adapter, 8 distinct adapters (REPS alternating rounds)
 # Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/lora_device.sh tests bench

@@ -5,7 +5,8 @@
     registry.py    served adapters by name (request side: the server, LLM's LoRARequest)
     slots.py       device slots of the model thread (LRU), a step's rows grouped by slot
     stacks.py      per-linear stacked weights and the batched add (CPU: torch._grouped_mm)
-    ops_triton.py  the CUDA kernels (grouped shrink + expand)
+    ops_triton.py  the CUDA kernel (the grouped expand after a GEMM that also did the shrink)
+    cpu_lora.c     the CPU kernel (shrink and expand in one call)
 
 A request carries its HostAdapter (plain data) from the request side to the runner, which puts it in a
 slot before the step that needs it; the step's StepContext.lora tells every LoRA-capable linear which

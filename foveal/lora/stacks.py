@@ -1,7 +1,7 @@
 """The device side of LoRA for one linear: every slot's adapter weights, stacked, and the batched add.
 
 A linear with n fused slices (q/k/v: 3) and ranks up to R keeps, for S slots plus one all-zero "base"
-slot (index S, never written):
+slot (index S, never written; A has none on CUDA):
 
     A [S + 1, n*R, in]     rows j*R .. j*R + r_j - 1 of slot s: slice j's A (the rest zero)
     B [S + 1, out, n*R]    block-diagonal: slice j's rows x rank block j hold s_j * B_j (the rest zero)
@@ -12,11 +12,13 @@ adapter leaves out (or a rank below R) contributes exact zeros. Writing a slot z
 adapter of rank 8 after one of rank 64 sees no stale rows.
 
 A step's rows are grouped by slot (`LoRABatch`: perm lists the rows slot by slot, the base group last;
-offs holds each group's end). On a CPU the add is one native call (cpu_lora.c, fp32: reads only the
-diagonal blocks of B, touches only adapter rows; recorded decode steps replay it), or else two grouped
-GEMMs (`torch._grouped_mm`) over all rows, the base group multiplying zeros; on CUDA two Triton kernels
-(foveal/lora/ops_triton.py) whose blocks for the base group never start. Neither reads
-the batch on the host, so the mapping is an input of a CUDA graph, not a constant baked into it.
+offs holds each group's end). On CUDA the slots' A live under the linear's weight (W_ext = [W; A_0;
+...], no base slot): the step's GEMM over W_ext gives the base output and every slot's h, and one Triton
+kernel (foveal/lora/ops_triton.py) adds each row's h_s @ B[s]^T into a fresh output. On a CPU the add is
+one native call (cpu_lora.c, fp32: only adapter rows, only B's diagonal blocks read; recorded decode
+steps replay it), or else two grouped GEMMs (`torch._grouped_mm`) over all rows, the base group
+multiplying zeros. Nothing reads the batch on the host, so the mapping is an input of a CUDA graph, not
+a constant baked into it.
 """
 
 from __future__ import annotations
