@@ -531,3 +531,17 @@ def test_speculative_decoding_with_adapters_is_lossless(lora_setup):
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
     assert outs["spec"] == outs["plain"]
     assert llm.engine.spec_stats.num_draft_tokens > 0
+
+
+def test_hub_ids_resolve_through_the_hub_loader(tmp_path, monkeypatch):
+    """A Hub id goes to loader/hub.download_repo (mocked: no network in tests); a path that is neither
+    a folder nor a repo id is refused by name."""
+    from foveal.loader import hub
+    from foveal.lora.peft import resolve
+
+    calls = []
+    monkeypatch.setattr(hub, "download_repo", lambda repo: calls.append(repo) or str(tmp_path))
+    assert resolve("org/my-adapter") == str(tmp_path) and calls == ["org/my-adapter"]
+    assert resolve(str(tmp_path)) == str(tmp_path) and len(calls) == 1  # a folder is used as is
+    with pytest.raises(AdapterError, match="neither a folder nor a Hub repo id"):
+        resolve("/no/such/folder")
