@@ -46,3 +46,34 @@ def adapter_folders(tmp_factory, family: str = "qwen3", ranks=(8, 16, 8, 16)) ->
         folder = tmp_factory.mktemp(f"adapter{i}")
         out.append((str(folder), save_adapter(folder, tiny_model(family), r, seed=100 + i)))
     return out
+
+
+MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def random_adapter(folder, layout, rank: int, seed: int, scale: float = 0.05) -> str:
+    """A random PEFT adapter (safetensors + config written directly) on every projection of every layer
+    of the model behind `layout` (foveal.lora.adapter.LoRALayout): for models PEFT cannot wrap here."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    layers = max(int(name.split(".")[-3]) for name in layout.targets) + 1
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for m in MODULES:
+            name = f"model.layers.{i}.{m}"
+            target, j = layout.route(name)
+            rows = target.slices[j][1]
+            tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(
+                rank, target.in_features, generator=g
+            )
+            tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(rows, rank, generator=g) * scale
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(MODULES)}, f)
+    return str(folder)

@@ -500,3 +500,26 @@ def test_a_budget_under_two_blocks_commits_in_a_pass_of_its_own(sdar):
     tight.engine.scheduler.schedule = watching
     assert _gen(tight, prompts, params) == _gen(_llm(path), prompts, params)
     assert commits  # commits ran as passes of their own
+
+
+def test_lora_adapters_on_a_block_diffusion_model(sdar, tmp_path):
+    """Adapters compose with denoising passes: a batch mixing two adapters and base requests equals
+    each request alone, and an adapter changes the output."""
+    from foveal import LoRARequest
+    from tests.lora_models import random_adapter
+
+    path, _ = sdar
+    llm = _llm(path, enable_lora=True, max_loras=2, max_lora_rank=8)
+    layout = llm.engine.runner.lora.layout
+    ads = [LoRARequest(f"d{i}", random_adapter(tmp_path / str(i), layout, 8, seed=i)) for i in range(2)]
+    prompts = _prompts(4, seed=9)
+    loras = [ads[0], None, ads[1], None]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = [
+        llm.generate([p], params, lora_request=[lr])[0].outputs[0].token_ids for p, lr in zip(prompts, loras)
+    ]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+    assert together == alone
+    base = llm.generate([prompts[0]], params)[0].outputs[0].token_ids
+    assert alone[0] != base
+    assert llm.engine.kv.num_used_blocks == 0
