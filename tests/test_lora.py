@@ -274,13 +274,17 @@ def test_scheduler_runs_at_most_max_loras_adapters_and_lets_others_pass(lora_set
         eng.add_request(dataclasses.replace(llm.processor.request(p, PARAMS), lora=llm._adapter(lr)))
         for p, lr in zip(prompts, loras)
     ]
-    seen, got = [], {r: [] for r in reqs}
+    seen, got, reports = [], {r: [] for r in reqs}, []
     while eng.has_unfinished():
         names = {r.lora.uid for r in eng.scheduler.running if r.lora is not None}
         assert len(names) <= 2
         for d in eng.step():
             got[d.request_id] += d.token_ids
         seen.append({r.request_id for r in eng.scheduler.running})
+        reports.append(eng.lora_report())
+    # what the metrics export: per adapter name, sequences running and waiting
+    assert reports[0] == {"running": {"a0": 1, "a1": 1}, "waiting": {"a2": 1}, "max_loras": 2}
+    assert any(r["running"].get("a2") == 1 for r in reports) and reports[-1]["running"] == {}
     assert reqs[3] in seen[0] and reqs[2] not in seen[0]  # the base request passed the waiting adapter
     assert [got[r] for r in reqs] == [a[0] for a in alone]
     assert eng.runner.lora.num_loads >= 3

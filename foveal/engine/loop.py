@@ -162,6 +162,7 @@ class EngineLoop:
             stream.queue.put_nowait(StreamError(f"not accepting requests: {why}", 503, "unavailable"))
             return stream
         adapter = choices[0].lora.name if choices and choices[0].lora is not None else None
+        stream.model = adapter
         stats = RequestStats(request_id, streaming=streaming, tenant=tenant, adapter=adapter)
         self._cmds.put(("submit", stream, list(choices), stats))
         return stream

@@ -4,7 +4,7 @@
     adapter.py     where LoRA goes in a model (LoRALayout) and one adapter in host memory (HostAdapter)
     registry.py    served adapters by name (request side: the server, LLM's LoRARequest)
     slots.py       device slots of the model thread (LRU), a step's rows grouped by slot
-    stacks.py      per-linear stacked weights and the batched add (CPU: torch._grouped_mm)
+    stacks.py      per-linear stacked weights and the batched add (which kernel runs where)
     ops_triton.py  the CUDA kernel (the grouped expand after a GEMM that also did the shrink)
     cpu_lora.c     the CPU kernel (shrink and expand in one call)
 

@@ -93,9 +93,10 @@ class LoRARegistry:
         if e is None:
             try:
                 return self.load(name, path)
-            except ValueError as err:
-                if isinstance(err, AdapterError):
-                    raise
+            except AdapterError:
+                raise
+            except ValueError:  # another thread registered the name meanwhile: use or refuse it below
+                pass
         with self._lock:
             e = self._entries.get(name)
         if e is not None and e.path != path:

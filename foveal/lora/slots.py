@@ -97,12 +97,6 @@ class LoRASlots:
         self.resident[slot] = adapter.uid
         self.num_loads += 1
 
-    def evict(self, uid: int) -> None:
-        """Drop an adapter's slot (its weights stay until the slot is rewritten; nothing reads them)."""
-        s = self.slot_of(uid)
-        if s is not None:
-            self.resident[s] = None
-
     def batch(self, packed: torch.Tensor, rows: int) -> LoRABatch:
         """The LoRABatch of a `group_rows` list already on the device."""
         return LoRABatch(packed[:rows], packed[rows:].to(torch.int32))

@@ -236,7 +236,6 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
         stream = loop.submit(
             rid, choices, streaming=req.stream, timeout=cfg.request_timeout, tenant=request.state.tenant
         )
-        stream.model = choices[0].lora.name if choices and choices[0].lora is not None else None
         await admit(request, stream)
         if req.stream:
             gen = stream_chat(stream, req, plan) if chat else stream_completion(stream, req)
@@ -302,12 +301,12 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             "system_fingerprint": None,
         }
 
-    def _chunk(rid, obj, choices, usage_field: bool, model: str | None = None) -> dict:
+    def _chunk(stream: RequestStream, obj, choices, usage_field: bool) -> dict:
         c = {
-            "id": rid,
+            "id": stream.request_id,
             "object": obj,
             "created": int(time.time()),
-            "model": model or model_name,
+            "model": stream.model or model_name,
             "choices": choices,
         }
         if usage_field:
@@ -324,7 +323,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                 yield chunk
             if inc:
                 usage = tally.usage()
-                yield sse.sse({**_chunk(rid, obj, [], False, stream.model), "usage": usage})
+                yield sse.sse({**_chunk(stream, obj, [], False), "usage": usage})
         except StreamFailed as e:
             yield sse.error_event(e.error.message, e.error.type)
         finally:
@@ -334,7 +333,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
         yield sse.DONE
 
     def stream_chat(stream: RequestStream, req: ChatCompletionRequest, plan: OutputPlan):
-        rid, inc = stream.request_id, req.include_usage
+        inc = req.include_usage
         obj = "chat.completion.chunk"
         outs = [ChoiceOutput(plan) for _ in range(stream.num_choices)]
 
@@ -343,9 +342,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
 
         async def body(tally):
             for i in range(stream.num_choices):
-                yield sse.sse(
-                    _chunk(rid, obj, [choice(i, {"role": "assistant", "content": ""})], inc, stream.model)
-                )
+                yield sse.sse(_chunk(stream, obj, [choice(i, {"role": "assistant", "content": ""})], inc))
             async for i, d in stream.deltas():
                 reason = sse.finish(d.finish_reason)
                 frags = outs[i].feed(d.text)
@@ -355,20 +352,18 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                 if lp and not frags:
                     frags = [{"content": ""}]  # the step's logprobs, though its text is held back
                 for k, frag in enumerate(frags):  # the step's logprobs ride on its first fragment
-                    yield sse.sse(
-                        _chunk(rid, obj, [choice(i, frag, lp if k == 0 else None)], inc, stream.model)
-                    )
+                    yield sse.sse(_chunk(stream, obj, [choice(i, frag, lp if k == 0 else None)], inc))
                 if d.finished:
                     if d.error:
                         yield sse.error_event(d.error)
                     end = choice(i, {}, None, _chat_finish(outs[i], reason))
-                    yield sse.sse(_chunk(rid, obj, [end], inc, stream.model))
+                    yield sse.sse(_chunk(stream, obj, [end], inc))
                     tally.add(i, d)
 
         return framed(stream, obj, inc, body, req.n)
 
     def stream_completion(stream: RequestStream, req: CompletionRequest):
-        rid, inc = stream.request_id, req.include_usage
+        inc = req.include_usage
         obj = "text_completion"
         offsets = [0] * stream.num_choices
 
@@ -383,7 +378,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                         "logprobs": lp,
                         "finish_reason": sse.finish(d.finish_reason),
                     }
-                    yield sse.sse(_chunk(rid, obj, [c], inc, stream.model))
+                    yield sse.sse(_chunk(stream, obj, [c], inc))
                 if d.finished:
                     if d.error:
                         yield sse.error_event(d.error)

@@ -30,6 +30,7 @@ import time
 import torch
 
 from foveal.attention.base import AttentionBatch
+from foveal.device import to_device
 from foveal.models.base import StepContext
 
 log = logging.getLogger(__name__)
@@ -186,10 +187,7 @@ class DecodeGraphs:
 
         b = self._bucket_of[n]
         packed = group_rows(groups, self.lora_groups, b)
-        host = torch.tensor(packed, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        dev = to_device(torch.tensor(packed, dtype=torch.long), self.device)
         self.lora_perm[:b].copy_(dev[:b])
         self.lora_offs.copy_(dev[b:])
         return True

@@ -290,14 +290,12 @@ class ModelRunner:
     def _lora_groups(self, items: list[ScheduledItem]) -> tuple[list[tuple[int, int]], bool]:
         """Per item (its adapter's slot, or the base group; its rows), loading the step's adapters into
         slots; and whether any item has an adapter."""
-        lo, held = self.lora, self._held
-        adapters = [a for s in items if (a := held[s.request_id].req.lora) is not None]
-        slots = lo.slots_for(adapters, self._lora_refs) if adapters else {}
-        base = lo.num_slots
-        groups = [
-            (base if (a := held[s.request_id].req.lora) is None else slots[a.uid], s.num_tokens)
-            for s in items
-        ]
+        held = self._held
+        loras = [held[s.request_id].req.lora for s in items]
+        adapters = [a for a in loras if a is not None]
+        slots = self.lora.slots_for(adapters, self._lora_refs) if adapters else {}
+        base = self.lora.num_slots
+        groups = [(base if a is None else slots[a.uid], s.num_tokens) for a, s in zip(loras, items)]
         return groups, bool(adapters)
 
     def _bidirectional_spans(self, batch: ScheduledBatch) -> list[list[tuple[int, int]]] | None:
