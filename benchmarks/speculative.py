@@ -94,32 +94,46 @@ def commit() -> str:
         return ""
 
 
+def drain(eng, outs: dict[str, list[int]], first: dict | None = None, last: dict | None = None) -> float:
+    """Step the engine until every request is done, collecting tokens into `outs` (each request's
+    first- and last-token times into `first` / `last`); returns the seconds until every request of
+    `outs` had a token (the prefill phase of an all-at-once run)."""
+    t0, prefilled = time.perf_counter(), None
+    first = {} if first is None else first
+    last = {} if last is None else last
+    while eng.has_unfinished():
+        for d in eng.step():
+            now = last[d.request_id] = time.perf_counter()
+            first.setdefault(d.request_id, now)
+            outs[d.request_id] += d.token_ids
+        if prefilled is None and len(first) >= len(outs):
+            prefilled = time.perf_counter() - t0
+    return prefilled if prefilled is not None else time.perf_counter() - t0
+
+
 def run_requests(llm: LLM, prompts: list[list[int]], params: SamplingParams, at_once: bool) -> dict:
     """Greedy outputs and timings: all prompts at once (throughput), or one at a time (decode tok/s
     from each request's first token to its last)."""
     eng = llm.engine
     outs: dict[str, list[int]] = {}
-    decode_s, decode_tokens = 0.0, 0
+    decode_s, decode_tokens, prefill_s = 0.0, 0, 0.0
     t0 = time.perf_counter()
     groups = [prompts] if at_once else [[p] for p in prompts]
     for group in groups:
         first: dict[str, float] = {}
-        ids = [eng.add_request(llm.processor.request(p, params)) for p in group]
-        for rid in ids:
-            outs[rid] = []
-        while eng.has_unfinished():
-            for d in eng.step():
-                now = time.perf_counter()
-                first.setdefault(d.request_id, now)
-                outs[d.request_id] += d.token_ids
-                if d.finished:
-                    decode_s += now - first[d.request_id]
-                    decode_tokens += len(outs[d.request_id]) - 1
+        last: dict[str, float] = {}
+        mine = {eng.add_request(llm.processor.request(p, params)): [] for p in group}
+        prefill_s += drain(eng, mine, first, last)
+        for rid, toks in mine.items():
+            decode_s += last[rid] - first[rid]
+            decode_tokens += len(toks) - 1
+        outs.update(mine)
     wall = time.perf_counter() - t0
     total = sum(len(v) for v in outs.values())
     return {
         "tokens": list(outs.values()),
         "wall_s": wall,
+        "prefill_s": prefill_s,
         "out_tok_s": total / wall,
         "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
         "out_tokens": total,
@@ -245,9 +259,11 @@ def force_acceptance(wrong: int) -> None:
     model_runner.verify = forced
 
 
-def oracle_run(llm, k, prompts, fulls, params, rate, vocab, seed, forced, wrap=None) -> dict[str, list[int]]:
+def oracle_run(
+    llm, k, prompts, fulls, params, rate, vocab, seed, forced, wrap=None
+) -> tuple[dict[str, list[int]], float]:
     """All prompts at once on the speculating engine, the oracle proposing from `fulls` (`wrap`: what
-    proposes around it)."""
+    proposes around it): the outputs, and the seconds until every request had its first token."""
     eng = llm.engine
     refs: dict[str, list[int]] = {}
     eng.proposer = OracleProposer(k, refs, rate, vocab, seed=seed, forced=forced)
@@ -257,22 +273,14 @@ def oracle_run(llm, k, prompts, fulls, params, rate, vocab, seed, forced, wrap=N
     for p, full in zip(prompts, fulls):
         rid = eng.add_request(llm.processor.request(p, params))
         refs[rid], outs[rid] = full, []
-    while eng.has_unfinished():
-        for d in eng.step():
-            outs[d.request_id] += d.token_ids
-    return outs
+    return outs, drain(eng, outs)
 
 
-def stepped_run(llm, prompts, params) -> dict[str, list[int]]:
+def stepped_run(llm, prompts, params) -> tuple[dict[str, list[int]], float]:
     """All prompts at once on an engine without a proposer, driven as oracle_run drives (--control)."""
     eng = llm.engine
-    outs: dict[str, list[int]] = {}
-    for p in prompts:
-        outs[eng.add_request(llm.processor.request(p, params))] = []
-    while eng.has_unfinished():
-        for d in eng.step():
-            outs[d.request_id] += d.token_ids
-    return outs
+    outs = {eng.add_request(llm.processor.request(p, params)): [] for p in prompts}
+    return outs, drain(eng, outs)
 
 
 def curve_ms(curve, lo: float, hi: float) -> list[list[float]]:
@@ -282,9 +290,12 @@ def curve_ms(curve, lo: float, hi: float) -> list[list[float]]:
 
 def oracle_bench(a) -> dict:
     cfg = os.path.join(HERE, "configs", "llama-3.1-8b.json")
+    # the prefix cache off unless asked: every run repeats the same prompts, and which of them stay
+    # cached after a run depends on the pool's pressure (at batch 256 the pool cannot hold them all)
     opts = dict(
-        load_format="dummy", max_num_seqs=max(a.batches), max_model_len=a.input_len + a.max_tokens + 64
-    )
+        load_format="dummy", max_num_seqs=max(a.batches), max_model_len=a.input_len + a.max_tokens + 64,
+        enable_prefix_caching=a.prefix_cache,
+    )  # fmt: skip
     opts["dtype"] = a.dtype
     if torch.cuda.is_available():  # two engines in one process (plain and speculating): a fixed pool each
         opts["kv_cache_memory"] = a.kv_memory_gib * 2**30
@@ -334,9 +345,11 @@ def oracle_bench(a) -> dict:
                 eng.spec_asks.clear()
                 t0 = time.perf_counter()
                 if a.control:
-                    outs = stepped_run(specd, prompts, params)
+                    outs, prefill_s = stepped_run(specd, prompts, params)
                 else:
-                    outs = oracle_run(specd, a.k, prompts, refs_by_prompt, params, rate, vocab, rep, a.forced)
+                    outs, prefill_s = oracle_run(
+                        specd, a.k, prompts, refs_by_prompt, params, rate, vocab, rep, a.forced
+                    )
                 wall = time.perf_counter() - t0
                 after = eng.spec_stats.as_dict()
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
@@ -347,11 +360,20 @@ def oracle_bench(a) -> dict:
                 )
                 steps = after["num_drafts"] - before["num_drafts"]
                 base = run_requests(plain, prompts, params, at_once=True)  # alternates with the plain run
-                tok_s = sum(len(v) for v in outs.values()) / wall
+                total = sum(len(v) for v in outs.values())
+                tok_s = total / wall
+                # the two phases apart: until every request had its first token (prompts), then
+                # the decode's output tok/s (a request's first token counts in the prompts' phase)
+                decode = [
+                    (total - b) / max(w - f, 1e-9)
+                    for w, f in ((wall, prefill_s), (base["wall_s"], base["prefill_s"]))
+                ]
                 row = {
                     "batch": b, "rate": rate, "rep": rep, "spec_tok_s": round(tok_s, 1),
                     "plain_tok_s": round(base["out_tok_s"], 1),
                     "speedup": round(tok_s / base["out_tok_s"], 2),
+                    "prefill_s": [round(prefill_s, 3), round(base["prefill_s"], 3)],
+                    "decode_speedup": round(decode[0] / decode[1], 3),
                     "acceptance": round(acc, 3), "mean_len": round(1 + (after["num_accepted_tokens"]
                     - before["num_accepted_tokens"]) / steps, 2) if steps else None,
                     "lossless": list(outs.values()) == base["tokens"],
@@ -492,7 +514,8 @@ def heads_bench(a) -> dict:
         with open(cfg) as f:
             target = json.load(f)
         opts = dict(load_format="dummy", dtype=a.dtype, max_num_seqs=max(a.batches),
-                    max_model_len=a.input_len + a.max_tokens + 64)  # fmt: skip
+                    max_model_len=a.input_len + a.max_tokens + 64,
+                    enable_prefix_caching=a.prefix_cache)  # fmt: skip
         if torch.cuda.is_available():
             opts["kv_cache_memory"] = a.kv_memory_gib * 2**30
         if a.smoke:  # a tiny 8-layer target of the family, on the CPU
@@ -553,7 +576,7 @@ def heads_bench(a) -> dict:
                 for d in a.drafts:  # alternating: the host's speed varies
                     before = dict(specd.engine.step_seconds)
                     t0 = time.perf_counter()
-                    outs = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wraps[d])
+                    outs, _ = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wraps[d])
                     wall = time.perf_counter() - t0
                     spent = phase_ms(before, specd.engine.step_seconds)
                     before = dict(plain.engine.step_seconds)
@@ -630,6 +653,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="--oracle / --heads: keep the prefix cache on (repeated prompts then hit it, as far as the "
+        "pool holds them)",
+    )
     ap.add_argument("--kv-memory-gib", type=int, default=16, help="--oracle on CUDA: KV pool per engine")
     a = ap.parse_args()
     a.batches = [
@@ -646,7 +675,7 @@ def main() -> None:
     res = cpu_bench(a) if a.cpu else heads_bench(a) if a.heads else oracle_bench(a)
     mode = "cpu" if a.cpu else "heads" if a.heads else "oracle"
     res.update(benchmark="speculative", mode=mode, k=a.k, commit=commit(),
-               dtype=None if a.cpu else a.dtype, forced=a.forced,
+               dtype=None if a.cpu else a.dtype, forced=a.forced, prefix_cache=a.prefix_cache,
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip
     print(json.dumps(res))
 
