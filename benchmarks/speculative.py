@@ -336,6 +336,10 @@ def oracle_bench(a) -> dict:
                 stepped_run(specd, prompts, warm)
                 break
             oracle_run(specd, depth, prompts, refs_by_prompt, warm, 1.0, vocab, 0, a.forced)
+        # and one full-length run of plain steps, as the plain engine's reference run was: both engines
+        # have met every context length of the measured runs before them (oracle_run sets the proposer)
+        specd.engine.proposer = None
+        stepped_run(specd, prompts, params)
         specd.engine.spec_policy = policy
         for rate in a.rates:
             for rep in range(a.reps):
