@@ -162,12 +162,22 @@ def cpu_bench(a) -> dict:
             "quantization": "gguf",
         },
     }
-    for m in ("ngram", "draft"):  # the same proposers drafting k on every step they can
-        specs[m + "_fixed"] = {**specs[m], "adaptive": False}
+    if a.eagle3:  # a trained head for the embedded model (scripts/train_eagle3.py)
+        specs["eagle3"] = {"method": "eagle3", "model": a.eagle3, "num_speculative_tokens": a.k}
+    for m in ("ngram", "draft", "eagle3"):  # the same proposers drafting k on every step they can
+        if m in specs:
+            specs[m + "_fixed"] = {**specs[m], "adaptive": False}
     modes = [m for m in a.modes.split(",")]
+    if any(m.startswith("eagle3") for m in modes) and not a.eagle3:
+        raise SystemExit("--modes eagle3 needs --eagle3 PATH (a head from scripts/train_eagle3.py)")
     llms = {m: LLM(**base, speculative_config=specs[m]) for m in modes}
     proc = llms[modes[0]].processor
-    chats = [proc.apply_chat_template([{"role": "user", "content": t}]) for t in TASKS]
+    texts = TASKS
+    if a.prompts == "heldout":  # the topics scripts/train_eagle3.py never trained on
+        from scripts.train_eagle3 import prompts as eagle3_prompts
+
+        texts = eagle3_prompts(held_out=True)[::10]  # 8: every topic and template once or so
+    chats = [proc.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     rows = []
     for b in a.batches:
@@ -650,7 +660,13 @@ def main() -> None:
     ap.add_argument(
         "--fixed", action="store_true", help="--oracle: every row drafts k (no load-aware policy)"
     )
-    ap.add_argument("--modes", default="none,ngram,draft", help="cpu: also ngram_fixed, draft_fixed")
+    ap.add_argument(
+        "--modes", default="none,ngram,draft", help="cpu: also ngram_fixed, draft_fixed, eagle3, eagle3_fixed"
+    )
+    ap.add_argument("--eagle3", default=None, help="cpu: a SmolLM2 EAGLE-3 head (scripts/train_eagle3.py)")
+    ap.add_argument(
+        "--prompts", default="tasks", help="cpu: tasks (4 input-grounded chats) or heldout (train_eagle3's)"
+    )
     ap.add_argument("--batches", default=None, help="comma-separated (cpu: 1,16; oracle: 1,8,64)")
     ap.add_argument("--rates", default="1.0,0.7,0.4")
     ap.add_argument("--k", type=int, default=4)

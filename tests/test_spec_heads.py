@@ -578,3 +578,30 @@ def test_n_sequences_with_a_head(saved):
     llm = _llm(saved, spec)
     assert [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, greedy)] == plain
     assert llm.engine.spec_stats.num_drafts > 0 and llm.engine.proposer.kv.num_used_blocks == 0
+
+
+def test_train_eagle3_steps_are_the_heads_chain(saved):
+    """scripts/train_eagle3.py trains with EAGLE-3's training-time test; its step s at position
+    last + s - 1 (the drafts fed back as tokens) must be the engine's s-th draft, so what it trains is
+    what the engine drafts with."""
+    from types import SimpleNamespace
+
+    from scripts.train_eagle3 import Head
+
+    t, hf = _eagle3_tensors(0), saved["hf"]
+    cfg = SimpleNamespace(hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS,
+                          num_key_value_heads=KV, head_dim=HD, rms_norm_eps=1e-5, rope_theta=10000.0)  # fmt: skip
+    target_ids = t["d2t"] + torch.arange(DRAFT_VOCAB)
+    head = Head(cfg, DRAFT_VOCAB, hf.model.embed_tokens.weight.detach(), t["norm.weight"], target_ids)
+    head.load_tensors(t)
+    spec = {"method": "eagle3", "model": saved["eagle3"], "num_speculative_tokens": 3, "adaptive": False}
+    seen = _proposals(_llm(saved, spec), _prompts(3, seed=4))
+    assert len(seen) > 10
+    with torch.no_grad():
+        for tokens, drafts in seen:
+            ids = torch.tensor(tokens + drafts[:-1])
+            states = hf(ids[None], output_hidden_states=True).hidden_states
+            outs = head(torch.cat([states[i][0] for i in AUX], -1), ids, len(drafts))
+            last = len(tokens) - 2
+            got = [int(target_ids[logits[last + s].argmax()]) for s, (logits, _) in enumerate(outs)]
+            assert got == drafts, tokens
