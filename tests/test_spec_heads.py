@@ -589,8 +589,10 @@ def test_train_eagle3_steps_are_the_heads_chain(saved):
     from scripts.train_eagle3 import Head
 
     t, hf = _eagle3_tensors(0), saved["hf"]
-    cfg = SimpleNamespace(hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS,
-                          num_key_value_heads=KV, head_dim=HD, rms_norm_eps=1e-5, rope_theta=10000.0)  # fmt: skip
+    cfg = SimpleNamespace(
+        hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS, num_key_value_heads=KV,
+        head_dim=HD, rms_norm_eps=1e-5, rope_theta=10000.0,
+    )  # fmt: skip
     target_ids = t["d2t"] + torch.arange(DRAFT_VOCAB)
     head = Head(cfg, DRAFT_VOCAB, hf.model.embed_tokens.weight.detach(), t["norm.weight"], target_ids)
     head.load_tensors(t)
