@@ -206,11 +206,11 @@ def main() -> None:
     layers = (2, L // 2, L - 3)  # EAGLE-3's default: the states entering these layers
     t0 = time.perf_counter()
     data = []
-    with torch.inference_mode():
+    with torch.no_grad():  # (not inference mode: these tensors enter the training graph as inputs)
         for ids in seqs:
             x = torch.tensor(ids)
             hs = target(x[None], output_hidden_states=True).hidden_states
-            data.append((torch.cat([hs[i][0] for i in layers], -1).clone(), x))
+            data.append((torch.cat([hs[i][0] for i in layers], -1), x))
     print(f"target states in {time.perf_counter() - t0:.0f} s")
 
     counts = Counter(t for ids in seqs for t in ids[2:])
