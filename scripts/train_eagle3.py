@@ -246,7 +246,7 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             sched.step()
-            seen["loss"] += float(loss)
+            seen["loss"] += loss.item()
         steps = range(1, a.depth + 1)
         accs = " ".join(f"step{s} {seen[f'acc{s}'] / max(seen[f'n{s}'], 1):.3f}" for s in steps)
         print(f"epoch {epoch}: loss {seen['loss'] / len(data):.3f}, top-1 ({accs}), "
