@@ -194,11 +194,13 @@ def cpu_bench(a) -> dict:
                 r = run_requests(llms[m], prompts, params, at_once=b > 1)
                 after = eng.spec_stats.as_dict()
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
-                r["acceptance"] = (
-                    (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafted
-                    if drafted
-                    else None
-                )
+                accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                r["acceptance"] = accepted / drafted if drafted else None
+                # tokens per verify step (1 + the accepted drafts) and the first draft's acceptance
+                verifies = after["num_drafts"] - before["num_drafts"]
+                first = (after["accepted_per_pos"][:1] or [0])[0] - (before["accepted_per_pos"][:1] or [0])[0]
+                r["mean_len"] = 1 + accepted / verifies if verifies else None
+                r["first"] = first / verifies if verifies else None
                 runs[m].append(r)
                 line = f"batch {b} rep {rep} {m:<6} out {r['out_tok_s']:7.1f} tok/s  "
                 print(line + f"decode {r['decode_tok_s']:7.1f} tok/s  accept {r['acceptance']}", flush=True)
@@ -213,6 +215,8 @@ def cpu_bench(a) -> dict:
                 "all": [round(r[key], 1) for r in runs[m]],
                 "speedup": round(med / base_med, 2) if base_med else None,
                 "acceptance": round(statistics.mean(acc), 3) if acc else None,
+                "mean_len": [round(r["mean_len"], 3) for r in runs[m] if r["mean_len"] is not None],
+                "first_draft": [round(r["first"], 3) for r in runs[m] if r["first"] is not None],
                 "lossless": all(r["tokens"] == ref for r in runs[m]) if ref is not None else None,
             })  # fmt: skip
     print(f"\n{'batch':>5} {'mode':<6} {'metric':<13} {'median':>8} {'speedup':>8} {'accept':>7} lossless")
