@@ -12,6 +12,9 @@ one word changed, rename a function in code, quote a passage):
   decode tok/s (first token to last, per request, requests one at a time); batch B all requests at
   once: output tok/s over the wall time. Greedy
   outputs of every mode are compared with plain decoding token for token (`lossless`).
+  eagle3 | eagle3_fixed with --eagle3 PATH: a head trained by scripts/train_eagle3.py (--prompts heldout:
+  the topics it never saw); --quantization gguf: the target's Q4_1 weights kept quantized (how the CPU
+  serves). Rows give tokens per verify step (`mean_len`) and the first draft's acceptance per rep.
 
 GPU, full-size random heads in their published layouts (--heads): EAGLE-3 on dummy Llama-3.1-8B, MTP on
 a dummy MiMo-7B-shaped model, DFlash (5 layers, block 8) on dummy Qwen3-8B; per batch the drafter's cost
@@ -25,6 +28,11 @@ the target's own greedy continuation (recorded by a plain run first), each draft
 
     python benchmarks/speculative.py --oracle [--dtype float32] [--rates 1.0,0.7,0.4] [--batches 1,8,64]
         [--fixed]    (every row drafts k; default: the load-aware policy chooses k per row and step)
+        [--control]  (a second plain engine in the speculating one's place: the measurement's noise)
+
+  --oracle and --heads run with the prefix cache off unless --prefix-cache (every run repeats the same
+  prompts; how many stay cached depends on the pool), so their figures include the prompts' prefill;
+  oracle rows also give `prefill_s` [spec, plain] and `decode_speedup` (after every request's first token).
 
   On random weights the logits are nearly flat, and in bfloat16 the greedy token depends on the batch
   shape (a verify run of 1+k rows rounds differently from a 1-row decode step), so the recorded
@@ -702,7 +710,8 @@ def main() -> None:
     res = cpu_bench(a) if a.cpu else heads_bench(a) if a.heads else oracle_bench(a)
     mode = "cpu" if a.cpu else "heads" if a.heads else "oracle"
     res.update(benchmark="speculative", mode=mode, k=a.k, commit=commit(),
-               dtype=None if a.cpu else a.dtype, forced=a.forced, prefix_cache=a.prefix_cache,
+               dtype=None if a.cpu else a.dtype, forced=a.forced,
+               prefix_cache=None if a.cpu else a.prefix_cache,  # --cpu: the engine's default (on)
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip
     print(json.dumps(res))
 

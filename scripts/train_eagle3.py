@@ -1,8 +1,9 @@
 """Train a small EAGLE-3 head for the embedded SmolLM2-135M-Instruct on its own greedy generations (CPU,
 minutes), written in the published layout that `--speculative-config '{"method": "eagle3", ...}'` loads.
 
-    python scripts/train_eagle3.py --out /tmp/smollm2-eagle3      # then:
-    python benchmarks/speculative.py --cpu --modes none,eagle3 --eagle3 /tmp/smollm2-eagle3 --batches 1,16
+    python scripts/train_eagle3.py --out /tmp/smollm2-eagle3      # then (k = the trained depth, 3):
+    python benchmarks/speculative.py --cpu --modes none,eagle3,eagle3_fixed --eagle3 /tmp/smollm2-eagle3 \
+        --k 3 --prompts heldout --batches 1,16 [--quantization gguf]
 
 1. prompts: instruction templates x topics (train and held-out topics apart); Foveal generates each
    answer greedily (the target's own continuations: what the head must predict).
@@ -73,8 +74,9 @@ def generate(texts: list[str], max_tokens: int) -> list[list[int]]:
 
 
 def rotate(x, cos, sin):
-    h = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    return x * cos + rotate_half(x) * sin
 
 
 class Head(nn.Module):
@@ -216,7 +218,8 @@ def main() -> None:
     counts = Counter(t for ids in seqs for t in ids[2:])
     dv_ids = torch.tensor(sorted(t for t, _ in counts.most_common(a.draft_vocab)))
     if len(dv_ids) < a.draft_vocab:  # pad with unused ids (they never win after training)
-        rest = [t for t in range(cfg.vocab_size) if t not in set(dv_ids.tolist())]
+        used = set(dv_ids.tolist())
+        rest = [t for t in range(cfg.vocab_size) if t not in used]
         dv_ids = torch.tensor(sorted(dv_ids.tolist() + rest[: a.draft_vocab - len(dv_ids)]))
     t2d = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
     t2d[dv_ids] = torch.arange(len(dv_ids))
