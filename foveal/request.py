@@ -69,6 +69,9 @@ class SamplingParams:
     speculative: bool = True  # may this request speculate when the engine does (False: plain decoding)
     # structured output: a GrammarSpec (foveal/structured/spec.py) the answer must match, or None
     structured: Any = None
+    # a structured answer that would run past max_tokens is closed by a short completion of its
+    # grammar, forced at the end (finish_reason stays "length"); False: cut wherever it is
+    close_on_length: bool = True
     thinking_budget: int | None = (
         None  # thinking tokens before the end of thinking is forced (None: the default)
     )

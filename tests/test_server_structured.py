@@ -231,6 +231,31 @@ def test_response_format_and_guided_fields_over_http(real):
             assert r.json()["error"]["param"] == param, r.text
 
 
+def test_a_json_answer_cut_by_max_tokens_still_parses(real):
+    """SmolLM2 writes a story longer than max_tokens: the answer is closed before the budget ends
+    (finish_reason "length", content valid JSON), the same streamed; close_on_length false cuts it."""
+    c = real.client()
+    schema = {"type": "object", "properties": {"title": {"type": "string"}, "story": {"type": "string"},
+              "words": {"type": "integer"}}, "required": ["title", "story", "words"]}  # fmt: skip
+    rf = {"type": "json_schema", "json_schema": {"name": "story", "schema": schema}}
+    ask = [{"role": "user", "content": "Write a long story about a dragon, as JSON."}]
+    kw = dict(model=real.model, messages=ask, response_format=rf, temperature=0, max_tokens=24)
+    r = c.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens <= 24
+    whole = r.choices[0].message.content
+    jsonschema.validate(json.loads(whole), schema)
+    text, reasons = "", []
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            reasons.append(ch.finish_reason)
+    assert text == whole and reasons[-1] == "length"
+    r = c.chat.completions.create(**kw, extra_body={"close_on_length": False})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 24
+    with pytest.raises(ValueError):
+        json.loads(r.choices[0].message.content)
+
+
 # -- reasoning ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):

@@ -465,8 +465,13 @@ class Engine:
         self.scheduler.resolve(launched.batch, out.tokens, out.confidence)
         for rid in out.done:  # the grammar is complete: nothing but EOS could follow
             t = self._tracked.get(rid)
-            if t is not None and not t.req.is_finished:
-                self.scheduler.finish(t.req, FinishReason.STOP)
+            if t is not None:
+                # closed early for max_tokens: a length stop, even where its last token was an EOS
+                reason = FinishReason.LENGTH if rid in out.cut else FinishReason.STOP
+                if not t.req.is_finished:
+                    self.scheduler.finish(t.req, reason)
+                elif reason is FinishReason.LENGTH and t.req.finish_reason is FinishReason.STOP:
+                    t.req.finish_reason = reason
         for rid, why in out.errors.items():  # its guide failed: this request ends, alone
             t = self._tracked.get(rid)
             if t is not None and not t.req.is_finished:

@@ -188,6 +188,7 @@ class InputProcessor:
             may_think=not opened and thinking and self.reasoning is not None,
             thinking_budget=budget,
             mask_words=bitmask_words(self.mask_vocab),
+            close_budget=params.max_tokens if grammar is not None and params.close_on_length else None,
         )
 
     # -- prompts ------------------------------------------------------------------------------------

@@ -207,7 +207,9 @@ class Prompts:
                 "tool calls and a structured-output constraint cannot apply together",
                 param="tool_choice",
             )
-        return tools, replace(params, structured=constraint.grammar), fmt, constraint.syntax
+        # a tool call is never closed early for max_tokens: cut arguments must not look complete
+        params = replace(params, structured=constraint.grammar, close_on_length=False)
+        return tools, params, fmt, constraint.syntax
 
     async def chat(
         self, req: ChatCompletionRequest, params: SamplingParams, rid: str, cache_salt: str | None

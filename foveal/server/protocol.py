@@ -259,6 +259,9 @@ class _Common(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # a structured answer that would run past max_tokens ends with a short completion of its grammar
+    # (finish_reason stays "length"); false: cut wherever max_tokens falls, as vLLM does
+    close_on_length: bool = True
     # thinking tokens before the end of thinking is forced (vLLM's name: thinking_token_budget)
     thinking_budget: Annotated[int, _shown(minimum=0), _INTEGRAL] | None = None
     thinking_token_budget: Annotated[int, _shown(minimum=0), _INTEGRAL] | None = None
@@ -347,6 +350,7 @@ class _Common(BaseModel):
                 logprobs=logprobs,
                 speculative=self.speculative,
                 structured=self.grammar(),
+                close_on_length=self.close_on_length,
                 thinking_budget=self.thinking_limit,
                 diffusion=None if self.diffusion is None else DiffusionParams(**self.diffusion.model_dump()),
             )

@@ -48,6 +48,12 @@ class Matcher(Protocol):
     def validate(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens accept() would take (state unchanged): for draft tokens."""
 
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (the text it allows only one way), [] if none."""
+
+    def copy(self) -> Matcher:
+        """An independent matcher at the same position (for a search: closing.py)."""
+
     def rollback(self, k: int) -> None:
         """Undo the last k accepted tokens (0 <= k <= num_tokens, else ValueError)."""
 
@@ -89,6 +95,13 @@ class GrammarBackend(Protocol):
 
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
         """matchers[i].fill_bitmask(bitmask[i]) for every i, possibly in parallel."""
+
+    # the vocabulary as bytes, for closing.py
+    byte_tokens: dict[int, int]  # byte -> a token of exactly that byte
+
+    def token_bytes(self, token_ids: Sequence[int]) -> bytes: ...
+
+    def tokenize_bytes(self, data: bytes) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,13 @@ A prompt that opened the think block (the template's generation prompt ends with
 THINK; a request without reasoning starts in ANSWER. So a grammar never sees the thinking, and a JSON
 schema applies from the first answer token on, whichever side opened the block.
 
+Closing before the budget ends (`close_budget`, the request's max_tokens): from the first step on, at
+steps that halve the room left beyond the shortest way to finish, the guide asks closing.Closer for
+that way (in THINK: the end marker, then the answer's). Once the tokens left are within `CLOSE_SLACK`
+of it, those tokens are forced one at a time; when they are spent the guide is `cut`: the answer is
+complete, the request ends with finish_reason "length". No plan found, or none that fits: the request
+runs on as it would have.
+
 Speculative rows: `fill_rows(drafts)` gives the mask of each position of a verify run by walking
 the drafts tentatively and coming back (`_mark`/`_back`); a draft the state machine refuses ends the
 walk (the rows after it are never used: verification stops there). Not thread-safe: one per request,
@@ -21,12 +28,16 @@ driven by the model thread.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 OPEN, THINK, ANSWER = "open", "think", "answer"
+CLOSE_SLACK = 4  # spare tokens when the plan starts: one token may lengthen it (a comma, then a key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +52,7 @@ class GuideSpec:
     may_think: bool = False  # the output may open the block itself (its first token the start marker)
     thinking_budget: int | None = None  # thinking tokens before the end marker is forced
     mask_words: int = 0  # int32 words of a mask row: ceil(V / 32), V the grammar backend's vocabulary
+    close_budget: int | None = None  # max_tokens: the answer is closed before it (None: cut as it falls)
 
 
 class Guide:
@@ -56,25 +68,50 @@ class Guide:
         self.thinking_tokens = 0
         self._end = 0  # tokens of the end marker matched (or forced) so far
         self.error: str | None = None
+        self.num_tokens = 0  # tokens produced (thinking included): what the budget counts
+        self.cut = False  # the closing plan was spent: the answer ended for the budget
+        self._closer = None
+        if spec.close_budget is not None and self.matcher is not None:
+            from foveal.structured.closing import closer_for
+
+            self._closer = closer_for(spec.grammar)
+        self._nest = ""  # the answer's JSON nesting (closing.nesting), kept while closing may come
+        self._plan: tuple[int, ...] = ()  # the closing tokens being forced
+        self._planned = 0  # of which produced
+        self._look_at = spec.close_budget  # look for a plan once the tokens left are this few (None: never)
+        self._walking = False  # fill_rows is walking drafts: no planning then
 
     # -- state --------------------------------------------------------------------------------------
     @property
     def terminated(self) -> bool:
-        """The answer's grammar is complete: nothing but EOS could follow."""
+        """The answer is complete: its grammar allows nothing but EOS, or the closing plan was spent."""
+        if self.cut:
+            return True
         return self.phase == ANSWER and self.matcher is not None and self.matcher.is_terminated()
 
     def _forcing(self) -> bool:
         b = self.spec.thinking_budget
         return self.phase == THINK and ((b is not None and self.thinking_tokens >= b) or self._end > 0)
 
+    def _closing(self) -> bool:
+        return self._planned < len(self._plan)
+
     def needs_mask(self) -> bool:
         """Whether the next position is constrained (else the row samples freely)."""
+        if not self._walking:
+            self._look()
+        if self._closing():
+            return True
         if self.phase == THINK:
             return self._forcing()
         return self.matcher is not None
 
     def fill(self, row: torch.Tensor) -> None:
         """The next position's allowed tokens into `row` (int32 words; needs_mask() was True)."""
+        if self._closing():  # exactly the plan's next token
+            row.zero_()
+            _set(row, self._plan[self._planned])
+            return
         if self.phase == THINK:  # forcing the end marker: exactly its next token
             row.zero_()
             _set(row, self.spec.think_end[self._end])
@@ -86,7 +123,32 @@ class Guide:
     def grammar_row(self) -> bool:
         """The next mask is the grammar matcher's (filled with other rows' in one parallel call of the
         backend, then `filled(row)`), not a forced token."""
-        return self.phase != THINK and self.matcher is not None
+        return self.phase != THINK and self.matcher is not None and not self._closing()
+
+    # -- closing before the budget ends ---------------------------------------------------------------
+    def _look(self) -> None:
+        """At the steps the schedule picks, plan the shortest end; force it once it barely fits."""
+        if self._look_at is None or self._plan or self.cut or self.error is not None:
+            return
+        left = self.spec.close_budget - self.num_tokens
+        if left > self._look_at:
+            return
+        head: tuple[int, ...] = ()
+        if self.phase == THINK:  # end the thought first: the rest of its end marker
+            head = self.spec.think_end[self._end :]
+        plan = self._closer.plan(self.matcher, self._nest if self.phase == ANSWER else "", left - len(head))
+        if plan is None:  # no way found, or none that fits: the request runs on as it would have
+            self._look_at = None
+            return
+        need = len(head) + len(plan)
+        room = left - need
+        if room > CLOSE_SLACK:
+            self._look_at = left - max(1, (room - CLOSE_SLACK) // 2)
+            return
+        if not head and not plan:  # complete already: end it here (before a token could undo that)
+            plan = [min(self.spec.grammar.backend.eos_token_ids)]
+        self._plan, self._planned, self._look_at = head + tuple(plan), 0, None
+        log.debug("closing with %d tokens left: %d forced", left, len(self._plan))
 
     def filled(self, row: torch.Tensor) -> None:
         """After the matcher filled `row`: note its error; in OPEN, allow the think-start token too."""
@@ -97,6 +159,18 @@ class Guide:
 
     def accept(self, token: int) -> bool:
         """Advance over one produced token; False (state unchanged) when the guide forbids it."""
+        closing = self._closing()
+        if closing and token != self._plan[self._planned]:
+            return False
+        if not self._step(token):
+            return False
+        self.num_tokens += 1
+        if closing:
+            self._planned += 1
+            self.cut = self._planned == len(self._plan)
+        return True
+
+    def _step(self, token: int) -> bool:
         spec = self.spec
         if self.phase == OPEN:
             if token == spec.think_start[0]:
@@ -125,6 +199,10 @@ class Guide:
         if self.matcher is None:
             return True
         if self.matcher.accept([token]):
+            if self._look_at is not None or self._closing():
+                from foveal.structured.closing import nesting
+
+                self._nest = nesting(self._nest, self._closer.token_bytes(token))
             return True
         if self.matcher.error is not None:
             self.error = f"grammar: {self.matcher.error}"
@@ -146,17 +224,22 @@ class Guide:
 
     # -- speculative runs -----------------------------------------------------------------------------
     def _mark(self) -> tuple:
-        return self.phase, self.thinking_tokens, self._end, self.matcher.num_tokens if self.matcher else 0
+        n = self.matcher.num_tokens if self.matcher else 0
+        closing = self.num_tokens, self._nest, self._planned, self.cut
+        return self.phase, self.thinking_tokens, self._end, n, closing
 
     def _back(self, mark: tuple) -> None:
-        self.phase, self.thinking_tokens, self._end, n = mark
+        self.phase, self.thinking_tokens, self._end, n, closing = mark
+        self.num_tokens, self._nest, self._planned, self.cut = closing
         if self.matcher is not None and self.matcher.num_tokens > n:
             self.matcher.rollback(self.matcher.num_tokens - n)
 
     def fill_rows(self, drafts: list[int], rows: torch.Tensor) -> None:
         """rows[j] = the mask after drafts[:j] (j = 0 .. len(drafts)); the state is left unchanged. A
         row after a draft the guide refuses copies the row before it (verification stops earlier)."""
+        self._look()
         mark = self._mark()
+        self._walking = True
         try:
             for j in range(len(drafts) + 1):
                 if self.needs_mask():
@@ -167,6 +250,7 @@ class Guide:
                     rows[j + 1 :] = rows[j]
                     break
         finally:
+            self._walking = False
             self._back(mark)
 
 

@@ -105,6 +105,14 @@ class LLGuidanceMatcher:
     def validate(self, token_ids: Sequence[int]) -> int:
         return self._m.validate_tokens(list(token_ids))
 
+    def forced(self) -> list[int]:
+        return self._m.compute_ff_tokens()
+
+    def copy(self) -> LLGuidanceMatcher:
+        c = LLGuidanceMatcher(self._m.deep_copy(), self._grammar)
+        c._n, c._eos_unrecorded = self._n, self._eos_unrecorded
+        return c
+
     def rollback(self, k: int) -> None:
         if not 0 <= k <= self._n:  # llguidance would enter its sticky error state instead
             raise ValueError(f"cannot roll back {k} tokens: {self._n} accepted")
@@ -143,7 +151,9 @@ class LLGuidanceGrammar:
     stale, and the next matcher() builds a fresh template (~1 ms): one request's bad luck is not every
     later request's. Matchers copied before that share the broken lexer and may fail too."""
 
-    __slots__ = ("spec", "warnings", "words", "eos", "backend", "_build", "_template", "_stale", "_lock")
+    __slots__ = (
+        "spec", "warnings", "words", "eos", "backend", "_build", "_template", "_stale", "_lock", "__weakref__"
+    )  # fmt: skip
 
     def __init__(self, spec: GrammarSpec, build, words: int, eos: frozenset[int]):
         self.spec, self.words, self.eos, self._build = spec, words, eos, build
@@ -180,6 +190,27 @@ class LLGuidanceBackend:
         self._words = bitmask_words(self.vocab_size)
         self._executor: llguidance.LLExecutor | None = None
         self._executor_lock = threading.Lock()
+        self._byte_tokens: dict[int, int] | None = None
+
+    @property
+    def byte_tokens(self) -> dict[int, int]:
+        """byte -> a token whose text is exactly that byte (bytes without one are absent); built on
+        first use (~20 ms for a 50k vocabulary)."""
+        if self._byte_tokens is None:
+            tok, found = self.tokenizer, {}
+            for t in range(tok.vocab_size):
+                if not tok.is_special_token(t):
+                    b = tok.decode_bytes([t])
+                    if len(b) == 1 and b[0] not in found:
+                        found[b[0]] = t
+            self._byte_tokens = found
+        return self._byte_tokens
+
+    def token_bytes(self, token_ids: Sequence[int]) -> bytes:
+        return self.tokenizer.decode_bytes(list(token_ids))
+
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        return self.tokenizer.tokenize_bytes(data)
 
     @classmethod
     def from_tokenizer(

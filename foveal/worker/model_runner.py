@@ -45,6 +45,7 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     encoder_time_s: dict[str, float] = field(default_factory=dict)  # vision-encoder time spent per request
     done: set[str] = field(default_factory=set)  # requests whose grammar is complete (nothing can follow)
+    cut: set[str] = field(default_factory=set)  # of which closed early for max_tokens (closing.py)
     errors: dict[str, str] = field(default_factory=dict)  # requests whose guide failed: why
     # hidden-state drafters (`ModelRunner.tap`): per request, (position of the first row, [n, H]) for
     # the step's rows whose input tokens are confirmed (a verify row's: up to its last accepted draft)
@@ -761,3 +762,5 @@ class ModelRunner:
             out.errors[rid] = guide.error
         elif guide.terminated:
             out.done.add(rid)
+            if guide.cut:
+                out.cut.add(rid)

@@ -1,0 +1,276 @@
+"""Closing a constrained answer before max_tokens cuts it: a short completion its grammar accepts, found
+by searching the matcher's own masks, forced token by token at the end of the budget.
+
+An answer under a grammar that runs into max_tokens otherwise stops mid-structure, JSON that does not
+parse (vLLM, SGLang and llama.cpp return it so). Here the Guide (guide.py) asks `Closer.plan` how to
+finish from where the answer is, and when the budget left is about that long it forces those tokens:
+the answer ends complete and valid, its finish_reason still "length" (it was cut short).
+
+The plan is built over bytes, each a one-byte token of the vocabulary, on a copy of the matcher:
+    - text the grammar forces (the rest of a key, an enum value) as it forces it;
+    - a closer when the grammar allows one: `"` inside a string, else `}` / `]` (the JSON nesting of
+      the text so far, `nesting()`, says which is which);
+    - inside a string that may not close yet: a literal of the schema's `pattern`s (`Closer.witnesses`:
+      a pattern has search semantics, so `"data:image/png;base64,"` written anywhere lets the string
+      close), else a beam search for the nearest state where the string may close;
+    - elsewhere (a number, a value to start): a beam search for the nearest closer or comma.
+Then the bytes are tokenized by the tokenizer, kept where the matcher takes that shorter form.
+
+The beam search goes by length in bytes; a state is known by its one-byte signature (which probe bytes
+it allows), its nesting and how often the signature changed on the way ("progress": a regex's groups
+often allow the same next bytes, and without it `iglu:a/` and `iglu:aa` look alike). It is a heuristic:
+no plan (None) is an answer, and the request then ends as it would have. Over the maskbench sample with
+random prefixes it closes all but schemas whose shortest valid document is thousands of bytes long.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import weakref
+from typing import Any
+
+from foveal.structured.spec import GrammarSpec
+
+log = logging.getLogger(__name__)
+
+# string content needing no escape, and UTF-8 continuation bytes (the model may stop inside a character;
+# which continuations are valid depends on the lead byte, and these five cover every case)
+_STRING = bytes(b for b in range(0x20, 0x7F) if b not in b'"\\') + b"\x80\x8f\x90\xa0\xbf"
+_VALUE = bytes(range(0x20, 0x7F))  # what a search outside strings tries (by representatives)
+_PROBE = b"\"}],:059afgmzAFZ-._/ @+%()!#~'\\"  # the bytes whose validity is a state's signature
+_BEAM = 24  # states kept per length
+_SEARCH_BYTES = 128  # how far one search looks
+_WITNESS_BYTES = 128
+
+
+def nesting(stack: str, data: bytes) -> str:
+    """The JSON nesting after `data`, from `stack` before it: `{` / `[` per open container, `"` inside
+    a string, a last `\\` while an escape is pending. Text that is not JSON just nests oddly: the
+    plan reads it as a hint only."""
+    s = list(stack)
+    esc = bool(s) and s[-1] == "\\"
+    if esc:
+        s.pop()
+    for b in data:
+        if s and s[-1] == '"':
+            if esc:
+                esc = False
+            elif b == 0x5C:
+                esc = True
+            elif b == 0x22:
+                s.pop()
+        elif b in (0x7B, 0x5B):
+            s.append(chr(b))
+        elif b in (0x7D, 0x5D):
+            if s:
+                s.pop()
+        elif b == 0x22:
+            s.append('"')
+    return "".join(s) + ("\\" if esc else "")
+
+
+def _in_string(stack: str) -> bool:
+    return stack.endswith('"') or stack.endswith("\\")
+
+
+def _patterns(spec: GrammarSpec) -> list[str]:
+    """The regexes a JSON schema puts on strings: `pattern` values and `patternProperties` keys."""
+    if spec.kind != "json_schema":
+        return []
+    found: dict[str, None] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "pattern" and isinstance(v, str):
+                    found[v] = None
+                elif k == "patternProperties" and isinstance(v, dict):
+                    found.update(dict.fromkeys(p for p in v if isinstance(p, str)))
+                    walk(v)
+                else:
+                    walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(json.loads(spec.value))
+    return list(found)
+
+
+class Closer:
+    """Plans the end of answers under one compiled grammar; shared by its requests (thread-safe: a
+    plan works on copies, the witnesses are built once under a lock)."""
+
+    def __init__(self, grammar):
+        self.grammar = grammar
+        backend = grammar.backend
+        self._backend = backend
+        self._byte = backend.byte_tokens  # byte -> a token of exactly that byte
+        self._bytes: dict[int, bytes] = {}
+        self._witnesses: list[list[int]] | None = None
+        self._lock = threading.Lock()
+
+    def token_bytes(self, token: int) -> bytes:
+        b = self._bytes.get(token)
+        if b is None:
+            b = self._bytes[token] = self._backend.token_bytes([token])
+        return b
+
+    def _text(self, tokens) -> bytes:
+        return b"".join(self.token_bytes(t) for t in tokens)
+
+    def _ok(self, m, b: int) -> bool:
+        t = self._byte.get(b)
+        return t is not None and m.validate([t]) == 1
+
+    # -- the plan -----------------------------------------------------------------------------------
+    def plan(self, matcher, stack: str, limit: int) -> list[int] | None:
+        """Tokens (at most `limit`) that take `matcher` from where it is to a complete match, or None
+        when none was found. `stack`: the JSON nesting of the text so far (`nesting`)."""
+        m = matcher.copy()
+        out: list[int] = []
+        cap = 4 * limit + 64  # bytes: the tokenizer's merges shorten them afterwards
+        quote = self._byte.get(0x22)
+        while not m.is_accepting():
+            if len(out) > cap or m.error is not None:
+                return None
+            forced = m.forced()
+            if forced:
+                path = [forced]
+            else:
+                path = self._next(m, stack, quote)
+                if path is None:
+                    return None
+            for e in path:
+                if not m.accept(e):
+                    return None
+                out += e
+                stack = nesting(stack, self._text(e))
+        if len(out) > 1:
+            short = self._backend.tokenize_bytes(self._text(out))
+            if len(short) < len(out) and matcher.validate(short) == len(short):
+                out = short
+        return out if len(out) <= limit else None
+
+    def _next(self, m, stack: str, quote: int | None) -> list[list[int]] | None:
+        """The next steps of a plan: a closer, a pattern's literal, or a searched path."""
+        if _in_string(stack):
+            if not stack.endswith("\\") and self._ok(m, 0x22):
+                return [[quote]]
+            if quote is not None and not stack.endswith("\\"):
+                for w in self.witnesses():
+                    if m.validate(w + [quote]) == len(w) + 1:
+                        return [w]
+            depth = len(stack.rstrip("\\"))
+
+            def goal(d, s: str) -> bool:  # the string may close now, or it closed
+                inner = s.rstrip("\\")
+                return d.is_accepting() or len(inner) < depth or (not s.endswith("\\") and self._ok(d, 0x22))
+
+            return self._search(m, stack, goal, _STRING, self.witnesses())
+        # close, open a string (a key, a value), or go on to a container's next item
+        for b in b'}]",' if stack else b'}]"':
+            if self._ok(m, b):
+                return [[self._byte[b]]]
+        depth = len(stack)
+
+        def goal(d, s: str) -> bool:  # something closes, or a comma or string may follow
+            return d.is_accepting() or len(s) != depth or any(self._ok(d, b) for b in b'}],"')
+
+        return self._search(m, stack, goal, _VALUE, [])
+
+    def _search(self, m, stack: str, goal, alphabet: bytes, witnesses, limit: int = _SEARCH_BYTES):
+        """A beam search by length in bytes for the shortest path (a list of token lists) to a state
+        where `goal(matcher, nesting)` holds, or after which a witness and `"` may follow; None if
+        there is none within `limit` bytes."""
+        probe = [self._byte[b] for b in _PROBE if b in self._byte]
+        quote = self._byte.get(0x22)
+        letters = [b for b in alphabet if b in self._byte]
+        layers: dict[int, list] = {0: [(stack, m, [], 0, None)]}
+        while layers:
+            n = min(layers)
+            if n > limit:
+                return None
+            layer = layers.pop(n)
+            for _, d, path, _, _ in layer:  # a complete match first
+                if path and d.is_accepting():
+                    return path
+            fresh, repeats, seen = [], [], set()
+            for s, d, path, progress, before in layer:
+                if path and goal(d, s):
+                    return path
+                forced = d.forced()
+                sig = ("forced", tuple(forced)) if forced else tuple(d.validate([t]) for t in probe)
+                progress += sig != before
+                key = (sig, s, progress)
+                (repeats if key in seen else fresh).append((s, d, path, forced, progress, sig))
+                seen.add(key)
+            fresh.sort(key=lambda x: -x[4])
+            for s, d, path, forced, progress, sig in (fresh + repeats)[:_BEAM]:
+                if forced:
+                    edges = [forced]
+                else:
+                    allowed = [b for b in letters if d.validate([self._byte[b]]) == 1]
+                    edges = [[self._byte[b]] for b in _representatives(allowed)]
+                    for w in witnesses if quote is not None else ():  # a literal that lets the string close
+                        if d.validate(w + [quote]) == len(w) + 1:
+                            return path + [w]
+                for e in edges:
+                    x = d.copy()
+                    if not x.accept(e):
+                        continue
+                    data = self._text(e)
+                    layers.setdefault(n + len(data), []).append(
+                        (nesting(s, data), x, path + [e], progress, sig)
+                    )
+        return None
+
+    # -- the literals of the schema's patterns ------------------------------------------------------
+    def witnesses(self) -> list[list[int]]:
+        """Per `pattern` of the schema, a short string it matches (as one-byte tokens, no `"` or `\\`):
+        written inside a string it lets the string close. Built on first use."""
+        with self._lock:
+            if self._witnesses is None:
+                self._witnesses = []
+                for p in _patterns(self.grammar.spec):
+                    try:
+                        g = self._backend.compile(GrammarSpec.regex(p))
+                    except ValueError:  # a dialect the regex backend reads differently: no literal
+                        continue
+                    path = self._search(
+                        g.matcher(), '"', lambda d, s: d.is_accepting(), _STRING, [], _WITNESS_BYTES
+                    )
+                    if path:
+                        self._witnesses.append([t for e in path for t in e])
+            return self._witnesses
+
+
+def _representatives(allowed: list[int]) -> list[int]:
+    """Bytes to try: every punctuation byte, but digits / lower / upper case letters by the first and
+    last allowed of each (within a run they usually lead to the same state)."""
+    out, runs = [], {}
+    for b in allowed:
+        c = chr(b)
+        kind = "d" if c.isdigit() else "l" if c.islower() else "u" if c.isupper() else None
+        if kind is None:
+            out.append(b)
+        else:
+            runs.setdefault(kind, []).append(b)
+    for run in runs.values():
+        out += run[:1] + run[-1:] if len(run) > 1 else run
+    return out
+
+
+_CLOSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CLOSERS_LOCK = threading.Lock()
+
+
+def closer_for(grammar) -> Closer:
+    """The Closer of a compiled grammar (one per grammar, made on first use)."""
+    with _CLOSERS_LOCK:
+        c = _CLOSERS.get(grammar)
+        if c is None:
+            c = _CLOSERS[grammar] = Closer(grammar)
+        return c

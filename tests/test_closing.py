@@ -1,0 +1,196 @@
+"""Closing a constrained answer before max_tokens (foveal/structured/closing.py): the JSON nesting
+reader, plans from random points of held-out schemas that complete to documents jsonschema accepts,
+the cases a greedy closer cannot do alone (a pattern's literal, an anchored pattern mid-string, a
+character cut in half, a number that may not be 0), and through the engine: an answer that would run
+past max_tokens ends complete with finish_reason "length", also from inside a think block, and
+`close_on_length=False` keeps the plain cut."""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+
+import pytest
+import torch
+
+from foveal import SamplingParams
+from foveal.request import FinishReason
+from foveal.structured import GrammarSpec
+from tests.heldout import HELDOUT
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+MASKBENCH = HELDOUT / "jsonschemabench" / "maskbench_sample.jsonl"
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from foveal.structured.llguidance_backend import LLGuidanceBackend
+    from tests.tiny_vlm import byte_tokenizer
+
+    return LLGuidanceBackend.from_tokenizer(byte_tokenizer([], ""))
+
+
+def plan_from(backend, spec: GrammarSpec, prefix: bytes, limit: int = 4000):
+    """(the matcher after `prefix`, the plan from there), with the nesting read from the prefix."""
+    from foveal.structured.closing import closer_for, nesting
+
+    g = backend.compile(spec)
+    m = g.matcher()
+    assert m.accept(backend.tokenize_bytes(prefix)), prefix
+    return m, closer_for(g).plan(m, nesting("", prefix), limit)
+
+
+def finish(backend, spec, prefix: bytes, limit: int = 4000) -> str:
+    m, plan = plan_from(backend, spec, prefix, limit)
+    assert plan is not None, prefix
+    assert m.accept(plan) and m.is_accepting()
+    return (prefix + backend.token_bytes(plan)).decode()
+
+
+def test_nesting_reads_strings_escapes_and_containers():
+    from foveal.structured.closing import nesting
+
+    assert nesting("", b'{"a": [1, {"b": "x') == '{[{"'
+    assert nesting("", b'{"a": "]}\\"[{') == '{"'  # brackets and an escaped quote inside a string
+    assert nesting("", b'{"a": "x\\') == '{"\\'  # an escape pending
+    assert nesting('{"\\', b'n", "b": []}') == ""
+    assert nesting("", b'[[], {}, ""]') == ""
+
+
+def test_cases_a_greedy_closer_cannot_do_alone(backend):
+    # a pattern with search semantics: its literal anywhere lets the string close
+    s = {"type": "object", "properties": {"img": {"type": "string", "pattern": "data:image/png;base64,"}},
+         "required": ["img"]}  # fmt: skip
+    spec = GrammarSpec.json_schema(s)
+    out = finish(backend, spec, b'{"img": "abc\xc3')  # ...and a character cut in half first
+    jsonschema.validate(json.loads(out), s)
+    assert "data:image/png;base64," in out
+    # an anchored pattern, mid-string: its groups allow the same next bytes, the search tells them apart
+    part = "[a-zA-Z0-9-_]+"
+    s = {"type": "string", "pattern": f"^iglu:[a-zA-Z0-9-_.]+/{part}/{part}/[0-9]+-[0-9]+-[0-9]+$"}
+    out = finish(backend, GrammarSpec.json_schema(s), b'"iglu:com.acme/')
+    jsonschema.validate(json.loads(out), s)
+    # a number that may not be 0, a required key after it, an array with minItems
+    x = {"type": "number", "exclusiveMinimum": 0}
+    y = {"type": "array", "items": {"type": "integer"}, "minItems": 3}
+    s = {"type": "object", "required": ["x", "y"], "properties": {"x": x, "y": y}}
+    out = finish(backend, GrammarSpec.json_schema(s), b'{"x": 0.')
+    jsonschema.validate(json.loads(out), s)
+    # other kinds of grammar: a regex, a choice, a Lark grammar
+    import re
+
+    assert re.fullmatch(r"12\.\d\.\d", finish(backend, GrammarSpec.regex(r"\d+\.\d+\.\d+"), b"12"))
+    assert finish(backend, GrammarSpec.choice(["alpha", "beta"]), b"al") == "alpha"
+    lark = GrammarSpec.lark('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/')
+    assert finish(backend, lark, b"(12,") in ("(12,0)", "(12,9)")
+    # no room: no plan
+    assert plan_from(backend, GrammarSpec.json_schema(s), b'{"x": 0.', limit=5)[1] is None
+
+
+@pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/heldout is not here")
+def test_plans_from_random_points_of_maskbench_schemas_validate(backend):
+    """Every 5th accepted schema, three random walks under its mask (5, 30, 300 one-byte tokens, biased
+    towards closers as the end-to-end test is): the plan from each point completes a document that
+    jsonschema accepts, within the budget."""
+    from foveal.structured.closing import closer_for, nesting
+
+    rows = [json.loads(line) for line in MASKBENCH.read_text().splitlines()]
+    by_byte = backend.byte_tokens
+    tried = 0
+    for r in rows[::5]:
+        try:
+            g = backend.compile(GrammarSpec.json_schema(r["schema"]))
+        except ValueError:
+            continue
+        for seed, steps in enumerate((5, 30, 300)):
+            rng, m, out = random.Random(seed), g.matcher(), []
+            row = torch.zeros(g.words, dtype=torch.int32)
+            for _ in range(steps):
+                m.fill_bitmask(row)
+                allowed = [t for t in by_byte.values() if (int(row[t // 32]) >> (t % 32)) & 1]
+                if not allowed:
+                    break
+                weight = [3 if backend.token_bytes([t]) in (b'"', b"]", b"}") else 1 for t in allowed]
+                out.append(rng.choices(allowed, weight)[0])
+                assert m.accept(out[-1:])
+            plan = closer_for(g).plan(m, nesting("", backend.token_bytes(out)), 8000)
+            assert plan is not None and len(plan) <= 8000, (r["id"], backend.token_bytes(out)[-80:])
+            assert m.accept(plan) and m.is_accepting()
+            jsonschema.validate(json.loads(backend.token_bytes(out + plan)), r["schema"])
+            tried += 1
+    assert tried >= 240
+
+
+# -- through the engine ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    from foveal.engine.llm import LLM
+    from tests.tiny_vlm import save_tiny_text_model
+
+    path = save_tiny_text_model(tempfile.mkdtemp())
+    return LLM(path, dtype="float32", num_blocks=1024, block_size=16, max_num_seqs=16, max_model_len=1024)
+
+
+IMAGE = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "image": {"type": "string", "pattern": "data:image/png;base64,"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+    },
+    "required": ["name", "image", "tags"],
+}
+
+
+def test_an_answer_past_max_tokens_ends_complete_with_length(tiny):
+    """A random model writes strings that never close (the image's pattern needs a literal it does not
+    write); at max_tokens the answer still parses and validates, finish_reason "length", within the
+    budget. With close_on_length=False it is cut where it falls (not JSON)."""
+    from tests.test_structured_outputs import assert_idle, closing_bias
+
+    spec = GrammarSpec.json_schema(IMAGE)
+    for max_tokens in (60, 150):
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                seed=s,
+                max_tokens=max_tokens,
+                structured=spec,
+                logit_bias=closing_bias(tiny, 2),
+            )  # fmt: skip
+            for s in range(6)
+        ]
+        for o in tiny.generate(["{"] * 6, params):
+            c = o.outputs[0]
+            assert len(c.token_ids) <= max_tokens
+            jsonschema.validate(json.loads(c.text), IMAGE)
+            assert c.finish_reason is FinishReason.LENGTH, c.text
+    p = SamplingParams(temperature=1.0, seed=0, max_tokens=60, structured=spec, close_on_length=False)
+    (o,) = tiny.generate(["{"], p)
+    c = o.outputs[0]
+    assert c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 60
+    with pytest.raises(ValueError):
+        json.loads(c.text)
+    assert_idle(tiny)
+
+
+def test_a_budget_spent_thinking_ends_the_thought_then_the_answer():
+    """No thinking budget, and the random thinker never closes its block: near max_tokens the end
+    marker is forced, then the shortest answer; the answer after </think> validates."""
+    from foveal.engine.llm import LLM
+    from tests.test_structured_outputs import save_thinker
+
+    llm = LLM(save_thinker(tempfile.mkdtemp()), dtype="float32", num_blocks=512, block_size=16,
+              reasoning_parser="qwen3")  # fmt: skip
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    end = llm.tokenizer.get_vocab()["</think>"]
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True,
+                       structured=GrammarSpec.json_schema(schema))  # fmt: skip
+    (c,) = llm.chat([{"role": "user", "content": "hi"}], p)[0].outputs
+    assert c.finish_reason is FinishReason.LENGTH and len(c.token_ids) <= 40
+    assert end in c.token_ids
+    answer = llm.tokenizer.decode(c.token_ids[c.token_ids.index(end) + 1 :])
+    jsonschema.validate(json.loads(answer), schema)
