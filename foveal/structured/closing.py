@@ -111,6 +111,7 @@ class Closer:
         self._bytes: dict[int, bytes] = {}
         self._witnesses: list[list[int]] | None = None
         self._lock = threading.Lock()
+        self._start: tuple[int, list[int] | None] = (0, None)  # (limit tried, plan) from the start
 
     def token_bytes(self, token: int) -> bytes:
         b = self._bytes.get(token)
@@ -128,10 +129,25 @@ class Closer:
     # -- the plan -----------------------------------------------------------------------------------
     def plan(self, matcher, stack: str, limit: int) -> list[int] | None:
         """Tokens (at most `limit`) that take `matcher` from where it is to a complete match, or None
-        when none was found. `stack`: the JSON nesting of the text so far (`nesting`)."""
+        when none was found. `stack`: the JSON nesting of the text so far (`nesting`). From the
+        grammar's start (the shortest document) the answer is the same for every request: kept."""
+        if matcher.num_tokens == 0:
+            with self._lock:
+                tried, plan = self._start
+            if plan is not None:
+                return plan if len(plan) <= limit else None
+            if limit <= tried:
+                return None
+            plan = self._plan(matcher, stack, limit)
+            with self._lock:
+                self._start = (max(limit, self._start[0]), plan) if plan is not None else (limit, None)
+            return plan
+        return self._plan(matcher, stack, limit)
+
+    def _plan(self, matcher, stack: str, limit: int) -> list[int] | None:
         m = matcher.copy()
         out: list[int] = []
-        cap = 4 * limit + 64  # bytes: the tokenizer's merges shorten them afterwards
+        cap = 2 * limit + 16  # tokens: the tokenizer's merges shorten one-byte ones afterwards
         quote = self._byte.get(0x22)
         while not m.is_accepting():
             if len(out) > cap or m.error is not None:
