@@ -122,6 +122,10 @@ class Closer:
     def _text(self, tokens) -> bytes:
         return b"".join(self.token_bytes(t) for t in tokens)
 
+    def backend_text(self, tokens: list[int]) -> bytes:
+        """The text of many tokens at once (one call of the tokenizer)."""
+        return self._backend.token_bytes(tokens)
+
     def _ok(self, m, b: int) -> bool:
         t = self._byte.get(b)
         return t is not None and m.validate([t]) == 1

@@ -75,7 +75,9 @@ class Guide:
             from foveal.structured.closing import closer_for
 
             self._closer = closer_for(spec.grammar)
-        self._nest = ""  # the answer's JSON nesting (closing.nesting), kept while closing may come
+        self._nest = ""  # the answer's JSON nesting (closing.nesting) up to its token _nested
+        self._nested = 0
+        self._answer_ids: list[int] = []  # the answer's tokens, kept while closing may come
         self._plan: tuple[int, ...] = ()  # the closing tokens being forced
         self._planned = 0  # of which produced
         self._look_at = spec.close_budget  # look for a plan once the tokens left are this few (None: never)
@@ -136,6 +138,11 @@ class Guide:
         head: tuple[int, ...] = ()
         if self.phase == THINK:  # end the thought first: the rest of its end marker
             head = self.spec.think_end[self._end :]
+        if self._nested < len(self._answer_ids):  # read the nesting of the tokens since the last look
+            from foveal.structured.closing import nesting
+
+            new = self._closer.backend_text(self._answer_ids[self._nested :])
+            self._nest, self._nested = nesting(self._nest, new), len(self._answer_ids)
         plan = self._closer.plan(self.matcher, self._nest if self.phase == ANSWER else "", left - len(head))
         if plan is None:  # no way found, or none that fits: the request runs on as it would have
             self._look_at = None
@@ -199,10 +206,8 @@ class Guide:
         if self.matcher is None:
             return True
         if self.matcher.accept([token]):
-            if self._look_at is not None or self._closing():
-                from foveal.structured.closing import nesting
-
-                self._nest = nesting(self._nest, self._closer.token_bytes(token))
+            if self._look_at is not None:
+                self._answer_ids.append(token)
             return True
         if self.matcher.error is not None:
             self.error = f"grammar: {self.matcher.error}"
@@ -225,12 +230,13 @@ class Guide:
     # -- speculative runs -----------------------------------------------------------------------------
     def _mark(self) -> tuple:
         n = self.matcher.num_tokens if self.matcher else 0
-        closing = self.num_tokens, self._nest, self._planned, self.cut
+        closing = self.num_tokens, len(self._answer_ids), self._planned, self.cut
         return self.phase, self.thinking_tokens, self._end, n, closing
 
     def _back(self, mark: tuple) -> None:
         self.phase, self.thinking_tokens, self._end, n, closing = mark
-        self.num_tokens, self._nest, self._planned, self.cut = closing
+        self.num_tokens, answered, self._planned, self.cut = closing
+        del self._answer_ids[answered:]
         if self.matcher is not None and self.matcher.num_tokens > n:
             self.matcher.rollback(self.matcher.num_tokens - n)
 
