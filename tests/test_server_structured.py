@@ -300,21 +300,28 @@ def test_a_json_schema_answer_after_thinking_over_http(thinker):
 
 
 def test_structured_metrics(real):
-    """Compile counts and time, cache hits, and the host time of grammar masks, in /metrics and the
-    admin view of /v1/metrics (after the constrained requests above, or this one)."""
+    """Compile counts and time, cache hits, the host time of grammar masks and the answers closed for
+    max_tokens, in /metrics and the admin view of /v1/metrics (after the constrained requests above,
+    or these)."""
     c = real.client()
     for _ in range(2):  # the second one is a cache hit
         c.completions.create(
             model=real.model, prompt="x", max_tokens=4, extra_body={"guided_choice": ["a", "b"]}
         )
+    schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+    r = c.completions.create(model=real.model, prompt="A long story:", max_tokens=10, temperature=0,
+                             extra_body={"guided_json": schema})  # fmt: skip
+    assert r.choices[0].finish_reason == "length" and json.loads(r.choices[0].text)
     text = httpx.get(real.url + "/metrics").text
     values = {
         line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"
     }
     assert values["foveal_grammar_compiles_total"] >= 1 and values["foveal_grammar_cache_hits_total"] >= 1
+    assert values["foveal_structured_closed_total"] >= 1
     assert (
         values["foveal_structured_mask_rows_total"] >= 2
         and values["foveal_structured_mask_seconds_total"] > 0
     )
     s = httpx.get(real.url + "/v1/metrics").json()["summary"]["structured"]
     assert s["mask_rows"] >= 2 and s["mask_us_per_row"] > 0 and s["grammar_cache"]["hits"] >= 1
+    assert s["closed"] >= 1

@@ -371,7 +371,9 @@ class EngineLoop:
             if e.spec_policy is not None:  # how many drafts the load-aware policy gave rows
                 spec.update(e.spec_policy.stats())
         r = e.runner
-        masks = {"mask_seconds": r.mask_seconds, "mask_rows": r.mask_rows} if r.mask_rows else None
+        masks = None
+        if r.mask_rows:
+            masks = {"mask_seconds": r.mask_seconds, "mask_rows": r.mask_rows, "closed": r.closed_answers}
         lora = e.lora_report() if r.lora is not None else None
         report = StepReport(
             e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec, masks, lora

@@ -138,6 +138,11 @@ class PrometheusSink:
                         "Host time filling grammar masks",
                         structured["mask_seconds"],
                     ),
+                    (
+                        "foveal_structured_closed",
+                        "Constrained answers closed early for max_tokens",
+                        structured.get("closed", 0),
+                    ),
                 ],
             )
 

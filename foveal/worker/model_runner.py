@@ -105,6 +105,7 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size)
         self.mask_seconds = 0.0  # host time spent filling grammar masks (and the rows filled)
         self.mask_rows = 0
+        self.closed_answers = 0  # answers closed early for max_tokens (foveal/structured/closing.py)
         self._num_guided = 0  # held requests with a guide: none, and a step fills no masks at all
         self._num_diffusion = 0  # held requests of a diffusion model (their own attention shape)
         self._mask_bufs: list[torch.Tensor | None] = [None, None]
@@ -744,8 +745,7 @@ class ModelRunner:
             out.hidden[s.request_id] = (s.start, launched.tapped[row : row + valid])
             row += n
 
-    @staticmethod
-    def _advance(guide: Guide, rid: str, toks: list[int], out: RunnerOutput, produced: list[int]) -> None:
+    def _advance(self, guide: Guide, rid: str, toks: list[int], out: RunnerOutput, produced: list) -> None:
         """Move a request's guide over its new tokens; report a failure, or a grammar that is done."""
         for t in toks:
             if guide.error is None and not guide.accept(t):
@@ -764,3 +764,4 @@ class ModelRunner:
             out.done.add(rid)
             if guide.cut:
                 out.cut.add(rid)
+                self.closed_answers += 1
