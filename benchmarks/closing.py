@@ -17,12 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -30,6 +27,7 @@ sys.path.insert(0, str(HERE.parent))
 from foveal.structured import GrammarSpec  # noqa: E402
 from foveal.structured.closing import closer_for, nesting  # noqa: E402
 from foveal.structured.llguidance_backend import LLGuidanceBackend  # noqa: E402
+from tests.test_closing import random_point  # noqa: E402
 
 MASKBENCH = HERE.parent.parent / "shared" / "heldout" / "jsonschemabench" / "maskbench_sample.jsonl"
 
@@ -57,7 +55,6 @@ def main() -> None:
     import jsonschema
 
     backend = LLGuidanceBackend.from_tokenizer(tokenizer(args.tokenizer))
-    by_byte = backend.byte_tokens
     rows = [json.loads(line) for line in Path(args.schemas).read_text().splitlines()][:: args.every]
     found, invalid, missing, seconds, lengths, points = 0, 0, [], [], [], 0
     for r in rows:
@@ -67,16 +64,7 @@ def main() -> None:
             continue
         closer = closer_for(g)
         for seed, steps in enumerate((5, 30, 300)):
-            rng, m, out = random.Random(seed), g.matcher(), []
-            row = torch.zeros(g.words, dtype=torch.int32)
-            for _ in range(steps):
-                m.fill_bitmask(row)
-                allowed = [t for t in by_byte.values() if (int(row[t // 32]) >> (t % 32)) & 1]
-                if not allowed:
-                    break
-                weight = [3 if backend.token_bytes([t]) in (b'"', b"]", b"}") else 1 for t in allowed]
-                out.append(rng.choices(allowed, weight)[0])
-                m.accept(out[-1:])
+            m, out = random_point(backend, g, seed, steps)
             points += 1
             t0 = time.perf_counter()
             plan = closer.plan(m, nesting("", backend.token_bytes(out)), args.limit)

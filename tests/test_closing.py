@@ -90,6 +90,23 @@ def test_cases_a_greedy_closer_cannot_do_alone(backend):
     assert plan_from(backend, GrammarSpec.json_schema(s), b'{"x": 0.', limit=5)[1] is None
 
 
+def random_point(backend, grammar, seed: int, steps: int):
+    """(a matcher, its tokens) after `steps` one-byte tokens drawn under the grammar's mask, three times
+    likelier `"`, `]` and `}` (as the end-to-end test's requests are biased); shorter where the
+    grammar ends. Shared with benchmarks/closing.py."""
+    rng, m, out = random.Random(seed), grammar.matcher(), []
+    row = torch.zeros(grammar.words, dtype=torch.int32)
+    for _ in range(steps):
+        m.fill_bitmask(row)
+        allowed = [t for t in backend.byte_tokens.values() if (int(row[t // 32]) >> (t % 32)) & 1]
+        if not allowed:
+            break
+        weight = [3 if backend.token_bytes([t]) in (b'"', b"]", b"}") else 1 for t in allowed]
+        out.append(rng.choices(allowed, weight)[0])
+        assert m.accept(out[-1:])
+    return m, out
+
+
 @pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/heldout is not here")
 def test_plans_from_random_points_of_maskbench_schemas_validate(backend):
     """Every 5th accepted schema, three random walks under its mask (5, 30, 300 one-byte tokens, biased
@@ -98,7 +115,6 @@ def test_plans_from_random_points_of_maskbench_schemas_validate(backend):
     from foveal.structured.closing import closer_for, nesting
 
     rows = [json.loads(line) for line in MASKBENCH.read_text().splitlines()]
-    by_byte = backend.byte_tokens
     tried = 0
     for r in rows[::5]:
         try:
@@ -106,16 +122,7 @@ def test_plans_from_random_points_of_maskbench_schemas_validate(backend):
         except ValueError:
             continue
         for seed, steps in enumerate((5, 30, 300)):
-            rng, m, out = random.Random(seed), g.matcher(), []
-            row = torch.zeros(g.words, dtype=torch.int32)
-            for _ in range(steps):
-                m.fill_bitmask(row)
-                allowed = [t for t in by_byte.values() if (int(row[t // 32]) >> (t % 32)) & 1]
-                if not allowed:
-                    break
-                weight = [3 if backend.token_bytes([t]) in (b'"', b"]", b"}") else 1 for t in allowed]
-                out.append(rng.choices(allowed, weight)[0])
-                assert m.accept(out[-1:])
+            m, out = random_point(backend, g, seed, steps)
             plan = closer_for(g).plan(m, nesting("", backend.token_bytes(out)), 8000)
             assert plan is not None and len(plan) <= 8000, (r["id"], backend.token_bytes(out)[-80:])
             assert m.accept(plan) and m.is_accepting()

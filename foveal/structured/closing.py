@@ -26,14 +26,11 @@ random prefixes it closes all but schemas whose shortest valid document is thous
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import weakref
 from typing import Any
 
 from foveal.structured.spec import GrammarSpec
-
-log = logging.getLogger(__name__)
 
 # string content needing no escape, and UTF-8 continuation bytes (the model may stop inside a character;
 # which continuations are valid depends on the lead byte, and these five cover every case)
@@ -113,18 +110,15 @@ class Closer:
         self._lock = threading.Lock()
         self._start: tuple[int, list[int] | None] = (0, None)  # (limit tried, plan) from the start
 
-    def token_bytes(self, token: int) -> bytes:
-        b = self._bytes.get(token)
-        if b is None:
-            b = self._bytes[token] = self._backend.token_bytes([token])
-        return b
-
-    def _text(self, tokens) -> bytes:
-        return b"".join(self.token_bytes(t) for t in tokens)
-
-    def backend_text(self, tokens: list[int]) -> bytes:
-        """The text of many tokens at once (one call of the tokenizer)."""
-        return self._backend.token_bytes(tokens)
+    def text(self, tokens) -> bytes:
+        """The tokens' text (each token's bytes decoded once per grammar, then kept)."""
+        out = []
+        for t in tokens:
+            b = self._bytes.get(t)
+            if b is None:
+                b = self._bytes[t] = self._backend.token_bytes([t])
+            out.append(b)
+        return b"".join(out)
 
     def _ok(self, m, b: int) -> bool:
         t = self._byte.get(b)
@@ -167,9 +161,9 @@ class Closer:
                 if not m.accept(e):
                     return None
                 out += e
-                stack = nesting(stack, self._text(e))
+                stack = nesting(stack, self.text(e))
         if len(out) > 1:
-            short = self._backend.tokenize_bytes(self._text(out))
+            short = self._backend.tokenize_bytes(self.text(out))
             if len(short) < len(out) and matcher.validate(short) == len(short):
                 out = short
         return out if len(out) <= limit else None
@@ -241,7 +235,7 @@ class Closer:
                     x = d.copy()
                     if not x.accept(e):
                         continue
-                    data = self._text(e)
+                    data = self.text(e)
                     layers.setdefault(n + len(data), []).append(
                         (nesting(s, data), x, path + [e], progress, sig)
                     )

@@ -75,12 +75,12 @@ class Guide:
             from foveal.structured.closing import closer_for
 
             self._closer = closer_for(spec.grammar)
-        self._nest = ""  # the answer's JSON nesting (closing.nesting) up to its token _nested
-        self._nested = 0
-        self._answer_ids: list[int] = []  # the answer's tokens, kept while closing may come
+        self._nest = ""  # the answer's JSON nesting (closing.nesting) before its tokens _unread
+        self._unread: list[int] = []  # answer tokens since the last look, while closing may come
         self._plan: tuple[int, ...] = ()  # the closing tokens being forced
         self._planned = 0  # of which produced
-        self._look_at = spec.close_budget  # look for a plan once the tokens left are this few (None: never)
+        # look for a plan once the tokens left are this few (None: never)
+        self._look_at = spec.close_budget if self._closer is not None else None
         self._walking = False  # fill_rows is walking drafts: no planning then
 
     # -- state --------------------------------------------------------------------------------------
@@ -138,11 +138,11 @@ class Guide:
         head: tuple[int, ...] = ()
         if self.phase == THINK:  # end the thought first: the rest of its end marker
             head = self.spec.think_end[self._end :]
-        if self._nested < len(self._answer_ids):  # read the nesting of the tokens since the last look
+        if self._unread:  # the nesting of the answer's tokens since the last look
             from foveal.structured.closing import nesting
 
-            new = self._closer.backend_text(self._answer_ids[self._nested :])
-            self._nest, self._nested = nesting(self._nest, new), len(self._answer_ids)
+            self._nest = nesting(self._nest, self._closer.text(self._unread))
+            self._unread.clear()
         plan = self._closer.plan(self.matcher, self._nest if self.phase == ANSWER else "", left - len(head))
         if plan is None:  # no way found, or none that fits: the request runs on as it would have
             self._look_at = None
@@ -207,7 +207,7 @@ class Guide:
             return True
         if self.matcher.accept([token]):
             if self._look_at is not None:
-                self._answer_ids.append(token)
+                self._unread.append(token)
             return True
         if self.matcher.error is not None:
             self.error = f"grammar: {self.matcher.error}"
@@ -230,13 +230,13 @@ class Guide:
     # -- speculative runs -----------------------------------------------------------------------------
     def _mark(self) -> tuple:
         n = self.matcher.num_tokens if self.matcher else 0
-        closing = self.num_tokens, len(self._answer_ids), self._planned, self.cut
+        closing = self.num_tokens, len(self._unread), self._planned, self.cut  # no look while walking
         return self.phase, self.thinking_tokens, self._end, n, closing
 
     def _back(self, mark: tuple) -> None:
         self.phase, self.thinking_tokens, self._end, n, closing = mark
-        self.num_tokens, answered, self._planned, self.cut = closing
-        del self._answer_ids[answered:]
+        self.num_tokens, unread, self._planned, self.cut = closing
+        del self._unread[unread:]
         if self.matcher is not None and self.matcher.num_tokens > n:
             self.matcher.rollback(self.matcher.num_tokens - n)
 
