@@ -79,7 +79,7 @@ def open_hf_folder(path: str) -> HFFolder:
         if foreign is not None:
             hf_config = AutoConfig.for_model(foreign[0], **foreign[1])
         else:
-            hf_config = AutoConfig.from_pretrained(path)
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as e:
         raise ModelLoadError(
             f"could not parse {os.path.join(path, 'config.json')}: {type(e).__name__}: {e}"
@@ -177,7 +177,7 @@ def load_hf_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as e:
         raise ModelLoadError(f"could not load the tokenizer of {path}: {type(e).__name__}: {e}") from e
 
@@ -192,7 +192,7 @@ def load_hf_processor(path: str):
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(path)
+        return AutoProcessor.from_pretrained(path, trust_remote_code=False)
     except Exception as e:
         try:  # a processor whose video half needs torchvision (Qwen2-VL family) still serves images
             return _image_only_processor(path)
@@ -205,7 +205,11 @@ def image_only_processor_class(cls):
     """`cls` (a transformers processor with image, video and tokenizer parts) without its video processor.
 
     transformers' video processors need torchvision, which a CPU-only box may lack; the image path does
-    not. The processor's parts are the parameters of its `__init__`, so the subclass simply drops one."""
+    not. A processor's parts are the parameters of its `__init__` (that is how transformers finds them,
+    to check, save and load them), so the subclass's signature simply drops one. It is only ever built
+    through its constructor with every setting passed by name (`_image_only_processor` loads the parts
+    and the saved settings through the public API): no loading path of transformers' is overridden, so
+    a release that changes one cannot drop a setting on the way (transformers 5.25's `from_dict` did)."""
 
     class ImageOnly(cls):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
@@ -213,15 +217,7 @@ def image_only_processor_class(cls):
                 self, image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs
             )
 
-        @classmethod
-        def from_args_and_dict(klass, args, processor_dict, **kwargs):
-            # transformers keeps only the saved settings that `__init__.__code__` names, i.e. ours: pass
-            # the real class's own ones (SmolVLM's image_seq_len) through **kwargs instead
-            kwargs.pop("return_unused_kwargs", None)
-            names = set(inspect.signature(klass.__init__).parameters) - set(klass.get_attributes())
-            return klass(*args, **{k: v for k, v in {**processor_dict, **kwargs}.items() if k in names})
-
-    # the real signature less the video processor: what transformers saves and loads parts by
+    # the real signature less the video processor: what transformers saves and checks parts by
     real = inspect.signature(cls.__init__)
     ImageOnly.__init__.__signature__ = real.replace(
         parameters=[p for p in real.parameters.values() if p.name != "video_processor"]
@@ -230,22 +226,44 @@ def image_only_processor_class(cls):
     return ImageOnly
 
 
+_PARTS = ("image_processor", "tokenizer", "video_processor")
+
+
 def _image_only_processor(path: str):
+    """The folder's processor built from its parts, loaded one by one with transformers' Auto classes,
+    and its own saved settings (SmolVLM's image_seq_len, ...) passed by name to the constructor."""
     import transformers
+    from transformers import AutoImageProcessor
     from transformers.utils import is_torchvision_available
 
     if is_torchvision_available():
         raise RuntimeError("torchvision is installed: the video processor is not what failed")
-    name = None
-    for f in _PROCESSOR_FILES:
+    name, settings = None, {}
+    for f in _PROCESSOR_FILES:  # processor_config.json first: the processor's own settings live there
         if os.path.isfile(os.path.join(path, f)):
             with open(os.path.join(path, f)) as fh:
-                name = name or json.load(fh).get("processor_class")
+                data = json.load(fh)
+            name = name or data.get("processor_class")
+            if f == "processor_config.json":
+                settings = data
     cls = getattr(transformers, name or "", None)
-    if cls is None or "video_processor" not in cls.get_attributes():
+    if cls is None or "video_processor" not in inspect.signature(cls.__init__).parameters:
         raise RuntimeError("no processor class with a video processor to drop")
     log.warning("torchvision is not installed: %s will process images only (no video)", name)
-    return image_only_processor_class(cls).from_pretrained(path)
+    image_only = image_only_processor_class(cls)
+    accepted = set(inspect.signature(image_only.__init__).parameters) - {"self", *_PARTS}
+    kwargs = {k: v for k, v in settings.items() if k in accepted}
+    template = os.path.join(path, "chat_template.json")  # the older layout; chat_template.jinja the newer
+    if "chat_template" not in kwargs and os.path.isfile(template):
+        with open(template) as fh:
+            kwargs["chat_template"] = json.load(fh).get("chat_template")
+    tokenizer = load_hf_tokenizer(path)
+    kwargs.setdefault("chat_template", getattr(tokenizer, "chat_template", None))
+    return image_only(
+        image_processor=AutoImageProcessor.from_pretrained(path, trust_remote_code=False),
+        tokenizer=tokenizer,
+        **kwargs,
+    )
 
 
 def _weight_files(path: str) -> dict[str, list[str]]:

@@ -1,0 +1,83 @@
+"""The processor Foveal loads from a model folder writes the model's own image-token counts, for every
+VLM family we serve: the same prompt ids and pixels as the processor the checkpoint was saved from,
+and as many image tokens as the model gives embeddings for those pixels. transformers 5.25 silently
+lost SmolVLM's saved `image_seq_len` on a load path Foveal had overridden (169 image tokens per crop
+instead of the model's 4); this is the check that catches such a release at load time, whatever the
+path (AutoProcessor, or the image-only processor built from its parts when torchvision is missing)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from foveal.loader.safetensors_loader import load_hf_processor
+from foveal.models import model_class
+from tests.tiny_vlm import all_builders, image
+
+
+@pytest.fixture(scope="module", params=sorted(all_builders()))
+def saved(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    return all_builders()[request.param](path)
+
+
+def _prompt(tiny, n: int) -> str:
+    return "<|user|>" + "".join(f"{tiny.image_text} picture {i}. " for i in range(n)) + "\n<|assistant|>"
+
+
+def test_loaded_processor_writes_what_the_saved_one_wrote(saved):
+    loaded = load_hf_processor(saved.path)
+    assert loaded is not None
+    hf = model_class_config(saved.path)
+    adapter = model_class(hf).mm_adapter(hf)
+    imgs = [image(40, 30, 1), image(28, 70, 3)]
+    outs = []
+    for proc in (saved.processor, loaded):
+        outs.append(
+            proc(text=[_prompt(saved, 2)], images=adapter.processor_images(imgs), return_tensors="pt")
+        )
+    want, got = outs
+    assert got["input_ids"].tolist() == want["input_ids"].tolist()
+    assert torch.equal(got["pixel_values"], want["pixel_values"])
+
+
+def test_image_tokens_match_the_models_embeddings(saved):
+    hf = model_class_config(saved.path)
+    adapter = model_class(hf).mm_adapter(hf)
+    proc = load_hf_processor(saved.path)
+    for imgs in ([image(40, 30, 1)], [image(56, 56, 2), image(28, 70, 3)]):
+        out = proc(
+            text=[_prompt(saved, len(imgs))], images=adapter.processor_images(imgs), return_tensors="pt"
+        )
+        items = adapter.split(out)
+        assert len(items) == len(imgs)
+        n_tokens = int((out["input_ids"][0] == adapter.image_token_id).sum())
+        assert n_tokens == sum(n for _, n in items)
+        # transformers' model takes these inputs: it refuses image tokens that its vision tower's
+        # embeddings for these pixels do not fill one for one
+        inputs = {k: v for k, v in out.items() if k != "attention_mask"}
+        with torch.no_grad():
+            saved.hf(**inputs)
+
+
+def test_per_image_lengths_saved_are_the_ones_loaded(saved):
+    """A saved per-image token length (image_seq_len, image_seq_length, ...) is read back as saved."""
+    with open(os.path.join(saved.path, "processor_config.json")) as f:
+        settings = json.load(f)
+    loaded = load_hf_processor(saved.path)
+    keys = [
+        k
+        for k in ("image_seq_len", "image_seq_length", "num_additional_image_tokens", "patch_size")
+        if k in settings
+    ]
+    for k in keys:
+        assert getattr(loaded, k) == settings[k], k
+
+
+def model_class_config(path: str):
+    from foveal.loader.safetensors_loader import open_hf_folder
+
+    return open_hf_folder(path).hf_config
