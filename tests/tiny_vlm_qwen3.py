@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.tiny_vlm import TinyVLM, byte_tokenizer, perturb, save, text_config_kwargs
+from tests.tiny_vlm import TinyVLM, byte_tokenizer, image_processor_class, perturb, save, text_config_kwargs
 from tests.tiny_vlm_qwen import IMAGE_TEXT, SPECIALS, _HFReference, qwen_config
 
 
@@ -19,7 +19,7 @@ def build_qwen3_vl(path: str) -> TinyVLM:
     import transformers as tf
     from transformers.utils import is_torchvision_available
 
-    from foveal.loader.safetensors_loader import image_only_processor_class
+    from foveal.loader.processors import image_only_processor_class
 
     tok = byte_tokenizer(SPECIALS, IMAGE_TEXT)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
@@ -41,7 +41,7 @@ def build_qwen3_vl(path: str) -> TinyVLM:
     torch.manual_seed(0)
     hf = tf.Qwen3VLForConditionalGeneration(cfg).eval()
     perturb(hf)
-    ip = tf.Qwen2VLImageProcessor(
+    ip = image_processor_class("Qwen2VLImageProcessor")(
         size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
         patch_size=16, merge_size=2, temporal_patch_size=2,
     )  # fmt: skip

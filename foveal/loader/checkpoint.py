@@ -111,7 +111,8 @@ def _load_local(
 
 def _load_dummy(path: str) -> Checkpoint:
     from foveal.loader import dummy
-    from foveal.loader.safetensors_loader import load_hf_processor, load_hf_tokenizer
+    from foveal.loader.processors import load_hf_processor
+    from foveal.loader.safetensors_loader import load_hf_tokenizer
 
     config = dummy.load_config(path)
     folder = path if os.path.isdir(path) else None
@@ -146,7 +147,8 @@ def _load_gguf(
 def _load_folder(
     path: str, name: str, dtype: torch.dtype, device: torch.device, progress: bool
 ) -> Checkpoint:
-    from foveal.loader.safetensors_loader import load_hf_processor, load_hf_tokenizer, open_hf_folder
+    from foveal.loader.processors import load_hf_processor
+    from foveal.loader.safetensors_loader import load_hf_tokenizer, open_hf_folder
 
     folder = open_hf_folder(path)
     tokenizer = load_hf_tokenizer(path)

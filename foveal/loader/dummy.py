@@ -134,9 +134,11 @@ def dummy_processor(config, tokenizer) -> Any:
     """The family's transformers processor from its defaults, for a VLM config without processor files."""
     import transformers
 
-    from foveal.loader.safetensors_loader import image_only_processor_class
+    from foveal.loader.processors import image_only_processor_class, image_processor_class, images_unsupported
 
     model_type = config.model_type
+    if reason := images_unsupported():
+        raise ModelLoadError(f"--load-format dummy cannot build an image processor: {reason}")
     found = {
         "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLImageProcessor"),
         "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLImageProcessor"),
@@ -146,7 +148,7 @@ def dummy_processor(config, tokenizer) -> Any:
             f"--load-format dummy cannot build a processor for {model_type!r}; give a folder with its "
             "processor files"
         )
-    proc_cls, image_cls = (getattr(transformers, n) for n in found)
+    proc_cls, image_cls = getattr(transformers, found[0]), image_processor_class(found[1])
     kw = dict(image_processor=image_cls(), tokenizer=tokenizer)
     kw["chat_template"] = tokenizer.chat_template
     # image-only whether or not torchvision is there: a default video processor is one more part to
