@@ -156,14 +156,39 @@ def _first_logprobs(llm, ids):
     return {t.token_id: t.logprob for t in out.logprobs[0].top}
 
 
-def test_real_model_packs_equal_its_dense_weights(llm_q4):
+def test_real_model_packs_equal_its_dense_weights(llm_q4, llm_fp32):
     """Every pack (fused q/k/v and gate/up shards, llama.cpp's q/k row order undone, the Q8_0 head)
-    unpacks to the parameter the loader dequantized."""
+    unpacks to the parameter the dense engine's loader dequantized (gguf's own dequantize). The packed
+    engine holds dense values only for the embedding, which lookups read (and the tied head packs)."""
     model = llm_q4.engine.model
     assert quant.describe(model).startswith("121 quantized weights (120 Q4_1, 1 Q8_0;")
+    dense = dict(llm_fp32.engine.model.named_parameters())
+    assert quant.describe(llm_fp32.engine.model) == "dense weights"
+    packed = 0
     for name, p in model.named_parameters():
         if (qw := getattr(p, "_foveal_quant", None)) is not None:
-            torch.testing.assert_close(qw.dequantize(), p.float(), rtol=0, atol=1e-6, msg=name)
+            torch.testing.assert_close(qw.dequantize(), dense[name].float(), rtol=0, atol=1e-6, msg=name)
+            packed += 1
+    assert packed == 121
+    name, embed = next((n, p) for n, p in model.named_parameters() if n.endswith("embed_tokens.weight"))
+    torch.testing.assert_close(embed, dense[name], rtol=0, atol=0)
+
+
+def test_blocks_that_cannot_share_one_pack_are_dequantized():
+    """A fused weight whose shards came as raw blocks of types one pack cannot mix (Q8_0 beside Q4_1)
+    runs dense: its values are dequantized from the blocks (the loader sent no dense copy)."""
+    from foveal.models.weights import ParamFiller
+
+    module = torch.nn.Linear(64, 24, bias=False)
+    (rq, wq), (r8, w8) = gguf_weight("Q4_1", 16, 64, 1), gguf_weight("Q8_0", 8, 64, 2)
+    filler = ParamFiller(module)
+    for offset, (kind, raw) in ((0, ("Q4_1", rq)), (16, ("Q8_0", r8))):
+        t = torch.empty(raw.shape[0], 64, device="meta")
+        t.gguf_blocks = (kind, raw)
+        filler.put("weight", t, f"shard at {offset}", offset=offset, rows=raw.shape[0])
+    filler.check_complete()
+    assert getattr(module.weight, "_foveal_quant", None) is None
+    torch.testing.assert_close(module.weight.detach(), torch.cat([wq, w8]), rtol=0, atol=1e-6)
 
 
 def test_real_model_quantized_next_token_close_to_dense(llm_q4, llm_fp32):

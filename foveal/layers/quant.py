@@ -216,6 +216,16 @@ def assemble(pieces: list[tuple[int, str, torch.Tensor]], rows: int, cols: int) 
     return QuantWeight(q, d, m, "+".join(sorted({p[1] for p in pieces})))
 
 
+def dequantize(raw: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
+    """Raw GGUF rows (uint8 [n, bytes]) of a type this module packs -> float32 [n, cols]: w = d q (+ m)."""
+    n = raw.shape[0]
+    q, d, m = planes_from_gguf(raw, kind, n, cols)
+    w = q.float().reshape(n, cols // QK, QK) * d[..., None]
+    if m is not None:
+        w += m[..., None]
+    return w.reshape(n, cols)
+
+
 def describe(module: torch.nn.Module) -> str:
     """For the start-up log: which weights run quantized."""
     kinds: dict[str, int] = {}

@@ -173,7 +173,8 @@ def _stream(weights: Iterator, total: int, name: str, progress: bool) -> Iterato
     n_bytes = 0
     with tqdm(total=total, desc=f"Loading {name}", unit="tensor", disable=not progress) as bar:
         for item in weights:
-            n_bytes += item[1].numel() * item[1].element_size()
+            t = item[1]  # a meta tensor carries raw GGUF blocks only (gguf_loader.py)
+            n_bytes += t.gguf_blocks[1].numel() if t.is_meta else t.numel() * t.element_size()
             bar.update(1)
             yield item
     log.info(

@@ -1,6 +1,6 @@
 """GGUF metadata -> a transformers config, for the GGUF architectures we serve: llama, qwen2, qwen3.
 
-Owns: reading metadata values from an open `gguf.GGUFReader`, the per-architecture table (config class,
+Owns: reading metadata values from a parsed header (gguf_file.py), the per-architecture table (config class,
 HF architecture name, whether llama.cpp permuted q/k), and the rope parameters, including Llama 3
 scaling rebuilt from llama.cpp's `rope_freqs` tensor. It must not open files (the caller owns the
 one reader) and must not read tensor data beyond that small rope vector.
@@ -41,12 +41,12 @@ _LLAMA3_ORIGINAL_CONTEXT = 8192
 
 def meta(reader, key: str, default: Any = _MISSING, *, path: str = "") -> Any:
     """One metadata value as a Python scalar/str/list; `default` when absent (ModelLoadError if none)."""
-    field = reader.fields.get(key)
-    if field is None:
+    value = reader.metadata.get(key, _MISSING)
+    if value is _MISSING:
         if default is _MISSING:
             raise ModelLoadError(f"GGUF file {path} lacks the metadata key {key!r}")
         return default
-    return field.contents()
+    return value
 
 
 def gguf_architecture(reader, path: str) -> GGUFArch:

@@ -1,7 +1,7 @@
-"""GGUF checkpoints: one `gguf.GGUFReader` per file, HF parameter names, tensors dequantized one at a time.
+"""GGUF checkpoints: one header read per file (gguf_file.py), HF names, tensors dequantized one at a time.
 
-Owns: opening and validating the file (read once: the reader parses all metadata up front, ~5 s for
-the 98 MB default model), the llama.cpp -> HF tensor-name table, dequantization with
+Owns: opening and validating the file (its header parsed once by gguf_file.py: ~0.1 s for the 98 MB
+default model), the llama.cpp -> HF tensor-name table, dequantization with
 `gguf.quants.dequantize`, and undoing the q/k row permutation llama.cpp applies to `llama` models.
 Must not build tokenizers (gguf_tokenizer.py) nor hold more than one dequantized tensor at a time.
 """
@@ -37,6 +37,7 @@ _PER_LAYER = {
     "ffn_norm": "post_attention_layernorm",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_EMBEDDING = "model.embed_tokens.weight"
 _CONSUMED = {"rope_freqs.weight"}  # folded into the config's rope parameters, not a parameter
 
 
@@ -64,7 +65,7 @@ class GGUFFile:
     """An open, validated GGUF file. `weights()` may be iterated more than once (re-reads the mmap)."""
 
     path: str
-    reader: Any  # gguf.GGUFReader; kept alive because tensor data are views into its memory map
+    reader: Any  # gguf_file.GGUFContents; tensor data are views into its memory map
     arch: GGUFArch
     hf_config: Any  # transformers.PretrainedConfig
     names: dict[str, str]  # gguf name -> HF name, in file order, for every tensor we yield
@@ -79,9 +80,12 @@ class GGUFFile:
         device: str | torch.device = "cpu",
         keep_blocks: Collection[str] = (),
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named tensors, dequantized to `dtype`. Each 2-D tensor stored in one of the GGUF types named
-        in `keep_blocks` (e.g. "Q4_1") also carries its raw blocks, rows in HF order, as
-        `tensor.gguf_blocks = (type name, uint8 [rows, bytes per row])` (for layers/quant.py)."""
+        """HF-named tensors, dequantized to `dtype`. A 2-D tensor stored in one of the GGUF types named
+        in `keep_blocks` (e.g. "Q4_1") comes as its raw blocks instead, rows in HF order, on a meta
+        tensor of the dense shape: `tensor.gguf_blocks = (type name, uint8 [rows, bytes per row])`
+        (models/weights.py packs them for layers/quant.py, and dequantizes them only where a weight
+        cannot run packed). The token embedding comes dequantized and, in such a type, with its blocks
+        too: lookups read its rows, a tied LM head runs packed."""
         from gguf.quants import dequantize
 
         cfg = self.hf_config
@@ -90,10 +94,22 @@ class GGUFFile:
             name = self.names.get(t.name)
             if name is None:
                 continue
+            # ggml lists dims fastest-first; reversed, they are the row-major (HF) shape
+            shape = tuple(reversed(t.shape))
+            n_head = next((n for marker, n in qk_heads.items() if marker in t.name), None)
+            n_head = n_head if self.arch.permuted_qk else None
+            raw = None
+            if t.tensor_type.name in keep_blocks and len(shape) == 2:
+                raw = torch.from_numpy(t.data.reshape(shape[0], -1).copy())
+                if n_head is not None:
+                    raw = unpermute_qk(raw, n_head)  # whole rows move
+                if name != _EMBEDDING:
+                    w = torch.empty(shape, dtype=dtype, device="meta")
+                    w.gguf_blocks = (t.tensor_type.name, raw)
+                    yield name, w
+                    continue
             try:
-                arr = dequantize(t.data, t.tensor_type)
-                # ggml lists dims fastest-first; reversed, they are the row-major (HF) shape
-                arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+                arr = dequantize(t.data, t.tensor_type).reshape(shape)
             except Exception as e:
                 raise ModelLoadError(
                     f"GGUF file {self.path}: could not dequantize tensor {t.name} ({t.tensor_type.name}): {e}"
@@ -101,14 +117,8 @@ class GGUFFile:
             if not arr.flags.writeable:  # F32 tensors come back as views into the read-only mmap
                 arr = arr.copy()
             w = torch.from_numpy(arr)
-            raw = None
-            if t.tensor_type.name in keep_blocks and w.dim() == 2:
-                raw = torch.from_numpy(t.data.reshape(w.shape[0], -1).copy())
-            if self.arch.permuted_qk:
-                for marker, n_head in qk_heads.items():
-                    if marker in t.name:
-                        w = unpermute_qk(w, n_head)
-                        raw = None if raw is None else unpermute_qk(raw, n_head)  # whole rows move
+            if n_head is not None:
+                w = unpermute_qk(w, n_head)
             w = w.to(dtype).to(device)
             if raw is not None:
                 w.gguf_blocks = (t.tensor_type.name, raw)
@@ -117,12 +127,12 @@ class GGUFFile:
 
 def open_gguf(path: str) -> GGUFFile:
     """Read the file's metadata and tensor table once, check it and build the HF config."""
-    from gguf import GGUFReader
+    from foveal.loader.gguf_file import read_gguf
 
     t0 = time.perf_counter()
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # truncated files fail inside numpy (ValueError/IndexError), bad magic too
+        reader = read_gguf(path)
+    except Exception as e:  # GGUFFormatError: bad magic, version or types, a truncated header
         raise ModelLoadError(
             f"could not read GGUF file {path}: {type(e).__name__}: {e} (is the file truncated or not a GGUF?)"
         ) from e

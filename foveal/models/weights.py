@@ -18,6 +18,7 @@ class ParamFiller:
         self.buffers = dict(module.named_buffers())
         self.filled: dict[str, int] = {}
         self.quantized: dict[str, list] = {}  # target -> [(row offset, GGUF type, raw rows)]
+        self.unfilled: set[str] = set()  # targets that got raw blocks only: no dense values yet
 
     def put(self, target: str, tensor: torch.Tensor, source: str, offset: int = 0, rows: int | None = None):
         """Copy `tensor` into parameter `target` (rows [offset, offset+rows) of it when rows is given)."""
@@ -29,13 +30,18 @@ class ParamFiller:
                     buf.copy_(tensor)
                 return
             raise ValueError(f"checkpoint tensor {source!r} has no place in {self.owner}")
-        with torch.no_grad():
-            if rows is None:
-                if p.shape != tensor.shape:
-                    raise ValueError(f"{source}: shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
-                p.copy_(tensor)
-            else:
-                p[offset : offset + rows].copy_(tensor)
+        if rows is None and p.shape != tensor.shape:
+            raise ValueError(f"{source}: shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
+        if tensor.is_meta:  # raw GGUF blocks only (loader/gguf_loader.py): packed, or dequantized, below
+            if getattr(tensor, "gguf_blocks", None) is None:
+                raise ValueError(f"{source}: a tensor without values")
+            self.unfilled.add(target)
+        else:
+            with torch.no_grad():
+                if rows is None:
+                    p.copy_(tensor)
+                else:
+                    p[offset : offset + rows].copy_(tensor)
         self.filled[target] = self.filled.get(target, 0) + (p.shape[0] if rows is None else rows)
         if (blocks := getattr(tensor, "gguf_blocks", None)) is not None:
             self.quantized.setdefault(target, []).append((offset, *blocks))
@@ -48,18 +54,22 @@ class ParamFiller:
 
     def _attach_quantized(self) -> None:
         """Parameters whose every row came with raw GGUF blocks get the packed quantized weight that
-        `layers.linear.linear` runs (`param._foveal_quant`); the dequantized values stay in the
-        parameter (embedding lookups, other devices)."""
+        `layers.linear.linear` runs (`param._foveal_quant`). Their dense values are filled only where
+        the loader sent them (the embedding, whose rows lookups read) or where the blocks cannot run
+        packed (pieces of types one weight cannot mix, a parameter off the CPU): dequantized here."""
         if not self.quantized:
             return
-        from foveal.layers.quant import assemble
+        from foveal.layers.quant import assemble, dequantize
 
         for target, pieces in self.quantized.items():
             p = self.params[target]
-            if p.dim() == 2 and p.device.type == "cpu":
-                qw = assemble(pieces, p.shape[0], p.shape[1])
-                if qw is not None:
-                    p._foveal_quant = qw
+            qw = assemble(pieces, p.shape[0], p.shape[1]) if p.dim() == 2 and p.device.type == "cpu" else None
+            if qw is not None:
+                p._foveal_quant = qw
+            elif target in self.unfilled:
+                with torch.no_grad():
+                    for offset, kind, raw in pieces:
+                        p[offset : offset + raw.shape[0]].copy_(dequantize(raw, kind, p.shape[1]))
 
 
 # HF checkpoint names that we store fused: (our parameter suffix, shard index within it)
