@@ -26,11 +26,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument(
         "--quantization",
-        default="none",
-        choices=["none", "gguf"],
-        help="gguf: a GGUF's Q4_0/Q4_1/Q8_0 linears run as stored on AVX2 CPUs, with int8 activations "
-        "as llama.cpp (1.5-1.8x throughput on the 2-vCPU dev host; outputs differ slightly); none: "
-        "dequantize every weight to --dtype",
+        default="auto",
+        choices=["auto", "none", "gguf"],
+        help="auto (default): a GGUF's Q4_0/Q4_1/Q8_0 linears run as stored on a CPU with the native "
+        "AVX2 kernel, with int8 activations as llama.cpp (outputs differ slightly from the dense model's), "
+        "dense elsewhere; gguf: insist on that (an error off the CPU); none: dequantize every weight to "
+        "--dtype (the dense path the parity tests compare with transformers)",
     )
     g.add_argument("--device", default="auto")
     g.add_argument("--max-model-len", type=int, default=None)

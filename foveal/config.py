@@ -20,6 +20,9 @@ def cache_dir() -> str:
     return os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "foveal")
 
 
+QUANTIZATIONS = ("auto", "none", "gguf")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
@@ -31,8 +34,9 @@ class ModelConfig:
     load_format: str = "auto"  # auto | dummy (random weights from a config alone: benchmarks)
     enforce_eager: bool = False  # no CUDA graphs / recorded CPU decode steps (worker/cpu_graphs.py)
     # none: every weight dequantized to `dtype`; gguf: a GGUF's Q4_0/Q4_1/Q8_0 linear weights run as
-    # stored, on CPUs with AVX2 (layers/quant.py: int8 activations per block of 32, as llama.cpp)
-    quantization: str = "none"
+    # stored, on CPUs with AVX2 (layers/quant.py: int8 activations per block of 32, as llama.cpp);
+    # auto: gguf where it can run (a CPU with the kernel, float32 / bfloat16 activations), else none
+    quantization: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +216,7 @@ class SpeculativeConfig:
     # draft_model, eagle3, dflash: the draft's checkpoint (shares the target's tokenizer); mtp: where the
     # MTP layers are (default: the target's own checkpoint)
     model: str | None = None
-    quantization: str = "none"  # draft_model: as ModelConfig.quantization, for the draft
+    quantization: str = "auto"  # draft_model: as ModelConfig.quantization, for the draft
     dtype: str = "auto"  # draft_model: its dtype (auto: the target's)
     # choose each row's k per step from measured acceptance and step costs (foveal.spec.adaptive), so
     # speculation does not cost throughput at high load; false: every row takes k whenever it can
@@ -265,8 +269,8 @@ class SpeculativeConfig:
             raise ValueError(f'speculative method {self.method} needs "model": the draft checkpoint')
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative config adaptive must be true or false, got {self.adaptive!r}")
-        if self.quantization not in ("none", "gguf"):
-            raise ValueError(f"speculative config quantization {self.quantization!r}: use none or gguf")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative config quantization {self.quantization!r}: use auto, none or gguf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,8 +360,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"unknown dtype {self.model.dtype!r}; use auto, float32, bfloat16 or float16")
-        if self.model.quantization not in ("none", "gguf"):
-            raise ValueError(f"unknown quantization {self.model.quantization!r}; use none or gguf")
+        if self.model.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.model.quantization!r}; use auto, none or gguf")
         if self.model.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.model.load_format!r}; use auto or dummy")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:

@@ -47,11 +47,12 @@ def smollm_tokenizer(smollm_path):
 
 @pytest.fixture(scope="session")
 def llm_fp32(smollm_path):
-    """Foveal on the embedded model, fp32 on CPU (shared by the real-model tests)."""
+    """Foveal on the embedded model, dense fp32 on CPU (shared by the real-model tests, which compare it
+    with transformers: the quantized default has its own reference checks in test_quant_linear.py)."""
     from foveal.engine.llm import LLM
 
     smollm_path  # noqa: B018 (skips with it when the model is absent)
-    return LLM(dtype="float32", kv_cache_memory=256 * 2**20)
+    return LLM(dtype="float32", quantization="none", kv_cache_memory=256 * 2**20)
 
 
 @pytest.fixture(autouse=True)

@@ -231,7 +231,11 @@ def quantized_llm(request, smollm_path):
 
     # a 32-token budget: the prompt's later chunks read their context back from the quantized pool
     return LLM(
-        dtype="float32", kv_cache_memory=POOL_BYTES, kv_cache_dtype=request.param, max_num_batched_tokens=32
+        dtype="float32",
+        quantization="none",  # the dense weights of the fp32 reference: only the pool differs
+        kv_cache_memory=POOL_BYTES,
+        kv_cache_dtype=request.param,
+        max_num_batched_tokens=32,
     )
 
 

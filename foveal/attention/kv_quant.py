@@ -34,6 +34,8 @@ A bf16 scale costs int8 nothing: the codes are computed from the rounded scale.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 _QMAX = {"fp8": 448.0, "int8": 127.0}  # largest finite e4m3fn value; symmetric int8 keeps -128 unused
@@ -110,8 +112,8 @@ class QuantizedKVCache:
     def __init__(self, kind: str, num_slots: int, kv_heads: int, head_dim: int, device=None):
         groups = num_groups(kind, head_dim)
         self.kind = kind
-        self.data = torch.zeros(2, num_slots, kv_heads, head_dim, dtype=_VALUES[kind], device=device)
-        self.scale = torch.zeros(2, num_slots, kv_heads, groups, dtype=SCALE_DTYPES[kind], device=device)
+        self.data = pool_zeros((2, num_slots, kv_heads, head_dim), _VALUES[kind], device)
+        self.scale = pool_zeros((2, num_slots, kv_heads, groups), SCALE_DTYPES[kind], device)
         self._codes = self.data.view(_MOVED_AS[self.kind])  # same storage, a dtype indexing kernels take
         r = rotation(head_dim) if kind == "int8" else None  # fp8's error is relative: no basis helps it
         self.rot = None if r is None else r.to(device)
@@ -157,6 +159,23 @@ class QuantizedKVCache:
         return self.from_pool_basis(dequantize(values, scale, torch.float32)).to(x.dtype)
 
 
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
+    """A zeroed pool. On a CPU its memory comes from calloc (numpy's zeros): pages the OS hands out
+    already zero and maps at first touch, so a GiB pool costs nothing at start-up (torch.zeros writes
+    every page: 2.6 s for the default pool on the 2-vCPU host, the first time) and only the slots a
+    request uses are ever faulted in. The first 2 MiB of each K / V half are touched here, though: with
+    transparent huge pages a fault zeroes 2 MiB, and the first request would pay ~70 ms for them."""
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pool = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    for half in pool.view(shape[0], -1):
+        half[: (2 << 20) // pool.element_size()].zero_()
+    return pool
+
+
 def allocate_kv_caches(
     kind: str,
     num_layers: int,
@@ -168,8 +187,5 @@ def allocate_kv_caches(
 ) -> list:
     """One pool per layer: a plain tensor in the model dtype for 'auto', else a QuantizedKVCache."""
     if kind == "auto":
-        return [
-            torch.zeros(2, num_slots, kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
+        return [pool_zeros((2, num_slots, kv_heads, head_dim), dtype, device) for _ in range(num_layers)]
     return [QuantizedKVCache(kind, num_slots, kv_heads, head_dim, device) for _ in range(num_layers)]

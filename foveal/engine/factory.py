@@ -72,7 +72,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         progress=progress,
         revision=cfg.model.revision,
         load_format=cfg.model.load_format,
-        keep_blocks=quant.TYPES if _quantize(cfg, device) else (),
+        keep_blocks=quant.TYPES if quant.runs_packed(cfg.model.quantization, device, dtype) else (),
     )
     hf = ckpt.hf_config
     max_len = cfg.model.max_model_len or max_context(hf)
@@ -227,9 +227,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         cfg.scheduler.max_num_batched_tokens,
         quant.describe(model),
     )
-    if ckpt.format == "gguf" and device.type == "cpu" and cfg.model.quantization == "none":
-        log.info("--quantization gguf runs a GGUF's Q4_0/Q4_1/Q8_0 weights as stored (faster on CPU)")
-    elif ckpt.format != "gguf" and cfg.model.quantization == "gguf":
+    if ckpt.format != "gguf" and cfg.model.quantization == "gguf":
         log.warning("--quantization gguf applies to GGUF files: the %s weights stay dense", ckpt.format)
     processor = InputProcessor(info, ckpt.tokenizer, mm_processor, cfg.output)
     processor.lora = lora_registry
@@ -269,20 +267,6 @@ def _graph_rows(cfg: EngineConfig, diffusion=None) -> int:
     if diffusion is not None and diffusion.kind == "block":
         return cfg.scheduler.max_num_seqs * 2 * diffusion.block_size
     return cfg.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-
-
-def _quantize(cfg: EngineConfig, device: torch.device) -> bool:
-    """Whether GGUF-quantized linears run as stored (`quantization gguf` on a CPU with the kernel)."""
-    if cfg.model.quantization == "none":
-        return False
-    if device.type != "cpu":
-        raise ValueError(f"quantization gguf runs on CPUs only (the device is {device}); use none")
-    from foveal.layers import quant
-
-    if quant.kernel() is None:
-        log.warning("quantization gguf needs an AVX2 CPU and a C compiler: weights are dequantized")
-        return False
-    return True
 
 
 def _use_graphs(cfg: EngineConfig, device: torch.device, backend) -> bool:

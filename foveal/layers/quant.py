@@ -58,6 +58,27 @@ def kernel():
     return native.Entry(lib.foveal_qlinear, args)
 
 
+def runs_packed(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """`quantization` auto / gguf / none -> whether a GGUF's blocks run packed on `device` (the native
+    AVX2 kernel takes float32 and bfloat16 activations on CPUs); gguf where it cannot: an error off the
+    CPU, a warning (dense) without the kernel."""
+    if mode == "none" or (mode == "auto" and device.type != "cpu"):
+        return False
+    if device.type != "cpu":
+        raise ValueError(f"quantization gguf runs on CPUs only (the device is {device}); use auto or none")
+    if dtype not in (torch.float32, torch.bfloat16):
+        if mode == "gguf":
+            log.warning(
+                "quantization gguf takes float32 or bfloat16 activations, not %s: dense weights", dtype
+            )
+        return False
+    if kernel() is None:
+        if mode == "gguf":
+            log.warning("quantization gguf needs an AVX2 CPU and a C compiler: weights are dequantized")
+        return False
+    return True
+
+
 _scratch = threading.local()
 
 

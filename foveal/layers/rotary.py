@@ -66,10 +66,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
-        inv = inv_frequencies(config, head_dim)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # computed on the CPU even inside build_model's meta-device construction: arithmetic on meta
+        # tensors runs torch's Python references, whose first use imports torch._dynamo (~0.9 s)
+        with torch.device("cpu"):
+            inv = inv_frequencies(config, head_dim)
+            pos = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(pos, inv)
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 

@@ -88,6 +88,8 @@ class GGUFFile:
         too: lookups read its rows, a tied LM head runs packed."""
         from gguf.quants import dequantize
 
+        from foveal.layers import quant
+
         cfg = self.hf_config
         qk_heads = {".attn_q.": cfg.num_attention_heads, ".attn_k.": cfg.num_key_value_heads}
         for t in self.reader.tensors:
@@ -108,17 +110,21 @@ class GGUFFile:
                     w.gguf_blocks = (t.tensor_type.name, raw)
                     yield name, w
                     continue
-            try:
-                arr = dequantize(t.data, t.tensor_type).reshape(shape)
-            except Exception as e:
-                raise ModelLoadError(
-                    f"GGUF file {self.path}: could not dequantize tensor {t.name} ({t.tensor_type.name}): {e}"
-                ) from e
-            if not arr.flags.writeable:  # F32 tensors come back as views into the read-only mmap
-                arr = arr.copy()
-            w = torch.from_numpy(arr)
-            if n_head is not None:
-                w = unpermute_qk(w, n_head)
+            if raw is not None:  # the embedding: its blocks are unpermuted already
+                w = quant.dequantize(raw, t.tensor_type.name, shape[1])  # vectorized: gguf's loops rows
+            else:
+                try:
+                    arr = dequantize(t.data, t.tensor_type).reshape(shape)
+                except Exception as e:
+                    raise ModelLoadError(
+                        f"GGUF file {self.path}: could not dequantize tensor {t.name} "
+                        f"({t.tensor_type.name}): {e}"
+                    ) from e
+                if not arr.flags.writeable:  # F32 tensors come back as views into the read-only mmap
+                    arr = arr.copy()
+                w = torch.from_numpy(arr)
+                if n_head is not None:
+                    w = unpermute_qk(w, n_head)
             w = w.to(dtype).to(device)
             if raw is not None:
                 w.gguf_blocks = (t.tensor_type.name, raw)

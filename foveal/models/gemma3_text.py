@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foveal.layers.embedding import Embedding
 from foveal.layers.linear import Linear, linear
 from foveal.layers.rotary import apply_rotary, inv_frequencies, rope_parameters
 from foveal.models.base import CausalLM, StepContext
@@ -182,7 +183,7 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         spec = self.spec = Gemma3Spec(config)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden)
         self.layers = nn.ModuleList(DecoderLayer(spec, t, backend) for t in spec.layer_types)
         self.norm = GemmaRMSNorm(spec.hidden, spec.eps)
         self.lm_head = None if spec.tie_embeddings else Linear(spec.hidden, spec.vocab_size, bias=False)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foveal.layers import cpu_fused, fused
+from foveal.layers.embedding import Embedding
 from foveal.layers.linear import Linear, linear
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import RotaryEmbedding, apply_rotary_qk
@@ -128,7 +129,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         spec = self.spec = self._spec(config)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden, spec.eps)
         self.rotary = RotaryEmbedding(config, spec.head_dim, max_positions)

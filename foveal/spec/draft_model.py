@@ -136,7 +136,7 @@ def build_draft_proposer(
         from foveal.engine.factory import resolve_dtype
 
         dtype = resolve_dtype(spec.dtype, device)
-    keep = quant.TYPES if spec.quantization == "gguf" and device.type == "cpu" and quant.kernel() else ()
+    keep = quant.TYPES if quant.runs_packed(spec.quantization, device, dtype) else ()
     ckpt = load_checkpoint(spec.model, dtype=dtype, device=device, keep_blocks=keep)
     k = spec.num_speculative_tokens
     model = build_model(

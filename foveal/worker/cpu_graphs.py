@@ -63,6 +63,13 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.tape = tape
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo.disable unless this says no; the wrapper's
+        # first call imports torch._dynamo (~0.7 s on the 2-vCPU host, stalling the first request's
+        # first decode step), and no recorded step ever runs under torch.compile
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _DYNAMIC:
