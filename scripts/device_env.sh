@@ -7,5 +7,5 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
-export FOVEAL_TESTS_WITHOUT_MODEL=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export FOVEAL_TESTS_WITHOUT_MODEL=1 FOVEAL_TESTS_WITHOUT_HELDOUT=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name(0))"

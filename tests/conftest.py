@@ -15,6 +15,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    from tests.heldout import missing_in_ci
+
+    if reason := missing_in_ci():
+        raise pytest.UsageError(reason)
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
     from foveal.loader.default_model import default_model_path

@@ -17,23 +17,34 @@ def run(*args, timeout=300):
     )
 
 
-def test_generate_answers_on_default_model():
-    r = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "16")
+def test_generate_answers_on_default_model_dense():
+    r = run(
+        "generate",
+        "--quantization",
+        "none",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "16",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France is Paris."
     assert "tok/s" in r.stderr and "loaded" in r.stderr  # load time is logged
-    assert "dense weights" in r.stderr and "--quantization gguf runs" in r.stderr  # the hint
+    assert "dense weights" in r.stderr
 
 
-def test_generate_with_quantized_gguf_weights():
+def test_generate_runs_gguf_weights_quantized_by_default():
+    """The default on a CPU with the kernel: the Q4_1 / Q8_0 weights as stored. Its greedy answer to
+    this prompt is not the dense model's (the first token flips at a 0.24-nat margin): it is the one
+    llama.cpp's llama-server gives on the same file ("L'Étoile, la ...", measured in session 19)."""
     from foveal.layers import quant
 
     if quant.kernel() is None:
         pytest.skip("no AVX2 CPU or C compiler")
-    r = run("generate", "--quantization", "gguf", "--prompt", "Name a primary color.", "--max-tokens", "16")
+    r = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "16")
     assert r.returncode == 0, r.stderr
     assert "121 quantized weights (120 Q4_1, 1 Q8_0;" in r.stderr
-    assert r.stdout.strip()
+    assert r.stdout.strip().startswith("L'Étoile, la ")
 
 
 @pytest.mark.parametrize(

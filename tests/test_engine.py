@@ -246,7 +246,8 @@ def test_preemption_on_real_model_gives_same_greedy_tokens(llm_fp32):
     assert all(len(p) <= 40 for p in prompts)
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, p)]
-    tight = LLM(dtype="float32", num_blocks=12, block_size=16, max_num_batched_tokens=64)
+    # dense, as llm_fp32: with int8 activations the recompute's prefill rounds differently from decode
+    tight = LLM(dtype="float32", quantization="none", num_blocks=12, block_size=16, max_num_batched_tokens=64)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, p)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == want

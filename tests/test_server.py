@@ -52,7 +52,10 @@ def _free_port() -> int:
 
 def _serve(engine_kw: dict, server_kw: dict):
     engine, processor = build_engine(
-        EngineConfig.from_kwargs(dtype="float32", kv_cache_memory=128 * 2**20, **engine_kw)
+        # the dense weights unless a test asks: the expected answers are the dense model's
+        EngineConfig.from_kwargs(
+            **{"dtype": "float32", "quantization": "none", "kv_cache_memory": 128 * 2**20, **engine_kw}
+        )
     )
     app = create_app(engine, processor, ServerConfig(drain_timeout=1.0, **server_kw))
     port = _free_port()

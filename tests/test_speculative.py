@@ -250,7 +250,7 @@ def test_real_model_greedy_equals_plain(llm_fp32):
     ]
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params)]
-    spec = LLM(dtype="float32", kv_cache_memory=256 * 2**20, speculative_config=NGRAM)
+    spec = LLM(dtype="float32", quantization="none", kv_cache_memory=256 * 2**20, speculative_config=NGRAM)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     assert got == plain
     assert spec.engine.spec_stats.num_accepted_tokens > 10

@@ -119,7 +119,7 @@ def _load_dummy(path: str) -> Checkpoint:
     has_tokenizer = folder and any(
         os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")
     )
-    tokenizer = load_hf_tokenizer(folder) if has_tokenizer else dummy.synthetic_tokenizer(config)
+    tokenizer = load_hf_tokenizer(folder, config) if has_tokenizer else dummy.synthetic_tokenizer(config)
     processor = load_hf_processor(folder) if folder else None
     if processor is None and config.get_text_config() is not config:  # a VLM: its family's processor
         processor = dummy.dummy_processor(config, tokenizer)
@@ -151,7 +151,7 @@ def _load_folder(
     from foveal.loader.safetensors_loader import load_hf_tokenizer, open_hf_folder
 
     folder = open_hf_folder(path)
-    tokenizer = load_hf_tokenizer(path)
+    tokenizer = load_hf_tokenizer(path, folder.hf_config)
     processor = load_hf_processor(path)
     weights = _stream(folder.weights(dtype, device), folder.num_tensors, name, progress)
     return Checkpoint(

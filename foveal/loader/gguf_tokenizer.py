@@ -47,7 +47,7 @@ def load_gguf_tokenizer(path: str):
     if os.path.isdir(cached):
         t0 = time.perf_counter()
         try:
-            tok = AutoTokenizer.from_pretrained(cached)
+            tok = AutoTokenizer.from_pretrained(cached, trust_remote_code=False)
         except Exception as e:
             log.warning("cached tokenizer %s is unreadable (%s); rebuilding it from %s", cached, e, path)
         else:
@@ -58,7 +58,7 @@ def load_gguf_tokenizer(path: str):
     t0 = time.perf_counter()
     folder, filename = os.path.split(os.path.abspath(path))
     try:
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename, trust_remote_code=False)
     except Exception as e:
         raise ModelLoadError(
             f"could not build a tokenizer from GGUF file {path}: {type(e).__name__}: {e}"

@@ -172,11 +172,15 @@ def llada_config(data: dict) -> tuple[str, dict]:
 CONFIG_REMAPS = {"llada": llada_config}
 
 
-def load_hf_tokenizer(path: str):
+def load_hf_tokenizer(path: str, config=None):
+    """The folder's tokenizer; no remote code, ever. `config`: the model's parsed config, so transformers
+    does not parse config.json again on its own (for a remote-code family such as LLaDA or SDAR that
+    would warn about an unknown model type)."""
     from transformers import AutoTokenizer
 
+    kwargs = {} if config is None else {"config": config}
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **kwargs)
     except Exception as e:
         raise ModelLoadError(f"could not load the tokenizer of {path}: {type(e).__name__}: {e}") from e
 
