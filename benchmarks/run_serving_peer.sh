@@ -2,8 +2,11 @@
 # Side by side, same GGUF, same CPU, same load generator: llama.cpp's llama-server (continuous batching,
 # 16 slots) and `foveal serve`, at concurrency 16 (32 requests) and 1 (4 requests), 128 prompt words /
 # 128 output tokens, streaming /v1/completions, ignore_eos. One server at a time.
-# Usage: LLAMA_SERVER=/path/to/llama-server [DTYPES="bfloat16 float32"] [SKIP_LLAMA=1] \
+# Usage: LLAMA_SERVER=/path/to/llama-server [DTYPES="default bfloat16 float32"] [SKIP_LLAMA=1] \
 #          [FOVEAL_ARGS="--max-num-batched-tokens 512"] bash benchmarks/run_serving_peer.sh
+# DTYPES: one Foveal run per entry; "default" (the default) passes no --dtype: `foveal serve` as a user
+# starts it (the embedded GGUF quantized on CPU). llama-server: built from the llama.cpp vendored in
+# llama-cpp-python's sdist (cmake -DGGML_NATIVE=ON), e.g. .../vendor/llama.cpp/build/bin/llama-server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -50,8 +53,10 @@ if [ -z "${SKIP_LLAMA:-}" ]; then
   wait_closed
 fi
 
-for dtype in ${DTYPES:-bfloat16}; do
-  $PY -m foveal.cli serve --port "$PORT" --dtype "$dtype" --max-num-seqs 16 --log-level WARNING ${FOVEAL_ARGS:-} &
+for dtype in ${DTYPES:-default}; do
+  dtype_flag=()
+  [ "$dtype" != default ] && dtype_flag=(--dtype "$dtype")
+  $PY -m foveal.cli serve --port "$PORT" "${dtype_flag[@]}" --max-num-seqs 16 --log-level WARNING ${FOVEAL_ARGS:-} &
   SERVER=$!
   wait_ready
   run_load "foveal-$dtype${FOVEAL_ARGS:+ $FOVEAL_ARGS}"

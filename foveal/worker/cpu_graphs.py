@@ -45,7 +45,13 @@ _DYNAMIC = {
     aten.unique_consecutive.default,
 }
 # allocations: their memory is what the recording got; nothing to redo
-_ALLOC = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
+_ALLOC = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten.new_empty.default,  # the graphs' logits buffer, made by the first recorded step
+    aten.new_empty_strided.default,
+}
 
 # Buckets of more rows run eagerly: there the kernels' time dwarfs the Python, and each tape keeps a
 # step's worth of activations alive. Tapes stop being recorded once they hold MAX_BYTES between them
