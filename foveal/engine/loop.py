@@ -133,6 +133,9 @@ class EngineLoop:
 
     # -- caller side (any thread) -----------------------------------------------------------------
     def start(self) -> EngineLoop:
+        from foveal import native
+
+        native.release_openmp_threads()  # the model was built on this thread; it runs on the new one
         self._thread = threading.Thread(target=self._run, name="foveal-engine", daemon=True)
         self.state = "ready"
         self._thread.start()
