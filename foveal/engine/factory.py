@@ -46,9 +46,12 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, *, packed: bool = False) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA, and on a CPU for weights that run packed (a GGUF's Q4/Q8 blocks with
+    int8 activations: bf16 activations cost them no accuracy, measured, and halve the KV pool's bytes,
+    +13% served throughput at 16 streams on the 2-vCPU host); float32 for dense weights on a CPU."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or packed else torch.float32
     return _DTYPES[name]
 
 
@@ -56,11 +59,19 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
     from foveal.attention import get_backend
     from foveal.layers import quant
     from foveal.loader import load_checkpoint
+    from foveal.loader.checkpoint import is_gguf
     from foveal.models import build_model, max_context
     from foveal.worker.model_runner import ModelRunner
 
     device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
+    packed = (
+        device.type == "cpu"
+        and config.model.quantization != "none"
+        and config.model.load_format != "dummy"
+        and quant.kernel() is not None
+        and is_gguf(config.model.model)
+    )
+    dtype = resolve_dtype(config.model.dtype, device, packed=packed)
     cfg = replace(config, scheduler=config.scheduler.for_device(device.type))
     if cfg.model.seed is not None:
         torch.manual_seed(cfg.model.seed)

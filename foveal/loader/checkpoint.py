@@ -186,6 +186,14 @@ def _stream(weights: Iterator, total: int, name: str, progress: bool) -> Iterato
     )
 
 
+def is_gguf(model: str | None) -> bool:
+    """Whether `--model` names a GGUF file (None: the embedded default, one). Reads 4 bytes at most."""
+    if model is None:
+        return True
+    path = os.path.abspath(os.path.expanduser(model))
+    return os.path.isfile(path) and (path.lower().endswith(".gguf") or _has_gguf_magic(path))
+
+
 def _has_gguf_magic(path: str) -> bool:
     try:
         with open(path, "rb") as f:
