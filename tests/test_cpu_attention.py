@@ -166,3 +166,26 @@ def test_nan_key_poisons_its_rows_as_in_sdpa():
     for out in outs:
         assert out[0, 2:].isnan().all() and not out[0, :2].isnan().any() and not out[1].isnan().any()
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5, equal_nan=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kv_store_writes_what_index_copy_writes(dtype):
+    """The native K/V store against index_copy_: k and v as the decoder hands them over (views of a
+    fused q/k/v projection: rows further apart than their own size), any slot order; nothing else
+    in the pool changes."""
+    g = torch.Generator().manual_seed(0)
+    slots_n, kvh, d, t = 64, 3, 16, 5
+    qkv = torch.randn(t, (6 + 2 * kvh) * d, generator=g).to(dtype)
+    k = qkv[:, 6 * d : (6 + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (6 + kvh) * d :].view(t, kvh, d)
+    slots = torch.tensor([40, 3, 17, 63, 0])
+    pools = [torch.randn(2, slots_n, kvh, d, generator=g).to(dtype) for _ in range(2)]
+    want, got = pools[0], pools[1].copy_(pools[0])
+    want[0].index_copy_(0, slots, k)
+    want[1].index_copy_(0, slots, v)
+    assert kernel.store(got[0], got[1], slots, k, v)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # a layout it does not take (a pool of another dtype) is left to the caller, untouched
+    other = torch.zeros(slots_n, kvh, d, dtype=torch.float16)
+    assert not kernel.store(other, other, slots, k, v) and not other.any()

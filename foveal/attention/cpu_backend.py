@@ -79,6 +79,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta.extra = _DecodeTables(d.tables[:padded], d.lens[:padded], {None: d.starts[None][:padded]})
         return meta
 
+    def _store(self, k_cache, v_cache, slots, k, v) -> None:
+        # one native call for both: two index_copy_ took ~6.5 us each per layer at one row (0.4 ms of a
+        # 9 ms single-stream step), ~12 us at 16
+        if self.kernel is None or not self.kernel.store(k_cache, v_cache, slots, k, v):
+            super()._store(k_cache, v_cache, slots, k, v)
+
     def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap) -> bool:
         d = meta.extra
         if d is None or isinstance(kv_cache, QuantizedKVCache) or q.dtype != kv_cache.dtype:

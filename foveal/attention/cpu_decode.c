@@ -186,3 +186,16 @@ static inline int chunk_for(int heads, int D) {
 DEFINE_DECODE(foveal_decode_f32, float, row_f32, f32_store)
 DEFINE_DECODE(foveal_decode_bf16, uint16_t, row_bf16, f32_to_bf16)
 DEFINE_DECODE(foveal_decode_f16, _Float16, row_f16, f16_store)
+
+/* This step's K and V rows (T tokens, row_bytes each: all kv heads of a token) into pool rows slots[t]
+ * of k_pool / v_pool; a slot outside [0, num_slots) is skipped (the scheduler never sends one). No
+ * threads: a decode step writes one row per sequence per layer. */
+void foveal_kv_store(char *k_pool, char *v_pool, int64_t row_bytes, const char *k, const char *v,
+                     int64_t k_stride, int64_t v_stride, const int64_t *slots, int64_t T, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t s = slots[t];
+        if (s < 0 || s >= num_slots) continue;
+        memcpy(k_pool + s * row_bytes, k + t * k_stride, (size_t)row_bytes);
+        memcpy(v_pool + s * row_bytes, v + t * v_stride, (size_t)row_bytes);
+    }
+}

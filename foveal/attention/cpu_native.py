@@ -29,6 +29,32 @@ class DecodeKernel:
         self._fns = {}
         for dtype, name in _FUNCS.items():
             self._fns[dtype] = native.Entry(getattr(lib, name), _ARGTYPES)
+        self._store = native.Entry(lib.foveal_kv_store, [_P, _P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64])
+
+    def store(self, k_pool, v_pool, slots, k, v) -> bool:
+        """k, v [T, KVH, D] into rows `slots` [T] (int64) of k_pool / v_pool [slots, KVH, D]; False (and
+        nothing written) for layouts it does not take: the caller's index_copy_ then does it."""
+        row = k_pool.stride(0)
+        if not (
+            k.dtype == v.dtype == k_pool.dtype == v_pool.dtype
+            and slots.dtype == torch.long
+            and slots.is_contiguous()
+            and k.shape == v.shape
+            and k.shape[1:] == k_pool.shape[1:]
+            and k_pool.stride(0) == v_pool.stride(0)
+            and k_pool[0].is_contiguous()
+            and k[0].is_contiguous()
+            and v[0].is_contiguous()
+            and k_pool.stride(0) == k[0].numel()
+        ):
+            return False
+        n = k.shape[0]
+        self._store(
+            k_pool.data_ptr(), v_pool.data_ptr(), row * k_pool.element_size(), k.data_ptr(), v.data_ptr(),
+            k.stride(0) * k.element_size(), v.stride(0) * v.element_size(), slots.data_ptr(), n,
+            k_pool.shape[0],
+        )  # fmt: skip
+        return True
 
     def decode(
         self,

@@ -189,6 +189,11 @@ class TorchAttentionBackend:
             start += s.q_len
         return TorchAttentionMetadata(batch.slot_mapping, bs, nd, decode, prefills, seqs, device)
 
+    def _store(self, k_cache, v_cache, slots, k, v) -> None:
+        """This step's k / v [T, kv_heads, head_dim] into pool rows `slots` [T]."""
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+
     def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap) -> bool:
         """Hook for backends built on this one: attend the decode rows into `out` and return True, or
         return False for the gather + SDPA path below (the oracle)."""
@@ -219,8 +224,7 @@ class TorchAttentionBackend:
 
         else:
             k_cache, v_cache = kv_cache[0], kv_cache[1]
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+            self._store(k_cache, v_cache, meta.slot_mapping, k, v)
             # whole blocks are gathered with index_select: ~7x faster than per-slot advanced indexing on CPU
             k_blocks = k_cache.view(-1, meta.block_size, num_kv, head_dim)
             v_blocks = v_cache.view(-1, meta.block_size, num_kv, head_dim)
