@@ -6,6 +6,11 @@ summed per callee) and everything else in the step (scheduling, sampling, stop c
 Python). Medians per step, in microseconds; the callees' sums are per step too. Last line: JSON.
 
     python benchmarks/decode_breakdown.py [--rows 1] [--steps 200] [--args '{"dtype": "bfloat16"}']
+    python benchmarks/decode_breakdown.py --prefill 8     # 128-token prefills instead (serving budget)
+
+`--prefill N`: N prompts of 128 random words prefilled one at a time with the server's CPU budget (128
+tokens per step), each timed whole (one token sampled), the native kernels timed per callee; the first
+prefill is left out.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from foveal import SamplingParams  # noqa: E402
+from foveal import SamplingParams, native  # noqa: E402
 from foveal.engine.llm import LLM  # noqa: E402
 from foveal.worker import cpu_graphs  # noqa: E402
 
@@ -38,7 +43,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--args", default="{}", help="LLM keywords as JSON")
+    ap.add_argument("--prefill", type=int, default=0, help="time N 128-token prefills instead")
     a = ap.parse_args()
+    if a.prefill:
+        return prefills(a)
     llm = LLM(**json.loads(a.args))
     engine = llm.engine
     rng = random.Random(0)
@@ -84,16 +92,62 @@ def main() -> None:
     med = statistics.median
     step_us, replay_us = med(steps) * 1e6, med(replays) * 1e6
     n = a.steps
-    print(f"rows {a.rows}: step {step_us:.0f} us (median of {n}), recorded model step {replay_us:.0f} us, "
-          f"the rest {step_us - replay_us:.0f} us; {1e6 / step_us * a.rows:.1f} tok/s")
+    print(
+        f"rows {a.rows}: step {step_us:.0f} us (median of {n}), recorded model step {replay_us:.0f} us, "
+        f"the rest {step_us - replay_us:.0f} us; {1e6 / step_us * a.rows:.1f} tok/s"
+    )
     top = per_callee.most_common(14)
     for name, s in top:
         print(f"  {s / n * 1e6:8.1f} us/step  {calls[name] // n:4d} calls  {name}")
-    print(json.dumps({
-        "rows": a.rows, "steps": n, "args": json.loads(a.args), "step_us": round(step_us, 1),
-        "replay_us": round(replay_us, 1), "rest_us": round(step_us - replay_us, 1),
-        "callees_us_per_step": {k: round(v / n * 1e6, 1) for k, v in top},
-    }))
+    print(
+        json.dumps(
+            {
+                "rows": a.rows,
+                "steps": n,
+                "args": json.loads(a.args),
+                "step_us": round(step_us, 1),
+                "replay_us": round(replay_us, 1),
+                "rest_us": round(step_us - replay_us, 1),
+                "callees_us_per_step": {k: round(v / n * 1e6, 1) for k, v in top},
+            }
+        )
+    )
+
+
+def prefills(a) -> None:
+    llm = LLM(**{"max_num_batched_tokens": 128, **json.loads(a.args)})
+    rng = random.Random(0)
+    per: collections.Counter = collections.Counter()
+    counting = [False]
+    real_call = native.Entry.__call__
+
+    def timed(self, *args):
+        t = time.perf_counter()
+        real_call(self, *args)
+        if counting[0]:
+            per[self.fn.__name__] += time.perf_counter() - t
+
+    native.Entry.__call__ = timed
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(a.prefill + 1):
+        llm.engine.add_request(llm.processor.request(" ".join(rng.choice(WORDS) for _ in range(128)), params))
+        counting[0] = i > 0
+        t = time.perf_counter()
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        if i:
+            times.append(time.perf_counter() - t)
+    n = len(times)
+    med = statistics.median(times) * 1e3
+    print(f"128-token prefill: {med:.1f} ms (median of {n}), native kernels per prefill:")
+    for name, s_ in per.most_common(8):
+        print(f"  {s_ / n * 1e3:8.1f} ms  {name}")
+    print(
+        json.dumps(
+            {"prefill_ms": round(med, 1), "native_ms": {k: round(v / n * 1e3, 1) for k, v in per.items()}}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -104,8 +104,9 @@ def release_openmp_threads() -> bool:
     libgomp keeps one pool of workers per thread that ever opened a parallel region, and once it manages
     more threads than there are CPUs it stops spinning between regions (a futex wake-up per region
     instead): building the engine in the main thread and stepping it in the engine thread made every
-    native kernel call ~2x slower on the 2-vCPU host (a Q4_1 gate_up GEMV 45 -> 92 us; a single stream's
-    decode step 8.3 -> 12.0 ms). True when the runtime took it; harmless where there is none."""
+    native kernel call ~2x slower on the 2-vCPU host (a Q4_1 gate_up GEMV of one row: 50-63 us on the
+    main thread, 97-116 us on a second one, 54-63 us there after this; benchmarks/openmp_threads.py).
+    True when the runtime took it; harmless where there is none."""
     try:
         gomp = ctypes.CDLL("libgomp.so.1")  # the copy already loaded (torch's), not a second runtime
         return gomp.omp_pause_resource_all(1) == 0  # omp_pause_soft

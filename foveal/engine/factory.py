@@ -48,8 +48,8 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, *, packed: bool = False) -> torch.dtype:
     """`auto`: bfloat16 on CUDA, and on a CPU for weights that run packed (a GGUF's Q4/Q8 blocks with
-    int8 activations: bf16 activations cost them no accuracy, measured, and halve the KV pool's bytes,
-    +13% served throughput at 16 streams on the 2-vCPU host); float32 for dense weights on a CPU."""
+    int8 activations: bf16 activations cost them no accuracy, benchmarks/quant_accuracy.py, and halve the
+    KV pool's bytes: +13% offline at 16 streams on the 2-vCPU host); float32 for dense weights on a CPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" or packed else torch.float32
     return _DTYPES[name]
