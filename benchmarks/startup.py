@@ -136,8 +136,10 @@ def main() -> None:
                 print(f"    at {p['at']:6.2f} s  {p['seconds']:6.2f} s  {p['what']}")
         med = {k: statistics.median(r[k] for r in runs) for k in ("ready_s", "first_ttft_s", "second_ttft_s")}
         out["modes"][mode] = {"runs": runs, "median": med}
-        print(f"{mode} median: ready {med['ready_s']:.2f} s, TTFT first {med['first_ttft_s']:.3f} s, "
-              f"later {med['second_ttft_s']:.3f} s")
+        print(
+            f"{mode} median: ready {med['ready_s']:.2f} s, TTFT first {med['first_ttft_s']:.3f} s, "
+            f"later {med['second_ttft_s']:.3f} s"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

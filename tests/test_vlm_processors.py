@@ -68,18 +68,33 @@ def test_image_tokens_match_the_models_embeddings(saved):
             saved.hf(**inputs)
 
 
-def test_per_image_lengths_saved_are_the_ones_loaded(saved):
-    """A saved per-image token length (image_seq_len, image_seq_length, ...) is read back as saved."""
+def _plain(v):
+    """A setting as JSON holds it: size dicts (transformers' SizeDict) as dicts, tuples as lists."""
+    if hasattr(v, "keys"):
+        return {k: _plain(x) for k, x in dict(v).items() if x is not None}
+    return [_plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+
+
+def test_saved_settings_are_the_ones_loaded(saved):
+    """Every setting processor_config.json holds comes back as saved: the processor's own (SmolVLM's
+    image_seq_len, Gemma 3's image_seq_length, LLaVA's patch_size ...) and its image processor's (sizes,
+    merge and patch sizes, resampling)."""
     with open(os.path.join(saved.path, "processor_config.json")) as f:
         settings = json.load(f)
     loaded = load_hf_processor(saved.path)
-    keys = [
-        k
-        for k in ("image_seq_len", "image_seq_length", "num_additional_image_tokens", "patch_size")
-        if k in settings
-    ]
-    for k in keys:
-        assert getattr(loaded, k) == settings[k], k
+    checked = 0
+    for key, value in settings.items():
+        if key in ("processor_class", "auto_map"):
+            continue
+        if key == "image_processor":
+            for ikey, ivalue in value.items():
+                if ikey != "image_processor_type":
+                    assert _plain(getattr(loaded.image_processor, ikey)) == _plain(ivalue), ikey
+                    checked += 1
+        else:
+            assert _plain(getattr(loaded, key)) == _plain(value), key
+            checked += 1
+    assert checked >= 5
 
 
 def model_class_config(path: str):

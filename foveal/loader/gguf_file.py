@@ -6,8 +6,8 @@ caller does not touch). Must not interpret the metadata (gguf_config.py) or dequ
 
 Why not `gguf.GGUFReader`: it builds a numpy view per array element, so SmolLM2's 49k-token vocabulary,
 scores and 48k merges take 2.8 s on the 2-vCPU host (~7 s while other work shares it); here strings are
-sliced from one buffer and numeric arrays are one `np.frombuffer` each (0.17 s). The type tables (value types, block
-sizes) are the gguf package's own.
+sliced from one buffer and numeric arrays are one `np.frombuffer` each (0.17 s). The type tables
+(value types, block sizes) are the gguf package's own.
 """
 
 from __future__ import annotations
