@@ -123,6 +123,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="the default of chat_template_kwargs.enable_thinking (default: the chat template's)",
     )
     g.add_argument(
+        "--grammar-cache-memory",
+        type=int,
+        default=512 * 2**20,
+        help="bytes of compiled grammars kept (estimated; least recently used go first)",
+    )
+    g.add_argument(
         "--thinking-budget",
         type=int,
         default=None,
@@ -222,6 +228,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         tool_call_parser=a.tool_call_parser,
         enable_thinking=a.enable_thinking,
         thinking_budget=a.thinking_budget,
+        grammar_cache_bytes=a.grammar_cache_memory,
         diffusion_config=a.diffusion_config,
         enable_lora=a.enable_lora or bool(a.lora_modules),
         max_loras=a.max_loras,
@@ -289,6 +296,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             api_key=a.api_key,
             served_model_name=a.served_model_name,
             max_queued_requests=a.max_queued_requests or None,  # 0: unbounded
+            max_tokens=a.max_tokens or None,  # 0: up to the context
             request_timeout=a.request_timeout or None,  # 0: none
             metrics_public=a.metrics_public,
             drain_timeout=a.drain_timeout,
@@ -366,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
         "tenant can then tell that another used the same system prompt)",
     )
     s.add_argument("--served-model-name", default=None)
+    s.add_argument(
+        "--max-tokens",
+        type=int,
+        default=4096,
+        help="tokens a request may generate: its max_tokens when it sends none, and the cap on what it "
+        "asks for (/v1/models shows it); 0: up to the context",
+    )
     s.add_argument(
         "--max-queued-requests",
         type=int,

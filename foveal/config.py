@@ -94,6 +94,9 @@ class ServerConfig:
     # tenants can then tell (by cached_tokens or timing) that a system prompt was used before
     shared_prefix_cache: bool = False
     served_model_name: str | None = None  # default: the engine's model name
+    # tokens a request may generate: its max_tokens when it sends none, and the most it may ask for
+    # (more is cut to this, as llama.cpp's --n-predict); None: up to the context
+    max_tokens: int | None = 4096
     # waiting sequences over this -> 429 (a request that could never fit: 400); None: unbounded
     max_queued_requests: int | None = 1024
     # seconds without output (queueing included) before a request is ended (504); None: never
@@ -285,6 +288,7 @@ class OutputConfig:
     enable_thinking: bool | None = None  # chat_template_kwargs.enable_thinking's default (None: template's)
     thinking_budget: int | None = None  # thinking tokens a request may spend (None: no limit)
     grammar_cache_entries: int = 256  # compiled grammars kept (LRU)
+    grammar_cache_bytes: int = 512 * 2**20  # and their estimated memory (structured/backend.py)
     # diffusion models: the denoising knobs a request gets where it names none, by name (the fields of
     # foveal/diffusion/state.py's DiffusionParams: steps, block_length, threshold, ...); None: none
     diffusion_config: dict | None = None
@@ -380,6 +384,8 @@ class EngineConfig:
                 raise ValueError(f"diffusion_config: {e}") from None
         if o.grammar_cache_entries < 1:
             raise ValueError("grammar_cache_entries must be >= 1")
+        if o.grammar_cache_bytes < 1:
+            raise ValueError("grammar_cache_bytes must be >= 1")
         lo = self.lora
         if lo.enable_lora:
             if lo.max_loras < 1 or lo.max_lora_rank < 1:

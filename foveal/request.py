@@ -42,7 +42,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch those filters off.
     logprobs=None returns no logprobs; logprobs=k (0..20) returns the sampled token's logprob plus the
     k most likely tokens (from the raw model distribution, before penalties and temperature).
-    max_tokens=None: as many as the context leaves (the input processor fills it in).
+    max_tokens=None: as many as the context leaves (the input processor fills it in), or
+    `default_max_tokens` where that is fewer (a server's --max-tokens).
     """
 
     n: int = 1
@@ -56,6 +57,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
+    default_max_tokens: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # any sequence is taken (a str: one stop string), kept as a tuple
@@ -131,6 +133,10 @@ class SamplingParams:
                 raise bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
+        if self.default_max_tokens is not None and not (
+            _is_int(self.default_max_tokens) and self.default_max_tokens >= 1
+        ):
+            raise bad("default_max_tokens", "must be an integer >= 1")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -396,6 +402,7 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     error: str | None = None
+    error_type: str = "server_error"  # invalid_request_error: the request's fault (its grammar's limit)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_images: int = 0

@@ -55,6 +55,18 @@ def real(smollm_path):
         yield s
 
 
+async def stream_gaps(c: httpx.AsyncClient, body: dict, gaps: list[float]) -> None:
+    """Stream a chat completion, appending the seconds between content deltas to `gaps`."""
+    last = None
+    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"content":"' in line:
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+
+
 def test_worst_input_work_does_not_stall_a_stream(real):
     """While one stream decodes, other requests send the heaviest inputs the server takes: a 3.9 MB
     completion prompt (refused on its length, untokenized), the longest text that could still fit
@@ -69,21 +81,11 @@ def test_worst_input_work_does_not_stall_a_stream(real):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 3_900_000}]}),
     ]
 
-    async def stream(c, gaps):
-        body = {**CHAT, "max_tokens": 60, "ignore_eos": True, "stream": True, "temperature": 0}
-        last = None
-        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"content":"' in line:
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-
     async def main():
         gaps: list[float] = []
         async with httpx.AsyncClient(base_url=real.url, timeout=120) as c:
-            task = asyncio.create_task(stream(c, gaps))
+            body = {**CHAT, "max_tokens": 60, "ignore_eos": True, "stream": True, "temperature": 0}
+            task = asyncio.create_task(stream_gaps(c, body, gaps))
             while len(gaps) < 3:
                 await asyncio.sleep(0.01)
             codes, start = [], len(gaps)  # the first gaps hold first-use work (recording a step)

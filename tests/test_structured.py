@@ -710,3 +710,154 @@ def test_apply_bitmask_checks_shapes():
     apply_bitmask_torch(logits, torch.zeros(0, 2, dtype=torch.int32), [])  # no constrained rows
     assert (logits == 0).all()
     assert np.array_equal(allocate_bitmask(2, 33).numpy(), np.full((2, 2), -1, dtype=np.int32))
+
+
+# -- size limits before the native compiler (issue 34) --------------------------------------------------
+@pytest.mark.parametrize(
+    "pattern,size",
+    [("abc", 3), ("a{1000}", 1000), ("(ab){10}{10}", 200), ("((a{100}){100}){100}", 1_000_000),
+     ("a{3,}", 4), ("a{2,5}b*", 6), (r"\{1000\}", 6), ("[a{9}]{4}", 4), ("(a|bc){3}", 9), ("x{,5}", 5)],
+)  # fmt: skip
+def test_regex_size_multiplies_repetition_bounds(pattern, size):
+    from foveal.structured.limits import regex_size
+
+    assert regex_size(pattern) == size
+
+
+def test_size_limits_name_what_is_too_big():
+    from foveal.structured import limits
+
+    small = limits.GrammarLimits(max_alternatives=3, max_schema_arms=2, max_rules=2, max_regex_size=10,
+                                 max_schema_nodes=5, max_schema_depth=3)  # fmt: skip
+    ok = [GrammarSpec.choice(["a", "b", "c"]), GrammarSpec.regex("a{10}"),
+          GrammarSpec.lark('start: "a" | "b"'),
+          GrammarSpec.json_schema({"enum": list("abcdefgh")})]  # fmt: skip
+    for spec in ok:
+        limits.check(spec, small)
+    bad = [
+        (GrammarSpec.choice(["a", "b", "c", "d"]), "choices: 4 is over the limit of 3"),
+        (GrammarSpec.regex("a{11}"), "the regex expands to 11"),
+        (GrammarSpec.lark('start: x\nx: y\ny: "a"'), "grammar rules: 3"),
+        (GrammarSpec.lark('start: "a" | "b" | ("c" | "d" | "e" | "f")'), "alternatives in one group"),
+        (GrammarSpec.lark('start: "a|b|c|d" | /x|y|z|w/ | "e" | "f"'), "alternatives of one grammar rule: 4"),
+        (GrammarSpec.lark("start: /a{20}/"), "the grammar's regex /a{20}/"),
+        (GrammarSpec.json_schema({"anyOf": [{}, {}, {}]}), "#/anyOf: 3"),
+        (GrammarSpec.json_schema({"properties": {"a": {"pattern": "b{30}"}}}),
+         "the pattern at #/properties/a"),
+        (GrammarSpec.json_schema({"items": {"items": {"items": {"type": "string"}}}}),
+         "nesting at #/items/items/items"),
+        (GrammarSpec.json_schema({"allOf": [{"type": "string"}] * 2,
+                                  "properties": {"a": {}, "b": {}, "c": {}}}), "subschemas"),
+        (GrammarSpec.json_object(whitespace_pattern="( ){99}"), "whitespace_pattern"),
+    ]  # fmt: skip
+    for spec, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            limits.check(spec, small)
+    # the `|` inside a literal, a regex or a comment is not an alternation of the grammar
+    limits.check(GrammarSpec.lark('start: "a|b|c|d" // x | y | z | w\n  | "e"'), small)
+
+
+def test_compile_refuses_over_limit_specs_before_compiling(backend):
+    """The probe's over-limit grammars: a ValueError naming the limit, each in well under a second (a^1e6
+    spent 0.4 s and ((a{100}){100}){100} 1.1 s building lexers before)."""
+    specs = [
+        GrammarSpec.choice([f"c{i}" for i in range(2001)]),
+        GrammarSpec.regex("a{1000000}"),
+        GrammarSpec.regex("((a{100}){100}){100}"),
+        GrammarSpec.json_schema({"type": "string", "pattern": "^a{50000}$"}),
+        GrammarSpec.lark("start: " + " | ".join(f'"w{i}"' for i in range(5000))),
+    ]
+    for spec in specs:
+        with pytest.raises(ValueError, match="over the limit"):
+            backend.compile(spec)
+
+
+# over a 40-item row only once two choices are made: the compile's one-step probe passes it
+RUNTIME_ROW = 'start: n n c\nn: "q" | "r"\nc: ' + " | ".join(f'"w{i}"' for i in range(60))
+
+
+def small_row_backend(tok, items: int = 40):
+    """A backend whose parser rows hold `items`: a small stand-in for a grammar over the 2,000."""
+    from llguidance import LLParserLimits
+
+    from foveal.structured.llguidance_backend import LLGuidanceBackend
+
+    limits = LLParserLimits(max_items_in_row=items, verbose_errors=False)
+    return LLGuidanceBackend.from_tokenizer(tok, limits=limits)
+
+
+def test_a_grammar_over_a_parser_row_fails_its_compile(tok):
+    """Over llguidance's row at the first token (here: a row of 40 items for 60 alternatives after
+    "x"): found by the compile's one-step probe, refused as a ValueError, not at a request's first
+    token."""
+    small = small_row_backend(tok)
+    alts = " | ".join(f'"w{i}"' for i in range(60))
+    with pytest.raises(ValueError, match="items; max is 40"):
+        small.compile(GrammarSpec.lark(f'start: "x" c\nc: {alts}'))
+    small.compile(GrammarSpec.lark(RUNTIME_ROW))  # two choices deep: found when it runs
+
+
+def test_a_failed_grammar_leaves_the_cache_and_is_refused(tok):
+    small = small_row_backend(tok)
+    cache = GrammarCache(small)
+    spec = GrammarSpec.lark(RUNTIME_ROW)
+    g = cache.get(spec)
+    m = g.matcher()
+    for b in (b"q", b"r", b"w"):  # the row of 60 alternatives comes after the second choice
+        if m.error is None:
+            m.accept(small.tokenize_bytes(b)) and _fill_ok(small, m)
+    assert m.error is not None and g.failure and "max is 40" in g.failure, (m.error, g.failure)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="exceeded a limit when it ran"):
+            cache.get(spec)
+    st = cache.stats()
+    assert (st.entries, st.refused, st.nbytes) == (0, 2, 0)
+
+
+def _fill_ok(backend, m) -> bool:
+    row = torch.zeros(bitmask_words(backend.vocab_size), dtype=torch.int32)
+    m.fill_bitmask(row)
+    return m.error is None
+
+
+def test_grammar_cache_is_bounded_in_bytes(backend):
+    specs = [GrammarSpec.choice([f"{i}-{j}" + "x" * 100 for j in range(100)]) for i in range(6)]
+    one = backend.compile(specs[0]).nbytes
+    cache = GrammarCache(backend, max_entries=100, max_bytes=3 * one + one // 2)
+    for s in specs:
+        cache.get(s)
+    st = cache.stats()
+    assert st.entries == 3 and st.nbytes <= 3 * one + one // 2
+    assert specs[-1] in cache and specs[0] not in cache
+
+
+def test_a_deep_rule_chain_compiles_on_the_compile_thread(backend):
+    """3,000 chained rules overflowed an 8 MiB thread stack (the process died); the compile thread's
+    256 MiB takes the 10,000-rule limit (16-32 MiB measured)."""
+    rules = "".join(f'r{i}: "t" r{i + 1} | "u"\n' for i in range(9_998))
+    g = backend.compile(GrammarSpec.lark("start: r0\n" + rules + 'r9998: "end"\n'))
+    assert g.matcher().accept([backend.tokenize_bytes(b"t")[0]])
+
+
+# -- closing plans on a budget -----------------------------------------------------------------------
+def test_a_closing_plan_stops_at_its_budget(backend):
+    """A string that may not close for 301 bytes, 8 tokens left: the search for a way out ran 7.6 s; on
+    the default budget it gives up within it (None, counted), and the given-up search from the start is
+    remembered for the grammar (the next request does not search again)."""
+    from foveal.structured import closing
+
+    g = backend.compile(GrammarSpec.json_schema({"type": "string", "minLength": 301}))
+    c = closing.Closer(g)
+    budget = closing.Budget()
+    old, closing.BUDGET = closing.BUDGET, budget
+    try:
+        t = time.perf_counter()
+        assert c.plan(g.matcher(), "", 8) is None
+        took = time.perf_counter() - t
+        assert budget.skipped == 1 and took < 1.0, took
+        assert c.plan(g.matcher(), "", 8) is None and budget.skipped == 1  # remembered
+        budget.new_step()
+        budget.step_spent = budget.step_s  # this step's budget spent: the look waits
+        assert c.plan(g.matcher(), "", 9) is closing.DEFER
+    finally:
+        closing.BUDGET = old

@@ -77,6 +77,7 @@ class _Tracked:
     req: Request
     detok: IncrementalDetokenizer
     error: str | None = None
+    error_type: str = "server_error"  # or invalid_request_error: the request's own fault
 
 
 class Engine:
@@ -476,6 +477,8 @@ class Engine:
             t = self._tracked.get(rid)
             if t is not None and not t.req.is_finished:
                 t.error = why
+                if rid in out.bad_grammars:
+                    t.error_type = "invalid_request_error"
                 self.scheduler.finish(t.req, FinishReason.ERROR)
         deltas = []
         for t in live:
@@ -549,6 +552,7 @@ class Engine:
             finish_reason=req.finish_reason,
             stop_reason=stop_reason,
             error=t.error,
+            error_type=t.error_type,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_images=len(req.mm_items),

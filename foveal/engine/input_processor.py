@@ -146,7 +146,8 @@ class InputProcessor:
                 backend = LLGuidanceBackend.from_tokenizer(
                     self.tokenizer, vocab_size=self.mask_vocab, eos_token_ids=self.info.eos_token_ids
                 )
-                self._grammars = GrammarCache(backend, self.output.grammar_cache_entries)
+                o = self.output
+                self._grammars = GrammarCache(backend, o.grammar_cache_entries, o.grammar_cache_bytes)
             return self._grammars
 
     @property
@@ -348,7 +349,7 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         room = limit - len(ids)
         if params.max_tokens is None:
-            params = replace(params, max_tokens=room)
+            params = replace(params, max_tokens=min(room, params.default_max_tokens or room))
         if self.keep_special_ids and params.skip_special_tokens and not params.keep_special_token_ids:
             params = replace(params, keep_special_token_ids=self.keep_special_ids)
         if params.max_tokens > room:

@@ -376,7 +376,12 @@ class EngineLoop:
         r = e.runner
         masks = None
         if r.mask_rows:
-            masks = {"mask_seconds": r.mask_seconds, "mask_rows": r.mask_rows, "closed": r.closed_answers}
+            masks = {
+                "mask_seconds": r.mask_seconds,
+                "mask_rows": r.mask_rows,
+                "closed": r.closed_answers,
+                "close_skipped": r.close_skipped,
+            }
         lora = e.lora_report() if r.lora is not None else None
         report = StepReport(
             e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec, masks, lora

@@ -110,7 +110,9 @@ class StepReport:
     # speculative decoding's totals (the engine's SpecStats.as_dict(), "method", the load-aware policy's
     # "chosen_k"); None when the engine does not speculate
     spec: dict | None = None
-    structured: dict | None = None  # grammar totals {"mask_seconds", "mask_rows", "closed"}; None before any
+    structured: dict | None = (
+        None  # grammar totals {"mask_seconds", "mask_rows", "closed", "close_skipped"}; None before any
+    )
     # LoRA: {"running": {adapter: sequences}, "waiting": {...}, "max_loras": n}; None when LoRA is off
     lora: dict | None = None
 

@@ -44,6 +44,7 @@ class PrometheusSink:
         )
         self._prefix_seen = (0, 0)
         self._lazy: dict[str, list[Counter]] = {}  # series registered at their first report
+        self._grammar_size: tuple[Gauge, Gauge] | None = None
         self._lazy_seen: dict[str, list[float]] = {}
         self._spec: tuple[Counter, Counter, Counter, Counter] | None = None  # registered at the first report
         self._spec_seen = (0, 0, 0)  # drafts, draft tokens, accepted tokens already counted
@@ -143,6 +144,11 @@ class PrometheusSink:
                         "Constrained answers closed early for max_tokens",
                         structured.get("closed", 0),
                     ),
+                    (
+                        "foveal_structured_close_skipped",
+                        "Closing plans given up over their time budget (those answers were cut)",
+                        structured.get("close_skipped", 0),
+                    ),
                 ],
             )
 
@@ -171,8 +177,21 @@ class PrometheusSink:
                 ("foveal_grammar_cache_hits", "Grammars served from the compiled cache", stats.hits),
                 ("foveal_grammar_compile_errors", "Grammar specs refused when compiled", stats.errors),
                 ("foveal_grammar_compile_seconds", "Time compiling grammars", stats.compile_seconds),
+                (
+                    "foveal_grammar_refused",
+                    "Requests refused: their grammar had failed at run time",
+                    stats.refused,
+                ),
             ],
         )
+        if self._grammar_size is None:
+            r = self.registry
+            self._grammar_size = (
+                Gauge("foveal_grammar_cache_entries", "Compiled grammars cached", registry=r),
+                Gauge("foveal_grammar_cache_bytes", "Estimated memory of the cached grammars", registry=r),
+            )
+        self._grammar_size[0].set(stats.entries)
+        self._grammar_size[1].set(stats.nbytes)
 
     def _totals(self, key: str, series: list[tuple[str, str, float]]) -> None:
         """Counters that follow lifetime totals (the increase since the last report), registered at the

@@ -34,7 +34,12 @@ from foveal.server.body import ClientLeft, read_json
 from foveal.server.errors import APIError, error_response, from_validation
 from foveal.server.inputs import InputWork
 from foveal.server.prompts import Prompts
-from foveal.server.protocol import ChatCompletionRequest, CompletionRequest
+from foveal.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraRequest,
+    UnloadLoraRequest,
+)
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("foveal.access")
@@ -136,7 +141,13 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
     app.state.loop, app.state.prometheus, app.state.summary = loop, prom, summary
     app.state.inputs, app.state.prompts = inputs, prompts
     openapi.publish_request_bodies(
-        app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+        app,
+        {
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/completions": CompletionRequest,
+            "/v1/load_lora_adapter": LoadLoraRequest,
+            "/v1/unload_lora_adapter": UnloadLoraRequest,
+        },
     )
 
     @app.exception_handler(APIError)
@@ -175,6 +186,10 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             adapter = await lora_adapter(req.model)
         try:
             params = req.sampling_params()  # validated as it is made (request.py)
+            cap = cfg.max_tokens  # the server's default (where the context leaves that many), and its cap
+            if cap is not None:
+                mt = params.max_tokens if params.max_tokens is None else min(params.max_tokens, cap)
+                params = dataclasses.replace(params, max_tokens=mt, default_max_tokens=cap)
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         return req, params, adapter
@@ -268,7 +283,8 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                         lps[i] = sse.merge_completion_logprobs(lps[i], new)
                 if d.finished:
                     if d.error:
-                        raise APIError(500, f"generation failed: {d.error}", "server_error")
+                        status = 400 if d.error_type == "invalid_request_error" else 500
+                        raise APIError(status, f"generation failed: {d.error}", d.error_type)
                     reasons[i] = sse.finish(d.finish_reason)
                     if chat:
                         outs[i].finish(truncated=reasons[i] == "length")
@@ -355,7 +371,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                     yield sse.sse(_chunk(stream, obj, [choice(i, frag, lp if k == 0 else None)], inc))
                 if d.finished:
                     if d.error:
-                        yield sse.error_event(d.error)
+                        yield sse.error_event(d.error, d.error_type)
                     end = choice(i, {}, None, _chat_finish(outs[i], reason))
                     yield sse.sse(_chunk(stream, obj, [end], inc))
                     tally.add(i, d)
@@ -381,7 +397,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                     yield sse.sse(_chunk(stream, obj, [c], inc))
                 if d.finished:
                     if d.error:
-                        yield sse.error_event(d.error)
+                        yield sse.error_event(d.error, d.error_type)
                     tally.add(i, d)
 
         return framed(stream, obj, inc, body, req.n)
@@ -415,6 +431,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             "created": created,
             "owned_by": "foveal",
             "max_model_len": info.max_model_len,
+            "max_tokens": cfg.max_tokens,  # a request's default and cap (--max-tokens); null: the context
         }
         data = [{"id": model_name, "root": info.model_name, "parent": None, **card}]
         if processor.lora is not None:  # adapters, with the served model as their parent (vLLM's cards)

@@ -65,5 +65,8 @@ def _is_union_tag(x) -> bool:
     # pydantic puts the union member's type name in loc (e.g. 'str', 'list[int]',
     # 'function-before[_integral(), int]'); drop those, and only those ('functions' is a field name)
     return isinstance(x, str) and (
-        x in ("str", "int", "float", "bool") or "[" in x or x.startswith("constrained-")
+        x in ("str", "int", "float", "bool")
+        or "[" in x
+        or x.startswith("constrained-")
+        or (x[:1].isupper() and x.isidentifier())  # a model class of ours (NamedToolChoice); fields are lower
     )

@@ -30,6 +30,7 @@ from foveal.server import media
 from foveal.server.errors import APIError
 from foveal.server.inputs import InputWork, InputWorkTooSlow
 from foveal.server.protocol import ChatCompletionRequest, CompletionRequest
+from foveal.structured.spec import GrammarSpec
 from foveal.structured.tool_grammar import tool_call_grammar
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,19 @@ class Prompts:
         params = replace(params, structured=constraint.grammar, close_on_length=False)
         return tools, params, fmt, constraint.syntax
 
+    def _check_tool_schemas(self, tools: list[dict]) -> None:
+        """Each tool's parameters compiled on their own (cached): a bad schema is a 400 naming its tool,
+        not an error of the combined call grammar, which would quote that grammar's internals."""
+        for i, t in enumerate(tools):
+            schema = t["function"].get("parameters")
+            if schema is None:
+                continue
+            where = f"tools.{i}.function.parameters"
+            try:
+                self.processor.grammars.get(GrammarSpec.json_schema(schema))
+            except ValueError as e:
+                raise APIError(400, f"{where}: {e}", param=where) from None
+
     async def chat(
         self, req: ChatCompletionRequest, params: SamplingParams, rid: str, cache_salt: str | None
     ) -> tuple[list[EngineRequest], OutputPlan]:
@@ -236,6 +250,8 @@ class Prompts:
         kwargs = self._template_kwargs(req)
         grammar_source = req.grammar_source
         tools, params, tool_format, tool_syntax = self._tools(req, params)
+        if tool_syntax is not None:  # the calls are constrained: each tool's schema must compile
+            await self._work(self._check_tool_schemas, tools)
         if tools and grammar_source is None:
             grammar_source = "tool_choice"
         if tools:

@@ -90,8 +90,25 @@ class ToolCallPart(BaseModel):
     function: FunctionCall
 
 
+# what _content_present says, for the published schema (a fuzzer reading it should not send a
+# content-less user message and be surprised by the 400)
+_CONTENT_RULE = {
+    "anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {
+            "required": ["role"],
+            "properties": {"role": {"const": "assistant"}},
+            "anyOf": [
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+                {"required": ["reasoning"], "properties": {"reasoning": {"type": "string", "minLength": 1}}},
+            ],
+        },
+    ]
+}
+
+
 class ChatMessage(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_CONTENT_RULE)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
@@ -395,7 +412,37 @@ class ChatCompletionRequest(_Common):
             return self.tool_choice.model_dump()
         return self.tool_choice or "auto"
 
+    def check_turns(self) -> None:
+        """What OpenAI refuses and a schema cannot say: a tool message answers a call issued by an
+        earlier assistant message (by its id), and tool names are unique."""
+        issued: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.role == "assistant" and m.tool_calls:
+                issued.update(c.id for c in m.tool_calls if c.id)
+            elif m.role == "tool":
+                where = f"messages.{i}.tool_call_id"
+                if not m.tool_call_id:
+                    raise InvalidParameter(
+                        where,
+                        f"missing required parameter '{where}': a tool message answers a tool call by its id",
+                    )
+                if m.tool_call_id not in issued:
+                    raise InvalidParameter(
+                        where,
+                        f"invalid value for '{where}': {m.tool_call_id!r} is not the id of a tool call in an "
+                        "earlier assistant message",
+                    )
+        seen: set[str] = set()
+        for i, t in enumerate(self.tools or ()):
+            if t.function.name in seen:
+                where = f"tools.{i}.function.name"
+                raise InvalidParameter(
+                    where, f"invalid value for '{where}': a second tool named {t.function.name!r}"
+                )
+            seen.add(t.function.name)
+
     def sampling_params(self) -> SamplingParams:
+        self.check_turns()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter(
                 "top_logprobs", "invalid sampling parameter top_logprobs: requires logprobs=true"
@@ -429,3 +476,14 @@ class CompletionRequest(_Common):
                 "best_of", "invalid sampling parameter best_of: only best_of == n is supported"
             )
         return self._params(self.max_tokens, self.logprobs)
+
+
+class LoadLoraRequest(BaseModel):
+    """/v1/load_lora_adapter's body (vLLM's)."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoraRequest(BaseModel):
+    lora_name: Annotated[str, Field(min_length=1)]

@@ -14,8 +14,8 @@ the grammar may end here. A Matcher belongs to one request and is not safe to sh
 compiled grammars and the cache are.
 
 GrammarCache keys compiled grammars by spec (its hash, then equality: no collision can swap two
-grammars), evicts the least recently used, and compiles each spec once even when several threads ask
-at the same time. It must not know which backend it holds.
+grammars), evicts the least recently used past its entry or byte bound, and compiles each spec once
+even when several threads ask at the same time. It must not know which backend it holds.
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ class CompiledGrammar(Protocol):
     spec: GrammarSpec
     warnings: tuple[str, ...]  # e.g. keywords a lenient JSON schema had ignored
     backend: GrammarBackend  # the one that compiled it (fill_bitmasks fills many matchers at once)
+    # set once a matcher hit a limit of the grammar's own (it would on every retry): the cache then
+    # drops it and refuses its spec
+    failure: str | None
+    nbytes: int  # an estimate of the memory it holds (the cache's byte bound adds these up)
 
     def matcher(self) -> Matcher:
         """A fresh matcher at the grammar's start (cheap; safe to call from any thread)."""
@@ -111,25 +115,47 @@ class GrammarCacheStats:
     errors: int  # compiles that raised (never cached: a bad spec is compiled, and refused, each time)
     entries: int
     compile_seconds: float  # total wall time of compiles, failed ones included
+    nbytes: int = 0  # the entries' estimated memory (CompiledGrammar.nbytes)
+    refused: int = 0  # requests refused for a spec whose grammar failed at run time (`failure`)
 
 
 class GrammarCache:
-    """LRU of compiled grammars, thread-safe; `get` compiles on a miss (outside the lock)."""
+    """LRU of compiled grammars, thread-safe; `get` compiles on a miss (outside the lock). Bounded by
+    entries and by bytes (each grammar's `nbytes` estimate: a client can send 300 KB choice lists that
+    compile to ~30 MiB each). A grammar that failed at run time (`failure`) leaves the cache, and its
+    spec is refused from then on (its digest kept, `max_refused` of them)."""
 
-    def __init__(self, backend: GrammarBackend, max_entries: int = 256):
-        if max_entries < 1:
-            raise ValueError("max_entries must be at least 1")
+    def __init__(
+        self,
+        backend: GrammarBackend,
+        max_entries: int = 256,
+        max_bytes: int = 1 << 30,
+        max_refused: int = 4096,
+    ):
+        if max_entries < 1 or max_bytes < 1:
+            raise ValueError("max_entries and max_bytes must be at least 1")
         self.backend = backend
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_refused = max_refused
         self._lock = threading.Lock()
         self._entries: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._nbytes = 0
+        self._refused: OrderedDict[str, str] = OrderedDict()  # spec digest -> why
         self._pending: dict[GrammarSpec, Future] = {}
-        self._hits = self._misses = self._errors = 0
+        self._hits = self._misses = self._errors = self._refusals = 0
         self._compile_s = 0.0
 
     def get(self, spec: GrammarSpec) -> CompiledGrammar:
         with self._lock:
             hit = self._entries.get(spec)
+            if hit is not None and hit.failure is not None:
+                self._refuse(spec, hit.failure)
+                hit = None
+            why = self._refused.get(spec.digest()) if self._refused else None
+            if why is not None:
+                self._refusals += 1
+                raise ValueError(f"the grammar exceeded a limit when it ran: {why}")
             if hit is not None:
                 self._entries.move_to_end(spec)
                 self._hits += 1
@@ -156,10 +182,19 @@ class GrammarCache:
             self._compile_s += time.perf_counter() - t0
             del self._pending[spec]
             self._entries[spec] = grammar
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self._nbytes += grammar.nbytes
+            while len(self._entries) > 1 and (
+                len(self._entries) > self.max_entries or self._nbytes > self.max_bytes
+            ):
+                self._nbytes -= self._entries.popitem(last=False)[1].nbytes
         mine.set_result(grammar)
         return grammar
+
+    def _refuse(self, spec: GrammarSpec, why: str) -> None:
+        self._nbytes -= self._entries.pop(spec).nbytes
+        self._refused[spec.digest()] = why
+        while len(self._refused) > self.max_refused:
+            self._refused.popitem(last=False)
 
     def __contains__(self, spec: GrammarSpec) -> bool:
         with self._lock:
@@ -172,9 +207,16 @@ class GrammarCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._nbytes = 0
 
     def stats(self) -> GrammarCacheStats:
         with self._lock:
             return GrammarCacheStats(
-                self._hits, self._misses, self._errors, len(self._entries), self._compile_s
+                self._hits,
+                self._misses,
+                self._errors,
+                len(self._entries),
+                self._compile_s,
+                self._nbytes,
+                self._refusals,
             )

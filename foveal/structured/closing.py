@@ -21,12 +21,19 @@ it allows), its nesting and how often the signature changed on the way ("progres
 often allow the same next bytes, and without it `iglu:a/` and `iglu:aa` look alike). It is a heuristic:
 no plan (None) is an answer, and the request then ends as it would have. Over the maskbench sample with
 random prefixes it closes all but schemas whose shortest valid document is thousands of bytes long.
+
+Plans run on the model thread, so each is on a budget (`Budget`): `PLAN_SECONDS` of wall time and
+`PLAN_EXPANSIONS` matcher copies per plan, and `STEP_SECONDS` for all the plans of one step (the
+runner calls `Budget.new_step`). A plan over its budget is given up (None: the request is cut as it
+falls, counted in `Budget.skipped`); a look that finds the step's budget spent is put off to the next
+step (DEFER). A schema whose shortest string is 301 characters searched for 6.6 s before this.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -40,6 +47,53 @@ _PROBE = b"\"}],:059afgmzAFZ-._/ @+%()!#~'\\"  # the bytes whose validity is a s
 _BEAM = 24  # states kept per length
 _SEARCH_BYTES = 128  # how far one search looks
 _WITNESS_BYTES = 128
+PLAN_SECONDS = 0.005
+PLAN_EXPANSIONS = 2_000
+STEP_SECONDS = 0.010
+DEFER = "defer"  # plan(): the step's budget is spent, ask again next step
+
+
+class _OverBudget(Exception):
+    pass
+
+
+class Budget:
+    """Time and work the closing plans may take from the model thread (one per process: plans run on
+    the model thread only; witnesses, built once per grammar, count too)."""
+
+    def __init__(
+        self, plan_s: float = PLAN_SECONDS, expansions: int = PLAN_EXPANSIONS, step_s: float = STEP_SECONDS
+    ):
+        self.plan_s, self.expansions, self.step_s = plan_s, expansions, step_s
+        self.step_spent = 0.0
+        self.skipped = 0  # plans given up over budget (lifetime)
+        self._deadline = 0.0
+        self._left = 0
+
+    def new_step(self) -> None:
+        self.step_spent = 0.0
+
+    def start(self) -> bool:
+        """Begin a plan; False when this step's budget is spent."""
+        if self.step_spent >= self.step_s:
+            return False
+        self._t0 = time.perf_counter()
+        self._deadline = self._t0 + min(self.plan_s, self.step_s - self.step_spent)
+        self._left = self.expansions
+        return True
+
+    def spend(self) -> None:
+        """One matcher copy or probe; _OverBudget past the plan's limits."""
+        self._left -= 1
+        if self._left < 0 or time.perf_counter() > self._deadline:
+            raise _OverBudget
+
+    def end(self, skipped: bool) -> None:
+        self.step_spent += time.perf_counter() - self._t0
+        self.skipped += skipped
+
+
+BUDGET = Budget()
 
 
 def nesting(stack: str, data: bytes) -> str:
@@ -101,7 +155,9 @@ class Closer:
     plan works on copies, the witnesses are built once under a lock)."""
 
     def __init__(self, grammar):
-        self.grammar = grammar
+        # not the grammar itself: _CLOSERS holds this weakly keyed by it, and a value that refers to its
+        # key keeps it alive (every grammar with a Closer stayed in memory past its cache eviction)
+        self.spec = grammar.spec
         backend = grammar.backend
         self._backend = backend
         self._byte = backend.byte_tokens  # byte -> a token of exactly that byte
@@ -122,13 +178,17 @@ class Closer:
 
     def _ok(self, m, b: int) -> bool:
         t = self._byte.get(b)
-        return t is not None and m.validate([t]) == 1
+        if t is None:
+            return False
+        BUDGET.spend()
+        return m.validate([t]) == 1
 
     # -- the plan -----------------------------------------------------------------------------------
-    def plan(self, matcher, stack: str, limit: int) -> list[int] | None:
-        """Tokens (at most `limit`) that take `matcher` from where it is to a complete match, or None
-        when none was found. `stack`: the JSON nesting of the text so far (`nesting`). From the
-        grammar's start (the shortest document) the answer is the same for every request: kept."""
+    def plan(self, matcher, stack: str, limit: int) -> list[int] | None | str:
+        """Tokens (at most `limit`) that take `matcher` from where it is to a complete match, None
+        when none was found within the budget, or DEFER when this step's budget is spent. `stack`: the
+        JSON nesting of the text so far (`nesting`). From the grammar's start (the shortest document)
+        the answer is the same for every request: kept, and so is a search given up."""
         if matcher.num_tokens == 0:
             with self._lock:
                 tried, plan = self._start
@@ -136,11 +196,24 @@ class Closer:
                 return plan if len(plan) <= limit else None
             if limit <= tried:
                 return None
-            plan = self._plan(matcher, stack, limit)
+            plan = self._budgeted(matcher, stack, limit)
+            if plan is DEFER:
+                return plan
             with self._lock:
                 self._start = (max(limit, self._start[0]), plan) if plan is not None else (limit, None)
             return plan
-        return self._plan(matcher, stack, limit)
+        return self._budgeted(matcher, stack, limit)
+
+    def _budgeted(self, matcher, stack: str, limit: int):
+        if not BUDGET.start():
+            return DEFER
+        try:
+            plan = self._plan(matcher, stack, limit)
+        except _OverBudget:
+            BUDGET.end(skipped=True)
+            return None
+        BUDGET.end(skipped=False)
+        return plan
 
     def _plan(self, matcher, stack: str, limit: int) -> list[int] | None:
         m = matcher.copy()
@@ -215,6 +288,7 @@ class Closer:
             for s, d, path, progress, before in layer:
                 if path and goal(d, s):
                     return path
+                BUDGET.spend()
                 forced = d.forced()
                 sig = ("forced", tuple(forced)) if forced else tuple(d.validate([t]) for t in probe)
                 progress += sig != before
@@ -232,6 +306,7 @@ class Closer:
                         if d.validate(w + [quote]) == len(w) + 1:
                             return path + [w]
                 for e in edges:
+                    BUDGET.spend()
                     x = d.copy()
                     if not x.accept(e):
                         continue
@@ -247,8 +322,8 @@ class Closer:
         written inside a string it lets the string close. Built on first use."""
         with self._lock:
             if self._witnesses is None:
-                self._witnesses = []
-                for p in _patterns(self.grammar.spec):
+                found = []  # kept once complete: a build over budget is tried again by a later plan
+                for p in _patterns(self.spec):
                     try:
                         g = self._backend.compile(GrammarSpec.regex(p))
                     except ValueError:  # a dialect the regex backend reads differently: no literal
@@ -257,7 +332,8 @@ class Closer:
                         g.matcher(), '"', lambda d, s: d.is_accepting(), _STRING, [], _WITNESS_BYTES
                     )
                     if path:
-                        self._witnesses.append([t for e in path for t in e])
+                        found.append([t for e in path for t in e])
+                self._witnesses = found
             return self._witnesses
 
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from foveal.structured.closing import DEFER, closer_for, nesting
+
 log = logging.getLogger(__name__)
 
 OPEN, THINK, ANSWER = "open", "think", "answer"
@@ -68,12 +70,11 @@ class Guide:
         self.thinking_tokens = 0
         self._end = 0  # tokens of the end marker matched (or forced) so far
         self.error: str | None = None
+        self.grammar_error = False  # the error is the grammar's (a limit it hit), not a fault of ours
         self.num_tokens = 0  # tokens produced (thinking included): what the budget counts
         self.cut = False  # the closing plan was spent: the answer ended for the budget
         self._closer = None
         if spec.close_budget is not None and self.matcher is not None:
-            from foveal.structured.closing import closer_for
-
             self._closer = closer_for(spec.grammar)
         self._nest = ""  # the answer's JSON nesting (closing.nesting) before its tokens _unread
         self._unread: list[int] = []  # answer tokens since the last look, while closing may come
@@ -139,11 +140,11 @@ class Guide:
         if self.phase == THINK:  # end the thought first: the rest of its end marker
             head = self.spec.think_end[self._end :]
         if self._unread:  # the nesting of the answer's tokens since the last look
-            from foveal.structured.closing import nesting
-
             self._nest = nesting(self._nest, self._closer.text(self._unread))
             self._unread.clear()
         plan = self._closer.plan(self.matcher, self._nest if self.phase == ANSWER else "", left - len(head))
+        if plan is DEFER:  # the step's planning budget is spent: look again at the next step
+            return
         if plan is None:  # no way found, or none that fits: the request runs on as it would have
             self._look_at = None
             return
@@ -160,7 +161,7 @@ class Guide:
     def filled(self, row: torch.Tensor) -> None:
         """After the matcher filled `row`: note its error; in OPEN, allow the think-start token too."""
         if self.matcher.error is not None:
-            self.error = f"grammar: {self.matcher.error}"
+            self._grammar_failed()
         if self.phase == OPEN:
             _set(row, self.spec.think_start[0])
 
@@ -210,8 +211,14 @@ class Guide:
                 self._unread.append(token)
             return True
         if self.matcher.error is not None:
-            self.error = f"grammar: {self.matcher.error}"
+            self._grammar_failed()
         return False
+
+    def _grammar_failed(self) -> None:
+        """The matcher hit a limit of its grammar (a parser row, the lexer's expressions): the request's
+        fault, not the server's (`grammar_error`); the grammar notes it, and is refused from then on."""
+        self.error = f"the grammar exceeded a limit of the parser: {self.matcher.error}"
+        self.grammar_error = True
 
     def refusal(self, token: int) -> str:
         """Why `token` was refused, for the request's error: whether the current mask allows it tells a

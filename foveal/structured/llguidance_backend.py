@@ -17,11 +17,20 @@ Limits: each mask or token step may spend `step_lexer_fuel` (default 200k, ~10 m
 states. Step by step (a mask, then a token) no maskbench schema ran out of it, but accepting hundreds of
 tokens in one call can, which breaks the *shared* lexer (see LLGuidanceGrammar).
 
+Compiling is where a hostile grammar does its damage, so it is fenced three ways: size limits checked
+before llguidance sees the text (limits.py: a 400 in microseconds); the native work on threads with a
+256 MiB stack (a Lark chain of 3,000 rules overflowed an 8 MiB one, killing the process), waited for
+`compile_timeout` seconds at most; and a first step taken on a copy (mask, one allowed token, the next
+mask), since a grammar over a parser limit compiles and then fails at its first token. A worker process
+would also survive a native crash we do not know of, but the compiled grammar cannot leave it: every
+grammar would be compiled twice, in it and here; benchmarks/grammar_isolation.py measures both.
+
 It must not know about requests or the engine; it needs a Hugging Face fast tokenizer.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import re
@@ -33,7 +42,8 @@ import llguidance.hf
 import torch
 from llguidance import LLMatcher, LLParserLimits
 
-from foveal.structured.bitmask import bitmask_words
+from foveal.structured import limits as size_limits
+from foveal.structured.bitmask import bitmask_words, unpack_bitmask
 from foveal.structured.spec import GrammarSpec
 
 log = logging.getLogger(__name__)
@@ -50,12 +60,51 @@ _WHAT = {
 }
 
 
+COMPILE_STACK_BYTES = 256 * 2**20
+_POOL = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
+_STACK_LOCK = threading.Lock()
+
+
+def on_compile_thread(fn, timeout: float):
+    """fn() on a compile thread (256 MiB stack), waiting `timeout` s at most: past it, a ValueError
+    (the compile runs on and its result is dropped; two threads, so runaways cannot pile up more)."""
+    with _STACK_LOCK:  # the pool starts its threads inside submit(): with the stack size set here
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            future = _POOL.submit(fn)
+        finally:
+            threading.stack_size(old)
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise ValueError(f"the grammar did not compile within {timeout:g} s") from None
+
+
+def grammar_nbytes(text: str) -> int:
+    """The memory a compiled grammar holds, estimated from its definition's length: a fixed part (the
+    template matcher, the lexer's first states) and a part that grows with the grammar. Measured with
+    benchmarks/grammar_isolation.py: choice lists of 30 and 300 KB held 9-12 resident bytes per byte,
+    12-field schemas less than 5; the estimate errs high."""
+    return _BASE_BYTES + _BYTES_PER_BYTE * len(text)
+
+
+_BASE_BYTES, _BYTES_PER_BYTE = 64 * 1024, 16
+
+
 def _clean(msg: str) -> str:
     return msg.replace("<non-verbose/>", "").strip()
 
 
+# llguidance errors that name its internals, in words
+_OPAQUE = {
+    "NoExtensionBias": "a $ref cycle that no finite JSON document satisfies (a definition that can only "
+    "refer to itself)",
+}
+
+
 def _compile_error(kind: str, msg: str) -> str:
     msg = _clean(msg)
+    msg = _OPAQUE.get(msg, msg)
     if kind == "regex":  # llguidance quotes the Lark rule `start: /.../` it wrapped the regex in: drop it
         msg = msg[msg.find("regex parse error") :] if "regex parse error" in msg else msg
         lines = msg.splitlines()
@@ -82,7 +131,7 @@ class LLGuidanceMatcher:
             raise ValueError("bitmask row must be contiguous")
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
         if self._m.is_error():
-            self._grammar.mark_stale()
+            self._grammar.matcher_failed(self._m.get_error())
 
     def accept(self, token_ids: Sequence[int]) -> bool:
         ids = list(token_ids)
@@ -95,7 +144,7 @@ class LLGuidanceMatcher:
                 self._eos_unrecorded = stopped
         if n < len(ids):
             # under a mask this does not happen, unless the shared lexer ran out of fuel (see above)
-            self._grammar.mark_stale()
+            self._grammar.matcher_failed(self._m.get_error() if self._m.is_error() else "")
             if n:
                 self._rollback(n)
             return False
@@ -147,24 +196,33 @@ class LLGuidanceGrammar:
     """A compiled grammar: a template matcher that each request's matcher is a deep copy of. Copies
     share the template's lexer (its DFA cache, so later requests find states built), and with it the
     lexer's error: when one step runs out of `step_lexer_fuel`, the shared lexer stays broken and every
-    later copy fails at its first token. So a matcher that errs, or refuses a token, marks the grammar
-    stale, and the next matcher() builds a fresh template (~1 ms): one request's bad luck is not every
-    later request's. Matchers copied before that share the broken lexer and may fail too."""
+    later copy fails at its first token. So a matcher that runs out of fuel, or refuses a token, marks
+    the grammar stale, and the next matcher() builds a fresh template (~1 ms): one request's bad luck is
+    not every later request's. Matchers copied before that share the broken lexer and may fail too.
+    Any other error is the grammar's own (a parser row over its limit, too many lexer expressions): it
+    comes back on every retry, so `failure` records it and the cache refuses the spec from then on."""
 
     __slots__ = (
-        "spec", "warnings", "words", "eos", "backend", "_build", "_template", "_stale", "_lock", "__weakref__"
+        "spec", "warnings", "words", "eos", "backend", "failure", "nbytes", "_build", "_template", "_stale",
+        "_lock", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, spec: GrammarSpec, build, words: int, eos: frozenset[int]):
         self.spec, self.words, self.eos, self._build = spec, words, eos, build
         self.backend = None
+        self.failure: str | None = None
+        self.nbytes = 0  # set by the backend
         self._template = build()
         self.warnings = tuple(self._template.get_grammar_warnings())
         self._stale = False
         self._lock = threading.Lock()
 
-    def mark_stale(self) -> None:
-        self._stale = True
+    def matcher_failed(self, error: str) -> None:
+        """A matcher of this grammar erred (or refused a token: error "")."""
+        if not error or "fuel" in error:
+            self._stale = True
+        elif self.failure is None:
+            self.failure = _clean(error)
 
     def matcher(self) -> LLGuidanceMatcher:
         with self._lock:
@@ -182,11 +240,20 @@ class LLGuidanceBackend:
 
     name = "llguidance"
 
-    def __init__(self, ll_tokenizer: llguidance.LLTokenizer, limits: LLParserLimits | None = None):
+    def __init__(
+        self,
+        ll_tokenizer: llguidance.LLTokenizer,
+        limits: LLParserLimits | None = None,
+        *,
+        size_limits: size_limits.GrammarLimits = size_limits.DEFAULT,
+        compile_timeout: float = 10.0,
+    ):
         self.tokenizer = ll_tokenizer
         self.vocab_size: int = ll_tokenizer.vocab_size
         self.eos_token_ids = frozenset(ll_tokenizer.eos_tokens)
         self.limits = limits or LLParserLimits(verbose_errors=False)
+        self.size_limits = size_limits
+        self.compile_timeout = compile_timeout
         self._words = bitmask_words(self.vocab_size)
         self._executor: llguidance.LLExecutor | None = None
         self._executor_lock = threading.Lock()
@@ -220,6 +287,7 @@ class LLGuidanceBackend:
         vocab_size: int | None = None,
         eos_token_ids: Iterable[int] | None = None,
         limits: LLParserLimits | None = None,
+        **options,
     ) -> LLGuidanceBackend:
         """From a transformers fast tokenizer. vocab_size: the model's logits width (None: the
         tokenizer's; it may not be smaller). eos_token_ids: every id that ends generation (None: the
@@ -231,7 +299,7 @@ class LLGuidanceBackend:
             tok = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
         except ValueError as e:
             raise ValueError(f"llguidance cannot use this tokenizer: {e}") from None
-        return cls(tok, limits)
+        return cls(tok, limits, **options)
 
     def grammar_text(self, spec: GrammarSpec) -> str:
         """The spec as llguidance's grammar definition (a JSON string)."""
@@ -258,25 +326,50 @@ class LLGuidanceBackend:
                 lark = gbnf_to_lark(lark)
             except Exception as e:  # the converter raises its own error types
                 raise ValueError(f"invalid grammar (read as GBNF): {e}") from None
+        size_limits.check_lark(lark, self.size_limits)
         return LLMatcher.grammar_from_lark(lark)
 
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+        if spec.kind != "lark":  # a Lark grammar is checked as Lark, after any GBNF conversion
+            size_limits.check(spec, self.size_limits)
         text = self.grammar_text(spec)
 
         def build() -> LLMatcher:
             m = LLMatcher(self.tokenizer, text, limits=self.limits, log_level=0)
-            if not m.is_error():  # warm the lexer's first states here, not at the first step
-                scratch = torch.empty(self._words, dtype=torch.int32)
-                m.unsafe_compute_mask_ptr(scratch.data_ptr(), self._words * 4)
-            if m.is_error():  # a bad spec; or a lexer limit already hit at the start
-                raise ValueError(_compile_error(spec.kind, m.get_error()))
+            # a bad spec; or a limit hit at the start or the first token
+            error = m.get_error() if m.is_error() else self._first_step(m)
+            if error is not None:
+                raise ValueError(_compile_error(spec.kind, error))
             return m
 
-        g = LLGuidanceGrammar(spec, build, self._words, self.eos_token_ids)
+        def compile_() -> LLGuidanceGrammar:
+            g = LLGuidanceGrammar(spec, build, self._words, self.eos_token_ids)
+            g._build = lambda: on_compile_thread(build, self.compile_timeout)  # a rebuild compiles too
+            return g
+
+        g = on_compile_thread(compile_, self.compile_timeout)
+        g.nbytes = grammar_nbytes(text)
         g.backend = self  # fills many matchers' masks at once (fill_bitmasks)
         if g.warnings:
             log.info("grammar %s compiled with warnings: %s", spec.digest()[:12], "; ".join(g.warnings))
         return g
+
+    def _first_step(self, m: LLMatcher) -> str | None:
+        """The first mask (warming the lexer's first states here, not at a request's first step);
+        then, on a copy, one allowed token and the mask after it: a grammar over a parser limit (a row
+        of 2,001 alternatives) fails there, not at a request's first token. The error, or None."""
+        row = torch.empty(1, self._words, dtype=torch.int32)
+        m.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
+        if m.is_error() or m.is_stopped():
+            return m.get_error() if m.is_error() else None
+        allowed = unpack_bitmask(row, self.vocab_size)[0].nonzero().flatten().tolist()
+        token = next((t for t in allowed if t not in self.eos_token_ids), None)
+        if token is None:
+            return None
+        probe = m.deep_copy()
+        if probe.consume_token(token) and not probe.is_error():
+            probe.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
+        return probe.get_error() if probe.is_error() else None
 
     def fill_bitmasks(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor) -> None:
         """matchers[i] -> bitmask[i], on llguidance's own thread pool (the GIL released)."""
@@ -303,4 +396,4 @@ class LLGuidanceBackend:
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self._words * 4, bitmask.shape[0])
         for m in matchers:
             if m._m.is_error():
-                m._grammar.mark_stale()
+                m._grammar.matcher_failed(m._m.get_error())

@@ -34,6 +34,7 @@ from foveal.request import TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, ScheduledItem
 from foveal.spec.rejection import verify
+from foveal.structured import closing
 from foveal.structured.guide import Guide
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class RunnerOutput:
     done: set[str] = field(default_factory=set)  # requests whose grammar is complete (nothing can follow)
     cut: set[str] = field(default_factory=set)  # of which closed early for max_tokens (closing.py)
     errors: dict[str, str] = field(default_factory=dict)  # requests whose guide failed: why
+    bad_grammars: set[str] = field(default_factory=set)  # of which their grammar's fault (a limit)
     # hidden-state drafters (`ModelRunner.tap`): per request, (position of the first row, [n, H]) for
     # the step's rows whose input tokens are confirmed (a verify row's: up to its last accepted draft)
     hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
@@ -623,12 +625,18 @@ class ModelRunner:
         launched.denoised = True
         self._start_copy(launched, torch.stack([torch.cat(x0s).double(), torch.cat(confs).double()]))
 
+    @property
+    def close_skipped(self) -> int:
+        """Closing plans given up over their budget (lifetime; plans run on this thread only)."""
+        return closing.BUDGET.skipped
+
     def _masks(self, batch: ScheduledBatch, num_rows: int):
         """The grammar masks of the step's constrained logits rows, on the device (None if there are
         none): a verify run's row j is masked as if its drafts 1..j were accepted. Plain grammar rows
         come first, filled in one call of the backend (in parallel, the GIL released)."""
         if not self._num_guided:
             return None
+        closing.BUDGET.new_step()
         plain: list[tuple[Guide, int]] = []  # (guide, logits row): the grammar's own mask
         other: list[tuple[Guide, int, ScheduledItem]] = []  # forced tokens, verify runs
         row = 0
@@ -760,6 +768,8 @@ class ModelRunner:
                 )
         if guide.error is not None:
             out.errors[rid] = guide.error
+            if guide.grammar_error:
+                out.bad_grammars.add(rid)
         elif guide.terminated:
             out.done.add(rid)
             if guide.cut:
