@@ -8,6 +8,10 @@ SmolLM2's (49,152 tokens).
 
     python benchmarks/closing.py --tokenizer byte
     python benchmarks/closing.py --tokenizer smollm2 --every 2
+    python benchmarks/closing.py --budget none     # the search without the model thread's budget
+
+`--budget default` (the default) plans as the server does, each plan on closing.Budget's limits (a
+plan over them is given up: counted in "given_up"); `none` lets every search run to its end.
 
 Ends with one JSON line.
 """
@@ -24,8 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from foveal.structured import GrammarSpec  # noqa: E402
-from foveal.structured.closing import closer_for, nesting  # noqa: E402
+from foveal.structured import GrammarSpec, closing  # noqa: E402
+from foveal.structured.closing import nesting, prepare  # noqa: E402
 from foveal.structured.llguidance_backend import LLGuidanceBackend  # noqa: E402
 from tests.test_closing import random_point  # noqa: E402
 
@@ -51,7 +55,10 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=1, help="every n-th schema of the sample")
     ap.add_argument("--limit", type=int, default=8000, help="the plan's token budget")
     ap.add_argument("--schemas", default=str(MASKBENCH))
+    ap.add_argument("--budget", choices=("default", "none"), default="default")
     args = ap.parse_args()
+    if args.budget == "none":
+        closing.BUDGET = closing.Budget(3600.0, 10**12, 3600.0)
     import jsonschema
 
     backend = LLGuidanceBackend.from_tokenizer(tokenizer(args.tokenizer))
@@ -62,10 +69,11 @@ def main() -> None:
             g = backend.compile(GrammarSpec.json_schema(r["schema"]))
         except ValueError:
             continue
-        closer = closer_for(g)
+        closer = prepare(g)
         for seed, steps in enumerate((5, 30, 300)):
             m, out = random_point(backend, g, seed, steps)
             points += 1
+            closing.BUDGET.new_step()  # one plan a step, as a request's look
             t0 = time.perf_counter()
             plan = closer.plan(m, nesting("", backend.token_bytes(out)), args.limit)
             seconds.append(time.perf_counter() - t0)
@@ -90,11 +98,16 @@ def main() -> None:
         "points": points,
         "plans_found": found,
         "plans_invalid": invalid,
+        "budget": args.budget,
+        "given_up": closing.BUDGET.skipped,
         "no_plan": sorted(set(missing)),
         "plan_ms": {"p50": q(seconds, 0.5) * 1e3, "p90": q(seconds, 0.9) * 1e3, "max": seconds[-1] * 1e3},
         "plan_tokens": {"p50": q(lengths, 0.5), "p90": q(lengths, 0.9), "max": lengths[-1]},
     }
-    print(f"{found} of {points} points closed ({invalid} invalid); no plan: {result['no_plan']}")
+    print(
+        f"{found} of {points} points closed ({invalid} invalid; {closing.BUDGET.skipped} plans given up over "
+        f"the budget); no plan: {result['no_plan']}"
+    )
     print(json.dumps(result))
 
 

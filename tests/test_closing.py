@@ -25,6 +25,15 @@ pytest.importorskip("llguidance")
 MASKBENCH = HELDOUT / "jsonschemabench" / "maskbench_sample.jsonl"
 
 
+@pytest.fixture
+def unbudgeted(monkeypatch):
+    """The search's own reach, without the model thread's budget (closing.Budget) that serving gives
+    it: what these tests check is what it finds."""
+    from foveal.structured import closing
+
+    monkeypatch.setattr(closing, "BUDGET", closing.Budget(60.0, 10**9, 60.0))
+
+
 @pytest.fixture(scope="module")
 def backend():
     from foveal.structured.llguidance_backend import LLGuidanceBackend
@@ -35,12 +44,12 @@ def backend():
 
 def plan_from(backend, spec: GrammarSpec, prefix: bytes, limit: int = 4000):
     """(the matcher after `prefix`, the plan from there), with the nesting read from the prefix."""
-    from foveal.structured.closing import closer_for, nesting
+    from foveal.structured.closing import nesting, prepare
 
     g = backend.compile(spec)
     m = g.matcher()
     assert m.accept(backend.tokenize_bytes(prefix)), prefix
-    return m, closer_for(g).plan(m, nesting("", prefix), limit)
+    return m, prepare(g).plan(m, nesting("", prefix), limit)
 
 
 def finish(backend, spec, prefix: bytes, limit: int = 4000) -> str:
@@ -60,7 +69,7 @@ def test_nesting_reads_strings_escapes_and_containers():
     assert nesting("", b'[[], {}, ""]') == ""
 
 
-def test_cases_a_greedy_closer_cannot_do_alone(backend):
+def test_cases_a_greedy_closer_cannot_do_alone(backend, unbudgeted):
     # a pattern with search semantics: its literal anywhere lets the string close
     s = {"type": "object", "properties": {"img": {"type": "string", "pattern": "data:image/png;base64,"}},
          "required": ["img"]}  # fmt: skip
@@ -108,11 +117,11 @@ def random_point(backend, grammar, seed: int, steps: int):
 
 
 @pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/heldout is not here")
-def test_plans_from_random_points_of_maskbench_schemas_validate(backend):
+def test_plans_from_random_points_of_maskbench_schemas_validate(backend, unbudgeted):
     """Every 5th accepted schema, three random walks under its mask (5, 30, 300 one-byte tokens, biased
     towards closers as the end-to-end test is): the plan from each point completes a document that
     jsonschema accepts, within the budget."""
-    from foveal.structured.closing import closer_for, nesting
+    from foveal.structured.closing import nesting, prepare
 
     rows = [json.loads(line) for line in MASKBENCH.read_text().splitlines()]
     tried = 0
@@ -123,7 +132,7 @@ def test_plans_from_random_points_of_maskbench_schemas_validate(backend):
             continue
         for seed, steps in enumerate((5, 30, 300)):
             m, out = random_point(backend, g, seed, steps)
-            plan = closer_for(g).plan(m, nesting("", backend.token_bytes(out)), 8000)
+            plan = prepare(g).plan(m, nesting("", backend.token_bytes(out)), 8000)
             assert plan is not None and len(plan) <= 8000, (r["id"], backend.token_bytes(out)[-80:])
             assert m.accept(plan) and m.is_accepting()
             jsonschema.validate(json.loads(backend.token_bytes(out + plan)), r["schema"])

@@ -25,6 +25,7 @@ from foveal.diffusion.state import DiffusionParams
 from foveal.engine.tool_prompt import has_tool_turns, renders_tools, with_tool_prompt
 from foveal.parsing import reasoning, tools
 from foveal.request import EngineRequest, InvalidParameter, MultiModalPrompt, SamplingParams, new_request_id
+from foveal.structured import closing
 from foveal.structured.bitmask import bitmask_words
 from foveal.structured.guide import GuideSpec
 
@@ -175,6 +176,9 @@ class InputProcessor:
                 grammar = self.grammars.get(params.structured)
             except ValueError as e:  # the API layer knows which field the spec came from
                 raise InvalidParameter("structured", str(e)) from None
+        close = grammar is not None and params.close_on_length
+        if close:  # what a closing plan reads but must not build on the model thread
+            closing.prepare(grammar)
         start, end = self.think_ids
         opened = self.reasoning is not None and reasoning.prompt_opens_thinking(
             ids, self.reasoning, self.tokenizer
@@ -189,7 +193,7 @@ class InputProcessor:
             may_think=not opened and thinking and self.reasoning is not None,
             thinking_budget=budget,
             mask_words=bitmask_words(self.mask_vocab),
-            close_budget=params.max_tokens if grammar is not None and params.close_on_length else None,
+            close_budget=params.max_tokens if close else None,
         )
 
     # -- prompts ------------------------------------------------------------------------------------

@@ -22,9 +22,10 @@ often allow the same next bytes, and without it `iglu:a/` and `iglu:aa` look ali
 no plan (None) is an answer, and the request then ends as it would have. Over the maskbench sample with
 random prefixes it closes all but schemas whose shortest valid document is thousands of bytes long.
 
-Plans run on the model thread, so each is on a budget (`Budget`): `PLAN_SECONDS` of wall time and
-`PLAN_EXPANSIONS` matcher copies per plan, and `STEP_SECONDS` for all the plans of one step (the
-runner calls `Budget.new_step`). A plan over its budget is given up (None: the request is cut as it
+Plans run on the model thread, so each is on a budget (`Budget`): `PLAN_EXPANSIONS` matcher copies
+and `PLAN_SECONDS` of wall time per plan, and `STEP_SECONDS` for all the plans of one step (the
+runner calls `Budget.new_step`); the witnesses a plan reads are built before, in the input pool
+(`prepare`). A plan over its budget is given up (None: the request is cut as it
 falls, counted in `Budget.skipped`); a look that finds the step's budget spent is put off to the next
 step (DEFER). A schema whose shortest string is 301 characters searched for 6.6 s before this.
 """
@@ -47,9 +48,12 @@ _PROBE = b"\"}],:059afgmzAFZ-._/ @+%()!#~'\\"  # the bytes whose validity is a s
 _BEAM = 24  # states kept per length
 _SEARCH_BYTES = 128  # how far one search looks
 _WITNESS_BYTES = 128
-PLAN_SECONDS = 0.005
+MAX_WITNESSES = 64  # patterns of a schema given a witness
+# ~11 us an expansion on the 2-vCPU host: 2,000 is ~20 ms; the time limits are the backstop of a noisy
+# host (5 ms cut the plans of ordinary answers: the tiny model's p99 was 5.6 ms)
+PLAN_SECONDS = 0.020
 PLAN_EXPANSIONS = 2_000
-STEP_SECONDS = 0.010
+STEP_SECONDS = 0.020
 DEFER = "defer"  # plan(): the step's budget is spent, ask again next step
 
 
@@ -58,8 +62,9 @@ class _OverBudget(Exception):
 
 
 class Budget:
-    """Time and work the closing plans may take from the model thread (one per process: plans run on
-    the model thread only; witnesses, built once per grammar, count too)."""
+    """Time and work the closing plans may take from the model thread (one per process). A plan is
+    budgeted between start() and end() on the thread that started it; other work of the search (the
+    witnesses, built in the input pool before a request is admitted) is not."""
 
     def __init__(
         self, plan_s: float = PLAN_SECONDS, expansions: int = PLAN_EXPANSIONS, step_s: float = STEP_SECONDS
@@ -67,8 +72,7 @@ class Budget:
         self.plan_s, self.expansions, self.step_s = plan_s, expansions, step_s
         self.step_spent = 0.0
         self.skipped = 0  # plans given up over budget (lifetime)
-        self._deadline = 0.0
-        self._left = 0
+        self._plan = threading.local()  # t0, deadline, left: set while this thread plans
 
     def new_step(self) -> None:
         self.step_spent = 0.0
@@ -77,20 +81,26 @@ class Budget:
         """Begin a plan; False when this step's budget is spent."""
         if self.step_spent >= self.step_s:
             return False
-        self._t0 = time.perf_counter()
-        self._deadline = self._t0 + min(self.plan_s, self.step_s - self.step_spent)
-        self._left = self.expansions
+        p = self._plan
+        p.t0 = time.perf_counter()
+        p.deadline = p.t0 + min(self.plan_s, self.step_s - self.step_spent)
+        p.left = self.expansions
         return True
 
     def spend(self) -> None:
-        """One matcher copy or probe; _OverBudget past the plan's limits."""
-        self._left -= 1
-        if self._left < 0 or time.perf_counter() > self._deadline:
+        """One matcher copy or probe; _OverBudget past the plan's limits (nothing outside a plan)."""
+        p = self._plan
+        if getattr(p, "left", None) is None:
+            return
+        p.left -= 1
+        if p.left < 0 or time.perf_counter() > p.deadline:
             raise _OverBudget
 
     def end(self, skipped: bool) -> None:
-        self.step_spent += time.perf_counter() - self._t0
+        p = self._plan
+        self.step_spent += time.perf_counter() - p.t0
         self.skipped += skipped
+        p.left = None
 
 
 BUDGET = Budget()
@@ -247,7 +257,7 @@ class Closer:
             if not stack.endswith("\\") and self._ok(m, 0x22):
                 return [[quote]]
             if quote is not None and not stack.endswith("\\"):
-                for w in self.witnesses():
+                for w in self.built_witnesses():
                     if m.validate(w + [quote]) == len(w) + 1:
                         return [w]
             depth = len(stack.rstrip("\\"))
@@ -256,7 +266,7 @@ class Closer:
                 inner = s.rstrip("\\")
                 return d.is_accepting() or len(inner) < depth or (not s.endswith("\\") and self._ok(d, 0x22))
 
-            return self._search(m, stack, goal, _STRING, self.witnesses())
+            return self._search(m, stack, goal, _STRING, self.built_witnesses())
         # close, open a string (a key, a value), or go on to a container's next item
         for b in b'}]",' if stack else b'}]"':
             if self._ok(m, b):
@@ -318,12 +328,14 @@ class Closer:
 
     # -- the literals of the schema's patterns ------------------------------------------------------
     def witnesses(self) -> list[list[int]]:
-        """Per `pattern` of the schema, a short string it matches (as one-byte tokens, no `"` or `\\`):
-        written inside a string it lets the string close. Built on first use."""
+        """Per `pattern` of the schema (the first MAX_WITNESSES), a short string it matches (as one-byte
+        tokens, no `"` or `\\`): written inside a string it lets the string close. Built once, in the
+        input pool before the grammar's first request is admitted (InputProcessor), not on the model
+        thread's budget."""
         with self._lock:
             if self._witnesses is None:
-                found = []  # kept once complete: a build over budget is tried again by a later plan
-                for p in _patterns(self.spec):
+                found = []
+                for p in _patterns(self.spec)[:MAX_WITNESSES]:
                     try:
                         g = self._backend.compile(GrammarSpec.regex(p))
                     except ValueError:  # a dialect the regex backend reads differently: no literal
@@ -335,6 +347,10 @@ class Closer:
                         found.append([t for e in path for t in e])
                 self._witnesses = found
             return self._witnesses
+
+    def built_witnesses(self) -> list[list[int]]:
+        """The witnesses if they are built, else none (a plan does not wait for, or build, them)."""
+        return self._witnesses or []
 
 
 def _representatives(allowed: list[int]) -> list[int]:
@@ -364,3 +380,11 @@ def closer_for(grammar) -> Closer:
         if c is None:
             c = _CLOSERS[grammar] = Closer(grammar)
         return c
+
+
+def prepare(grammar) -> Closer:
+    """closer_for, with what its plans read built first (the witnesses): called on the request side,
+    before a request that may be closed is admitted, so that no plan builds them on the model thread."""
+    c = closer_for(grammar)
+    c.witnesses()
+    return c
