@@ -113,7 +113,7 @@ CONSTRAINT = st.one_of(
 class Bystander(threading.Thread):
     def __init__(self, url: str):
         super().__init__(daemon=True)
-        self.url, self.gaps, self.stop = url, [], threading.Event()
+        self.url, self.gaps, self.ends, self.stop = url, [], [], threading.Event()
 
     def run(self) -> None:
         asyncio.run(self._main())
@@ -132,6 +132,7 @@ class Bystander(threading.Thread):
                             now = time.perf_counter()
                             if last is not None:
                                 self.gaps.append(now - last)
+                                self.ends.append(now)
                             last = now
 
 
@@ -162,6 +163,7 @@ def main() -> None:
         codes: collections.Counter = collections.Counter()
         five: list[tuple[int, str]] = []
         slowest = [0.0, None]
+        spans: list[tuple[float, float, str]] = []  # each case's (start, end, constraint)
         client = httpx.Client(base_url=url, timeout=120)
 
         @settings(max_examples=a.cases, deadline=None, database=None, derandomize=a.seed == 0,
@@ -176,6 +178,7 @@ def main() -> None:
             except httpx.HTTPError as e:
                 code, r = f"no answer ({type(e).__name__})", None
             took = time.perf_counter() - t
+            spans.append((t, t + took, json.dumps(constraint)[:300]))
             codes[code] += 1
             if took > slowest[0]:
                 slowest[:] = [took, json.dumps(constraint)[:120]]
@@ -188,6 +191,12 @@ def main() -> None:
         by.stop.set()
         by.join(60)
         alive = server.poll() is None and httpx.get(url + "/health", timeout=5).status_code == 200
+        worst = max(range(start_gap, len(by.gaps)), key=lambda i: by.gaps[i], default=None)
+        during = []  # the cases in flight during the largest gap
+        if worst is not None:
+            t1 = by.ends[worst]
+            t0 = t1 - by.gaps[worst]
+            during = [c for a_, b_, c in spans if a_ < t1 and b_ > t0][:3]
         gaps = sorted(by.gaps[start_gap:])
         out = {
             "cases": sum(codes.values()),
@@ -199,6 +208,7 @@ def main() -> None:
             "bystander_tokens": len(gaps),
             "bystander_gap_max_s": round(gaps[-1], 3) if gaps else None,
             "bystander_gap_p99_s": round(gaps[int(0.99 * (len(gaps) - 1))], 3) if gaps else None,
+            "cases_during_largest_gap": during,
             "slowest_case_s": round(slowest[0], 2),
             "slowest_case": slowest[1],
         }

@@ -287,3 +287,14 @@ def test_the_default_max_tokens_leaves_room_for_a_long_prompt(real):
     )
     with pytest.raises(ValueError, match="exceeds"):
         proc.request(ids, SamplingParams(max_tokens=room + 1))
+
+
+def test_text_the_vocabulary_cannot_write_is_a_400(real):
+    """Found by the fuzz run (benchmarks/fuzz_grammars.py): a choice with a character whose UTF-8 lead
+    byte no token has was a 500 (llguidance's mask offered the next byte, which its matcher refused)."""
+    char = "\U000802bc"
+    r = post(real, "/v1/completions", completion({"guided_choice": ["x", f"e{char}w"]}))
+    assert r.status_code == 400 and "choice 1" in r.json()["error"]["message"], r.text[:300]
+    r = post(real, "/v1/completions", completion({"guided_grammar": f'start: "e{char}w"'}, max_tokens=4))
+    assert r.status_code == 400 and "byte 0xf2" in r.json()["error"]["message"], r.text[:300]
+    assert r.json()["error"]["type"] == "invalid_request_error"

@@ -861,3 +861,18 @@ def test_a_closing_plan_stops_at_its_budget(backend):
         assert c.plan(g.matcher(), "", 9) is closing.DEFER
     finally:
         closing.BUDGET = old
+
+
+def test_text_the_vocabulary_cannot_write_is_the_grammars_fault(backend):
+    """The embedded GGUF's vocabulary has no token starting with byte 0xf2 (nor 0x04, 0xf1, ...): a
+    choice needing one is refused at compile; a grammar that needs it mid-way is caught where
+    llguidance's mask offers the byte after it (which the matcher then refuses): `unwritable` says
+    why, and the guide makes it the request's error, not the server's."""
+    char = "\U000802bc"  # UTF-8 f2 80 8a bc
+    assert 0xF2 not in backend.lead_bytes and ord("e") in backend.lead_bytes
+    with pytest.raises(ValueError, match="choice 1 .* no token of this model's vocabulary writes"):
+        backend.compile(GrammarSpec.choice(["x", f"e{char}w"]))
+    m = backend.compile(GrammarSpec.lark(f'start: "e{char}w" | "x"')).matcher()
+    assert m.unwritable() is None
+    assert m.accept(backend.tokenize_bytes(b"e"))
+    assert "byte 0xf2" in m.unwritable()

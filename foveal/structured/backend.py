@@ -70,6 +70,10 @@ class Matcher(Protocol):
     def num_tokens(self) -> int:
         """Tokens accepted since the start (EOS included): the most that rollback() can undo."""
 
+    def unwritable(self) -> str | None:
+        """Why no token can write what the grammar requires next (a byte no token of the vocabulary
+        starts with), or None."""
+
     @property
     def error(self) -> str | None:
         """Why the matcher failed (a resource limit hit by a mask or a token), or None. Sticky: a

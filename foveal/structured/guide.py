@@ -231,6 +231,11 @@ class Guide:
         self.fill(row)
         word, bit = divmod(token, 32)
         allowed = word < row.numel() and (int(row[word]) >> bit) & 1
+        if allowed and self.phase != THINK and self.matcher is not None:
+            stuck = self.matcher.unwritable()
+            if stuck is not None:  # the grammar's fault, not the sampler's: llguidance offers a wrong byte
+                self.grammar_error = True
+                return stuck
         verdict = "allows" if allowed else "forbids"
         return f"the grammar does not allow token {token} here (its mask {verdict} it)"
 

@@ -162,6 +162,15 @@ class LLGuidanceMatcher:
         c._n, c._eos_unrecorded = self._n, self._eos_unrecorded
         return c
 
+    def unwritable(self) -> str | None:
+        forced = self._m.compute_ff_bytes()
+        if forced and forced[0] not in self._grammar.backend.lead_bytes:
+            return (
+                f"the grammar requires the byte 0x{forced[0]:02x} next (in {forced[:8]!r}), which no token "
+                "of this model's vocabulary can write"
+            )
+        return None
+
     def rollback(self, k: int) -> None:
         if not 0 <= k <= self._n:  # llguidance would enter its sticky error state instead
             raise ValueError(f"cannot roll back {k} tokens: {self._n} accepted")
@@ -258,6 +267,20 @@ class LLGuidanceBackend:
         self._executor: llguidance.LLExecutor | None = None
         self._executor_lock = threading.Lock()
         self._byte_tokens: dict[int, int] | None = None
+        self._lead_bytes: frozenset[int] | None = None
+
+    @property
+    def lead_bytes(self) -> frozenset[int]:
+        """The bytes some token of the vocabulary starts with (a grammar that requires another one
+        cannot be written: llguidance's mask then offers the byte after it, which it refuses)."""
+        if self._lead_bytes is None:
+            tok = self.tokenizer
+            self._lead_bytes = frozenset(
+                b[0]
+                for t in range(tok.vocab_size)
+                if not tok.is_special_token(t) and (b := tok.decode_bytes([t]))
+            )
+        return self._lead_bytes
 
     @property
     def byte_tokens(self) -> dict[int, int]:
@@ -316,7 +339,14 @@ class LLGuidanceBackend:
         if spec.kind == "regex":
             return LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "choice":  # Lark string literals take JSON's escapes
-            alts = " | ".join(json.dumps(c) for c in json.loads(spec.value))
+            choices = json.loads(spec.value)
+            for i, c in enumerate(choices):  # the vocabulary may lack a byte (this GGUF's: 0x04, 0xf2, ...)
+                data = c.encode()
+                if self.tokenizer.decode_bytes(self.tokenizer.tokenize_bytes(data)) != data:
+                    raise ValueError(
+                        f"choice {i} ({c[:40]!r}) has text no token of this model's vocabulary writes"
+                    )
+            alts = " | ".join(json.dumps(c) for c in choices)
             return LLMatcher.grammar_from_lark(f"start: {alts}")
         lark = spec.value
         if _GBNF_RULE.search(lark) and not _LARK_START.search(lark):  # GBNF (`root ::= ...`): convert
