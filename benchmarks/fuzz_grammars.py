@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8791)
     ap.add_argument("--args", default="", help="more `foveal serve` arguments")
+    ap.add_argument("--dump", default=None, help="write the cases in flight during the largest gap here")
     a = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "foveal.cli", "serve", "--port", str(a.port), "--log-level", "WARNING"]
@@ -178,7 +179,7 @@ def main() -> None:
             except httpx.HTTPError as e:
                 code, r = f"no answer ({type(e).__name__})", None
             took = time.perf_counter() - t
-            spans.append((t, t + took, json.dumps(constraint)[:300]))
+            spans.append((t, t + took, json.dumps(constraint)))
             codes[code] += 1
             if took > slowest[0]:
                 slowest[:] = [took, json.dumps(constraint)[:120]]
@@ -197,6 +198,10 @@ def main() -> None:
             t1 = by.ends[worst]
             t0 = t1 - by.gaps[worst]
             during = [c for a_, b_, c in spans if a_ < t1 and b_ > t0][:3]
+            if a.dump:
+                with open(a.dump, "w") as f:
+                    f.write("\n".join(during) + "\n")
+            during = [c[:300] for c in during]
         gaps = sorted(by.gaps[start_gap:])
         out = {
             "cases": sum(codes.values()),

@@ -49,6 +49,7 @@ _BEAM = 24  # states kept per length
 _SEARCH_BYTES = 128  # how far one search looks
 _WITNESS_BYTES = 128
 MAX_WITNESSES = 64  # patterns of a schema given a witness
+WITNESS_SECONDS = 0.020  # and the search for each (with PLAN_EXPANSIONS)
 # ~11 us an expansion on the 2-vCPU host: 2,000 is ~20 ms; the time limits are the backstop of a noisy
 # host (5 ms cut the plans of ordinary answers: the tiny model's p99 was 5.6 ms)
 PLAN_SECONDS = 0.020
@@ -278,10 +279,13 @@ class Closer:
 
         return self._search(m, stack, goal, _VALUE, [])
 
-    def _search(self, m, stack: str, goal, alphabet: bytes, witnesses, limit: int = _SEARCH_BYTES):
+    def _search(
+        self, m, stack: str, goal, alphabet: bytes, witnesses, limit: int = _SEARCH_BYTES, budget=None
+    ):
         """A beam search by length in bytes for the shortest path (a list of token lists) to a state
         where `goal(matcher, nesting)` holds, or after which a witness and `"` may follow; None if
-        there is none within `limit` bytes."""
+        there is none within `limit` bytes. Each expansion spends from `budget` (default: BUDGET)."""
+        budget = budget or BUDGET
         probe = [self._byte[b] for b in _PROBE if b in self._byte]
         quote = self._byte.get(0x22)
         letters = [b for b in alphabet if b in self._byte]
@@ -298,7 +302,7 @@ class Closer:
             for s, d, path, progress, before in layer:
                 if path and goal(d, s):
                     return path
-                BUDGET.spend()
+                budget.spend()
                 forced = d.forced()
                 sig = ("forced", tuple(forced)) if forced else tuple(d.validate([t]) for t in probe)
                 progress += sig != before
@@ -316,7 +320,7 @@ class Closer:
                         if d.validate(w + [quote]) == len(w) + 1:
                             return path + [w]
                 for e in edges:
-                    BUDGET.spend()
+                    budget.spend()
                     x = d.copy()
                     if not x.accept(e):
                         continue
@@ -340,9 +344,23 @@ class Closer:
                         g = self._backend.compile(GrammarSpec.regex(p))
                     except ValueError:  # a dialect the regex backend reads differently: no literal
                         continue
-                    path = self._search(
-                        g.matcher(), '"', lambda d, s: d.is_accepting(), _STRING, [], _WITNESS_BYTES
-                    )
+                    budget = Budget(WITNESS_SECONDS, PLAN_EXPANSIONS, float("inf"))
+                    budget.start()
+                    try:
+                        path = self._search(
+                            g.matcher(),
+                            '"',
+                            lambda d, s: d.is_accepting(),
+                            _STRING,
+                            [],
+                            _WITNESS_BYTES,
+                            budget,
+                        )
+                    except (
+                        _OverBudget
+                    ):  # `[^x]{463,}` searched 3.8 s (Python: the GIL the model thread needs)
+                        path = None
+                    budget.end(skipped=path is None)
                     if path:
                         found.append([t for e in path for t in e])
                 self._witnesses = found
