@@ -716,7 +716,8 @@ def test_apply_bitmask_checks_shapes():
 @pytest.mark.parametrize(
     "pattern,size",
     [("abc", 3), ("a{1000}", 1000), ("(ab){10}{10}", 200), ("((a{100}){100}){100}", 1_000_000),
-     ("a{3,}", 4), ("a{2,5}b*", 6), (r"\{1000\}", 6), ("[a{9}]{4}", 4), ("(a|bc){3}", 9), ("x{,5}", 5)],
+     ("a{3,}", 4), ("a{2,5}b*", 6), (r"\{1000\}", 6), ("[a{9}]{4}", 4), ("(a|bc){3}", 9), ("x{,5}", 5),
+     ("(?:ab){10}", 20), ("(?P<n>ab){3}", 6), ("(?i)abc", 3), ("(?i:ab){2}", 4), ("(?=a)b", 2)],
 )  # fmt: skip
 def test_regex_size_multiplies_repetition_bounds(pattern, size):
     from foveal.structured.limits import regex_size

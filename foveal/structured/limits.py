@@ -65,6 +65,7 @@ def _at_most(n: int, limit: int, what: str) -> None:
 
 # -- regexes ------------------------------------------------------------------------------------------
 _REPEAT = re.compile(r"\{(\d{1,9})(?:(,)(\d{0,9}))?\}")
+_GROUP_HEAD = re.compile(r"\?(?:[:=!]|<[=!]|P?<\w+>|[a-zA-Z-]+[:)])")
 
 
 def regex_size(pattern: str) -> int:
@@ -94,6 +95,13 @@ def regex_size(pattern: str) -> int:
             stack[-1] += 1
             continue
         if c == "(":
+            if pattern.startswith("?", i + 1):  # (?:  (?=  (?!  (?<=  (?<!  (?P<name>  (?<name>  (?i)
+                m = _GROUP_HEAD.match(pattern, i + 1)
+                if m is not None and m[0].endswith(")"):  # flags only: no group
+                    i = m.end()
+                    continue
+                if m is not None:
+                    i = m.end() - 1
             stack.append(0)
             last = 0
         elif c == ")":
