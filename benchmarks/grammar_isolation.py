@@ -8,6 +8,9 @@ model's tokenizer:
 2. resident memory per compiled grammar, held in a list: distinct choice lists of ~30 and ~300 KB and
    maskbench-sized JSON schemas; the bytes per byte of grammar definition are what
    llguidance_backend.grammar_nbytes estimates with.
+3. the stack a Lark chain of 3,000 and of 10,000 rules (the limit, start included) needs: each
+   compiled in a fresh process on a thread of 8, 16, 32 and 64 MiB; survived or died (a segfault:
+   the stack overflowed).
 
     python benchmarks/grammar_isolation.py [--repeat 5] [--hold 20]
 """
@@ -68,6 +71,37 @@ def specs(kind: str, i: int, size: int = 0):
         rules = "".join(f'r{j}: "t{i}" r{j + 1} | "u"\n' for j in range(2000))
         return GrammarSpec.lark("start: r0\n" + rules + 'r2000: "end"\n')
     raise ValueError(kind)
+
+
+STACK_PROBE = """
+import sys, threading
+sys.path.insert(0, {root!r})
+import foveal.structured.llguidance_backend as lb
+from benchmarks.grammar_isolation import tokenizer
+from foveal.structured.spec import GrammarSpec
+lb.COMPILE_STACK_BYTES = {mb} * 2**20
+n = {rules}
+rules = "".join(f'r{{j}}: "t" r{{j + 1}} | "u"\\n' for j in range(n - 1))
+grammar = "start: r0\\n" + rules + f'r{{n - 1}}: "end"\\n'
+lb.LLGuidanceBackend.from_tokenizer(tokenizer()).compile(GrammarSpec.lark(grammar))
+"""
+
+
+def stack_probe() -> dict:
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for rules in (3_000, 9_999):  # with start: 10,000 rules, the limit
+        for mb in (8, 16, 32, 64):
+            code = STACK_PROBE.format(root=root, mb=mb, rules=rules)
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=600)
+            what = "compiled" if r.returncode == 0 else f"died (exit {r.returncode})"
+            if r.returncode > 0:  # an exception, not a crash: say which
+                what += ": " + r.stderr.decode(errors="replace").strip().splitlines()[-1][:120]
+            out[f"{rules} rules, {mb} MiB"] = what
+            print(f"{rules:6d} rules on a {mb:2d} MiB stack: {what}")
+    return out
 
 
 def main() -> None:
@@ -132,6 +166,7 @@ def main() -> None:
             f"({per / max(1.0, size):.0f} B/B); estimate {est / 2**20:.2f} MiB"
         )
         del held
+    out["stack"] = stack_probe()
     print(json.dumps(out))
 
 
