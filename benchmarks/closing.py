@@ -59,6 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.budget == "none":
         closing.BUDGET = closing.Budget(3600.0, 10**12, 3600.0)
+        closing.WITNESS_SECONDS = 3600.0
     import jsonschema
 
     backend = LLGuidanceBackend.from_tokenizer(tokenizer(args.tokenizer))

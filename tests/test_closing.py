@@ -32,6 +32,7 @@ def unbudgeted(monkeypatch):
     from foveal.structured import closing
 
     monkeypatch.setattr(closing, "BUDGET", closing.Budget(60.0, 10**9, 60.0))
+    monkeypatch.setattr(closing, "WITNESS_SECONDS", 60.0)
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,7 @@ def _unbudgeted(monkeypatch):
     seconds; the model thread's budget for them (closing.Budget, tested in test_structured.py and
     test_adversarial.py) would give some up."""
     monkeypatch.setattr(closing, "BUDGET", closing.Budget(60.0, 10**9, 60.0))
+    monkeypatch.setattr(closing, "WITNESS_SECONDS", 60.0)
 
 
 def closing_bias_ids(tokenizer, value: int = 4) -> dict[int, int]:

@@ -2,7 +2,9 @@
 
 spec.py                GrammarSpec, from the request shapes (response_format, structured_outputs)
 backend.py             the GrammarBackend / CompiledGrammar / Matcher protocol; GrammarCache
+limits.py              size limits checked before a grammar reaches the native compiler
 llguidance_backend.py  the default backend (imports llguidance: only when asked for, below)
+guide.py, closing.py   one request's steering (grammar, think block, budget); closing at max_tokens
 bitmask.py             packed int32 masks: allocate, apply to logits (torch on CPU, Triton on CUDA)
 """
 

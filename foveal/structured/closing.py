@@ -48,8 +48,8 @@ _PROBE = b"\"}],:059afgmzAFZ-._/ @+%()!#~'\\"  # the bytes whose validity is a s
 _BEAM = 24  # states kept per length
 _SEARCH_BYTES = 128  # how far one search looks
 _WITNESS_BYTES = 128
-MAX_WITNESSES = 64  # patterns of a schema given a witness
-WITNESS_SECONDS = 0.020  # and the search for each (with PLAN_EXPANSIONS)
+MAX_WITNESSES = 16  # patterns of a schema given a witness
+WITNESS_SECONDS = 0.050  # and the search for each (with PLAN_EXPANSIONS): Python, so it takes the GIL
 # ~11 us an expansion on the 2-vCPU host: 2,000 is ~20 ms; the time limits are the backstop of a noisy
 # host (5 ms cut the plans of ordinary answers: the tiny model's p99 was 5.6 ms)
 PLAN_SECONDS = 0.020
@@ -95,6 +95,13 @@ class Budget:
             return
         p.left -= 1
         if p.left < 0 or time.perf_counter() > p.deadline:
+            raise _OverBudget
+
+    def check(self) -> None:
+        """The plan's time only (inside an expansion: its probes can cost milliseconds each while a
+        lexer builds the states of a long counted repetition)."""
+        p = self._plan
+        if getattr(p, "left", None) is not None and time.perf_counter() > p.deadline:
             raise _OverBudget
 
     def end(self, skipped: bool) -> None:
@@ -191,7 +198,7 @@ class Closer:
         t = self._byte.get(b)
         if t is None:
             return False
-        BUDGET.spend()
+        BUDGET.check()
         return m.validate([t]) == 1
 
     # -- the plan -----------------------------------------------------------------------------------
@@ -304,7 +311,7 @@ class Closer:
                     return path
                 budget.spend()
                 forced = d.forced()
-                sig = ("forced", tuple(forced)) if forced else tuple(d.validate([t]) for t in probe)
+                sig = ("forced", tuple(forced)) if forced else tuple(_probe(d, t, budget) for t in probe)
                 progress += sig != before
                 key = (sig, s, progress)
                 (repeats if key in seen else fresh).append((s, d, path, forced, progress, sig))
@@ -314,7 +321,7 @@ class Closer:
                 if forced:
                     edges = [forced]
                 else:
-                    allowed = [b for b in letters if d.validate([self._byte[b]]) == 1]
+                    allowed = [b for b in letters if _probe(d, self._byte[b], budget) == 1]
                     edges = [[self._byte[b]] for b in _representatives(allowed)]
                     for w in witnesses if quote is not None else ():  # a literal that lets the string close
                         if d.validate(w + [quote]) == len(w) + 1:
@@ -369,6 +376,11 @@ class Closer:
     def built_witnesses(self) -> list[list[int]]:
         """The witnesses if they are built, else none (a plan does not wait for, or build, them)."""
         return self._witnesses or []
+
+
+def _probe(m, token: int, budget: Budget) -> int:
+    budget.check()
+    return m.validate([token])
 
 
 def _representatives(allowed: list[int]) -> list[int]:
