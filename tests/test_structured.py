@@ -805,8 +805,8 @@ def test_a_failed_grammar_leaves_the_cache_and_is_refused(tok):
     g = cache.get(spec)
     m = g.matcher()
     for b in (b"q", b"r", b"w"):  # the row of 60 alternatives comes after the second choice
-        if m.error is None:
-            m.accept(small.tokenize_bytes(b)) and _fill_ok(small, m)
+        if m.error is None and m.accept(small.tokenize_bytes(b)):
+            _fill_ok(small, m)
     assert m.error is not None and g.failure and "max is 40" in g.failure, (m.error, g.failure)
     for _ in range(2):
         with pytest.raises(ValueError, match="exceeded a limit when it ran"):
