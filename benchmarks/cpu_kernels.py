@@ -7,6 +7,9 @@ alternately in one process (this host drifts by +-15% between runs):
   fused glue (layers/cpu_fused.c): residual add + RMSNorm, rotary, SiLU-and-mul vs their PyTorch ops
 
     python benchmarks/cpu_kernels.py [--rows 1 16 128]
+    python benchmarks/cpu_kernels.py --linears-against avx2   # the linears only: this CPU's build
+        (AVX-512 and VNNI where it has them) against the AVX2-only build (-DFOVEAL_AVX2_ONLY) in the
+        "torch" column
 
 Prints a table, then one JSON object as the last line.
 """
@@ -52,9 +55,17 @@ def ab(a, b, calls: int, reps: int = 5) -> tuple[float, float]:
     return sorted(ta)[reps // 2], sorted(tb)[reps // 2]
 
 
-def linears(rows: list[int]) -> list[dict]:
+def linears(rows: list[int], against: str = "torch") -> list[dict]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
+
+    from foveal.layers import quant
+
+    native_kernel, avx2_kernel = quant.build(wide=True), quant.build(wide=False)
+
+    def run_with(kernel, qw, x):
+        quant.kernel = lambda: kernel  # QuantWeight.linear looks the kernel up per call
+        return qw.linear(x)
 
     out = []
     for name, (n, k, kind) in SHAPES.items():
@@ -65,7 +76,14 @@ def linears(rows: list[int]) -> list[dict]:
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             calls = max(3, int(3e8 / (m * n * k)))
-            tq, td = ab(lambda: qw.linear(x), lambda: linear.linear(x, dense), calls)  # noqa: B023
+            if against == "avx2":
+                tq, td = ab(
+                    lambda: run_with(native_kernel, qw, x),  # noqa: B023
+                    lambda: run_with(avx2_kernel, qw, x),  # noqa: B023
+                    calls,
+                )
+            else:
+                tq, td = ab(lambda: qw.linear(x), lambda: linear.linear(x, dense), calls)  # noqa: B023
             out.append({"op": f"linear {name}", "rows": m, "native_us": tq, "torch_us": td})
     return out
 
@@ -124,8 +142,12 @@ def glue(rows: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
+    ap.add_argument("--linears-against", choices=["torch", "avx2"], default="torch")
     a = ap.parse_args()
-    results = linears(a.rows) + [attention()] + glue(16)
+    if a.linears_against == "avx2":
+        results = linears(a.rows, "avx2")
+    else:
+        results = linears(a.rows) + [attention()] + glue(16)
     print(f"{'op':<36}{'rows':>6}{'native us':>12}{'torch us':>12}{'speed-up':>10}")
     for r in results:
         r["native_us"], r["torch_us"] = round(r["native_us"], 1), round(r["torch_us"], 1)
@@ -134,7 +156,12 @@ def main() -> None:
             f"{r['op']:<36}{r['rows']:>6}{r['native_us']:>12.1f}{r['torch_us']:>12.1f}{r['speedup']:>9.2f}x"
         )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-    summary = {"benchmark": "cpu_kernels", "commit": commit.strip(), "threads": torch.get_num_threads()}
+    summary = {
+        "benchmark": "cpu_kernels",
+        "commit": commit.strip(),
+        "threads": torch.get_num_threads(),
+        "against": a.linears_against,
+    }
     print(json.dumps({**summary, "results": results}))
 
 

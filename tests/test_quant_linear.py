@@ -60,6 +60,44 @@ def test_kernel_matches_formula(kind, m, n, k):
     assert (qw.linear(x) - exact).norm() / exact.norm() < 0.02  # what int8 activations cost
 
 
+def test_scales_are_packed_as_fp16_and_other_values_are_refused():
+    """The packed blocks keep GGUF's fp16 scales (0.625 byte a Q4 weight, as the file); a scale that
+    fp16 cannot hold exactly is an error, not a rounded weight."""
+    raw, w = gguf_weight("Q4_1", 16, 64)
+    qw = quant.QuantWeight.from_gguf(raw, "Q4_1", 16, 64)
+    assert qw.nbytes == 16 * 64 * 5 // 8
+    q, d, m = quant.planes_from_gguf(raw, "Q4_1", 16, 64)
+    with pytest.raises(ValueError, match="not float16 values"):
+        quant.QuantWeight(q, d + 1e-4, m, "Q4_1")
+    with pytest.raises(ValueError, match="the m scales"):
+        quant.QuantWeight(q, d, m * 1.0001, "Q4_1")
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [44, 48, 64])  # an odd number of panels, an even one, a partial last panel
+@pytest.mark.parametrize("m", [1, 13])  # under 8 rows the CPU's build takes its narrower tiles
+def test_wide_and_avx2_builds_agree_bit_for_bit(kind, dtype, n, m, monkeypatch):
+    """The CPU's own build (AVX-512 and VNNI where it has them) and the AVX2-only build
+    (-DFOVEAL_AVX2_ONLY, what a CPU without them runs) sum the same exact integers and apply the same
+    float operations in the same order: their outputs are identical. On a plain AVX2 CPU both builds
+    are the AVX2 one and this only checks that the flag builds."""
+    k = 576
+    raw, _ = gguf_weight(kind, n, k, seed=7)
+    qw = quant.QuantWeight.from_gguf(raw, kind, n, k)
+    g = torch.Generator().manual_seed(3)
+    # extreme activations too: a row at +-max with all-positive and all-negative blocks
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    x[-1] = torch.where(torch.arange(k) % 3 == 0, -1e3, 1e3).to(dtype)
+    bias = torch.randn(n, generator=g)
+    native_out = qw.linear(x, bias)
+    avx2 = quant.build(wide=False)
+    assert avx2 is not None
+    monkeypatch.setattr(quant, "kernel", lambda: avx2)
+    assert torch.equal(qw.linear(x, bias), native_out)
+
+
 @needs_kernel
 def test_int8_weights_at_the_int16_limits():
     """Q8_0 q = -128 / 127 against activations at +-127: every vpmaddubsw pair sum is 2 * 128 * 127, so

@@ -1,4 +1,5 @@
-"""Linear layers on block-quantized weights, computed by a native AVX2 kernel (cpu_quant.c) on CPUs.
+"""Linear layers on block-quantized weights, computed by a native AVX2 kernel (cpu_quant.c; AVX-512 and
+VNNI where the CPU has them) on CPUs.
 
 A GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 weights run as stored (`--quantization gguf`), the way
 llama.cpp runs them: the activations are quantized per block of 32 to int8 (llama.cpp's Q8_1) and the
@@ -6,11 +7,13 @@ block dot products are exact integer sums, so the result is the dequantized weig
 int8-rounded activations: ~0.5% relative error per layer on random data, up to ~1.5% on SmolLM2's
 activations, and next-token log-probabilities within ~0.35 nats of the dense model's
 (tests/test_quant_linear.py). Each row is quantized on its own, so a row's result does not depend on
-the batch. Packed Q4 weights take 0.75 byte per weight (fp32 copies: 4). On the 2-vCPU AVX2 dev host
-SmolLM2's linears ran 1.3-3.7x the dense CPU path at 1-16 rows and 1.4-1.7x at 128
+the batch. Packed Q4 weights take 0.625 byte per weight, as GGUF's Q4_1 (fp32 copies: 4). On the
+2-vCPU AVX2 dev host SmolLM2's linears ran 1.3-3.7x the dense CPU path at 1-16 rows and 1.4-1.7x at 128
 (benchmarks/cpu_kernels.py, session 7), the int8 Q8_0 path and vectorized activation quantization of
 session 8 took another 1.1-1.5x, and `foveal serve` gives 2.25x the dense default's throughput at 16
-streams (benchmarks/RESULTS.md).
+streams (benchmarks/RESULTS.md). Where the CPU has AVX-512 and VNNI the kernel uses them (16 columns
+per zmm from 8 rows on; vpdpbusd for int8 weights): on a Zen 5 EPYC 1.13x a 16-row decode step and
+1.36x a 128-token prefill, bit-identical to the AVX2 build (session 21).
 
 Two packed formats, blocks of 32 along K: 4-bit with w = d q + m, q in 0..15 (Q4_1 as stored; Q4_0
 has m = -8 d), and int8 with w = d q (Q8_0: the tied LM head of most small GGUFs).
@@ -44,18 +47,39 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _INPUT = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's is_bf16 flag
 
 
-@functools.cache
 def kernel():
     """The built kernel's entry (foveal_qlinear), or None (no AVX2/FMA, no compiler, a failed build:
-    logged once)."""
-    if not {"avx2", "fma"} <= native.cpu_flags():
-        log.info("this CPU has no AVX2/FMA: quantized GGUF weights are dequantized")
-        return None
-    lib = native.load(SOURCE, "quantized-linear kernel")
+    logged once). Where the CPU has them it uses AVX-512 and VNNI (`isa`)."""
+    return build(wide=True)
+
+
+@functools.cache
+def build(wide: bool = True):
+    """foveal_qlinear built for this CPU (wide: AVX-512 and VNNI where it has them) or with AVX2 alone
+    (-DFOVEAL_AVX2_ONLY: what a CPU without them runs; the tests compare the two, which must agree bit
+    for bit)."""
+    lib = _library(wide)
     if lib is None:
         return None
     args = [_P, _I64, _I, _I64, _I64, _P, _P, _P, _P, _I, _I64, _P, _P, _I64, _I]
     return native.Entry(lib.foveal_qlinear, args)
+
+
+@functools.cache
+def _library(wide: bool):
+    if not {"avx2", "fma", "f16c"} <= native.cpu_flags():
+        log.info("this CPU has no AVX2/FMA/F16C: quantized GGUF weights are dequantized")
+        return None
+    return native.load(SOURCE, "quantized-linear kernel", () if wide else ("-DFOVEAL_AVX2_ONLY",))
+
+
+def isa() -> str:
+    """The instructions the kernel this CPU runs is built on: AVX2, + AVX-512, + VNNI; "" without one."""
+    lib = _library(True)
+    if lib is None:
+        return ""
+    bits = lib.foveal_qlinear_isa()
+    return " + ".join(["AVX2"] + ["AVX-512"] * bool(bits & 2) + ["VNNI"] * bool(bits & 1))
 
 
 def runs_packed(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -135,12 +159,21 @@ def _panels(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
     return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)]) if pad else t
 
 
+def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
+    """Scales as float16: exact for GGUF's (stored as fp16; Q4_0's m = -8 d too, a power of two)."""
+    h = t.to(torch.float16)
+    if not torch.equal(h.float(), t.float()):
+        raise ValueError(f"the {what} scales are not float16 values (GGUF blocks store them as fp16)")
+    return h
+
+
 def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """The kernel's layout (see cpu_quant.c): panels of 8 columns, per block of 32 along K the weights
-    (4-bit: 128 bytes of nibbles; int8: 256 bytes) then d[8] (and for 4-bit m[8]) as float32."""
+    (4-bit: 128 bytes of nibbles; int8: 256 bytes) then d[8] (and for 4-bit m[8]) as float16: the
+    same bytes per weight as GGUF's blocks, for a single stream reads every weight once a token."""
     k = q.shape[1]
     nb = k // QK
-    q, d = _panels(q), _panels(d.float())
+    q, d = _panels(q), _panels(_fp16(d, "d"))
     panels = q.shape[0] // PANEL
 
     def scales(t):
@@ -152,7 +185,7 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tens
     # 4-bit: q[p*8 + c, b*32 + h*16 + g*4 + j] -> byte (p, b, g, c, j), nibble h
     q = q.reshape(panels, PANEL, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
     nib = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(panels, nb, 128)
-    return torch.cat([nib, scales(d), scales(_panels(m.float()))], dim=2).contiguous()
+    return torch.cat([nib, scales(d), scales(_panels(_fp16(m, "m")))], dim=2).contiguous()
 
 
 class QuantWeight:
@@ -179,7 +212,8 @@ class QuantWeight:
         wbytes = 256 if self.int8 else 128
 
         def scales(at):
-            return p[:, :, at : at + 32].contiguous().view(torch.float32).transpose(1, 2).reshape(-1, nb, 1)
+            s = p[:, :, at : at + 2 * PANEL].contiguous().view(torch.float16).float()
+            return s.transpose(1, 2).reshape(-1, nb, 1)
 
         if self.int8:  # (p, b, g, c, j) -> (p, c, b, g, j)
             q = p[:, :, :256].contiguous().view(torch.int8).reshape(panels, nb, 8, PANEL, 4)
@@ -188,7 +222,7 @@ class QuantWeight:
             nib = p[:, :, :128].reshape(panels, nb, 4, PANEL, 4)
             q = torch.stack([nib & 15, nib >> 4], dim=2)  # (p, b, h, g, c, j)
             q = q.permute(0, 4, 1, 2, 3, 5).reshape(-1, nb, QK).float()
-            w = q * scales(wbytes) + scales(wbytes + 32)
+            w = q * scales(wbytes) + scales(wbytes + 2 * PANEL)
         return w.reshape(-1, nb * QK)[: self.out_features]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,4 +292,4 @@ def describe(module: torch.nn.Module) -> str:
     if not kinds:
         return "dense weights"
     types = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-    return f"{sum(kinds.values())} quantized weights ({types}; {nbytes / 2**20:.0f} MiB packed)"
+    return f"{sum(kinds.values())} quantized weights ({types}; {nbytes / 2**20:.0f} MiB packed; {isa()})"
