@@ -83,7 +83,9 @@ def main() -> None:
                 continue
             found += 1
             lengths.append(len(plan))
-            m.accept(plan)
+            if not m.accept(plan):  # a plan the grammar refuses is as wrong as an invalid document
+                invalid += 1
+                continue
             try:
                 jsonschema.validate(json.loads(backend.token_bytes(out + plan)), r["schema"])
             except Exception:

@@ -35,7 +35,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from foveal import SamplingParams  # noqa: E402
 from foveal.diffusion.state import DiffusionParams  # noqa: E402
-from foveal.engine import engine as engine_mod  # noqa: E402
 from foveal.engine.llm import LLM  # noqa: E402
 
 CONFIGS = {"sdar": "sdar-8b.json", "llada": "llada-8b.json", "ar": "qwen3-8b.json"}
@@ -136,18 +135,11 @@ def bench(a) -> list[dict]:
                 modes = ["cached", "recompute"] if recompute_too else ["cached"]
                 for rep in range(a.reps):
                     for mode in modes:  # alternating
-                        real = engine_mod.new_diffusion_state
-
-                        def state(info, req, real=real, mode=mode):
-                            s = real(info, req)
-                            s.recompute_prefix = mode == "recompute"
-                            return s
-
-                        engine_mod.new_diffusion_state = state
+                        llm.engine.scheduler.diffusion.recompute_prefix = mode == "recompute"
                         try:
                             res = run(llm, prompts, params)
                         finally:
-                            engine_mod.new_diffusion_state = real
+                            llm.engine.scheduler.diffusion.recompute_prefix = False
                         kv = mode if knob is not None and model == "sdar" else None
                         row = {"model": model, "knobs": name, "batch": b, "rep": rep, "kv": kv, **res}
                         rows.append(row)

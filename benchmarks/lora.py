@@ -73,12 +73,20 @@ def write_adapters(llm: LLM, n: int, rank: int, folder: str, dtype: torch.dtype)
     return paths
 
 
-def run(llm: LLM, prompts, params, loras) -> dict:
+def run(llm: LLM, prompts, params, loras) -> tuple[dict, list[list[int]]]:
+    """The timing of one batch, and its outputs: every request ran to max_tokens (ignore_eos) or the
+    run is refused (a request that failed would make the figure wrong)."""
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=loras)
     dt = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": round(dt, 3), "output_tokens": n, "tok_s": round(n / dt, 1)}
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    short = [i for i, t in enumerate(tokens) if len(t) != params.max_tokens]
+    if short:
+        raise SystemExit(
+            f"requests {short[:8]} ended early: {[outs[i].outputs[0].finish_reason for i in short[:8]]}"
+        )
+    n = sum(map(len, tokens))
+    return {"seconds": round(dt, 3), "output_tokens": n, "tok_s": round(n / dt, 1)}, tokens
 
 
 def kernels(rank: int, slots: int) -> None:
@@ -176,10 +184,13 @@ def main() -> None:
         llm = plain if m == "plain" else lora
         llm.generate(prompts, warm, lora_request=None if m == "plain" else loras[m])
     results: dict[str, list[float]] = {m: [] for m in modes}
+    first: dict[str, list[list[int]]] = {}  # each mode's outputs at its first rep
     for rep in range(a.reps):
         for m in modes:
             llm = plain if m == "plain" else lora
-            r = run(llm, prompts, params, None if m == "plain" else loras[m])
+            r, tokens = run(llm, prompts, params, None if m == "plain" else loras[m])
+            if first.setdefault(m, tokens) != tokens:  # greedy: every rep writes the same tokens
+                raise SystemExit(f"mode {m}: rep {rep} wrote other tokens than rep 0")
             results[m].append(r["tok_s"])
             print(json.dumps({"mode": m, "rep": rep, **r}), flush=True)
     best = {m: max(v) for m, v in results.items()}

@@ -198,9 +198,9 @@ def cpu_bench(a) -> dict:
         for rep in range(a.reps):
             for m in modes:
                 eng = llms[m].engine
-                before = eng.spec_stats.as_dict()
+                before = eng.speculation.stats.as_dict()
                 r = run_requests(llms[m], prompts, params, at_once=b > 1)
-                after = eng.spec_stats.as_dict()
+                after = eng.speculation.stats.as_dict()
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
                 accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
                 r["acceptance"] = accepted / drafted if drafted else None
@@ -290,9 +290,9 @@ def oracle_run(
     proposes around it): the outputs, and the seconds until every request had its first token."""
     eng = llm.engine
     refs: dict[str, list[int]] = {}
-    eng.proposer = OracleProposer(k, refs, rate, vocab, seed=seed, forced=forced)
+    eng.speculation.proposer = OracleProposer(k, refs, rate, vocab, seed=seed, forced=forced)
     if wrap is not None:
-        eng.proposer = wrap(eng.proposer)
+        eng.speculation.proposer = wrap(eng.speculation.proposer)
     outs: dict[str, list[int]] = {}
     for p, full in zip(prompts, fulls):
         rid = eng.add_request(llm.processor.request(p, params))
@@ -354,7 +354,7 @@ def oracle_bench(a) -> dict:
         # 1 .. k for every row, with the load-aware policy set aside (a server meets each shape once
         # in its life; a 256-token run would otherwise pay them inside the measurement)
         warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        policy, specd.engine.spec_policy = specd.engine.spec_policy, None
+        policy, specd.engine.speculation.policy = specd.engine.speculation.policy, None
         for depth in range(1, a.k + 1) if policy is not None else [a.k]:
             if a.control:
                 stepped_run(specd, prompts, warm)
@@ -362,15 +362,16 @@ def oracle_bench(a) -> dict:
             oracle_run(specd, depth, prompts, refs_by_prompt, warm, 1.0, vocab, 0, a.forced)
         # and one full-length run of plain steps, as the plain engine's reference run was: both engines
         # have met every context length of the measured runs before them (oracle_run sets the proposer)
-        specd.engine.proposer = None
+        driver, specd.engine.speculation = specd.engine.speculation, None
         stepped_run(specd, prompts, params)
-        specd.engine.spec_policy = policy
+        specd.engine.speculation = driver
+        driver.policy = policy
         for rate in a.rates:
             for rep in range(a.reps):
                 eng = specd.engine
-                before = eng.spec_stats.as_dict()
-                eng.spec_sync.clear()
-                eng.spec_asks.clear()
+                before = eng.speculation.stats.as_dict()
+                eng.speculation.sync.clear()
+                eng.speculation.asks.clear()
                 t0 = time.perf_counter()
                 if a.control:
                     outs, prefill_s = stepped_run(specd, prompts, params)
@@ -379,7 +380,7 @@ def oracle_bench(a) -> dict:
                         specd, a.k, prompts, refs_by_prompt, params, rate, vocab, rep, a.forced
                     )
                 wall = time.perf_counter() - t0
-                after = eng.spec_stats.as_dict()
+                after = eng.speculation.stats.as_dict()
                 drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
                 acc = (
                     (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafted
@@ -407,15 +408,15 @@ def oracle_bench(a) -> dict:
                     "lossless": list(outs.values()) == base["tokens"],
                     "policy": "control" if a.control else "fixed" if a.fixed else "adaptive",
                 }  # fmt: skip
-                if eng.spec_policy is not None:  # what it chose, and the step costs it had learned
-                    pol = eng.spec_policy
+                if eng.speculation.policy is not None:  # what it chose, and the step costs it had learned
+                    pol = eng.speculation.policy
                     row["mean_chosen_k"] = round(pol.stats()["mean_chosen_k"], 2)
                     pol.chosen.clear()
                     # the sizes this batch steps at: plain steps near b rows, verify steps past b tokens
                     row["plain_ms"] = curve_ms(pol.plain_cost, b / 2, 2 * b)
                     row["verify_ms"] = curve_ms(pol.verify_cost, b + 1, float("inf"))
                     # steps that ran without overlap (verify; plain), and the policy's answers
-                    row["sync_steps"], row["asks"] = dict(eng.spec_sync), dict(eng.spec_asks)
+                    row["sync_steps"], row["asks"] = dict(eng.speculation.sync), dict(eng.speculation.asks)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return {"rows": rows}
@@ -564,7 +565,7 @@ def heads_bench(a) -> dict:
         specd = LLM(cfg, **opts, speculative_config=spec)
         vocab = plain.processor.info.vocab_size
         force_acceptance(vocab - 1)
-        real = specd.engine.proposer
+        real = specd.engine.speculation.proposer
         timed: list[float] = []
         propose = real.propose_device
 
@@ -583,7 +584,7 @@ def heads_bench(a) -> dict:
             run_requests(plain, prompts, short, True)  # warm
             ref = run_requests(plain, prompts, params, at_once=True)
             fulls = [p + t for p, t in zip(prompts, ref["tokens"])]
-            specd.engine.proposer = real
+            specd.engine.speculation.proposer = real
             run_requests(specd, prompts, short, True)  # warm: first-use shapes of the head
             timed.clear()
             real.propose_device = timing

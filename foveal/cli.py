@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
-from foveal.config import ENV_LOG_LEVEL
+from foveal.config import default_log_level
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -154,7 +153,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help='adapters served from the start: name=path (a folder or a Hub id), or a JSON object '
         '{"name": ..., "path": ...} (as in vLLM); the request\'s "model" field picks one',
     )  # fmt: skip
-    g.add_argument("--log-level", default=os.environ.get(ENV_LOG_LEVEL, "INFO"))
+    g.add_argument("--log-level", default=default_log_level())
 
 
 def _lora_module(value: str) -> tuple[str, str]:

@@ -14,10 +14,31 @@ from dataclasses import dataclass, field
 ENV_CACHE_DIR = "FOVEAL_CACHE_DIR"  # where converted tokenizers etc. are cached (default ~/.cache/foveal)
 ENV_LOG_LEVEL = "FOVEAL_LOG_LEVEL"
 ENV_API_KEY = "FOVEAL_API_KEY"  # bearer token for /v1/* (and /metrics unless --metrics-public)
+# read from other tools' conventions
+ENV_CC = "CC"  # the C compiler for the native kernels (default: cc, then gcc)
+ENV_HF_OFFLINE = "HF_HUB_OFFLINE"  # huggingface_hub's offline switch (only to word an error)
+ENV_TRITON_INTERPRET = "TRITON_INTERPRET"  # Triton's interpreter (CPU tests of the kernels)
 
 
 def cache_dir() -> str:
     return os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "foveal")
+
+
+def default_log_level() -> str:
+    return os.environ.get(ENV_LOG_LEVEL, "INFO")
+
+
+def c_compiler_override() -> str | None:
+    return os.environ.get(ENV_CC) or None
+
+
+def hub_offline() -> bool:
+    return os.environ.get(ENV_HF_OFFLINE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_interpreted() -> bool:
+    """Triton kernels run in its interpreter (TRITON_INTERPRET=1: no bf16 dot there, so they upcast)."""
+    return os.environ.get(ENV_TRITON_INTERPRET) == "1"
 
 
 QUANTIZATIONS = ("auto", "none", "gguf")
@@ -221,7 +242,7 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: str = "auto"  # draft_model: as ModelConfig.quantization, for the draft
     dtype: str = "auto"  # draft_model: its dtype (auto: the target's)
-    # choose each row's k per step from measured acceptance and step costs (foveal.spec.adaptive), so
+    # choose each row's k per step from measured acceptance and step costs (foveal.speculative.adaptive), so
     # speculation does not cost throughput at high load; false: every row takes k whenever it can
     adaptive: bool = True
 

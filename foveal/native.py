@@ -27,7 +27,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from foveal.config import cache_dir
+from foveal.config import c_compiler_override, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def cpu_flags() -> frozenset[str]:
 
 
 def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return c_compiler_override() or shutil.which("cc") or shutil.which("gcc")
 
 
 def _build(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> None:

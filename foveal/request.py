@@ -13,7 +13,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the feature packages' types, for the fields that carry them (no import at run time)
+    from foveal.diffusion.state import DiffusionParams, DiffusionState
+    from foveal.lora.adapter import HostAdapter
+    from foveal.structured.guide import GuideSpec
+    from foveal.structured.spec import GrammarSpec
 
 # The limits of sampling values (the server's OpenAPI schema publishes these same numbers)
 MAX_N = 16  # choices per prompt
@@ -70,7 +76,7 @@ class SamplingParams:
     keep_special_token_ids: tuple[int, ...] = ()
     speculative: bool = True  # may this request speculate when the engine does (False: plain decoding)
     # structured output: a GrammarSpec (foveal/structured/spec.py) the answer must match, or None
-    structured: Any = None
+    structured: GrammarSpec | None = None
     # a structured answer that would run past max_tokens is closed by a short completion of its
     # grammar, forced at the end (finish_reason stays "length"); False: cut wherever it is
     close_on_length: bool = True
@@ -78,7 +84,7 @@ class SamplingParams:
         None  # thinking tokens before the end of thinking is forced (None: the default)
     )
     # a diffusion model's denoising knobs: a DiffusionParams (foveal/diffusion/state.py), or None
-    diffusion: Any = None
+    diffusion: DiffusionParams | None = None
     # logit_bias as two parallel tuples (token ids, biases): made once here, read by the sampler each step
     bias_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     bias_values: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -263,8 +269,8 @@ class EngineRequest:
     rope: Any = None  # see MultiModalPrompt.rope
     cache_salt: str | None = None
     shared_prefix_len: int = 0
-    guide: Any = None  # GuideSpec (foveal/structured/guide.py): the answer's grammar, think markers, budget
-    lora: Any = None  # foveal.lora.adapter.HostAdapter: the LoRA adapter to run with (None: the base model)
+    guide: GuideSpec | None = None  # the answer's grammar, think markers, budget (structured/guide.py)
+    lora: HostAdapter | None = None  # the LoRA adapter to run with (None: the base model)
 
 
 @dataclass(slots=True, eq=False)
@@ -293,7 +299,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order, spans disjoint
     rope: Any = None  # the model family's rotary positions (MultiModalPrompt.rope)
-    guide: Any = None  # GuideSpec: its tokens are steered (the runner masks its rows; no overlapped steps)
+    guide: GuideSpec | None = None  # its tokens are steered (the runner masks its rows; no overlapped steps)
     encoder_time_s: float = 0.0  # this request's share of vision-encoder time (the runner reports it)
     # prefix cache: the tenant salt (never shared across salts), block keys computed so far, how many
     # of the request's blocks are published, and the prompt tokens a hit saved at first admission
@@ -311,9 +317,9 @@ class Request:
     ends_after_pending: bool = False
     # speculative decoding: proposals for the positions after the last token, verified by the next step
     draft_ids: list[int] = field(default_factory=list)
-    # a diffusion model's canvas (foveal/diffusion/state.py DiffusionState), set by the engine
-    diffusion: Any = None
-    lora: Any = None  # foveal.lora.adapter.HostAdapter, or None (see EngineRequest)
+    # a diffusion model's canvas (foveal/diffusion/state.py), set by the diffusion driver at admission
+    diffusion: DiffusionState | None = None
+    lora: HostAdapter | None = None  # or None (see EngineRequest)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -351,6 +357,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads this request's earlier tokens' values on the host: a grammar or
+        think-block guide (its mask follows them) or repetition/frequency/presence penalties (they
+        count them). Such rows wait for tokens in flight; drafts left on the device are read back."""
+        return self.guide is not None or self.params.needs_penalties
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -9,7 +9,7 @@ minutes), written in the published layout that `--speculative-config '{"method":
    answer greedily (the target's own continuations: what the head must predict).
 2. transformers' reference model (the GGUF dequantized, fp32) gives the hidden states entering the
    target layers the head reads (EAGLE-3's default 2, L / 2, L - 3).
-3. The head (foveal/spec/eagle3.py's math in plain torch: fc over the three states, one decoder layer
+3. The head (foveal/speculative/eagle3.py's math in plain torch: fc over the three states, one decoder layer
    over [embedding, hidden], norm, a draft-vocabulary LM head) is trained with EAGLE-3's training-time
    test: step s at position i reads the head's own output of step s - 1 at i - 1 as its hidden state and
    sees the step-1 keys up to i - s + 1 plus its chain's keys (step m at i - s + m), as a chain of
@@ -80,7 +80,7 @@ def rotate(x, cos, sin):
 
 
 class Head(nn.Module):
-    """EAGLE-3's draft layer (the math of foveal/spec/eagle3.py), trainable, over one sequence."""
+    """EAGLE-3's draft layer (the math of foveal/speculative/eagle3.py), trainable, over one sequence."""
 
     def __init__(self, cfg, draft_vocab: int, embed: torch.Tensor, final_norm: torch.Tensor, dv_ids):
         super().__init__()

@@ -49,10 +49,14 @@ def _run(llm, prompts, params):
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
 
 
-def _same(folder, prompts, params, **kw):
-    sync = _run(_llm(folder, False, **kw), prompts, params)
-    over = _run(_llm(folder, True, **kw), prompts, params)
+def _same(folder, prompts, params, check=None, **kw):
+    """The outputs with async scheduling equal the ones without; `check(llm)` holds on both engines
+    afterwards (that the run did what the test is about)."""
+    llms = _llm(folder, False, **kw), _llm(folder, True, **kw)
+    sync, over = (_run(llm, prompts, params) for llm in llms)
     assert over == sync
+    if check is not None:
+        assert all(check(llm.engine) for llm in llms)
     return sync
 
 
@@ -116,13 +120,15 @@ def test_penalties_and_logprobs(folder):
 
 def test_preemption_under_a_small_pool(folder):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    _same(folder, _prompts(8, seed=3), params, num_blocks=24)
+    _same(folder, _prompts(8, seed=3), params, check=lambda e: e.scheduler.num_preemptions > 0, num_blocks=24)
 
 
 def test_prefix_hits(folder):
     shared = _prompts(1, seed=5)[0] * 3
     prompts = [shared + p for p in _prompts(4, seed=6)] * 2
-    _same(folder, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # at least one request found the shared prefix's whole blocks (of 4) in the cache
+    _same(folder, prompts, params, check=lambda e: e.kv.hit_tokens >= len(shared) // 4 * 4)
 
 
 def test_abort_while_a_step_is_in_flight(folder):

@@ -310,24 +310,15 @@ def test_block_diffusion_rows_eager_equal_the_decode_graphs(sdar):
     assert _gen(graphs, prompts, params) == _gen(eager, prompts, params)
 
 
-def test_recomputing_the_prefix_gives_what_the_block_cache_gives(sdar, monkeypatch):
+def test_recomputing_the_prefix_gives_what_the_block_cache_gives(sdar):
     """The benchmark's yardstick (no K/V kept, the prefix computed again in every pass) is the same
     sampler: the same tokens, and nothing held in the pool between passes."""
-    from foveal.engine import engine as engine_mod
-
     path, _ = sdar
     prompts = _prompts(4, seed=13)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, diffusion=DiffusionParams(steps=2))
     cached = _gen(_llm(path), prompts, params)
-    real = engine_mod.new_diffusion_state
-
-    def recompute(info, req):
-        state = real(info, req)
-        state.recompute_prefix = True
-        return state
-
-    monkeypatch.setattr(engine_mod, "new_diffusion_state", recompute)
     llm = _llm(path)
+    llm.engine.scheduler.diffusion.recompute_prefix = True
     seen = []
     schedule = llm.engine.scheduler.schedule
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from foveal import SamplingParams
-from foveal.engine.loop import EngineLoop, RequestStream, StreamError, StreamFailed
+from foveal.engine.loop import EngineLoop, ErrorKind, RequestStream, StreamError, StreamFailed
 from foveal.request import FinishReason, TokenDelta, TokenLogprobs
 
 
@@ -84,7 +84,7 @@ def test_merging_keeps_order_logprobs_and_a_trailing_error():
         s.queue.put_nowait((0, TokenDelta("r-0", [1], "a", [lp[0]])))
         s.queue.put_nowait((1, TokenDelta("r-1", [2], "b")))
         s.queue.put_nowait((0, TokenDelta("r-0", [3], "c", [lp[1]], finish_reason=FinishReason.LENGTH)))
-        s.queue.put_nowait(StreamError("engine died", 503))
+        s.queue.put_nowait(StreamError("engine died", ErrorKind.UNAVAILABLE))
         got = []
         with pytest.raises(StreamFailed, match="engine died"):
             async for i, d in s.deltas():
@@ -112,13 +112,13 @@ def test_bad_input_is_the_first_item(llm_fp32):
         again = loop.submit("same", reqs(llm_fp32, "same", ids, long))
         with pytest.raises(StreamFailed) as e:
             await again.admitted()
-        assert e.value.error.status == 400 and "already in use" in e.value.error.message
+        assert e.value.error.kind is ErrorKind.INVALID_REQUEST and "already in use" in e.value.error.message
         loop.abort("same")
         assert (await _collect(first))[0][-1].finish_reason is FinishReason.ABORT
         many = loop.submit("many", reqs(llm_fp32, "many", ids, SamplingParams(n=3)))
         with pytest.raises(StreamFailed) as e:
             await many.admitted()
-        assert e.value.error.status == 400 and "at most 2" in e.value.error.message
+        assert e.value.error.kind is ErrorKind.INVALID_REQUEST and "at most 2" in e.value.error.message
         await asyncio.sleep(0.05)
         assert llm_fp32.engine.kv.num_used_blocks == 0
 
@@ -178,7 +178,7 @@ def test_engine_failure_marks_loop_dead_and_ends_streams(llm_fp32, monkeypatch):
         s = loop.submit("y", reqs(llm_fp32, "y", ids, SamplingParams()))
         with pytest.raises(StreamFailed) as e:
             await s.admitted()
-        assert e.value.error.status == 503
+        assert e.value.error.kind is ErrorKind.UNAVAILABLE
 
     _run_loop(eng, go)
     monkeypatch.setattr(eng, "step", real_step)

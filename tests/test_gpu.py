@@ -42,6 +42,7 @@ def test_greedy_matches_transformers_on_cuda(tiny_folder):
             )
         want = ref.sequences[0, len(p) :].tolist()
         got = o.outputs[0].token_ids
+        assert len(got) == len(want) == 16
         for i, (a, b) in enumerate(zip(got, want)):
             if a != b:
                 top2 = ref.logits[i][0].topk(2).values

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from foveal.loader import CACHE_DIR_ENV, ModelLoadError, load_checkpoint, read_gguf_weights
+from foveal.config import ENV_CACHE_DIR
+from foveal.loader import ModelLoadError, load_checkpoint, read_gguf_weights
 from foveal.loader.gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_dir
 
 CHAT = [
@@ -34,7 +35,7 @@ def cache_dir(tmp_path_factory):
     """Converted tokenizers go to a temporary cache, never to ~/.cache."""
     with pytest.MonkeyPatch.context() as mp:
         d = tmp_path_factory.mktemp("foveal-cache")
-        mp.setenv(CACHE_DIR_ENV, str(d))
+        mp.setenv(ENV_CACHE_DIR, str(d))
         yield d
 
 

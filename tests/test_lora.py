@@ -534,7 +534,7 @@ def test_speculative_decoding_with_adapters_is_lossless(lora_setup):
         llm = _llm(base, device="cpu", **kw)
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
     assert outs["spec"] == outs["plain"]
-    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert llm.engine.speculation.stats.num_draft_tokens > 0
 
 
 def test_hub_ids_resolve_through_the_hub_loader(tmp_path, monkeypatch):

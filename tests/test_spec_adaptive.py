@@ -1,6 +1,6 @@
-"""The load-aware speculation policy (foveal.spec.adaptive): its choices against a brute-force optimum of
-the same objective on cost curves fed to it, its acceptance counting, its exploration, and an engine
-with it on (greedy output equal to plain decoding whatever k it picks; the chosen k exported)."""
+"""The load-aware speculation policy (foveal.speculative.adaptive): its choices against a brute-force
+optimum of the same objective on cost curves fed to it, its acceptance counting, its exploration, and an
+engine with it on (greedy output equal to plain decoding whatever k it picks; the chosen k exported)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from foveal.spec.adaptive import AdaptivePolicy, CostCurve
+from foveal.speculative.adaptive import AdaptivePolicy, CostCurve
+from foveal.speculative.driver import SpeculationDriver
 
 
 def fed(policy: AdaptivePolicy, step, draft=lambda rows: 0.0, sizes=range(1, 2049)) -> AdaptivePolicy:
@@ -200,9 +201,9 @@ def test_engine_with_the_policy_is_lossless_and_exports_the_chosen_k(tiny_path):
     llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw)
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
-    stats = llm.engine.spec_policy.stats()
+    stats = llm.engine.speculation.policy.stats()
     assert sum(int(v) for v in stats["chosen_k"].values()) > 0 and 0 <= stats["mean_chosen_k"] <= 4
-    assert not llm.engine.spec_policy._acc  # finished requests are forgotten
+    assert not llm.engine.speculation.policy._acc  # finished requests are forgotten
 
 
 @pytest.fixture(scope="module")
@@ -231,8 +232,9 @@ def never_drafting(path: str):
         return real_step()
 
     eng.step = counting_step
-    eng.spec_policy.choose = lambda ids, rooms, other=0: asked.append((steps[0], len(ids))) or [0] * len(ids)
-    eng.spec_policy.probing = False
+    policy = eng.speculation.policy
+    policy.choose = lambda ids, rooms, other=0: asked.append((steps[0], len(ids))) or [0] * len(ids)
+    policy.probing = False
     return llm, asked
 
 
@@ -240,21 +242,21 @@ def test_a_policy_that_gives_no_drafts_rests_for_a_while(tiny_path):
     """When every row gets k = 0 the engine stops asking for REST_STEPS steps (those steps may overlap
     like plain decoding's), then asks again, resting twice as long each time the answer is the same."""
     from foveal import SamplingParams
-    from foveal.engine import engine as engine_mod
+    from foveal.speculative import driver as driver_mod
 
     llm, asked = never_drafting(tiny_path)
     llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
     gaps = [b[0] - a[0] for a, b in zip(asked, asked[1:])]
-    rest = engine_mod._REST_STEPS
+    rest = driver_mod._REST_STEPS
     assert gaps[:3] == [rest + 1, 2 * rest + 1, 4 * rest + 1], asked  # each rest twice the last
     # a plain step only to measure plain decoding (probing) is followed by a few more, no longer, and
     # not cut short by the load of an earlier rest (a run's ramp-up after a full batch's rest)
     asked.clear()
-    llm.engine.spec_policy.probing = True
-    llm.engine._rest_rows = 256
+    llm.engine.speculation.policy.probing = True
+    llm.engine.speculation._rest_rows = 256
     llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     gaps = [b[0] - a[0] for a, b in zip(asked, asked[1:])]
-    assert gaps and set(gaps) == {engine_mod._PROBE_STEPS + 1}, asked
+    assert gaps and set(gaps) == {driver_mod._PROBE_STEPS + 1}, asked
 
 
 def test_prometheus_counts_the_chosen_k():
@@ -275,14 +277,14 @@ def test_prometheus_counts_the_chosen_k():
 
 def test_a_rest_ends_when_the_running_requests_halve(tiny_path):
     from foveal import SamplingParams
-    from foveal.engine import engine as engine_mod
+    from foveal.speculative import driver as driver_mod
 
     llm, asked = never_drafting(tiny_path)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 8, 8, 60)]
     llm.generate([[5, 6, 7, 5, 6, 7]] * 4, params)
     (first_step, rows), (second_step, rows_after) = asked[0], asked[1]
     assert rows == 4 and rows_after == 1  # asked again once three of the four had finished ...
-    assert second_step - first_step < engine_mod._REST_STEPS  # ... before the rest would have ended
+    assert second_step - first_step < driver_mod._REST_STEPS  # ... before the rest would have ended
 
 
 def test_a_verify_step_does_not_stand_in_for_plain_decoding():
@@ -441,14 +443,16 @@ def _sim_engine(clock: _Clock, speculate: bool, host: str = "light", prefix_cach
 
     config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256)
     sched = Scheduler(config, KVCacheManager(16384, 16, prefix_caching), 1024)
-    eng = Engine(
-        SimpleNamespace(speculative=None), EngineInfo("sim", 1000, 1024, 1024, frozenset()), model=None,
-        tokenizer=_Detok(), scheduler=sched, runner=_SimRunner(clock, host),
-        proposer=_SimProposer() if speculate else None, async_scheduling=True,
-    )  # fmt: skip
+    runner = _SimRunner(clock, host)
+    driver = None
     if speculate:
-        eng.spec_policy = AdaptivePolicy(4)
-    return eng
+        driver = SpeculationDriver(
+            _SimProposer(), method="sim", adaptive=True, scheduler=sched, runner=runner, max_model_len=1024
+        )
+    return Engine(
+        SimpleNamespace(speculative=None), EngineInfo("sim", 1000, 1024, 1024, frozenset()), model=None,
+        tokenizer=_Detok(), scheduler=sched, runner=runner, speculation=driver, async_scheduling=True,
+    )  # fmt: skip
 
 
 def _sim_run(eng, clock: _Clock, batch: int, rate: float, seed: int = 0, prompts=None) -> float:
@@ -474,9 +478,11 @@ def sim_clock(monkeypatch):
     from types import SimpleNamespace
 
     from foveal.engine import engine as engine_mod
+    from foveal.speculative import driver as driver_mod
 
     clock = _Clock()
-    monkeypatch.setattr(engine_mod, "time", SimpleNamespace(perf_counter=clock))
+    for mod in (engine_mod, driver_mod):  # the step's phases, and the driver's step costs
+        monkeypatch.setattr(mod, "time", SimpleNamespace(perf_counter=clock))
     return clock
 
 
@@ -519,9 +525,9 @@ def test_simulated_rests_time_plain_steps_at_their_device_cost(sim_clock):
     device step. The first one of a rest has none in flight (the step that asked the policy collected
     its own): its interval is host work only and must not lower plain decoding's figure."""
     eng = _sim_engine(sim_clock, True, "heavy")
-    eng.spec_policy.choose = lambda ids, rooms, other=0: [0] * len(ids)  # never drafts: always resting
+    eng.speculation.policy.choose = lambda ids, rooms, other=0: [0] * len(ids)  # never drafts: always resting
     _sim_run(eng, sim_clock, 64, 1.0)
-    est = eng.spec_policy.plain_cost.estimate([64])[0] * 1e3
+    est = eng.speculation.policy.plain_cost.estimate([64])[0] * 1e3
     assert est == pytest.approx(h200_ms(64), rel=0.1), est  # device-bound: the device step
 
 
@@ -530,8 +536,8 @@ def test_simulated_prompt_chunks_that_fill_the_budget_take_no_drafts(sim_clock):
     place: those steps are plain ones, overlapped, and the policy is not asked."""
     eng = _sim_engine(sim_clock, True)
     asked = []
-    real = eng.spec_policy.choose
-    eng.spec_policy.choose = lambda ids, rooms, other=0: (
+    real = eng.speculation.policy.choose
+    eng.speculation.policy.choose = lambda ids, rooms, other=0: (
         asked.append(len(eng.scheduler.waiting)) or real(ids, rooms, other)
     )
     _sim_run(eng, sim_clock, 256, 1.0)
@@ -552,7 +558,7 @@ def test_simulated_batch_256_without_drafts_runs_like_plain_decoding(sim_clock):
     clock = sim_clock
     plain = _sim_engine(clock, False, "host-bound", prefix_caching=True)
     spec = _sim_engine(clock, True, "host-bound", prefix_caching=True)
-    policy = spec.spec_policy  # what batch 64 taught it (plain 256 rows not yet measured)
+    policy = spec.speculation.policy  # what batch 64 taught it (plain 256 rows not yet measured)
     with_acceptance(policy, "64", 0.4)
     for _ in range(2):
         for n in (1, 8, 32, 64, 128):
@@ -565,11 +571,11 @@ def test_simulated_batch_256_without_drafts_runs_like_plain_decoding(sim_clock):
     for rate, rep in itertools.product((1.0, 0.7, 0.4), range(2)):
         s = _sim_run(spec, clock, 256, rate, rep, prompts)
         got.append(round(s / _sim_run(plain, clock, 256, rate, rep, prompts), 3))
-        if hasattr(spec, "spec_sync"):  # steps that waited, and the policy's answers, per run
-            sync.append(dict(spec.spec_sync))
-            asks.append(dict(spec.spec_asks))
-            spec.spec_sync.clear()
-            spec.spec_asks.clear()
+        if spec.speculation is not None:  # steps that waited, and the policy's answers, per run
+            sync.append(dict(spec.speculation.sync))
+            asks.append(dict(spec.speculation.asks))
+            spec.speculation.sync.clear()
+            spec.speculation.asks.clear()
     assert min(got) >= 0.995, got  # before: 0.965-0.977
     # the first run probes plain decoding at 256 rows and explores a verify step or two as the last
     # requests finish; after it no step waits, and every answer is a rest (k = 0) given with a step

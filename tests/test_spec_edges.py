@@ -170,7 +170,7 @@ def _reported(s, path, ok, within=5.0):
 
 
 def test_speculative_field_opts_out_and_greedy_text_is_the_same(spec):
-    stats = spec.engine.spec_stats
+    stats = spec.engine.speculation.stats
     before = stats.num_drafts
     off = _complete(spec, speculative=False)
     assert stats.num_drafts == before  # the opted-out request never drafted
@@ -205,7 +205,7 @@ def test_openapi_publishes_the_speculative_field(spec):
 
 def test_metrics_expose_spec_decode_counts(spec):
     _complete(spec)
-    stats = spec.engine.spec_stats
+    stats = spec.engine.speculation.stats
     r = _reported(
         spec,
         "/metrics",
@@ -231,7 +231,7 @@ def test_metrics_expose_spec_decode_counts(spec):
 def test_without_speculation_there_are_no_spec_figures(plain):
     for flag in (True, False):  # the field is accepted, and does nothing
         assert _complete(plain, speculative=flag)
-    assert plain.engine.proposer is None and plain.engine.spec_stats.num_drafts == 0
+    assert plain.engine.speculation is None
     r = _reported(plain, "/v1/metrics", lambda r: r.json()["summary"]["num_running"] == 0)
     assert r.json()["summary"]["speculative"] is None
     assert "foveal_spec_decode" not in _get(plain, "/metrics").text

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from foveal import SamplingParams
-from foveal.spec.proposer import split_drafts
+from foveal.speculative.proposer import split_drafts
 from tests.test_speculative import MIXED_GREEDY
 
 H, HEADS, KV, HD, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 128, 1000, 96
@@ -119,9 +119,9 @@ def test_eagle3_greedy_is_lossless_in_mixed_batches(saved):
     spec = {"method": "eagle3", "model": saved["eagle3"], "num_speculative_tokens": 3, "adaptive": False}
     llm = _llm(saved, spec, max_num_batched_tokens=12)  # chunked prompts: partial catch-ups
     assert _run(llm, prompts, MIXED_GREEDY) == plain
-    st = llm.engine.spec_stats
+    st = llm.engine.speculation.stats
     assert st.num_drafts > 0 and st.num_draft_tokens >= 3 * st.num_drafts // 2
-    assert llm.engine.proposer.kv.num_used_blocks == 0  # the head's pool is idle too
+    assert llm.engine.speculation.proposer.kv.num_used_blocks == 0  # the head's pool is idle too
 
 
 def test_eagle3_method_is_read_from_the_checkpoint(saved):
@@ -145,7 +145,7 @@ def test_eagle3_head_that_does_not_fit_is_refused(saved, tmp_path):
 
 def _proposals(llm, prompts) -> list[tuple[list[int], list[int]]]:
     """(the row's tokens, its drafts) of every propose() while the prompts run greedily."""
-    proposer = llm.engine.proposer
+    proposer = llm.engine.speculation.proposer
     seen = []
     real = proposer.propose_device  # what the engine calls: the drafts stay on the device
 
@@ -238,11 +238,13 @@ def test_eagle3_drafts_equal_a_dense_reference_of_the_head(saved, graphs):
     spec = {"method": "eagle3", "model": saved["eagle3"], "num_speculative_tokens": 3, "adaptive": False}
     llm = _llm(saved, spec, max_num_batched_tokens=10)
     if graphs:
-        llm.engine.proposer.use_graphs(4, 200)  # a catch-up of more than 16 positions runs as a chunk
+        # a catch-up of more than 16 positions runs as a chunk
+        llm.engine.speculation.proposer.use_graphs(4, 200)
     seen = _proposals(llm, _prompts(3, seed=2))
     assert len(seen) > 10
     if graphs:
-        assert llm.engine.proposer.graphs.input_ids.any()  # the steps went through the static buffers
+        # the steps went through the static buffers
+        assert llm.engine.speculation.proposer.graphs.input_ids.any()
     for tokens, drafts in seen:
         assert drafts == _eagle3_reference(t, saved["hf"], tokens, len(drafts)), tokens
 
@@ -275,12 +277,12 @@ def test_runner_reports_the_hidden_states_of_confirmed_rows(saved):
             for j in range(h.shape[0]):
                 got.setdefault(rid, {})[start + j] = h[j].clone()
 
-    eng.proposer.observe_hidden = observe
+    eng.speculation.proposer.observe_hidden = observe
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert (
-        eng.spec_stats.num_accepted_tokens > 0
-        and eng.spec_stats.num_accepted_tokens < eng.spec_stats.num_draft_tokens
+        eng.speculation.stats.num_accepted_tokens > 0
+        and eng.speculation.stats.num_accepted_tokens < eng.speculation.stats.num_draft_tokens
     )
     for o, p in zip(outs, prompts):
         seq = p + o.outputs[0].token_ids
@@ -356,8 +358,8 @@ def test_mtp_greedy_is_lossless_in_mixed_batches(mimo):
         mimo, {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}, max_num_batched_tokens=12
     )
     assert _run(llm, prompts, MIXED_GREEDY) == plain
-    assert llm.engine.spec_stats.num_drafts > 0
-    assert llm.engine.proposer.kv.num_used_blocks == 0
+    assert llm.engine.speculation.stats.num_drafts > 0
+    assert llm.engine.speculation.proposer.kv.num_used_blocks == 0
 
 
 def _mtp_reference(t, hf, tokens: list[int], k: int) -> list[int]:
@@ -392,11 +394,12 @@ def test_mtp_drafts_equal_a_dense_reference_of_the_layer(mimo, graphs):
         mimo, {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}, max_num_batched_tokens=10
     )
     if graphs:
-        llm.engine.proposer.use_graphs(16, 200)
+        llm.engine.speculation.proposer.use_graphs(16, 200)
     seen = _proposals(llm, _prompts(3, seed=4))
     assert len(seen) > 10
     if graphs:
-        assert llm.engine.proposer.graphs.input_ids.any()  # the steps went through the static buffers
+        # the steps went through the static buffers
+        assert llm.engine.speculation.proposer.graphs.input_ids.any()
     for tokens, drafts in seen:
         assert drafts == _mtp_reference(t, mimo["hf"], tokens, len(drafts)), tokens
 
@@ -468,8 +471,8 @@ def test_dflash_greedy_is_lossless_in_mixed_batches(saved, tmp_path):
     )
     assert llm.engine.config.speculative.method == "dflash"  # read from the checkpoint
     assert _run(llm, prompts, MIXED_GREEDY) == plain
-    assert llm.engine.spec_stats.num_draft_tokens >= 2 * llm.engine.spec_stats.num_drafts
-    assert llm.engine.proposer.kv.num_used_blocks == 0
+    assert llm.engine.speculation.stats.num_draft_tokens >= 2 * llm.engine.speculation.stats.num_drafts
+    assert llm.engine.speculation.proposer.kv.num_used_blocks == 0
 
 
 def _dflash_reference(t, hf, tokens: list[int], k: int) -> list[int]:
@@ -507,11 +510,12 @@ def test_dflash_drafts_equal_a_dense_reference_of_the_block(saved, tmp_path, gra
         saved, {"model": path, "num_speculative_tokens": 3, "adaptive": False}, max_num_batched_tokens=10
     )
     if graphs:  # the static-buffer path (eager on a CPU); a long context (a prompt) runs without it
-        llm.engine.proposer.use_graphs(2, 200)
+        llm.engine.speculation.proposer.use_graphs(2, 200)
     seen = _proposals(llm, _prompts(3, seed=7))
     assert len(seen) > 6
     if graphs:
-        assert llm.engine.proposer.graphs.input_ids.any()  # the block steps went through the graphs
+        # the block steps went through the graphs
+        assert llm.engine.speculation.proposer.graphs.input_ids.any()
     for tokens, drafts in seen:
         assert drafts == _dflash_reference(t, saved["hf"], tokens, len(drafts)), tokens
 
@@ -525,12 +529,12 @@ def test_a_prefix_cache_hit_drafts_from_what_the_target_computed(saved, tmp_path
     prompt = _prompts(1, seed=9)[0] * 3
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     (miss,) = llm.generate([prompt], params)
-    drafted, cached = llm.engine.spec_stats.num_draft_tokens, llm.engine.kv.hit_tokens
+    drafted, cached = llm.engine.speculation.stats.num_draft_tokens, llm.engine.kv.hit_tokens
     (hit,) = llm.generate([prompt], params)
     assert cached == 0 and llm.engine.kv.hit_tokens >= 12  # the second run's prefix came from the cache
     assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
-    assert llm.engine.spec_stats.num_draft_tokens - drafted >= 3 * 4  # it drafted on most steps
-    assert llm.engine.proposer.kv.num_used_blocks == 0
+    assert llm.engine.speculation.stats.num_draft_tokens - drafted >= 3 * 4  # it drafted on most steps
+    assert llm.engine.speculation.proposer.kv.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
@@ -559,7 +563,7 @@ def test_a_vision_language_target_with_a_head_is_lossless(tmp_path, method):
         prompts = [llm.processor.render_prompt(t, images=i) for t, i in cases]
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
-    assert llm.engine.spec_stats.num_drafts > 0
+    assert llm.engine.speculation.stats.num_drafts > 0
 
 
 def test_n_sequences_with_a_head(saved):
@@ -577,7 +581,8 @@ def test_n_sequences_with_a_head(saved):
     plain = [[o.token_ids for o in r.outputs] for r in _llm(saved).generate(prompts, greedy)]
     llm = _llm(saved, spec)
     assert [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, greedy)] == plain
-    assert llm.engine.spec_stats.num_drafts > 0 and llm.engine.proposer.kv.num_used_blocks == 0
+    speculation = llm.engine.speculation
+    assert speculation.stats.num_drafts > 0 and speculation.proposer.kv.num_used_blocks == 0
 
 
 def test_train_eagle3_steps_are_the_heads_chain(saved):

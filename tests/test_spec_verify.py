@@ -17,8 +17,8 @@ import torch
 
 from foveal.request import SamplingParams
 from foveal.sample.sampler import Sampler, SamplingRow
-from foveal.spec.ngram import NgramIndex
-from foveal.spec.rejection import probs_of, verify
+from foveal.speculative.ngram import NgramIndex
+from foveal.speculative.rejection import probs_of, verify
 
 try:
     from scipy.stats import chisquare

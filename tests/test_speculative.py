@@ -86,7 +86,7 @@ def _same(folder, prompts, params, **kw):
                 atol=1e-4,
                 rtol=0,
             )
-    return spec_llm.engine.spec_stats
+    return spec_llm.engine.speculation.stats
 
 
 def test_greedy_equals_plain_greedy_and_drafts_are_accepted(folder):
@@ -162,7 +162,8 @@ def test_drafts_left_on_the_device_are_verified_as_their_ids(folder):
     plain = _run(_llm(folder), prompts, params)
     llm = _llm(folder, NGRAM, max_num_batched_tokens=12)
     eng = llm.engine
-    eng.proposer = oracle = _DeviceOracle({tuple(p): p + list(o[0]) for p, o in zip(prompts, plain)})
+    oracle = _DeviceOracle({tuple(p): p + list(o[0]) for p, o in zip(prompts, plain)})
+    eng.speculation.proposer = oracle
     seen = {"staged": 0, "ids": 0}
     launch = eng.runner.launch
 
@@ -178,7 +179,7 @@ def test_drafts_left_on_the_device_are_verified_as_their_ids(folder):
         assert a[:3] == b[:3]
         if b[3] is not None:
             assert [x.token_id for x in a[3]] == [x.token_id for x in b[3]]
-    st = eng.spec_stats
+    st = eng.speculation.stats
     assert seen["staged"] > 0 and seen["ids"] > 0 and oracle.calls > 0
     # every proposal is right but every third one's last draft: most drafts are accepted
     assert st.num_accepted_tokens >= st.num_draft_tokens // 2 > 0
@@ -220,7 +221,7 @@ def test_pool_idle_after_many_speculating_requests_with_cancellations(folder):
     assert not eng.has_unfinished()
     eng.kv.check_integrity()
     assert eng.kv.num_used_blocks == 0 and eng.runner.num_held == 0
-    assert eng.spec_stats.num_drafts > 0
+    assert eng.speculation.stats.num_drafts > 0
 
 
 def test_speculative_config_validation():
@@ -253,7 +254,7 @@ def test_real_model_greedy_equals_plain(llm_fp32):
     spec = LLM(dtype="float32", quantization="none", kv_cache_memory=256 * 2**20, speculative_config=NGRAM)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     assert got == plain
-    assert spec.engine.spec_stats.num_accepted_tokens > 10
+    assert spec.engine.speculation.stats.num_accepted_tokens > 10
 
 
 @pytest.fixture(scope="module")
@@ -289,9 +290,9 @@ def test_draft_model_equal_to_target_accepts_every_draft(saved):
     plain = _run(_draft_llm(saved, None, max_num_batched_tokens=16), prompts, params)
     llm = _draft_llm(saved, "target", max_num_batched_tokens=16)
     assert _run(llm, prompts, params) == plain
-    st = llm.engine.spec_stats
+    st = llm.engine.speculation.stats
     assert st.num_drafts > 0 and st.num_accepted_tokens == st.num_draft_tokens  # 100% at temperature 0
-    assert llm.engine.proposer.kv.num_used_blocks == 0  # the draft's pool is idle too
+    assert llm.engine.speculation.proposer.kv.num_used_blocks == 0  # the draft's pool is idle too
 
 
 def test_draft_model_greedy_is_lossless_in_mixed_batches(saved):
@@ -301,18 +302,18 @@ def test_draft_model_greedy_is_lossless_in_mixed_batches(saved):
     llm = _draft_llm(saved, "draft", max_num_batched_tokens=10)
     got = _run(llm, prompts, params)
     assert [g[:3] for g in got] == [p[:3] for p in plain]
-    st = llm.engine.spec_stats
+    st = llm.engine.speculation.stats
     assert st.num_drafts > 0 and st.num_accepted_tokens < st.num_draft_tokens  # a different model: rejections
-    assert llm.engine.proposer.kv.num_used_blocks == 0
+    assert llm.engine.speculation.proposer.kv.num_used_blocks == 0
 
 
 def test_draft_proposer_batches_catch_up_chunks_and_decodes_alike(saved):
     """One propose() call that mixes a fresh prompt (a long catch-up chunk) with a row that has one
     unseen token proposes what each row gets alone (the draft batch keeps decodes first)."""
-    from foveal.spec.proposer import ProposeRow
+    from foveal.speculative.proposer import ProposeRow
 
     def fresh():
-        return _draft_llm(saved, "target").engine.proposer
+        return _draft_llm(saved, "target").engine.speculation.proposer
 
     a, b = list(range(3, 20)), list(range(40, 50))
     alone = fresh()

@@ -160,7 +160,7 @@ def test_every_accepted_maskbench_schema_gives_valid_json(corpus_llm):
     print(f"maskbench: {len(accepted)} schemas accepted, {refused} refused of {len(rows)}")
     assert len(accepted) >= 400
     budget = MASKBENCH_TOKENS
-    if tiny.engine.proposer is not None:  # shorter, for time: a schema whose shortest document does not
+    if tiny.engine.speculation is not None:  # shorter, for time: a schema whose shortest document does not
         from foveal.structured.closing import prepare  # fit cannot be closed; the plain run has it
 
         budget = SPEC_TOKENS
@@ -189,8 +189,8 @@ def test_every_accepted_maskbench_schema_gives_valid_json(corpus_llm):
           f"max_tokens: {closed}")  # fmt: skip
     assert not bad, f"{len(bad)} of {len(accepted)} outputs invalid: {bad[:5]}"
     assert_idle(tiny)
-    if tiny.engine.proposer is not None:
-        assert tiny.engine.spec_stats.num_draft_tokens > 0
+    if tiny.engine.speculation is not None:
+        assert tiny.engine.speculation.stats.num_draft_tokens > 0
 
 
 def test_regex_choice_and_lark_match_in_full(tiny):
@@ -309,7 +309,7 @@ def test_speculative_greedy_equals_plain_greedy_under_a_grammar():
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     assert got == want
-    assert spec.engine.spec_stats.num_draft_tokens > 0
+    assert spec.engine.speculation.stats.num_draft_tokens > 0
     json.loads(spec.tokenizer.decode(got[0]))
 
 
@@ -326,14 +326,12 @@ def test_a_failing_grammar_ends_its_request_alone(tiny, monkeypatch):
         return real(self, token)
 
     monkeypatch.setattr(Guide, "accept", accept)
-    outs = tiny.generate(
-        ["a", "b"],
-        [SamplingParams(temperature=0, max_tokens=20, structured=spec),
-         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)],
-    )  # fmt: skip
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = tiny.generate(["a", "b"], [SamplingParams(temperature=0, max_tokens=20, structured=spec), plain])
     bad, good = outs[0].outputs[0], outs[1].outputs[0]
     assert bad.finish_reason is FinishReason.ERROR and "injected failure" in bad.error
     assert good.finish_reason is FinishReason.LENGTH and len(good.token_ids) == 8
+    assert good.token_ids == tiny.generate(["b"], plain)[0].outputs[0].token_ids  # as if it ran alone
     assert_idle(tiny)
 
 
@@ -441,5 +439,5 @@ def test_thinking_budget_and_schema_with_speculation(thinker, proposer):
     (c,) = spec.chat(chat, p)[0].outputs
     assert c.token_ids.index(end) == 12 and c.finish_reason is FinishReason.STOP
     jsonschema.validate(json.loads(spec.tokenizer.decode(c.token_ids[13:])), schema)
-    assert spec.engine.spec_stats.num_draft_tokens > 0
+    assert spec.engine.speculation.stats.num_draft_tokens > 0
     assert_idle(spec)

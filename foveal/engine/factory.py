@@ -5,7 +5,8 @@
 
 Order: device and dtype; the checkpoint (weights, tokenizer, processor files); the model; the KV pool
 (sized by the memory budget, profiled on CUDA); scheduler, proposer (speculative decoding) and runner;
-decode-step graphs (CUDA graphs, or recorded CPU steps); then the EngineInfo both sides read.
+the speculation driver; decode-step graphs (CUDA graphs, or recorded CPU steps); then the EngineInfo
+both sides read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from foveal.attention import kv_quant
 from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.config import EngineConfig
+from foveal.diffusion.driver import DiffusionDriver
 from foveal.diffusion.info import diffusion_info
 from foveal.engine.engine import Engine
 from foveal.engine.input_processor import EngineInfo, InputProcessor
@@ -142,6 +144,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         encoder_cache=encoder_cache,
         atomic_mm_spans=model.mm_bidirectional,
         max_loras=cfg.lora.max_loras if lora_slots is not None else 0,
+        diffusion=DiffusionDriver(info.diffusion) if info.diffusion is not None else None,
     )
     spec = cfg.speculative
     proposer = None
@@ -151,7 +154,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
             "fills several positions); drop --speculative-config"
         )
     if spec is not None:
-        from foveal.spec.proposer import build_proposer
+        from foveal.speculative.proposer import build_proposer
 
         proposer = build_proposer(
             spec,
@@ -206,6 +209,18 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
             runner.graphs = None
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+    speculation = None
+    if proposer is not None:
+        from foveal.speculative.driver import SpeculationDriver
+
+        speculation = SpeculationDriver(
+            proposer,
+            method=spec.method,
+            adaptive=spec.adaptive,
+            scheduler=scheduler,
+            runner=runner,
+            max_model_len=info.max_model_len,
+        )
     overlap = cfg.scheduler.async_scheduling
     engine = Engine(
         cfg,
@@ -214,7 +229,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         tokenizer=ckpt.tokenizer,
         scheduler=scheduler,
         runner=runner,
-        proposer=proposer,
+        speculation=speculation,
         encoder_cache=encoder_cache,
         device=device,
         dtype=dtype,

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from foveal.metrics import FanoutSink, MetricsSink, RequestStats, StepReport
 from foveal.request import EngineRequest, FinishReason, TokenDelta
@@ -34,11 +35,25 @@ log = logging.getLogger(__name__)
 ADMITTED = "admitted"
 
 
+class ErrorKind(StrEnum):
+    """Why a stream failed, in the engine's words; the server maps each to its protocol's status
+    (server/errors.py: 400, 429, 503, 504, 500). The values are OpenAI's error types."""
+
+    INVALID_REQUEST = "invalid_request_error"  # the request's own fault (a bad id, too long for the pool)
+    QUEUE_FULL = "rate_limit"  # too many requests waiting: retry later
+    UNAVAILABLE = "unavailable"  # draining, shutting down or dead
+    TIMEOUT = "timeout"  # no output within the request's timeout
+    SERVER = "server_error"
+
+
 @dataclass(slots=True)
 class StreamError:
     message: str
-    status: int = 500  # HTTP status when it is the first item: 400 bad input, 429 queue full, 503 ...
-    type: str = "server_error"
+    kind: ErrorKind = ErrorKind.SERVER
+
+    @property
+    def type(self) -> str:
+        return self.kind.value
 
 
 class StreamFailed(Exception):
@@ -66,7 +81,7 @@ class RequestStream:
             return await asyncio.wait_for(self.queue.get(), self.timeout)
         except TimeoutError:
             raise StreamFailed(
-                StreamError(f"request timed out after {self.timeout} s without output", 504, "timeout")
+                StreamError(f"request timed out after {self.timeout} s without output", ErrorKind.TIMEOUT)
             ) from None
 
     async def admitted(self) -> None:
@@ -164,11 +179,11 @@ class EngineLoop:
         limit = self.max_queued_requests
         if limit is not None and len(choices) > limit:  # can never fit the queue: not a retry-later
             why = f"{len(choices)} sequences (prompts x n) in one request; this server queues at most {limit}"
-            stream.queue.put_nowait(StreamError(why, 400, "invalid_request_error"))
+            stream.queue.put_nowait(StreamError(why, ErrorKind.INVALID_REQUEST))
             return stream
         if self.state != "ready":
             why = self.dead_reason if self.state == "dead" else f"the server is {self.state}"
-            stream.queue.put_nowait(StreamError(f"not accepting requests: {why}", 503, "unavailable"))
+            stream.queue.put_nowait(StreamError(f"not accepting requests: {why}", ErrorKind.UNAVAILABLE))
             return stream
         adapter = choices[0].lora.name if choices and choices[0].lora is not None else None
         stream.model = adapter
@@ -209,7 +224,9 @@ class EngineLoop:
             return 0
         done = threading.Event()
         cut = [0]
-        err = StreamError(f"the server is shutting down (drain timeout of {timeout:g} s)", 503, "unavailable")
+        err = StreamError(
+            f"the server is shutting down (drain timeout of {timeout:g} s)", ErrorKind.UNAVAILABLE
+        )
         self._cmds.put(("cut", err, cut, done))
         done.wait(10)
         return cut[0]
@@ -260,7 +277,7 @@ class EngineLoop:
             self._died(f"engine failed: {type(e).__name__}: {e}")
         try:
             why = self.dead_reason or "the server is shutting down"
-            self._close_all(StreamError(why, 503, "unavailable"))
+            self._close_all(StreamError(why, ErrorKind.UNAVAILABLE))
         except BaseException:
             log.exception("closing the open requests failed")
             self._died(self.dead_reason or "closing the open requests failed")
@@ -295,11 +312,13 @@ class EngineLoop:
     def _admit(self, stream: RequestStream, choices: list[EngineRequest], stats: RequestStats) -> None:
         rid = stream.request_id
         if rid in self._open:
-            return self._push(stream, StreamError(f"request id {rid!r} is already in use", 400))
+            return self._push(
+                stream, StreamError(f"request id {rid!r} is already in use", ErrorKind.INVALID_REQUEST)
+            )
         eng = self.engine
         limit = self.max_queued_requests
         if limit is not None and eng.num_waiting + len(choices) > max(limit, 1):
-            self._push(stream, StreamError("too many queued requests; retry later", 429, "rate_limit"))
+            self._push(stream, StreamError("too many queued requests; retry later", ErrorKind.QUEUE_FULL))
             log.info("%s rejected: queue full (%d waiting)", rid, eng.num_waiting)
             return
         sub_ids: list[str] = []
@@ -312,7 +331,7 @@ class EngineLoop:
             self._flush_aborted(sub_ids)
             msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             log.info("%s rejected: %s", rid, msg)
-            return self._push(stream, StreamError(msg, 400, "invalid_request_error"))
+            return self._push(stream, StreamError(msg, ErrorKind.INVALID_REQUEST))
         for i, sid in enumerate(sub_ids):
             self._sub[sid] = (rid, i)
         self._open[rid] = _Open(stream, sub_ids, stats, len(sub_ids))
@@ -374,12 +393,7 @@ class EngineLoop:
         e = self.engine
         vision = e.encoder_cache.stats() if e.encoder_cache is not None else None
         prefix = (e.kv.query_tokens, e.kv.hit_tokens)
-        spec = None
-        if e.proposer is not None:  # speculating: lifetime totals, and which method drafts
-            spec = e.spec_stats.as_dict()
-            spec["method"] = e.config.speculative.method
-            if e.spec_policy is not None:  # how many drafts the load-aware policy gave rows
-                spec.update(e.spec_policy.stats())
+        spec = e.speculation.report() if e.speculation is not None else None  # lifetime totals, method
         r = e.runner
         masks = None
         if r.mask_rows:

@@ -10,10 +10,8 @@ from foveal.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from foveal.loader.errors import ModelLoadError
 from foveal.loader.gguf_config import GGUF_ARCHS
 from foveal.loader.gguf_loader import open_gguf, read_gguf_weights
-from foveal.loader.gguf_tokenizer import CACHE_DIR_ENV
 
 __all__ = [
-    "CACHE_DIR_ENV",
     "Checkpoint",
     "DEFAULT_MODEL_NAME",
     "GGUF_ARCHS",

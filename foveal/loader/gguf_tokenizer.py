@@ -16,16 +16,10 @@ import shutil
 import tempfile
 import time
 
+from foveal.config import cache_dir
 from foveal.loader.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
-
-# Read here for now; to move to foveal.config with the other environment variables.
-CACHE_DIR_ENV = "FOVEAL_CACHE_DIR"
-
-
-def cache_root() -> str:
-    return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "foveal")
 
 
 def tokenizer_cache_dir(path: str) -> str:
@@ -36,7 +30,7 @@ def tokenizer_cache_dir(path: str) -> str:
     st = os.stat(path)
     ident = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:24]
-    return os.path.join(cache_root(), "tokenizers", key)
+    return os.path.join(cache_dir(), "tokenizers", key)
 
 
 def load_gguf_tokenizer(path: str):

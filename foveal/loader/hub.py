@@ -13,6 +13,7 @@ import os
 import re
 import time
 
+from foveal.config import hub_offline
 from foveal.loader.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def download_repo(repo_id: str, revision: str | None = None) -> str:
     try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
     except Exception as e:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        offline = hub_offline()
         raise ModelLoadError(
             f"could not get {repo_id!r}{f' (revision {revision})' if revision else ''} from the Hugging Face "
             f"Hub: {type(e).__name__}: {str(e).rstrip('.')}. No local path {repo_id!r} exists either. "

@@ -24,11 +24,11 @@ fp32 uses IEEE dots (TF32 would cost ~1e-3 relative). Only APIs of Triton 3.6 ar
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from foveal.config import triton_interpreted
 
 
 @triton.jit
@@ -137,7 +137,7 @@ def _dot_args(dtype: torch.dtype) -> dict:
     relative error), so fp32 asks for IEEE; 16-bit dtypes ignore the setting. Triton's interpreter holds
     bfloat16 as raw uint16 bits and multiplies those in tl.dot (seen in 3.9), so there bf16 operands are
     widened to float32 first: their products are exact in fp32, as on tensor cores."""
-    upcast = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = dtype == torch.bfloat16 and triton_interpreted()
     return dict(DOT_PREC="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast)
 
 

@@ -28,8 +28,8 @@ class StepContext:
     # DeepStack (Qwen3-VL): (rows [R], values [R, k, hidden]); values[:, i] is added to those rows'
     # hidden states after decoder layer i
     deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
-    # hidden-state drafters (foveal/spec/hidden.py): the model appends the hidden state entering each of
-    # these decoder layers (HF's hidden_states[i]; i = num_layers: the last layer's output before the
+    # hidden-state drafters (foveal/speculative/hidden.py): the model appends the hidden state entering
+    # each of these decoder layers (HF's hidden_states[i]; i = num_layers: the last layer's output before the
     # final norm) to `aux`, in layer order
     aux_layers: tuple[int, ...] = ()
     aux: list[torch.Tensor] | None = None

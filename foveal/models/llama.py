@@ -200,7 +200,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class MiMoForCausalLM(Qwen2ForCausalLM):
     """Xiaomi MiMo: a Qwen2 decoder. Its MTP layers (model.mtp_layers.*) are the mtp drafter's
-    (foveal/spec/mtp.py), loaded from the same checkpoint when speculating."""
+    (foveal/speculative/mtp.py), loaded from the same checkpoint when speculating."""
 
     def load_weight(self, filler: ParamFiller, name: str, tensor: torch.Tensor, prefix: str = "") -> None:
         if not name.removeprefix("model.").startswith("mtp_layers."):

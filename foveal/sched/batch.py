@@ -27,9 +27,13 @@ is the token verification emits at its row).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from foveal.request import MultiModalItem, SamplingParams
+
+if TYPE_CHECKING:
+    from foveal.lora.adapter import HostAdapter
+    from foveal.structured.guide import GuideSpec
 
 DEVICE_DRAFT = -1  # a draft id only the device knows (staged in the runner's token buffer)
 
@@ -78,12 +82,12 @@ class NewRequest:
     eos_token_ids: frozenset[int]
     mm_items: tuple[MultiModalItem, ...] = ()
     rope: Any = None  # the model family's positions for the prompt (MultiModalPrompt.rope), for the model
-    guide: Any = None  # GuideSpec (foveal/structured/guide.py): grammar and think-block steering, or None
+    guide: GuideSpec | None = None  # grammar and think-block steering (structured/guide.py), or None
     # a diffusion model's request: (kind, block, mask token id); its attention: ("masked", 0, m) every
     # token sees every token, ("block", size, m) causal across blocks of `size` positions, both ways
     # inside one; None: an autoregressive request
     diffusion: tuple[str, int, int] | None = None
-    lora: Any = None  # foveal.lora.adapter.HostAdapter: the adapter its rows run with, or None (base)
+    lora: HostAdapter | None = None  # the adapter its rows run with, or None (base)
 
 
 @dataclass(slots=True)

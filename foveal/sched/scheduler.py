@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.config import SchedulerConfig
 from foveal.request import FinishReason, Request, RequestStatus
 from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
+
+if TYPE_CHECKING:
+    from foveal.diffusion.driver import DiffusionDriver
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ class Scheduler:
         encoder_cache=None,
         atomic_mm_spans: bool = False,
         max_loras: int = 0,
+        diffusion: DiffusionDriver | None = None,
     ):
         if config.max_num_batched_tokens is None:
             raise ValueError("the scheduler needs a token budget: use SchedulerConfig.for_device(...)")
@@ -51,6 +56,7 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_loras = max_loras  # distinct LoRA adapters running at once (the device's slots)
+        self.diffusion = diffusion  # a diffusion model's driver (plans its passes), else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -60,6 +66,8 @@ class Scheduler:
 
     # -- queue management ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        if self.diffusion is not None:
+            self.diffusion.admit(req)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
         self._by_id[req.request_id] = req
@@ -112,22 +120,16 @@ class Scheduler:
             if req.ends_after_pending:  # its last token is in flight: nothing more to compute
                 i += 1
                 continue
-            if req.diffusion is not None:  # a denoising pass, a commit or a prompt chunk of whole blocks
-                plan = self._diffusion_plan(req, budget, req.num_computed_tokens)
+            if self.diffusion is not None:  # a denoising pass, a commit or a prompt chunk of whole blocks
+                plan = self.diffusion.plan(req, budget, req.num_computed_tokens)
                 if plan is None:
                     i += 1
                     continue
-                start, toks, num_logits, denoise = plan
-                while not self.kv.can_allocate(req, len(toks)):
-                    victim = self.running[-1]
-                    self._preempt(victim, batch)
-                    if victim is req:
-                        break
-                if req.status is not RequestStatus.RUNNING:
-                    break
-                self.kv.allocate(req, len(toks))
-                self._diffusion_item(req, plan, decodes, chunks)
-                budget -= len(toks)
+                if not self._make_room(req, len(plan[1]), batch):
+                    break  # req itself was preempted; everything after it was too
+                self.kv.allocate(req, len(plan[1]))
+                self._add_diffusion(req, plan, decodes, chunks)
+                budget -= len(plan[1])
                 i += 1
                 continue
             start = req.num_computed_tokens
@@ -150,12 +152,7 @@ class Scheduler:
             if n == 0:  # its next image must wait for encoder budget
                 i += 1
                 continue
-            while not self.kv.can_allocate(req, n):
-                victim = self.running[-1]
-                self._preempt(victim, batch)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
+            if not self._make_room(req, n, batch):
                 break  # req itself was preempted; everything after it was too
             self.kv.allocate(req, n)
             item = self._item(req, n)
@@ -184,12 +181,12 @@ class Scheduler:
                 passed.append(self.waiting.popleft())
                 continue
             cached = self.kv.find_cached(req)  # the longest prefix already in the cache: not recomputed
-            if req.diffusion is not None:
-                cached = self._diffusion_cached(req, cached)
+            if self.diffusion is not None:
+                cached = self.diffusion.usable_prefix(req, cached, self.kv.block_size)
             start = req.num_computed_tokens + len(cached) * self.kv.block_size
             plan = None
-            if req.diffusion is not None:
-                plan = self._diffusion_plan(req, budget, start)
+            if self.diffusion is not None:
+                plan = self.diffusion.plan(req, budget, start)
                 n = 0 if plan is None else len(plan[1])
             else:
                 n = self._chunk(req, min(req.num_tokens - start, budget), start)
@@ -208,7 +205,7 @@ class Scheduler:
                 self._known.add(req.request_id)
                 batch.new_requests.append(_new_request(req))
             if plan is not None:
-                self._diffusion_item(req, plan, decodes, chunks)
+                self._add_diffusion(req, plan, decodes, chunks)
             else:
                 item = self._item(req, n)
                 (decodes if item.is_decode else chunks).append(item)
@@ -230,58 +227,19 @@ class Scheduler:
         decodes.append(self._item(req, 1))
         return True
 
-    @staticmethod
-    def _diffusion_plan(req: Request, budget: int, start: int):
-        """A diffusion request's next item from `start` (its computed positions) within `budget`:
-        (start, tokens, logits rows, denoise pass or -1), or None when it does not fit this step.
-        Masked models compute prompt + canvas each pass; block models first the prompt's (or, after a
-        preemption, the committed) whole blocks, then their window: a denoising pass, or the final
-        window's commit together with the next window's first pass (both in one forward: the next
-        window's rows see the committed keys written in the same step)."""
-        d = req.diffusion
-        if d.kind == "masked":
-            toks = tuple(req.prompt_token_ids) + tuple(d.canvas)
-            if len(toks) > budget:
-                return None
-            return 0, toks, d.canvas_len - d.active[0], d.step_index
-        if d.recompute_prefix:  # no K/V kept: every pass computes the prefix again (a yardstick)
-            end = d.window_start + (len(d.canvas) if d.commit_pending else 0)
-            window = (d.mask_id,) * d.block if d.commit_pending else tuple(d.canvas)
-            toks = tuple(req.all_token_ids[:end]) + window
-            return (0, toks, len(window), d.step_index) if len(toks) <= budget else None
-        if start < d.window_start:
-            n = min(d.window_start - start, budget)
-            n -= n % d.block  # whole blocks (a chunk holds every key its rows see both ways)
-            if n == 0:
-                return None
-            return start, tuple(req.all_token_ids[start : start + n]), 0, -1
-        if len(d.canvas) > budget:
-            return None
-        if d.commit_pending:  # the final window's K/V, and (when it fits) the next window's first pass
-            if 2 * d.block > budget:
-                return start, tuple(d.canvas), 0, -1
-            return start, tuple(d.canvas) + (d.mask_id,) * d.block, d.block, d.step_index
-        return start, tuple(d.canvas), len(d.canvas), d.step_index
+    def _make_room(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+        """Preempt the most recently arrived running requests until the pool can hold req's next n
+        tokens; False when req itself had to go (so did every request after it)."""
+        while not self.kv.can_allocate(req, n):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        return True
 
-    @staticmethod
-    def _diffusion_item(req: Request, plan, decodes: list, chunks: list) -> None:
-        """The planned item, with the decodes for a block model (its rows are one-token queries:
-        ModelRunner._diffusion_rows), with the chunks for a masked one."""
-        start, toks, num_logits, denoise = plan
-        item = ScheduledItem(req.request_id, start, toks, tuple(req.block_ids), num_logits, denoise=denoise)
-        (decodes if req.diffusion.kind == "block" else chunks).append(item)
-
-    def _diffusion_cached(self, req: Request, cached: list[int]) -> list[int]:
-        """A block model's prefix hit, cut to whole attention blocks of committed tokens (a token's K/V
-        depends on the rest of its block); masked models keep nothing."""
-        d = req.diffusion
-        if d.kind == "masked" or d.recompute_prefix:
-            return []
-        cached = list(cached)
-        bs = self.kv.block_size
-        while cached and (len(cached) * bs > d.window_start or len(cached) * bs % d.block):
-            cached.pop()
-        return cached
+    def _add_diffusion(self, req: Request, plan, decodes: list, chunks: list) -> None:
+        item, with_decodes = self.diffusion.item(req, plan)
+        (decodes if with_decodes else chunks).append(item)
 
     def _needs_encoder(self, req: Request, idx: int) -> bool:
         it = req.mm_items[idx]
@@ -388,9 +346,8 @@ class Scheduler:
             req = self._by_id.get(s.request_id)
             if req is None or req.is_finished or not s.num_logits:
                 if req is not None and req.status is RequestStatus.RUNNING:
-                    d = req.diffusion
-                    if d is not None and d.commit_pending and s.start == d.window_start and s.num_tokens:
-                        d.committed()  # the final window's K/V is written
+                    if self.diffusion is not None:
+                        self.diffusion.written(req, s)
                     self.kv.publish(req)
                 continue
             if s.denoise >= 0:
@@ -422,15 +379,12 @@ class Scheduler:
         self, req: Request, s: ScheduledItem, sampled: dict, confidence: dict
     ) -> FinishReason | None:
         """A denoising pass's rows reached the host: the window's K/V goes (provisional), the canvas
-        takes the chosen tokens, and the tokens that turned final become the request's new output
-        (`sampled` then holds those), cut at a stop."""
-        d = req.diffusion
-        if d.commit_pending:  # the pass began with the final window: its K/V stays
-            d.committed()
+        takes the chosen tokens (DiffusionDriver.denoised), and the tokens that turned final become
+        the request's new output (`sampled` then holds those), cut at a stop."""
+        final, keep = self.diffusion.denoised(req, sampled[s.request_id], confidence[s.request_id])
         if req.status is RequestStatus.RUNNING:
-            self.kv.rewind(req, 0 if d.recompute_prefix else d.window_start)
+            self.kv.rewind(req, keep)
             self.kv.publish(req)
-        final = d.observe(sampled[s.request_id], confidence[s.request_id])
         new: list[int] = []
         sampled[s.request_id] = new
         for tok in final:

@@ -31,7 +31,7 @@ from foveal.metrics.prometheus import PrometheusSink
 from foveal.parsing.output import ChoiceOutput, OutputPlan
 from foveal.server import openapi, sse
 from foveal.server.body import ClientLeft, read_json
-from foveal.server.errors import APIError, error_response, from_validation
+from foveal.server.errors import APIError, error_response, from_stream_error, from_validation
 from foveal.server.inputs import InputWork
 from foveal.server.prompts import Prompts
 from foveal.server.protocol import (
@@ -219,9 +219,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
         try:
             await stream.admitted()
         except StreamFailed as e:
-            err = e.error
-            headers = {"Retry-After": "1"} if err.status == 429 else None
-            raise APIError(err.status, err.message, err.type, headers=headers) from None
+            raise from_stream_error(e.error) from None
         except BaseException:
             loop.abort(stream.request_id)  # cancelled before admission was answered
             raise
@@ -291,7 +289,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                         reasons[i] = _chat_finish(outs[i], reasons[i])
                     tally.add(i, d)
         except StreamFailed as e:
-            raise APIError(e.error.status, e.error.message, e.error.type) from None
+            raise from_stream_error(e.error) from None
         if chat:
             choices = [
                 {

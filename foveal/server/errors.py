@@ -22,6 +22,18 @@ class APIError(Exception):
         self.headers = headers
 
 
+# the engine's ErrorKind values (engine/loop.py) -> HTTP status
+STATUS_OF_KIND = {"invalid_request_error": 400, "rate_limit": 429, "unavailable": 503, "timeout": 504}
+
+
+def from_stream_error(err) -> APIError:
+    """An engine StreamError as the API's error: its kind's status (500 for a server error), and a
+    Retry-After for a full queue."""
+    status = STATUS_OF_KIND.get(err.kind.value, 500)
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return APIError(status, err.message, err.type, headers=headers)
+
+
 def error_response(e: APIError, request_id: str | None = None) -> JSONResponse:
     body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
     headers = dict(e.headers or {})

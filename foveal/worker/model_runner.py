@@ -33,7 +33,7 @@ from foveal.models.base import StepContext
 from foveal.request import TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, ScheduledItem
-from foveal.spec.rejection import verify
+from foveal.speculative.rejection import verify
 from foveal.structured import closing
 from foveal.structured.guide import Guide
 

@@ -9,11 +9,11 @@ exp2(-inf + inf) = NaN.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from foveal.config import triton_interpreted
 
 LOG2E = 1.4426950408889634
 # running-max start and the max of an empty split (finite: see above); constexpr so kernels may read it
@@ -89,5 +89,5 @@ def dot_args(dtype: torch.dtype) -> dict:
     error) and the oracle comparison needs IEEE; other dtypes ignore the setting. Triton's interpreter
     holds bfloat16 as raw uint16 bits and multiplies those in tl.dot (seen in 3.9), so there the
     operands are widened to float32 first, after the same rounding the GPU path does."""
-    upcast = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = dtype == torch.bfloat16 and triton_interpreted()
     return dict(DOT_PREC="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast)

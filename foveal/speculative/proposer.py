@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from foveal.spec.ngram import NgramIndex
+from foveal.speculative.ngram import NgramIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +90,11 @@ def build_proposer(config, *, target=None, target_source=None, **engine_parts) -
     attention backend, max_model_len and KV geometry (num_blocks, block_size) as keywords, and a head
     that reads hidden states (eagle3, mtp, dflash) the target model and its checkpoint too."""
     if config.method == "draft_model":
-        from foveal.spec.draft_model import build_draft_proposer
+        from foveal.speculative.draft_model import build_draft_proposer
 
         return build_draft_proposer(config, **engine_parts)
     if config.method in ("eagle3", "mtp", "dflash"):
-        from foveal.spec.hidden import build_hidden_proposer
+        from foveal.speculative.hidden import build_hidden_proposer
 
         return build_hidden_proposer(config, target=target, target_source=target_source, **engine_parts)
     if config.method == "ngram":

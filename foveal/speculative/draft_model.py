@@ -22,7 +22,7 @@ import logging
 from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.request import Request, SamplingParams
 from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
-from foveal.spec.proposer import ProposeRow
+from foveal.speculative.proposer import ProposeRow
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.models.llama import DecoderLayer
 from foveal.models.weights import ParamFiller, decoder_param
-from foveal.spec.hidden import DraftHead
+from foveal.speculative.hidden import DraftHead
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class MTPHead(DraftHead):
 
 def build_mtp_head(spec, target, target_source: str | None, backend, max_model_len: int, device, dtype):
     """The MTP head of the checkpoint at spec.model (default: the target's own, `target_source`)."""
-    from foveal.spec.hidden import open_head_checkpoint
+    from foveal.speculative.hidden import open_head_checkpoint
 
     source = spec.model or target_source
     if source is None:

@@ -33,7 +33,7 @@ from foveal.device import to_device
 from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.request import Request, SamplingParams
-from foveal.spec.proposer import ProposeRow, split_drafts
+from foveal.speculative.proposer import ProposeRow, split_drafts
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class ChainProposer(HiddenStateDrafter):
     def use_graphs(self, max_seqs: int, max_model_len: int) -> None:
         """Run one-token head steps through graphs (captured now on CUDA) for up to max_seqs requests:
         a catch-up of up to k + 1 positions each."""
-        from foveal.spec.head_graphs import HeadStepGraphs
+        from foveal.speculative.head_graphs import HeadStepGraphs
 
         max_rows = max_seqs * (1 + self.num_speculative_tokens)
         self.graphs = HeadStepGraphs(
@@ -333,11 +333,11 @@ def build_hidden_proposer(
     if not target.supports_aux_hidden:
         raise ValueError(f"speculative method {spec.method}: the target model cannot report hidden states")
     if spec.method == "eagle3":
-        from foveal.spec.eagle3 import build_eagle3_head as build
+        from foveal.speculative.eagle3 import build_eagle3_head as build
     elif spec.method == "mtp":
-        from foveal.spec.mtp import build_mtp_head as build
+        from foveal.speculative.mtp import build_mtp_head as build
     elif spec.method == "dflash":
-        from foveal.spec.dflash import build_dflash_head as build
+        from foveal.speculative.dflash import build_dflash_head as build
     else:
         raise ValueError(f"speculative method {spec.method!r} is not a hidden-state drafter")
     head = build(spec, target, target_source, backend, max_model_len, device, dtype).eval()

@@ -43,8 +43,8 @@ from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.models.llama import DecoderLayer, DecoderSpec
 from foveal.models.weights import ParamFiller, decoder_param
-from foveal.spec.hidden import DraftHead, HiddenStateDrafter
-from foveal.spec.proposer import ProposeRow
+from foveal.speculative.hidden import DraftHead, HiddenStateDrafter
+from foveal.speculative.proposer import ProposeRow
 from foveal.worker.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ DFlashHead.proposer = BlockProposer
 def build_dflash_head(spec, target, target_source, backend, max_model_len: int, device, dtype) -> DFlashHead:
     """The DFlash drafter at spec.model, refused when its vocabulary, hidden size or mask token does
     not fit the target."""
-    from foveal.spec.hidden import check_fits, open_head_checkpoint
+    from foveal.speculative.hidden import check_fits, open_head_checkpoint
 
     folder = open_head_checkpoint(spec.model)
     cfg = folder.hf_config

@@ -30,7 +30,7 @@ from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.models.llama import MLP, Attention, DecoderSpec
 from foveal.models.weights import ParamFiller, decoder_param
-from foveal.spec.hidden import DraftHead
+from foveal.speculative.hidden import DraftHead
 
 
 def is_eagle3_config(config) -> bool:
@@ -157,7 +157,7 @@ class Eagle3Head(DraftHead):
 
 def build_eagle3_head(spec, target, target_source, backend, max_model_len: int, device, dtype) -> Eagle3Head:
     """The EAGLE-3 head at spec.model, refused when its vocabulary or hidden size does not fit."""
-    from foveal.spec.hidden import check_fits, open_head_checkpoint
+    from foveal.speculative.hidden import check_fits, open_head_checkpoint
 
     folder = open_head_checkpoint(spec.model)
     with torch.device("meta"):
