@@ -36,6 +36,7 @@ from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, Schedul
 from foveal.speculative.rejection import verify
 from foveal.structured import closing
 from foveal.structured.guide import Guide
+from foveal.worker.rows import StepRows, build_rows
 
 log = logging.getLogger(__name__)
 
@@ -211,85 +212,33 @@ class ModelRunner:
         idx = to_device(torch.tensor(src, dtype=torch.long), self.device)
         return torch.where(idx >= 0, self.token_buffer.view(-1)[idx.clamp(min=0)], input_ids)
 
-    def _prepare(self, batch: ScheduledBatch):
-        bs = self.block_size
-        width = self.token_buffer.shape[1]
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        logits_idx: list[int] = []
-        q_lens: list[int] = []
-        ctxs: list[int] = []
-        tables: list[list[int]] = []
-        num_decodes = 0
-        pending: list[int] = []  # per position: the flat token-buffer index of its input, or -1
-        prefill_seen = False
-        for s in batch.items:
-            n, base = len(s.token_ids) + s.num_pending, len(ids)
-            rows_ctx = self._diffusion_rows(s) if self._num_diffusion else None
-            decode = (s.num_logits == n and s.denoise < 0) or rows_ctx is not None
-            if decode and prefill_seen:
-                raise ValueError(f"{s.request_id}: decode items must come before prefill chunks in a batch")
-            if n == 1 and decode and rows_ctx is None:  # a plain decode (the common row: kept lean)
-                p, bt = s.start, s.block_table
-                if s.num_pending:
-                    pending += [-1] * (base - len(pending)) + [self._held[s.request_id].slot * width]
-                    ids.append(0)
-                else:
-                    ids.append(s.token_ids[0])
-                pos.append(p)
-                slots.append(bt[p // bs] * bs + p % bs)
-                num_decodes += 1
-                q_lens.append(1)
-                ctxs.append(p)
-                tables.append(list(bt))
-                logits_idx.append(base)
-                continue
-            prefill_seen = prefill_seen or not decode
-            ids.extend(s.token_ids)
-            staged = self._draft_sources(s, width)
-            if staged:  # drafts still on the device: read from the buffer
-                pending += [-1] * (len(ids) - len(staged) - len(pending)) + staged
-            if s.num_pending:
-                slot = self._held[s.request_id].slot
-                pending += [-1] * (len(ids) - len(pending)) + [slot * width + j for j in range(s.num_pending)]
-                ids += [0] * s.num_pending
-            bt = list(s.block_table)
-            r = range(s.start, s.start + n)
-            pos.extend(r)
-            slots.extend(bt[p // bs] * bs + p % bs for p in r)
-            if decode:  # a short query: one attention row per token, each after the ones before it
-                num_decodes += n
-                q_lens += [1] * n
-                ctxs.extend(r if rows_ctx is None else rows_ctx)
-                tables += [bt] * n
-            else:
-                q_lens.append(n)
-                ctxs.append(s.start)
-                tables.append(bt)
-            logits_idx.extend(range(base + n - s.num_logits, base + n))
+    def _rows(self, batch: ScheduledBatch) -> StepRows:
+        diffusion = self._diffusion_rows if self._num_diffusion else None
+        return build_rows(batch.items, self._held, self.token_buffer.shape[1], self.block_size, diffusion)
+
+    def _prepare(self, batch: ScheduledBatch, rows: StepRows):
         dev = self.device
         attn = AttentionBatch(
-            query_lens=q_lens,
-            context_lens=ctxs,
-            block_tables=tables,
-            num_decodes=num_decodes,
-            slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), dev),
-            block_size=bs,
+            query_lens=rows.query_lens,
+            context_lens=rows.context_lens,
+            block_tables=rows.block_tables,
+            num_decodes=rows.num_decodes,
+            slot_mapping=to_device(torch.tensor(rows.slots, dtype=torch.long), dev),
+            block_size=self.block_size,
             bidirectional=self._bidirectional_spans(batch),
         )
         meta = self.backend.plan(attn, dev)
-        input_ids = to_device(torch.tensor(ids, dtype=torch.long), dev)
-        if pending:
-            input_ids = self._with_pending(input_ids, pending + [-1] * (len(ids) - len(pending)))
+        input_ids = to_device(torch.tensor(rows.ids, dtype=torch.long), dev)
+        if rows.any_pending:
+            input_ids = self._with_pending(input_ids, rows.pending)
         if self.model.uses_mrope:
             spans = [
                 (s.start, s.start + s.num_tokens, self._held[s.request_id].req.rope) for s in batch.items
             ]
             positions = to_device(self.model.rope_positions(spans), dev)
         else:
-            positions = to_device(torch.tensor(pos, dtype=torch.long), dev)
-        return input_ids, positions, meta, logits_idx
+            positions = to_device(torch.tensor(rows.positions, dtype=torch.long), dev)
+        return input_ids, positions, meta
 
     def _lora_groups(self, items: list[ScheduledItem]) -> tuple[list[tuple[int, int]], bool]:
         """Per item (its adapter's slot, or the base group; its rows), loading the step's adapters into
@@ -387,79 +336,36 @@ class ModelRunner:
                 rid = held.req.request_id
                 spent[rid] = spent.get(rid, 0.0) + share / len(users)
 
-    def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Logits through a decode-step graph when every item is a short query of generated tokens (so
-        no image rows and no bidirectional spans) and the graphs cover the batch's rows; else None."""
+    def _graph_decode(self, batch: ScheduledBatch, rows: StepRows) -> torch.Tensor | None:
+        """Logits through a decode-step graph when every row is a one-token query of a generated token
+        (so no image rows and no bidirectional spans) and the graphs cover the batch's rows; else None."""
         items = batch.items
-        num_rows = sum(s.num_tokens for s in items)
-        if not self.graphs.fits(num_rows, max(s.start + s.num_tokens for s in items)):
+        if not rows.short_queries or not self.graphs.fits(
+            rows.num_rows, max(s.start + s.num_tokens for s in items)
+        ):
             return None
-        width = self.token_buffer.shape[1]
-        ids, rope, pending, ctxs, tables = [], [], [], [], []
-        partial = False  # some item's rows do not all give logits (a block diffusion item)
-        slots: list[int] = []  # a diffusion model's rows' slots (their keys are not at their contexts)
-        for s in items:
-            held = self._held[s.request_id]
-            req, p, n = held.req, s.start, len(s.token_ids) + s.num_pending
-            rows_ctx = self._diffusion_rows(s) if self._num_diffusion else None
-            if rows_ctx is not None:  # a block diffusion item: one-token queries seeing their blocks
-                partial |= s.num_logits < n
-                ids.extend(s.token_ids)
-                pending += [-1] * n
-                ctxs.extend(rows_ctx)
-                bt, bs = s.block_table, self.block_size
-                slots += [bt[q // bs] * bs + q % bs for q in range(p, p + n)]  # rows write their own
-                rope.extend(range(p + held.shift, p + n + held.shift))
-                tables += [list(s.block_table)] * n
-                continue
-            if s.num_logits != n or p < len(req.prompt_token_ids) or s.denoise >= 0:
-                return None  # not a short query of generated tokens
-            if n == 1:  # a plain decode (the common row: kept lean, this loop runs for every row)
-                if s.num_pending:
-                    ids.append(0)
-                    pending.append(held.slot * width)
-                else:
-                    ids.append(s.token_ids[0])
-                    pending.append(-1)
-                ctxs.append(p)
-                rope.append(p + held.shift)  # every axis alike for generated tokens
-                tables.append(list(s.block_table))
-                continue
-            ids.extend(s.token_ids)
-            staged = self._draft_sources(s, width)
-            pending += [-1] * (len(s.token_ids) - len(staged)) + staged
-            if s.num_pending:
-                ids += [0] * s.num_pending
-                pending += [held.slot * width + j for j in range(s.num_pending)]
-            r = range(p, p + n)
-            ctxs.extend(r)
-            rope.extend(range(p + held.shift, p + n + held.shift))
-            tables += [list(s.block_table)] * n
-        if slots and len(slots) != num_rows:
-            return None  # diffusion rows beside others: the eager path takes every row's slot
-        host = to_device(torch.tensor([ids, rope, pending], dtype=torch.long), self.device)
+        # ids, rotary positions and (where some are in flight) token-buffer sources in one copy
+        host_rows = [rows.ids, rows.rope, rows.pending] if rows.any_pending else [rows.ids, rows.rope]
+        host = to_device(torch.tensor(host_rows, dtype=torch.long), self.device)
         input_ids = host[0]
-        if any(r >= 0 for r in pending):
+        if rows.any_pending:
             input_ids = torch.where(host[2] >= 0, self.token_buffer.view(-1)[host[2].clamp(min=0)], host[0])
         attn = AttentionBatch(
-            query_lens=[1] * num_rows,
-            context_lens=ctxs,
-            block_tables=tables,
-            num_decodes=num_rows,
+            query_lens=rows.query_lens,
+            context_lens=rows.context_lens,
+            block_tables=rows.block_tables,
+            num_decodes=rows.num_rows,
             # the graph metadata derives slots from contexts and block tables, or takes them as given
-            slot_mapping=torch.tensor(slots, dtype=torch.long) if slots else None,
+            # (a block diffusion model's rows: their keys are not at their contexts)
+            slot_mapping=torch.tensor(rows.slots, dtype=torch.long) if rows.block_diffusion else None,
             block_size=self.block_size,
         )
         lora = self._lora_groups(items)[0] if self.lora is not None else None
         logits = self.graphs.run(input_ids, host[1], attn, lora)
         if self.tap is not None:  # the graphs' static buffer: the next replay overwrites it
-            self._tapped = self.graphs.tapped[:num_rows].clone()
-        if partial:  # each item's last num_logits rows
-            picks, row = [], 0
-            for s in items:
-                picks += range(row + s.num_tokens - s.num_logits, row + s.num_tokens)
-                row += s.num_tokens
-            logits = logits[to_device(torch.tensor(picks, dtype=torch.long), self.device)]
+            self._tapped = self.graphs.tapped[: rows.num_rows].clone()
+        if len(rows.logits_rows) < rows.num_rows:  # a block diffusion item's last num_logits rows
+            logits = logits[to_device(torch.tensor(rows.logits_rows, dtype=torch.long), self.device)]
         return logits
 
     @torch.inference_mode()
@@ -469,11 +375,12 @@ class ModelRunner:
         """Logits of the positions that give them (in batch order), or of every token when all_tokens
         (tests). `spent` collects vision-encoder time per request."""
         self._admit(batch)
+        rows = self._rows(batch)
         if self.graphs is not None and not all_tokens:
-            logits = self._graph_decode(batch)
+            logits = self._graph_decode(batch, rows)
             if logits is not None:
                 return logits
-        input_ids, positions, meta, logits_idx = self._prepare(batch)
+        input_ids, positions, meta = self._prepare(batch, rows)
         ctx = StepContext(positions, self.kv_caches, meta)
         if self.lora is not None:
             groups, adapters = self._lora_groups(batch.items)
@@ -488,18 +395,18 @@ class ModelRunner:
             mm = self._image_embeddings(batch, {} if spent is None else spent)
             if mm is not None:
                 embeds = ctx.inputs_embeds = self.model.embed_input_ids(input_ids)
-                rows, values = mm
+                image_rows, values = mm
                 h = embeds.shape[1]
-                embeds.index_copy_(0, rows, values[:, :h].to(embeds.dtype))
+                embeds.index_copy_(0, image_rows, values[:, :h].to(embeds.dtype))
                 # DeepStack (Qwen3-VL): the rest of each row, one hidden-sized vector per early layer
                 k = self.model.deepstack_layers
                 if k:
-                    ctx.deepstack = (rows, values[:, h:].unflatten(1, (k, h)))
+                    ctx.deepstack = (image_rows, values[:, h:].unflatten(1, (k, h)))
         hidden = self.model(input_ids, ctx)
         if self.tap is not None:
             self._tapped = self.tap.fuse(ctx.aux, hidden)
         if not all_tokens:
-            hidden = hidden[to_device(torch.tensor(logits_idx, dtype=torch.long), self.device)]
+            hidden = hidden[to_device(torch.tensor(rows.logits_rows, dtype=torch.long), self.device)]
         return self.model.compute_logits(hidden)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
