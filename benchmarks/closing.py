@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from foveal.structured import GrammarSpec, closing  # noqa: E402
+from foveal.structured import OutputConstraint, closing  # noqa: E402
 from foveal.structured.closing import nesting, prepare  # noqa: E402
 from foveal.structured.llguidance_backend import LLGuidanceBackend  # noqa: E402
 from tests.test_closing import random_point  # noqa: E402
@@ -67,7 +67,7 @@ def main() -> None:
     found, invalid, missing, seconds, lengths, points = 0, 0, [], [], [], 0
     for r in rows:
         try:
-            g = backend.compile(GrammarSpec.json_schema(r["schema"]))
+            g = backend.compile(OutputConstraint.json_schema(r["schema"]))
         except ValueError:
             continue
         closer = prepare(g)

@@ -59,17 +59,17 @@ def worker(conn) -> None:
 
 
 def specs(kind: str, i: int, size: int = 0):
-    from foveal.structured.spec import GrammarSpec
+    from foveal.structured.constraint import OutputConstraint
 
     if kind == "schema":  # an object of a dozen typed fields: a typical maskbench-sized schema
         props = {f"f{i}_{j}": {"type": ["string", "integer", "boolean"][j % 3]} for j in range(12)}
-        return GrammarSpec.json_schema({"type": "object", "properties": props, "required": list(props)})
+        return OutputConstraint.json_schema({"type": "object", "properties": props, "required": list(props)})
     if kind == "choice":  # up to 900 distinct strings (the limit is 1,000) adding up to ~size bytes
         n = min(900, max(1, size // 160))
-        return GrammarSpec.choice([f"{i}-{j}-" + "x" * (size // n - 10) for j in range(n)])
+        return OutputConstraint.choice([f"{i}-{j}-" + "x" * (size // n - 10) for j in range(n)])
     if kind == "chain":  # a Lark chain of 2,000 rules
         rules = "".join(f'r{j}: "t{i}" r{j + 1} | "u"\n' for j in range(2000))
-        return GrammarSpec.lark("start: r0\n" + rules + 'r2000: "end"\n')
+        return OutputConstraint.lark("start: r0\n" + rules + 'r2000: "end"\n')
     raise ValueError(kind)
 
 
@@ -78,12 +78,12 @@ import sys, threading
 sys.path.insert(0, {root!r})
 import foveal.structured.llguidance_backend as lb
 from benchmarks.grammar_isolation import tokenizer
-from foveal.structured.spec import GrammarSpec
+from foveal.structured.constraint import OutputConstraint
 lb.COMPILE_STACK_BYTES = {mb} * 2**20
 n = {rules}
 rules = "".join(f'r{{j}}: "t" r{{j + 1}} | "u"\\n' for j in range(n - 1))
 grammar = "start: r0\\n" + rules + f'r{{n - 1}}: "end"\\n'
-lb.LLGuidanceBackend.from_tokenizer(tokenizer()).compile(GrammarSpec.lark(grammar))
+lb.LLGuidanceBackend.from_tokenizer(tokenizer()).compile(OutputConstraint.lark(grammar))
 """
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from foveal import SamplingParams  # noqa: E402
 from foveal.engine.llm import LLM  # noqa: E402
-from foveal.structured import GrammarSpec  # noqa: E402
+from foveal.structured import OutputConstraint  # noqa: E402
 
 HELDOUT = (
     HERE.parents[1] / "shared" / "heldout" / "jsonschemabench"
@@ -82,7 +82,7 @@ def compile_times(llm: LLM, rows: list[dict]) -> dict:
     for r in rows:
         t0 = time.perf_counter()
         try:
-            backend.compile(GrammarSpec.json_schema(r["schema"]))
+            backend.compile(OutputConstraint.json_schema(r["schema"]))
         except ValueError:
             refused += 1
         times.append(time.perf_counter() - t0)
@@ -97,10 +97,10 @@ def compile_times(llm: LLM, rows: list[dict]) -> dict:
     }
 
 
-def accepted_specs(llm: LLM, rows: list[dict]) -> list[GrammarSpec]:
+def accepted_specs(llm: LLM, rows: list[dict]) -> list[OutputConstraint]:
     out = []
     for r in rows:
-        spec = GrammarSpec.json_schema({"type": "array", "minItems": 1000, "items": r["schema"]})
+        spec = OutputConstraint.json_schema({"type": "array", "minItems": 1000, "items": r["schema"]})
         try:
             llm.processor.grammars.get(spec)
         except ValueError:

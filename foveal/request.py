@@ -11,15 +11,15 @@ It must not import torch or anything model-specific.
 from __future__ import annotations
 
 import enum
-import itertools
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the feature packages' types, for the fields that carry them (no import at run time)
     from foveal.diffusion.state import DiffusionParams, DiffusionState
     from foveal.lora.adapter import HostAdapter
-    from foveal.structured.guide import GuideSpec
-    from foveal.structured.spec import GrammarSpec
+    from foveal.structured.constraint import OutputConstraint
+    from foveal.structured.guide import GuideSetup
 
 # The limits of sampling values (the server's OpenAPI schema publishes these same numbers)
 MAX_N = 16  # choices per prompt
@@ -75,8 +75,8 @@ class SamplingParams:
     # reads (the input processor sets them)
     keep_special_token_ids: tuple[int, ...] = ()
     speculative: bool = True  # may this request speculate when the engine does (False: plain decoding)
-    # structured output: a GrammarSpec (foveal/structured/spec.py) the answer must match, or None
-    structured: GrammarSpec | None = None
+    # structured output: a OutputConstraint (foveal/structured/constraint.py) the answer must match, or None
+    structured: OutputConstraint | None = None
     # a structured answer that would run past max_tokens is closed by a short completion of its
     # grammar, forced at the end (finish_reason stays "length"); False: cut wherever it is
     close_on_length: bool = True
@@ -158,7 +158,7 @@ class SamplingParams:
         ):
             raise bad("thinking_budget", "must be an integer >= 0")
         if self.structured is not None and not hasattr(self.structured, "kind"):
-            raise bad("structured", "must be a GrammarSpec")
+            raise bad("structured", "must be a OutputConstraint")
         if self.diffusion is not None and not hasattr(self.diffusion, "threshold"):
             raise bad("diffusion", "must be a DiffusionParams")
         if len(self.stop) > MAX_STOPS:
@@ -210,11 +210,11 @@ class RequestStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
-_ids = itertools.count()
-
-
 def new_request_id(prefix: str = "req") -> str:
-    return f"{prefix}-{next(_ids)}"
+    """The one request-id scheme: `prefix-` and 24 random hex digits (OpenAI's shape: chatcmpl-...,
+    cmpl-...; req- for an HTTP request's X-Request-Id and the engine's default, gen- for LLM.generate).
+    A request of n choices runs as ids `<id>-0` .. `<id>-<n-1>` (InputProcessor.requests)."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(slots=True, eq=False)
@@ -269,7 +269,7 @@ class EngineRequest:
     rope: Any = None  # see MultiModalPrompt.rope
     cache_salt: str | None = None
     shared_prefix_len: int = 0
-    guide: GuideSpec | None = None  # the answer's grammar, think markers, budget (structured/guide.py)
+    guide: GuideSetup | None = None  # the answer's grammar, think markers, budget (structured/guide.py)
     lora: HostAdapter | None = None  # the LoRA adapter to run with (None: the base model)
 
 
@@ -299,7 +299,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order, spans disjoint
     rope: Any = None  # the model family's rotary positions (MultiModalPrompt.rope)
-    guide: GuideSpec | None = None  # its tokens are steered (the runner masks its rows; no overlapped steps)
+    guide: GuideSetup | None = None  # its tokens are steered (the runner masks its rows; no overlapped steps)
     encoder_time_s: float = 0.0  # this request's share of vision-encoder time (the runner reports it)
     # prefix cache: the tenant salt (never shared across salts), block keys computed so far, how many
     # of the request's blocks are published, and the prompt tokens a hit saved at first admission

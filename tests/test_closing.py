@@ -16,7 +16,7 @@ import torch
 
 from foveal import SamplingParams
 from foveal.request import FinishReason
-from foveal.structured import GrammarSpec
+from foveal.structured import OutputConstraint
 from tests.heldout import HELDOUT
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -43,7 +43,7 @@ def backend():
     return LLGuidanceBackend.from_tokenizer(byte_tokenizer([], ""))
 
 
-def plan_from(backend, spec: GrammarSpec, prefix: bytes, limit: int = 4000):
+def plan_from(backend, spec: OutputConstraint, prefix: bytes, limit: int = 4000):
     """(the matcher after `prefix`, the plan from there), with the nesting read from the prefix."""
     from foveal.structured.closing import nesting, prepare
 
@@ -74,30 +74,30 @@ def test_cases_a_greedy_closer_cannot_do_alone(backend, unbudgeted):
     # a pattern with search semantics: its literal anywhere lets the string close
     s = {"type": "object", "properties": {"img": {"type": "string", "pattern": "data:image/png;base64,"}},
          "required": ["img"]}  # fmt: skip
-    spec = GrammarSpec.json_schema(s)
+    spec = OutputConstraint.json_schema(s)
     out = finish(backend, spec, b'{"img": "abc\xc3')  # ...and a character cut in half first
     jsonschema.validate(json.loads(out), s)
     assert "data:image/png;base64," in out
     # an anchored pattern, mid-string: its groups allow the same next bytes, the search tells them apart
     part = "[a-zA-Z0-9-_]+"
     s = {"type": "string", "pattern": f"^iglu:[a-zA-Z0-9-_.]+/{part}/{part}/[0-9]+-[0-9]+-[0-9]+$"}
-    out = finish(backend, GrammarSpec.json_schema(s), b'"iglu:com.acme/')
+    out = finish(backend, OutputConstraint.json_schema(s), b'"iglu:com.acme/')
     jsonschema.validate(json.loads(out), s)
     # a number that may not be 0, a required key after it, an array with minItems
     x = {"type": "number", "exclusiveMinimum": 0}
     y = {"type": "array", "items": {"type": "integer"}, "minItems": 3}
     s = {"type": "object", "required": ["x", "y"], "properties": {"x": x, "y": y}}
-    out = finish(backend, GrammarSpec.json_schema(s), b'{"x": 0.')
+    out = finish(backend, OutputConstraint.json_schema(s), b'{"x": 0.')
     jsonschema.validate(json.loads(out), s)
     # other kinds of grammar: a regex, a choice, a Lark grammar
     import re
 
-    assert re.fullmatch(r"12\.\d\.\d", finish(backend, GrammarSpec.regex(r"\d+\.\d+\.\d+"), b"12"))
-    assert finish(backend, GrammarSpec.choice(["alpha", "beta"]), b"al") == "alpha"
-    lark = GrammarSpec.lark('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/')
+    assert re.fullmatch(r"12\.\d\.\d", finish(backend, OutputConstraint.regex(r"\d+\.\d+\.\d+"), b"12"))
+    assert finish(backend, OutputConstraint.choice(["alpha", "beta"]), b"al") == "alpha"
+    lark = OutputConstraint.lark('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/')
     assert finish(backend, lark, b"(12,") in ("(12,0)", "(12,9)")
     # no room: no plan
-    assert plan_from(backend, GrammarSpec.json_schema(s), b'{"x": 0.', limit=5)[1] is None
+    assert plan_from(backend, OutputConstraint.json_schema(s), b'{"x": 0.', limit=5)[1] is None
 
 
 def random_point(backend, grammar, seed: int, steps: int):
@@ -128,7 +128,7 @@ def test_plans_from_random_points_of_maskbench_schemas_validate(backend, unbudge
     tried = 0
     for r in rows[::5]:
         try:
-            g = backend.compile(GrammarSpec.json_schema(r["schema"]))
+            g = backend.compile(OutputConstraint.json_schema(r["schema"]))
         except ValueError:
             continue
         for seed, steps in enumerate((5, 30, 300)):
@@ -168,7 +168,7 @@ def test_an_answer_past_max_tokens_ends_complete_with_length(tiny):
     budget. With close_on_length=False it is cut where it falls (not JSON)."""
     from tests.test_structured_outputs import assert_idle, closing_bias
 
-    spec = GrammarSpec.json_schema(IMAGE)
+    spec = OutputConstraint.json_schema(IMAGE)
     for max_tokens in (60, 150):
         params = [
             SamplingParams(
@@ -206,7 +206,7 @@ def test_a_budget_spent_thinking_ends_the_thought_then_the_answer():
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     end = llm.tokenizer.get_vocab()["</think>"]
     p = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True,
-                       structured=GrammarSpec.json_schema(schema))  # fmt: skip
+                       structured=OutputConstraint.json_schema(schema))  # fmt: skip
     (c,) = llm.chat([{"role": "user", "content": "hi"}], p)[0].outputs
     assert c.finish_reason is FinishReason.LENGTH and len(c.token_ids) <= 40
     assert end in c.token_ids

@@ -1,4 +1,4 @@
-"""Structured outputs (foveal/structured): request shapes -> GrammarSpec, the llguidance backend against
+"""Structured outputs (foveal/structured): request shapes -> OutputConstraint, the llguidance backend against
 held-out JSON Schema data, regex / choice / Lark semantics, the constrained sampling loop, rollback,
 the grammar cache, and the bitmask kernels (torch, Triton in its interpreter, a plain Python reference).
 
@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from foveal.structured import GrammarCache, GrammarSpec, allocate_bitmask, bitmask_words
+from foveal.structured import GrammarCache, OutputConstraint, allocate_bitmask, bitmask_words
 from foveal.structured.bitmask import apply_bitmask_torch, apply_bitmask_triton, unpack_bitmask
 from tests.heldout import HELDOUT
 
@@ -116,7 +116,7 @@ def compiled_maskbench(backend, maskbench):
     """id -> compiled grammar (or the ValueError's text), and each compile's seconds."""
     out, seconds = {}, []
     for row in maskbench:
-        spec = GrammarSpec.json_schema(row["schema"])
+        spec = OutputConstraint.json_schema(row["schema"])
         t0 = time.perf_counter()
         try:
             out[row["id"]] = backend.compile(spec)
@@ -170,28 +170,33 @@ class Driver:
         return self.allowed(self.eos) and m.is_accepting()
 
 
-# -- GrammarSpec ------------------------------------------------------------------------------------
+# -- OutputConstraint ------------------------------------------------------------------------------------
 def test_spec_is_canonical_and_hashable():
-    a = GrammarSpec.json_schema({"type": "object", "properties": {"b": {}, "a": {}}})
-    b = GrammarSpec.json_schema('{"type": "object",  "properties": {"b": {}, "a": {}}}')
+    a = OutputConstraint.json_schema({"type": "object", "properties": {"b": {}, "a": {}}})
+    b = OutputConstraint.json_schema('{"type": "object",  "properties": {"b": {}, "a": {}}}')
     assert a == b and hash(a) == hash(b) and a.digest() == b.digest()
     assert a.value == '{"type":"object","properties":{"b":{},"a":{}}}'  # property order is kept
-    assert a != GrammarSpec.json_schema({"type": "object", "properties": {"a": {}, "b": {}}})
-    assert a != GrammarSpec.json_schema(a.value, whitespace_flexible=False)
-    assert GrammarSpec.json_schema(True).value == "{}"
-    assert GrammarSpec.choice(["x", "y"]).value == '["x", "y"]'
-    assert len({GrammarSpec.regex("a+"), GrammarSpec.regex("a+"), GrammarSpec.lark("start: /a+/")}) == 2
+    assert a != OutputConstraint.json_schema({"type": "object", "properties": {"a": {}, "b": {}}})
+    assert a != OutputConstraint.json_schema(a.value, whitespace_flexible=False)
+    assert OutputConstraint.json_schema(True).value == "{}"
+    assert OutputConstraint.choice(["x", "y"]).value == '["x", "y"]'
+    assert (
+        len(
+            {OutputConstraint.regex("a+"), OutputConstraint.regex("a+"), OutputConstraint.lark("start: /a+/")}
+        )
+        == 2
+    )
     with pytest.raises(AttributeError):
         a.kind = "regex"  # frozen
 
 
 def test_spec_from_response_format():
-    assert GrammarSpec.from_response_format({"type": "text"}) is None
-    assert GrammarSpec.from_response_format({"type": "json_object"}) == GrammarSpec.json_object()
+    assert OutputConstraint.from_response_format({"type": "text"}) is None
+    assert OutputConstraint.from_response_format({"type": "json_object"}) == OutputConstraint.json_object()
     rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}, "strict": True}}
-    assert GrammarSpec.from_response_format(rf) == GrammarSpec.json_schema({"type": "integer"})
+    assert OutputConstraint.from_response_format(rf) == OutputConstraint.json_schema({"type": "integer"})
     no_schema = {"type": "json_schema", "json_schema": {"name": "p"}}
-    assert GrammarSpec.from_response_format(no_schema) == GrammarSpec.json_schema({})
+    assert OutputConstraint.from_response_format(no_schema) == OutputConstraint.json_schema({})
     bad = {
         "response_format must be an object": "json_schema",
         "response_format.type must be": {"type": "xml"},
@@ -208,18 +213,18 @@ def test_spec_from_response_format():
     }
     for message, shape in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
-            GrammarSpec.from_response_format(shape)
+            OutputConstraint.from_response_format(shape)
 
 
 def test_spec_from_vllm_fields():
-    so = GrammarSpec.from_structured_outputs
+    so = OutputConstraint.from_structured_outputs
     assert so({}) is None and so({"json_object": False}) is None
-    assert so({"json": '{"type": "string"}'}) == GrammarSpec.json_schema({"type": "string"})
+    assert so({"json": '{"type": "string"}'}) == OutputConstraint.json_schema({"type": "string"})
     assert so({"json": {"type": "string"}, "disable_any_whitespace": True}).whitespace_flexible is False
-    assert so({"regex": "[0-9]+"}) == GrammarSpec.regex("[0-9]+")
-    assert so({"choice": ["a", "b"]}) == GrammarSpec.choice(["a", "b"])
-    assert so({"grammar": 'start: "x"'}) == GrammarSpec.lark('start: "x"')
-    assert so({"json_object": True, "disable_fallback": True}) == GrammarSpec.json_object()
+    assert so({"regex": "[0-9]+"}) == OutputConstraint.regex("[0-9]+")
+    assert so({"choice": ["a", "b"]}) == OutputConstraint.choice(["a", "b"])
+    assert so({"grammar": 'start: "x"'}) == OutputConstraint.lark('start: "x"')
+    assert so({"json_object": True, "disable_fallback": True}) == OutputConstraint.json_object()
     bad = {
         "set only one of json, regex": {"json": {}, "regex": "a"},
         "unknown field(s) 'jsn'": {"jsn": {}},
@@ -234,12 +239,12 @@ def test_spec_from_vllm_fields():
     for message, shape in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             so(shape)
-    assert GrammarSpec.from_guided() is None
-    assert GrammarSpec.from_guided(guided_choice=["y", "n"]) == GrammarSpec.choice(["y", "n"])
+    assert OutputConstraint.from_guided() is None
+    assert OutputConstraint.from_guided(guided_choice=["y", "n"]) == OutputConstraint.choice(["y", "n"])
     with pytest.raises(ValueError, match="guided_json: the schema is not valid JSON"):
-        GrammarSpec.from_guided(guided_json="{")
+        OutputConstraint.from_guided(guided_json="{")
     with pytest.raises(ValueError, match="options apply to JSON kinds only"):
-        GrammarSpec("regex", "a", lenient=True)
+        OutputConstraint("regex", "a", lenient=True)
 
 
 # -- held-out JSON Schema data --------------------------------------------------------------------
@@ -303,7 +308,7 @@ def test_json_schema_test_suite(backend, tok):
         for group in groups:
             schemas += 1
             try:
-                g = backend.compile(GrammarSpec.json_schema(group["schema"]))
+                g = backend.compile(OutputConstraint.json_schema(group["schema"]))
             except ValueError:
                 continue
             compiled += 1
@@ -331,7 +336,7 @@ def test_a_failed_matcher_does_not_break_the_grammar(backend, tok, maskbench, ca
     that no longer runs out here, the first accept simply succeeds."""
     row = next(r for r in maskbench if r["id"] == "Github_ultra---o21135")
     compact, indented = serializations(next(c for c in row["tests"] if c["valid"])["data"])
-    g = backend.compile(GrammarSpec.json_schema(row["schema"]))
+    g = backend.compile(OutputConstraint.json_schema(row["schema"]))
     with caplog.at_level(logging.INFO, logger="foveal.structured.llguidance_backend"):
         first = g.matcher().accept(encode(tok, compact))  # llguidance 1.9: False (out of fuel)
         assert Driver(backend).run(g, encode(tok, indented))
@@ -339,7 +344,7 @@ def test_a_failed_matcher_does_not_break_the_grammar(backend, tok, maskbench, ca
 
 
 # -- regex, choice, Lark -----------------------------------------------------------------------------
-def accepts(backend, tok, spec: GrammarSpec, text: str) -> bool:
+def accepts(backend, tok, spec: OutputConstraint, text: str) -> bool:
     return Driver(backend).run(backend.compile(spec), encode(tok, text))
 
 
@@ -347,28 +352,28 @@ def accepts(backend, tok, spec: GrammarSpec, text: str) -> bool:
     "spec, good, bad",
     [
         (
-            GrammarSpec.regex(r"[0-9]{3}-[a-z]+"),
+            OutputConstraint.regex(r"[0-9]{3}-[a-z]+"),
             ["123-abc", "000-z"],
             ["123-", "12-abc", "123-abc!", "x123-abc"],
         ),
-        (GrammarSpec.regex(r"(yes|no)"), ["yes", "no"], ["ye", "yess", "no ", ""]),
-        (GrammarSpec.regex(r"a+"), ["a", "aaaa"], ["", "ab", "b"]),
+        (OutputConstraint.regex(r"(yes|no)"), ["yes", "no"], ["ye", "yess", "no ", ""]),
+        (OutputConstraint.regex(r"a+"), ["a", "aaaa"], ["", "ab", "b"]),
         (
-            GrammarSpec.choice(["red", "green", "dark green"]),
+            OutputConstraint.choice(["red", "green", "dark green"]),
             ["red", "green", "dark green"],
             ["re", "dark", "blue"],
         ),
         (
-            GrammarSpec.choice(['say "hi"', "a\\b", "é 中文", ""]),
+            OutputConstraint.choice(['say "hi"', "a\\b", "é 中文", ""]),
             ['say "hi"', "a\\b", "é 中文", ""],
             ["say", "a"],
         ),
         (
-            GrammarSpec.lark('start: "(" num ("," num)* ")"\nnum: /[0-9]+/'),
+            OutputConstraint.lark('start: "(" num ("," num)* ")"\nnum: /[0-9]+/'),
             ["(1)", "(12,3,456)"],
             ["()", "(1,)", "(1", "(1)(2)", "1"],
         ),
-        (GrammarSpec.lark('root ::= "yes" | "no"'), ["yes", "no"], ["y", "maybe"]),  # GBNF, converted
+        (OutputConstraint.lark('root ::= "yes" | "no"'), ["yes", "no"], ["y", "maybe"]),  # GBNF, converted
     ],
 )
 def test_full_match_semantics(backend, tok, spec, good, bad):
@@ -382,20 +387,23 @@ def test_full_match_semantics(backend, tok, spec, good, bad):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        (GrammarSpec.json_schema({"type": "foo"}), "invalid JSON schema: Invalid type: foo"),
-        (GrammarSpec.json_schema({"$ref": "#/$defs/nope"}), "invalid JSON schema: .*does not exist"),
+        (OutputConstraint.json_schema({"type": "foo"}), "invalid JSON schema: Invalid type: foo"),
+        (OutputConstraint.json_schema({"$ref": "#/$defs/nope"}), "invalid JSON schema: .*does not exist"),
         (
-            GrammarSpec.json_schema({"type": "string", "pattern": "a(b"}),
+            OutputConstraint.json_schema({"type": "string", "pattern": "a(b"}),
             "invalid JSON schema: regex parse error",
         ),
-        (GrammarSpec.json_schema({"minimum": 5, "maximum": 1, "type": "integer"}), "Unsatisfiable schema"),
-        (GrammarSpec.json_schema({"not": {"type": "string"}}), r"Unimplemented keys: \[\"not\"\]"),
-        (GrammarSpec.json_schema({"type": "string", "format": "colour"}), "Unknown format: colour"),
-        (GrammarSpec.regex("a(b"), "(?s)^invalid regex: regex parse error:.*error: unclosed group$"),
-        (GrammarSpec.regex("[z-a]"), "invalid regex: "),
-        (GrammarSpec.lark("start: foo"), 'invalid grammar: .*unknown name: "foo"'),
-        (GrammarSpec.lark('x: "a"'), "invalid grammar: no start rule"),
-        (GrammarSpec.lark("start: /[/"), "(?s)invalid grammar: .*unclosed character class"),
+        (
+            OutputConstraint.json_schema({"minimum": 5, "maximum": 1, "type": "integer"}),
+            "Unsatisfiable schema",
+        ),
+        (OutputConstraint.json_schema({"not": {"type": "string"}}), r"Unimplemented keys: \[\"not\"\]"),
+        (OutputConstraint.json_schema({"type": "string", "format": "colour"}), "Unknown format: colour"),
+        (OutputConstraint.regex("a(b"), "(?s)^invalid regex: regex parse error:.*error: unclosed group$"),
+        (OutputConstraint.regex("[z-a]"), "invalid regex: "),
+        (OutputConstraint.lark("start: foo"), 'invalid grammar: .*unknown name: "foo"'),
+        (OutputConstraint.lark('x: "a"'), "invalid grammar: no start rule"),
+        (OutputConstraint.lark("start: /[/"), "(?s)invalid grammar: .*unclosed character class"),
     ],
 )
 def test_bad_specs_raise_value_error(backend, spec, message):
@@ -406,19 +414,19 @@ def test_bad_specs_raise_value_error(backend, spec, message):
 def test_lenient_schema_compiles_with_warnings(backend, tok):
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     with pytest.raises(ValueError, match="uniqueItems"):
-        backend.compile(GrammarSpec.json_schema(schema))
-    g = backend.compile(GrammarSpec.json_schema(schema, lenient=True))
+        backend.compile(OutputConstraint.json_schema(schema))
+    g = backend.compile(OutputConstraint.json_schema(schema, lenient=True))
     assert any("uniqueItems" in w for w in g.warnings)
     assert Driver(backend).run(g, encode(tok, "[1, 1]"))  # the ignored keyword is not enforced
 
 
 def test_whitespace_options(backend, tok):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    tight = GrammarSpec.json_schema(schema, whitespace_flexible=False)
+    tight = OutputConstraint.json_schema(schema, whitespace_flexible=False)
     assert accepts(backend, tok, tight, '{"a":1}') and not accepts(backend, tok, tight, '{"a": 1}')
-    assert accepts(backend, tok, GrammarSpec.json_schema(schema), '{\n  "a" : 1 }')
-    assert accepts(backend, tok, GrammarSpec.json_object(), '{"x": [1, {"y": null}]}')
-    assert not accepts(backend, tok, GrammarSpec.json_object(), "[1]")
+    assert accepts(backend, tok, OutputConstraint.json_schema(schema), '{\n  "a" : 1 }')
+    assert accepts(backend, tok, OutputConstraint.json_object(), '{"x": [1, {"y": null}]}')
+    assert not accepts(backend, tok, OutputConstraint.json_object(), "[1]")
 
 
 # -- the matcher: sampling loop, EOS, rollback ----------------------------------------------------
@@ -459,14 +467,14 @@ def test_constrained_sampling_produces_valid_json(backend, tok, maskbench, compi
         if isinstance(grammars[row["id"]], str) or done == 10:
             continue
         tried += 1
-        g = backend.compile(GrammarSpec.json_schema(row["schema"], whitespace_flexible=False))
+        g = backend.compile(OutputConstraint.json_schema(row["schema"], whitespace_flexible=False))
         text = sample_until_eos(backend, tok, g, gen, bias, max_steps=300)
         if text is None:
             continue
         jsonschema.validators.validator_for(row["schema"])(row["schema"]).validate(json.loads(text))
         done += 1
     assert done == 10 and tried <= 13, (done, tried)
-    g = backend.compile(GrammarSpec.json_object(whitespace_flexible=False))
+    g = backend.compile(OutputConstraint.json_object(whitespace_flexible=False))
     for _ in range(3):
         assert isinstance(json.loads(sample_until_eos(backend, tok, g, gen, bias, max_steps=300)), dict)
 
@@ -475,7 +483,7 @@ def test_eos_allowed_exactly_when_the_grammar_can_end(backend, tok):
     from foveal.structured.llguidance_backend import LLGuidanceBackend
 
     two_eos = LLGuidanceBackend.from_tokenizer(tok, eos_token_ids=[0, 2])
-    g = two_eos.compile(GrammarSpec.regex("ab(c)?"))
+    g = two_eos.compile(OutputConstraint.regex("ab(c)?"))
     m = g.matcher()
     bm = allocate_bitmask(1, two_eos.vocab_size)
 
@@ -498,7 +506,7 @@ def test_eos_allowed_exactly_when_the_grammar_can_end(backend, tok):
 def test_rollback_then_reaccept_gives_the_same_masks(backend, tok):
     props = {"name": {"type": "string"}, "n": {"type": "integer"}}
     g = backend.compile(
-        GrammarSpec.json_schema({"type": "object", "properties": props, "required": ["name", "n"]})
+        OutputConstraint.json_schema({"type": "object", "properties": props, "required": ["name", "n"]})
     )
     ids = encode(tok, '{"name": "rollback test", "n": 12345}') + [min(backend.eos_token_ids)]
     m = g.matcher()
@@ -532,7 +540,7 @@ def test_rollback_then_reaccept_gives_the_same_masks(backend, tok):
 
 
 def test_accept_is_all_or_nothing_and_validate_counts(backend, tok):
-    g = backend.compile(GrammarSpec.regex("[a-z]+ [0-9]+"))
+    g = backend.compile(OutputConstraint.regex("[a-z]+ [0-9]+"))
     m = g.matcher()
     ids = encode(tok, "abc 123")
     bad = encode(tok, "abc") + encode(tok, "!")
@@ -542,7 +550,7 @@ def test_accept_is_all_or_nothing_and_validate_counts(backend, tok):
 
 
 def test_matchers_are_independent_and_batch_fill_matches(backend, tok):
-    g = backend.compile(GrammarSpec.choice(["alpha", "beta"]))
+    g = backend.compile(OutputConstraint.choice(["alpha", "beta"]))
     a, b, c = g.matcher(), g.matcher(), g.matcher()
     assert a.accept(encode(tok, "alpha")) and b.accept(encode(tok, "be"))
     batch = allocate_bitmask(4, backend.vocab_size)
@@ -556,7 +564,7 @@ def test_matchers_are_independent_and_batch_fill_matches(backend, tok):
 
 
 def test_matchers_from_many_threads(backend, tok):
-    g = backend.compile(GrammarSpec.regex("[0-9]{1,8}"))
+    g = backend.compile(OutputConstraint.regex("[0-9]{1,8}"))
     ids = encode(tok, "12345678")
     results: list[bool] = []
 
@@ -579,7 +587,7 @@ def test_padded_vocab_bits_are_never_set(tok):
 
     be = LLGuidanceBackend.from_tokenizer(tok, vocab_size=len(tok) + 40)  # not a multiple of 32
     assert be.vocab_size == len(tok) + 40 and bitmask_words(be.vocab_size) == (len(tok) + 40 + 31) // 32
-    m = be.compile(GrammarSpec.json_object()).matcher()
+    m = be.compile(OutputConstraint.json_object()).matcher()
     bm = allocate_bitmask(1, be.vocab_size)
     m.fill_bitmask(bm[0])
     allowed = unpack_bitmask(bm, bitmask_words(be.vocab_size) * 32)[0]
@@ -591,23 +599,23 @@ def test_padded_vocab_bits_are_never_set(tok):
 # -- the grammar cache ---------------------------------------------------------------------------------
 def test_grammar_cache_counts_and_evicts(backend):
     cache = GrammarCache(backend, max_entries=2)
-    s1, s2, s3 = GrammarSpec.regex("a"), GrammarSpec.regex("b"), GrammarSpec.regex("c")
+    s1, s2, s3 = OutputConstraint.regex("a"), OutputConstraint.regex("b"), OutputConstraint.regex("c")
     g1 = cache.get(s1)
-    assert cache.get(GrammarSpec.regex("a")) is g1  # an equal spec is a hit
+    assert cache.get(OutputConstraint.regex("a")) is g1  # an equal spec is a hit
     cache.get(s2)
     cache.get(s1)  # s1 most recent: s2 goes first
     cache.get(s3)
     assert s1 in cache and s3 in cache and s2 not in cache
     with pytest.raises(ValueError, match="invalid regex"):
-        cache.get(GrammarSpec.regex("("))
+        cache.get(OutputConstraint.regex("("))
     with pytest.raises(ValueError):
-        cache.get(GrammarSpec.regex("("))  # errors are not cached
+        cache.get(OutputConstraint.regex("("))  # errors are not cached
     st = cache.stats()
     assert (st.hits, st.misses, st.errors, st.entries) == (2, 5, 2, 2) and st.compile_seconds > 0
 
 
 def test_grammar_cache_compiles_once_under_concurrency(backend):
-    calls: list[GrammarSpec] = []
+    calls: list[OutputConstraint] = []
     gate = threading.Event()
 
     class Slow:
@@ -617,7 +625,7 @@ def test_grammar_cache_compiles_once_under_concurrency(backend):
             return backend.compile(spec)
 
     cache = GrammarCache(Slow())
-    spec = GrammarSpec.json_schema({"type": "integer"})
+    spec = OutputConstraint.json_schema({"type": "integer"})
     out = []
     threads = [threading.Thread(target=lambda: out.append(cache.get(spec))) for _ in range(4)]
     for t in threads:
@@ -730,43 +738,46 @@ def test_size_limits_name_what_is_too_big():
 
     small = limits.GrammarLimits(max_alternatives=3, max_schema_arms=2, max_rules=2, max_regex_size=10,
                                  max_schema_nodes=5, max_schema_depth=3)  # fmt: skip
-    ok = [GrammarSpec.choice(["a", "b", "c"]), GrammarSpec.regex("a{10}"),
-          GrammarSpec.lark('start: "a" | "b"'),
-          GrammarSpec.json_schema({"enum": list("abcdefgh")})]  # fmt: skip
+    ok = [OutputConstraint.choice(["a", "b", "c"]), OutputConstraint.regex("a{10}"),
+          OutputConstraint.lark('start: "a" | "b"'),
+          OutputConstraint.json_schema({"enum": list("abcdefgh")})]  # fmt: skip
     for spec in ok:
         limits.check(spec, small)
     bad = [
-        (GrammarSpec.choice(["a", "b", "c", "d"]), "choices: 4 is over the limit of 3"),
-        (GrammarSpec.regex("a{11}"), "the regex expands to 11"),
-        (GrammarSpec.lark('start: x\nx: y\ny: "a"'), "grammar rules: 3"),
-        (GrammarSpec.lark('start: "a" | "b" | ("c" | "d" | "e" | "f")'), "alternatives in one group"),
-        (GrammarSpec.lark('start: "a|b|c|d" | /x|y|z|w/ | "e" | "f"'), "alternatives of one grammar rule: 4"),
-        (GrammarSpec.lark("start: /a{20}/"), "the grammar's regex /a{20}/"),
-        (GrammarSpec.json_schema({"anyOf": [{}, {}, {}]}), "#/anyOf: 3"),
-        (GrammarSpec.json_schema({"properties": {"a": {"pattern": "b{30}"}}}),
+        (OutputConstraint.choice(["a", "b", "c", "d"]), "choices: 4 is over the limit of 3"),
+        (OutputConstraint.regex("a{11}"), "the regex expands to 11"),
+        (OutputConstraint.lark('start: x\nx: y\ny: "a"'), "grammar rules: 3"),
+        (OutputConstraint.lark('start: "a" | "b" | ("c" | "d" | "e" | "f")'), "alternatives in one group"),
+        (
+            OutputConstraint.lark('start: "a|b|c|d" | /x|y|z|w/ | "e" | "f"'),
+            "alternatives of one grammar rule: 4",
+        ),
+        (OutputConstraint.lark("start: /a{20}/"), "the grammar's regex /a{20}/"),
+        (OutputConstraint.json_schema({"anyOf": [{}, {}, {}]}), "#/anyOf: 3"),
+        (OutputConstraint.json_schema({"properties": {"a": {"pattern": "b{30}"}}}),
          "the pattern at #/properties/a"),
-        (GrammarSpec.json_schema({"items": {"items": {"items": {"type": "string"}}}}),
+        (OutputConstraint.json_schema({"items": {"items": {"items": {"type": "string"}}}}),
          "nesting at #/items/items/items"),
-        (GrammarSpec.json_schema({"allOf": [{"type": "string"}] * 2,
+        (OutputConstraint.json_schema({"allOf": [{"type": "string"}] * 2,
                                   "properties": {"a": {}, "b": {}, "c": {}}}), "subschemas"),
-        (GrammarSpec.json_object(whitespace_pattern="( ){99}"), "whitespace_pattern"),
+        (OutputConstraint.json_object(whitespace_pattern="( ){99}"), "whitespace_pattern"),
     ]  # fmt: skip
     for spec, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
             limits.check(spec, small)
     # the `|` inside a literal, a regex or a comment is not an alternation of the grammar
-    limits.check(GrammarSpec.lark('start: "a|b|c|d" // x | y | z | w\n  | "e"'), small)
+    limits.check(OutputConstraint.lark('start: "a|b|c|d" // x | y | z | w\n  | "e"'), small)
 
 
 def test_compile_refuses_over_limit_specs_before_compiling(backend):
     """The probe's over-limit grammars: a ValueError naming the limit, each in well under a second (a^1e6
     spent 0.4 s and ((a{100}){100}){100} 1.1 s building lexers before)."""
     specs = [
-        GrammarSpec.choice([f"c{i}" for i in range(2001)]),
-        GrammarSpec.regex("a{1000000}"),
-        GrammarSpec.regex("((a{100}){100}){100}"),
-        GrammarSpec.json_schema({"type": "string", "pattern": "^a{50000}$"}),
-        GrammarSpec.lark("start: " + " | ".join(f'"w{i}"' for i in range(5000))),
+        OutputConstraint.choice([f"c{i}" for i in range(2001)]),
+        OutputConstraint.regex("a{1000000}"),
+        OutputConstraint.regex("((a{100}){100}){100}"),
+        OutputConstraint.json_schema({"type": "string", "pattern": "^a{50000}$"}),
+        OutputConstraint.lark("start: " + " | ".join(f'"w{i}"' for i in range(5000))),
     ]
     for spec in specs:
         with pytest.raises(ValueError, match="over the limit"):
@@ -794,14 +805,14 @@ def test_a_grammar_over_a_parser_row_fails_its_compile(tok):
     small = small_row_backend(tok)
     alts = " | ".join(f'"w{i}"' for i in range(60))
     with pytest.raises(ValueError, match="items; max is 40"):
-        small.compile(GrammarSpec.lark(f'start: "x" c\nc: {alts}'))
-    small.compile(GrammarSpec.lark(RUNTIME_ROW))  # two choices deep: found when it runs
+        small.compile(OutputConstraint.lark(f'start: "x" c\nc: {alts}'))
+    small.compile(OutputConstraint.lark(RUNTIME_ROW))  # two choices deep: found when it runs
 
 
 def test_a_failed_grammar_leaves_the_cache_and_is_refused(tok):
     small = small_row_backend(tok)
     cache = GrammarCache(small)
-    spec = GrammarSpec.lark(RUNTIME_ROW)
+    spec = OutputConstraint.lark(RUNTIME_ROW)
     g = cache.get(spec)
     m = g.matcher()
     for b in (b"q", b"r", b"w"):  # the row of 60 alternatives comes after the second choice
@@ -822,7 +833,7 @@ def _fill_ok(backend, m) -> bool:
 
 
 def test_grammar_cache_is_bounded_in_bytes(backend):
-    specs = [GrammarSpec.choice([f"{i}-{j}" + "x" * 100 for j in range(100)]) for i in range(6)]
+    specs = [OutputConstraint.choice([f"{i}-{j}" + "x" * 100 for j in range(100)]) for i in range(6)]
     one = backend.compile(specs[0]).nbytes
     cache = GrammarCache(backend, max_entries=100, max_bytes=3 * one + one // 2)
     for s in specs:
@@ -836,7 +847,7 @@ def test_a_deep_rule_chain_compiles_on_the_compile_thread(backend):
     """3,000 chained rules overflowed an 8 MiB thread stack (the process died); the compile thread's
     256 MiB takes the 10,000-rule limit (16-32 MiB measured)."""
     rules = "".join(f'r{i}: "t" r{i + 1} | "u"\n' for i in range(9_998))
-    g = backend.compile(GrammarSpec.lark("start: r0\n" + rules + 'r9998: "end"\n'))
+    g = backend.compile(OutputConstraint.lark("start: r0\n" + rules + 'r9998: "end"\n'))
     assert g.matcher().accept([backend.tokenize_bytes(b"t")[0]])
 
 
@@ -847,7 +858,7 @@ def test_a_closing_plan_stops_at_its_budget(backend):
     remembered for the grammar (the next request does not search again)."""
     from foveal.structured import closing
 
-    g = backend.compile(GrammarSpec.json_schema({"type": "string", "minLength": 301}))
+    g = backend.compile(OutputConstraint.json_schema({"type": "string", "minLength": 301}))
     c = closing.Closer(g)
     budget = closing.Budget()
     old, closing.BUDGET = closing.BUDGET, budget
@@ -872,8 +883,8 @@ def test_text_the_vocabulary_cannot_write_is_the_grammars_fault(backend):
     char = "\U000802bc"  # UTF-8 f2 80 8a bc
     assert 0xF2 not in backend.lead_bytes and ord("e") in backend.lead_bytes
     with pytest.raises(ValueError, match="choice 1 .* no token of this model's vocabulary writes"):
-        backend.compile(GrammarSpec.choice(["x", f"e{char}w"]))
-    m = backend.compile(GrammarSpec.lark(f'start: "e{char}w" | "x"')).matcher()
+        backend.compile(OutputConstraint.choice(["x", f"e{char}w"]))
+    m = backend.compile(OutputConstraint.lark(f'start: "e{char}w" | "x"')).matcher()
     assert m.unwritable() is None
     assert m.accept(backend.tokenize_bytes(b"e"))
     assert "byte 0xf2" in m.unwritable()

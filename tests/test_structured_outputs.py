@@ -20,7 +20,7 @@ import torch
 
 from foveal import SamplingParams
 from foveal.request import FinishReason
-from foveal.structured import GrammarSpec, closing
+from foveal.structured import OutputConstraint, closing
 from tests.heldout import HELDOUT
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -150,7 +150,7 @@ def test_every_accepted_maskbench_schema_gives_valid_json(corpus_llm):
     proc = tiny.processor
     accepted, refused = [], 0
     for r in rows:
-        spec = GrammarSpec.json_schema(r["schema"])
+        spec = OutputConstraint.json_schema(r["schema"])
         try:
             proc.grammars.get(spec)
         except ValueError:
@@ -195,9 +195,12 @@ def test_every_accepted_maskbench_schema_gives_valid_json(corpus_llm):
 
 def test_regex_choice_and_lark_match_in_full(tiny):
     cases = [
-        (GrammarSpec.regex(r"[a-c]{3}-\d{2}"), r"[a-c]{3}-\d{2}"),
-        (GrammarSpec.choice(["yes", "no", "maybe so"]), r"yes|no|maybe so"),
-        (GrammarSpec.lark('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/'), r"\(\d{1,3}(,\d{1,3})*\)"),
+        (OutputConstraint.regex(r"[a-c]{3}-\d{2}"), r"[a-c]{3}-\d{2}"),
+        (OutputConstraint.choice(["yes", "no", "maybe so"]), r"yes|no|maybe so"),
+        (
+            OutputConstraint.lark('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/'),
+            r"\(\d{1,3}(,\d{1,3})*\)",
+        ),
     ]
     import re
 
@@ -214,7 +217,7 @@ def test_regex_choice_and_lark_match_in_full(tiny):
 def test_constrained_and_free_rows_share_a_batch(tiny):
     """A batch mixing free rows (greedy and sampled, logprobs, penalties) with constrained ones: the
     free rows give exactly what they give alone; the constrained ones match; n > 1 works."""
-    spec = GrammarSpec.regex(r"(ab|cd){2,4}!")
+    spec = OutputConstraint.regex(r"(ab|cd){2,4}!")
     free = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
@@ -246,9 +249,9 @@ def test_async_scheduling_gives_the_same_guided_outputs():
         llm = LLM(path, async_scheduling=overlap, **kw)
         seen = deferred_launches(llm)
         params = [
-            SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured=GrammarSpec.json_schema(schema),
-                           logit_bias=closing_bias(llm)),
-            SamplingParams(temperature=0, max_tokens=20, structured=GrammarSpec.regex(r"[a-e]{4,20}")),
+            SamplingParams(temperature=1.0, seed=3, max_tokens=60,
+                           structured=OutputConstraint.json_schema(schema), logit_bias=closing_bias(llm)),
+            SamplingParams(temperature=0, max_tokens=20, structured=OutputConstraint.regex(r"[a-e]{4,20}")),
             SamplingParams(temperature=0.9, seed=1, max_tokens=15, ignore_eos=True),
         ]  # fmt: skip
         outs.append([o.outputs[0].token_ids for o in llm.generate(["[", "x", "y"], params)])
@@ -269,7 +272,7 @@ def test_a_grammar_applies_to_an_image_request(tmp_path):
     prompt = llm.processor.render_prompt(
         f"<|user|>{vlm.image_text}What is this?\n<|assistant|>", images=[image(40, 30, 1)]
     )
-    spec = GrammarSpec.regex(r"[a-z]{2,6}( [a-z]{2,6}){1,3}")
+    spec = OutputConstraint.regex(r"[a-z]{2,6}( [a-z]{2,6}){1,3}")
     outs = llm.generate(
         [prompt] * 3,
         [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured=spec) for s in range(3)],
@@ -301,7 +304,7 @@ def test_speculative_greedy_equals_plain_greedy_under_a_grammar():
     spec = LLM(path, speculative_config=spec_cfg, **kw)
     schema = {"type": "array", "items": {"type": "string", "enum": ["abab", "abba", "baba"]}, "maxItems": 6}
     params = [
-        SamplingParams(temperature=0, max_tokens=80, structured=GrammarSpec.json_schema(schema),
+        SamplingParams(temperature=0, max_tokens=80, structured=OutputConstraint.json_schema(schema),
                        logit_bias=closing_bias(plain, 2.0)),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
     ]  # fmt: skip
@@ -316,7 +319,7 @@ def test_speculative_greedy_equals_plain_greedy_under_a_grammar():
 def test_a_failing_grammar_ends_its_request_alone(tiny, monkeypatch):
     from foveal.structured.guide import Guide
 
-    spec = GrammarSpec.regex(r"[ab]{5,9}")
+    spec = OutputConstraint.regex(r"[ab]{5,9}")
     real = Guide.accept
 
     def accept(self, token):
@@ -336,7 +339,7 @@ def test_a_failing_grammar_ends_its_request_alone(tiny, monkeypatch):
 
 
 def test_bad_specs_are_refused_before_admission(tiny):
-    for spec in (GrammarSpec.regex("(unclosed"), GrammarSpec.lark("start: foo")):
+    for spec in (OutputConstraint.regex("(unclosed"), OutputConstraint.lark("start: foo")):
         with pytest.raises(ValueError, match="invalid"):
             tiny.processor.request([5, 6], SamplingParams(structured=spec))
     assert not tiny.engine.has_unfinished()
@@ -398,7 +401,7 @@ def test_a_schema_applies_after_thinking(thinker):
     the schema and validates. With thinking off (the template closes the block), the answer starts at
     once."""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    spec = GrammarSpec.json_schema(schema)
+    spec = OutputConstraint.json_schema(schema)
     end = "</think>"
     chat = [{"role": "user", "content": "hi"}]
     # ignore_eos: a random model may sample EOS while thinking; the grammar's completion ends the request
@@ -434,8 +437,9 @@ def test_thinking_budget_and_schema_with_speculation(thinker, proposer):
         (g,) = spec.chat(chat, greedy)[0].outputs
         assert g.token_ids == thinker.chat(chat, greedy)[0].outputs[0].token_ids  # speculation: lossless
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    constraint = OutputConstraint.json_schema(schema)
     p = SamplingParams(temperature=1.0, seed=2, max_tokens=200, thinking_budget=12, ignore_eos=True,
-                       structured=GrammarSpec.json_schema(schema), logit_bias=closing_bias(spec))  # fmt: skip
+                       structured=constraint, logit_bias=closing_bias(spec))  # fmt: skip
     (c,) = spec.chat(chat, p)[0].outputs
     assert c.token_ids.index(end) == 12 and c.finish_reason is FinishReason.STOP
     jsonschema.validate(json.loads(spec.tokenizer.decode(c.token_ids[13:])), schema)

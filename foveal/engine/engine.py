@@ -21,6 +21,7 @@ from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.config import EngineConfig
 from foveal.engine.detokenizer import IncrementalDetokenizer
 from foveal.engine.input_processor import EngineInfo
+from foveal.metrics import StepReport
 from foveal.request import EngineRequest, FinishReason, Request, RequestStatus, TokenDelta, TokenLogprobs
 from foveal.sched.scheduler import Scheduler
 
@@ -126,6 +127,20 @@ class Engine:
         if self.encoder_cache is not None:
             out["vision_cache"] = self.encoder_cache.stats().as_dict()
         return out
+
+    def report(self) -> StepReport:
+        """The state after a step, for the metrics: the engine's own figures and each feature's
+        report (lifetime totals where a figure counts; None for a feature that is off or unused)."""
+        return StepReport(
+            self.num_running,
+            self.num_waiting,
+            self.kv.pool.usage(),
+            self.encoder_cache.stats() if self.encoder_cache is not None else None,
+            (self.kv.query_tokens, self.kv.hit_tokens),
+            self.speculation.report() if self.speculation is not None else None,
+            self.runner.grammar_report(),
+            self.lora_report() if self.runner.lora is not None else None,
+        )
 
     def lora_report(self) -> dict:
         """Sequences per LoRA adapter (its name), running and waiting, and the device's slots."""
@@ -253,20 +268,21 @@ class Engine:
             if t is not None:
                 t.req.encoder_time_s += spent
         self.scheduler.resolve(launched.batch, out.tokens, out.confidence)
-        for rid in out.done:  # the grammar is complete: nothing but EOS could follow
+        ends = out.guides
+        for rid in ends.done:  # the grammar is complete: nothing but EOS could follow
             t = self._tracked.get(rid)
             if t is not None:
                 # closed early for max_tokens: a length stop, even where its last token was an EOS
-                reason = FinishReason.LENGTH if rid in out.cut else FinishReason.STOP
+                reason = FinishReason.LENGTH if rid in ends.cut else FinishReason.STOP
                 if not t.req.is_finished:
                     self.scheduler.finish(t.req, reason)
                 elif reason is FinishReason.LENGTH and t.req.finish_reason is FinishReason.STOP:
                     t.req.finish_reason = reason
-        for rid, why in out.errors.items():  # its guide failed: this request ends, alone
+        for rid, why in ends.errors.items():  # its guide failed: this request ends, alone
             t = self._tracked.get(rid)
             if t is not None and not t.req.is_finished:
                 t.error = why
-                if rid in out.bad_grammars:
+                if rid in ends.bad_grammars:
                     t.error_type = "invalid_request_error"
                 self.scheduler.finish(t.req, FinishReason.ERROR)
         deltas = []

@@ -27,7 +27,7 @@ from foveal.parsing import reasoning, tools
 from foveal.request import EngineRequest, InvalidParameter, MultiModalPrompt, SamplingParams, new_request_id
 from foveal.structured import closing
 from foveal.structured.bitmask import bitmask_words
-from foveal.structured.guide import GuideSpec
+from foveal.structured.guide import GuideSetup
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class InputProcessor:
         with self._grammars_lock:
             return self._grammars.stats() if self._grammars is not None else None
 
-    def _guide(self, ids, params: SamplingParams, thinking: bool | None) -> GuideSpec | None:
+    def _guide(self, ids, params: SamplingParams, thinking: bool | None) -> GuideSetup | None:
         """How this request's tokens are steered: its grammar (compiled here, in the caller's thread;
         a bad spec is a ValueError) and its thinking budget; None when nothing steers them."""
         budget = params.thinking_budget if params.thinking_budget is not None else self.output.thinking_budget
@@ -185,7 +185,7 @@ class InputProcessor:
         )
         if thinking is None:
             thinking = self.output.enable_thinking is not False
-        return GuideSpec(
+        return GuideSetup(
             grammar,
             start,
             end,

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from foveal.metrics import FanoutSink, MetricsSink, RequestStats, StepReport
+from foveal.metrics import FanoutSink, MetricsSink, RequestStats
 from foveal.request import EngineRequest, FinishReason, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -390,24 +390,7 @@ class EngineLoop:
             self._safe(self.sink.request_finished, st, outcome)
 
     def _report_step(self) -> None:
-        e = self.engine
-        vision = e.encoder_cache.stats() if e.encoder_cache is not None else None
-        prefix = (e.kv.query_tokens, e.kv.hit_tokens)
-        spec = e.speculation.report() if e.speculation is not None else None  # lifetime totals, method
-        r = e.runner
-        masks = None
-        if r.mask_rows:
-            masks = {
-                "mask_seconds": r.mask_seconds,
-                "mask_rows": r.mask_rows,
-                "closed": r.closed_answers,
-                "close_skipped": r.close_skipped,
-            }
-        lora = e.lora_report() if r.lora is not None else None
-        report = StepReport(
-            e.num_running, e.num_waiting, e.kv.pool.usage(), vision, prefix, spec, masks, lora
-        )
-        self._safe(self.sink.step, report)
+        self._safe(self.sink.step, self.engine.report())
 
     def _close_all(self, err: StreamError) -> None:
         """No stream is ever left without a final event."""

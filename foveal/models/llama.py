@@ -39,7 +39,7 @@ class DecoderShape:
         self.eps = config.rms_norm_eps
 
 
-class DecoderSpec(DecoderShape):
+class DecoderSwitches(DecoderShape):
     """The architecture switches of one Llama-family model, read from a transformers config."""
 
     def __init__(self, config, *, family_qkv_bias: bool, qk_norm: bool):
@@ -56,7 +56,7 @@ class DecoderSpec(DecoderShape):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, backend, in_features: int | None = None):
+    def __init__(self, spec: DecoderSwitches, backend, in_features: int | None = None):
         super().__init__()
         self.spec = spec
         self.backend = backend
@@ -85,7 +85,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSwitches):
         super().__init__()
         self.inter = spec.intermediate
         self.gate_up_proj = Linear(spec.hidden, 2 * spec.intermediate, bias=spec.mlp_bias)
@@ -102,7 +102,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, backend):
+    def __init__(self, spec: DecoderSwitches, backend):
         super().__init__()
         self.self_attn = Attention(spec, backend)
         self.mlp = MLP(spec)
@@ -135,8 +135,8 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(config, spec.head_dim, max_positions)
         self.lm_head = None if spec.tie_embeddings else Linear(spec.hidden, spec.vocab_size, bias=False)
 
-    def _spec(self, config) -> DecoderSpec:
-        return DecoderSpec(config, family_qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+    def _spec(self, config) -> DecoderSwitches:
+        return DecoderSwitches(config, family_qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:

@@ -14,7 +14,6 @@ import dataclasses
 import hmac
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -29,6 +28,7 @@ from foveal.engine.loop import EngineLoop, RequestStream, StreamFailed
 from foveal.metrics import FanoutSink, SummarySink
 from foveal.metrics.prometheus import PrometheusSink
 from foveal.parsing.output import ChoiceOutput, OutputPlan
+from foveal.request import new_request_id
 from foveal.server import openapi, sse
 from foveal.server.body import ClientLeft, read_json
 from foveal.server.errors import APIError, error_response, from_stream_error, from_validation
@@ -65,7 +65,7 @@ class _Edge:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         state = scope.setdefault("state", {})
-        state["request_id"] = f"req-{uuid.uuid4().hex[:24]}"
+        state["request_id"] = new_request_id("req")
         t0, status = time.perf_counter(), [0]
 
         async def send_with_id(msg):
@@ -403,7 +403,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, params, adapter = await parse(request, ChatCompletionRequest)
-        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        rid = new_request_id("chatcmpl")
         request.state.request_id = rid
         log.info(
             "%s: chat request, %d message(s), n=%d, stream=%s", rid, len(req.messages), params.n, req.stream
@@ -414,7 +414,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, params, adapter = await parse(request, CompletionRequest)
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        rid = new_request_id("cmpl")
         request.state.request_id = rid
         choices = with_adapter(await prompts.completion(req, params, rid, cache_salt(request, req)), adapter)
         log.info(

@@ -30,7 +30,7 @@ from foveal.server import media
 from foveal.server.errors import APIError
 from foveal.server.inputs import InputWork, InputWorkTooSlow
 from foveal.server.protocol import ChatCompletionRequest, CompletionRequest
-from foveal.structured.spec import GrammarSpec
+from foveal.structured.constraint import OutputConstraint
 from foveal.structured.tool_grammar import tool_call_grammar
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class Prompts:
                 continue
             where = f"tools.{i}.function.parameters"
             try:
-                self.processor.grammars.get(GrammarSpec.json_schema(schema))
+                self.processor.grammars.get(OutputConstraint.json_schema(schema))
             except ValueError as e:
                 raise APIError(400, f"{where}: {e}", param=where) from None
 

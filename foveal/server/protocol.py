@@ -26,7 +26,7 @@ from foveal.request import (
     InvalidParameter,
     SamplingParams,
 )
-from foveal.structured.spec import GrammarSpec
+from foveal.structured.constraint import OutputConstraint
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -172,7 +172,7 @@ class ChatMessage(BaseModel):
 
 
 def _field(name: str, build, value):
-    """A structured-output field's GrammarSpec; its ValueError as an InvalidParameter naming it."""
+    """A structured-output field's OutputConstraint; its ValueError as an InvalidParameter naming it."""
     try:
         return build(value)
     except InvalidParameter:
@@ -268,7 +268,7 @@ class _Common(BaseModel):
     # speculate when the server does (--speculative-config); false: plain decoding for this request
     speculative: bool = True
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older
-    # guided_* fields (at most one of them; foveal/structured/spec.py reads their shapes)
+    # guided_* fields (at most one of them; foveal/structured/constraint.py reads their shapes)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -291,15 +291,17 @@ class _Common(BaseModel):
         fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
         return next((f for f in (*fields, "guided_grammar") if getattr(self, f) is not None), None)
 
-    def grammar(self) -> GrammarSpec | None:
+    def grammar(self) -> OutputConstraint | None:
         """The grammar the output must match, from whichever structured-output field was given."""
         found = []
         if self.response_format is not None:
-            spec = _field("response_format", GrammarSpec.from_response_format, self.response_format)
+            spec = _field("response_format", OutputConstraint.from_response_format, self.response_format)
             if spec is not None:
                 found.append(("response_format", spec))
         if self.structured_outputs is not None:
-            spec = _field("structured_outputs", GrammarSpec.from_structured_outputs, self.structured_outputs)
+            spec = _field(
+                "structured_outputs", OutputConstraint.from_structured_outputs, self.structured_outputs
+            )
             if spec is not None:
                 found.append(("structured_outputs", spec))
         guided = {
@@ -310,7 +312,7 @@ class _Common(BaseModel):
         if guided:
             spec = _field(
                 next(iter(guided)),
-                lambda _: GrammarSpec.from_guided(
+                lambda _: OutputConstraint.from_guided(
                     **guided, guided_whitespace_pattern=self.guided_whitespace_pattern
                 ),
                 None,

@@ -41,7 +41,7 @@ from foveal.layers.linear import Linear
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
-from foveal.models.llama import DecoderLayer, DecoderSpec
+from foveal.models.llama import DecoderLayer, DecoderSwitches
 from foveal.models.weights import ParamFiller, decoder_param
 from foveal.speculative.hidden import DraftHead, HiddenStateDrafter
 from foveal.speculative.proposer import ProposeRow
@@ -74,7 +74,7 @@ class DFlashHead(DraftHead):
         super().__init__()
         self.config = config
         extra = dict(getattr(config, "dflash_config", None) or {})
-        spec = self.spec = DecoderSpec(config, family_qkv_bias=False, qk_norm=True)
+        spec = self.spec = DecoderSwitches(config, family_qkv_bias=False, qk_norm=True)
         n_target = target.spec.num_layers
         self.block_size = block_size_of(config)
         self.max_drafts = self.block_size - 1  # block positions 1 .. S - 1

@@ -28,7 +28,7 @@ from foveal.layers.linear import Linear
 from foveal.layers.norm import RMSNorm
 from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
-from foveal.models.llama import MLP, Attention, DecoderSpec
+from foveal.models.llama import MLP, Attention, DecoderSwitches
 from foveal.models.weights import ParamFiller, decoder_param
 from foveal.speculative.hidden import DraftHead
 
@@ -55,7 +55,7 @@ def aux_layer_ids(config, target_layers: int) -> tuple[int, ...]:
 
 
 class _Layer(nn.Module):
-    def __init__(self, spec: DecoderSpec, backend):
+    def __init__(self, spec: DecoderSwitches, backend):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
         self.hidden_norm = RMSNorm(spec.hidden, spec.eps)
@@ -76,7 +76,7 @@ class Eagle3Head(DraftHead):
                 f"an EAGLE-3 head has one decoder layer; this one has {config.num_hidden_layers}"
             )
         self.config = config
-        spec = self.spec = DecoderSpec(config, family_qkv_bias=False, qk_norm=False)
+        spec = self.spec = DecoderSwitches(config, family_qkv_bias=False, qk_norm=False)
         self.hidden_size = spec.hidden
         self.target_hidden_size = int(getattr(config, "target_hidden_size", None) or spec.hidden)
         self.vocab_size = spec.vocab_size  # the target's vocabulary

@@ -1,6 +1,6 @@
 """Structured outputs: grammar specs, compiled grammars and per-request matchers, token bitmasks.
 
-spec.py                GrammarSpec, from the request shapes (response_format, structured_outputs)
+spec.py                OutputConstraint, from the request shapes (response_format, structured_outputs)
 backend.py             the GrammarBackend / CompiledGrammar / Matcher protocol; GrammarCache
 limits.py              size limits checked before a grammar reaches the native compiler
 llguidance_backend.py  the default backend (imports llguidance: only when asked for, below)
@@ -16,7 +16,7 @@ from foveal.structured.backend import (
     Matcher,
 )
 from foveal.structured.bitmask import allocate_bitmask, apply_bitmask, bitmask_words
-from foveal.structured.spec import GrammarKind, GrammarSpec
+from foveal.structured.constraint import GrammarKind, OutputConstraint
 
 __all__ = [
     "CompiledGrammar",
@@ -24,7 +24,7 @@ __all__ = [
     "GrammarCache",
     "GrammarCacheStats",
     "GrammarKind",
-    "GrammarSpec",
+    "OutputConstraint",
     "LLGuidanceBackend",
     "Matcher",
     "allocate_bitmask",

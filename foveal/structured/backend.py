@@ -1,6 +1,6 @@
 """The grammar backend protocol, and the cache of compiled grammars.
 
-A backend turns a GrammarSpec into a CompiledGrammar (slow: milliseconds to seconds, so it runs in the
+A backend turns a OutputConstraint into a CompiledGrammar (slow: milliseconds to seconds, so it runs in the
 server's thread pool before admission; a bad schema, regex or grammar is a ValueError naming the
 problem). A compiled grammar is shared by every request with that spec; each request gets its own
 Matcher from it (cheap: call it in the pool too), which the engine drives one step at a time:
@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from foveal.structured.spec import GrammarSpec
+from foveal.structured.constraint import OutputConstraint
 
 
 class Matcher(Protocol):
@@ -81,7 +81,7 @@ class Matcher(Protocol):
 
 
 class CompiledGrammar(Protocol):
-    spec: GrammarSpec
+    spec: OutputConstraint
     warnings: tuple[str, ...]  # e.g. keywords a lenient JSON schema had ignored
     backend: GrammarBackend  # the one that compiled it (fill_bitmasks fills many matchers at once)
     # set once a matcher hit a limit of the grammar's own (it would on every retry): the cache then
@@ -98,7 +98,7 @@ class GrammarBackend(Protocol):
     vocab_size: int  # bitmask width in tokens: ceil(vocab_size / 32) int32 words per row
     eos_token_ids: frozenset[int]
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def compile(self, spec: OutputConstraint) -> CompiledGrammar:
         """Compile (thread-safe, may take seconds); ValueError naming the problem if it is invalid."""
 
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
@@ -143,14 +143,14 @@ class GrammarCache:
         self.max_bytes = max_bytes
         self.max_refused = max_refused
         self._lock = threading.Lock()
-        self._entries: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._entries: OrderedDict[OutputConstraint, CompiledGrammar] = OrderedDict()
         self._nbytes = 0
         self._refused: OrderedDict[str, str] = OrderedDict()  # spec digest -> why
-        self._pending: dict[GrammarSpec, Future] = {}
+        self._pending: dict[OutputConstraint, Future] = {}
         self._hits = self._misses = self._errors = self._refusals = 0
         self._compile_s = 0.0
 
-    def get(self, spec: GrammarSpec) -> CompiledGrammar:
+    def get(self, spec: OutputConstraint) -> CompiledGrammar:
         with self._lock:
             hit = self._entries.get(spec)
             if hit is not None and hit.failure is not None:
@@ -194,13 +194,13 @@ class GrammarCache:
         mine.set_result(grammar)
         return grammar
 
-    def _refuse(self, spec: GrammarSpec, why: str) -> None:
+    def _refuse(self, spec: OutputConstraint, why: str) -> None:
         self._nbytes -= self._entries.pop(spec).nbytes
         self._refused[spec.digest()] = why
         while len(self._refused) > self.max_refused:
             self._refused.popitem(last=False)
 
-    def __contains__(self, spec: GrammarSpec) -> bool:
+    def __contains__(self, spec: OutputConstraint) -> bool:
         with self._lock:
             return spec in self._entries
 

@@ -38,7 +38,7 @@ import time
 import weakref
 from typing import Any
 
-from foveal.structured.spec import GrammarSpec
+from foveal.structured.constraint import OutputConstraint
 
 # string content needing no escape, and UTF-8 continuation bytes (the model may stop inside a character;
 # which continuations are valid depends on the lead byte, and these five cover every case)
@@ -144,7 +144,7 @@ def _in_string(stack: str) -> bool:
     return stack.endswith('"') or stack.endswith("\\")
 
 
-def _patterns(spec: GrammarSpec) -> list[str]:
+def _patterns(spec: OutputConstraint) -> list[str]:
     """The regexes a JSON schema puts on strings: `pattern` values and `patternProperties` keys."""
     if spec.kind != "json_schema":
         return []
@@ -348,7 +348,7 @@ class Closer:
                 found = []
                 for p in _patterns(self.spec)[:MAX_WITNESSES]:
                     try:
-                        g = self._backend.compile(GrammarSpec.regex(p))
+                        g = self._backend.compile(OutputConstraint.regex(p))
                     except ValueError:  # a dialect the regex backend reads differently: no literal
                         continue
                     budget = Budget(WITNESS_SECONDS, PLAN_EXPANSIONS, float("inf"))

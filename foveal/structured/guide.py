@@ -1,7 +1,7 @@
 """Steering one request's tokens: its answer's grammar, the think block before the answer, and the
 thinking budget, as one state machine the runner asks for a mask at every logits row.
 
-    GuideSpec (plain data, made on the request side)  ->  Guide (the runner's, per request)
+    GuideSetup (plain data, made on the request side)  ->  Guide (the runner's, per request)
 
     phase OPEN    the output may open a think block (its start marker's one token) or begin the answer:
                   the grammar's mask plus that token (no grammar: no mask)
@@ -29,7 +29,7 @@ driven by the model thread.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ CLOSE_SLACK = 4  # spare tokens when the plan starts: one token may lengthen it 
 
 
 @dataclass(frozen=True, slots=True)
-class GuideSpec:
+class GuideSetup:
     """What steers one request (EngineRequest.guide): the compiled grammar of its answer, if any, and
     its think markers as token ids."""
 
@@ -57,8 +57,18 @@ class GuideSpec:
     close_budget: int | None = None  # max_tokens: the answer is closed before it (None: cut as it falls)
 
 
+@dataclass(slots=True)
+class GuideEnds:
+    """The requests whose guide ended in a step (the runner's report, RunnerOutput.guides)."""
+
+    done: set[str] = field(default_factory=set)  # the grammar is complete: nothing but EOS could follow
+    cut: set[str] = field(default_factory=set)  # of which closed early for max_tokens (closing.py)
+    errors: dict[str, str] = field(default_factory=dict)  # the guide failed: why
+    bad_grammars: set[str] = field(default_factory=set)  # of which the grammar's fault (a limit it hit)
+
+
 class Guide:
-    def __init__(self, spec: GuideSpec):
+    def __init__(self, spec: GuideSetup):
         self.spec = spec
         self.matcher = spec.grammar.matcher() if spec.grammar is not None else None
         if spec.in_thinking and spec.think_end:

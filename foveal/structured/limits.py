@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from foveal.structured.spec import GrammarSpec
+from foveal.structured.constraint import OutputConstraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class GrammarLimits:
 DEFAULT = GrammarLimits()
 
 
-def check(spec: GrammarSpec, limits: GrammarLimits = DEFAULT) -> None:
+def check(spec: OutputConstraint, limits: GrammarLimits = DEFAULT) -> None:
     """ValueError when `spec` is over a limit (the message names the part and both numbers)."""
     if spec.kind == "choice":
         _at_most(len(json.loads(spec.value)), limits.max_alternatives, "choices")

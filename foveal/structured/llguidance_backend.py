@@ -1,4 +1,4 @@
-"""The llguidance grammar backend (PyPI `llguidance`): GrammarSpec -> compiled grammar -> matchers.
+"""The llguidance grammar backend (PyPI `llguidance`): OutputConstraint -> compiled grammar -> matchers.
 
 llguidance works on bytes over the tokenizer's whole vocabulary, so any tokenization of allowed text is
 accepted (masks offer text the grammar forces, like the rest of an enum value, in its canonical tokens
@@ -44,7 +44,7 @@ from llguidance import LLMatcher, LLParserLimits
 
 from foveal.structured import limits as size_limits
 from foveal.structured.bitmask import bitmask_words, unpack_bitmask
-from foveal.structured.spec import GrammarSpec
+from foveal.structured.constraint import OutputConstraint
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class LLGuidanceGrammar:
         "_lock", "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, spec: GrammarSpec, build, words: int, eos: frozenset[int]):
+    def __init__(self, spec: OutputConstraint, build, words: int, eos: frozenset[int]):
         self.spec, self.words, self.eos, self._build = spec, words, eos, build
         self.backend = None
         self.failure: str | None = None
@@ -324,7 +324,7 @@ class LLGuidanceBackend:
             raise ValueError(f"llguidance cannot use this tokenizer: {e}") from None
         return cls(tok, limits, **options)
 
-    def grammar_text(self, spec: GrammarSpec) -> str:
+    def grammar_text(self, spec: OutputConstraint) -> str:
         """The spec as llguidance's grammar definition (a JSON string)."""
         if spec.kind in ("json_schema", "json_object"):
             opts: dict = {}
@@ -359,7 +359,7 @@ class LLGuidanceBackend:
         size_limits.check_lark(lark, self.size_limits)
         return LLMatcher.grammar_from_lark(lark)
 
-    def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+    def compile(self, spec: OutputConstraint) -> LLGuidanceGrammar:
         if spec.kind != "lark":  # a Lark grammar is checked as Lark, after any GBNF conversion
             size_limits.check(spec, self.size_limits)
         text = self.grammar_text(spec)

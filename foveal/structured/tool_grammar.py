@@ -27,7 +27,7 @@ maxLength are enforced there, in characters; its pattern and format are not). Py
 arguments likewise, in order, with JSON text for strings, numbers, lists and dicts (all valid Python
 literals) and True / False / None for booleans and null (inside a list or dict those stay JSON's).
 
-It must not know about requests; the input processor compiles the GrammarSpec like any other, and the
+It must not know about requests; the input processor compiles the OutputConstraint like any other, and the
 output parser streams the calls from the same CallSyntax.
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 from foveal.parsing.tool_formats.base import CallSyntax, valid_name
 from foveal.parsing.tool_formats.values import schema_types
 from foveal.parsing.tools import get_format
-from foveal.structured.spec import GrammarSpec
+from foveal.structured.constraint import OutputConstraint
 
 _NONE = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters
 # a raw XML value ends at the first "\n</parameter>" (a lazy rule) and may not hold the other lines that
@@ -53,7 +53,7 @@ _MARKUP_INSIDE = r"/(.|\n)*\n(<parameter=|<\/function>)(.|\n)*/"
 
 @dataclass(frozen=True, slots=True)
 class ToolConstraint:
-    grammar: GrammarSpec
+    grammar: OutputConstraint
     syntax: CallSyntax  # how the output parser streams the calls the grammar writes
 
 
@@ -243,7 +243,7 @@ def tool_call_grammar(
     lines = ["%llguidance {}", start, *lark.rules]
     if "TEXT" in start:
         lines.append("TEXT: /(.|\\n)*/")
-    return ToolConstraint(GrammarSpec.lark("\n".join(lines)), syntax)
+    return ToolConstraint(OutputConstraint.lark("\n".join(lines)), syntax)
 
 
 def _opt(lark: _Lark, text: str) -> str:

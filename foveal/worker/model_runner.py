@@ -35,7 +35,7 @@ from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, ScheduledItem
 from foveal.speculative.rejection import verify
 from foveal.structured import closing
-from foveal.structured.guide import Guide
+from foveal.structured.guide import Guide, GuideEnds
 from foveal.worker.rows import StepRows, build_rows
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,7 @@ class RunnerOutput:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> its new tokens, in order
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     encoder_time_s: dict[str, float] = field(default_factory=dict)  # vision-encoder time spent per request
-    done: set[str] = field(default_factory=set)  # requests whose grammar is complete (nothing can follow)
-    cut: set[str] = field(default_factory=set)  # of which closed early for max_tokens (closing.py)
-    errors: dict[str, str] = field(default_factory=dict)  # requests whose guide failed: why
-    bad_grammars: set[str] = field(default_factory=set)  # of which their grammar's fault (a limit)
+    guides: GuideEnds = field(default_factory=GuideEnds)  # structured outputs: guides that ended
     # hidden-state drafters (`ModelRunner.tap`): per request, (position of the first row, [n, H]) for
     # the step's rows whose input tokens are confirmed (a verify row's: up to its last accepted draft)
     hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
@@ -537,6 +534,17 @@ class ModelRunner:
         """Closing plans given up over their budget (lifetime; plans run on this thread only)."""
         return closing.BUDGET.skipped
 
+    def grammar_report(self) -> dict | None:
+        """Grammar totals for the metrics (StepReport.structured), or None before any masked row."""
+        if not self.mask_rows:
+            return None
+        return {
+            "mask_seconds": self.mask_seconds,
+            "mask_rows": self.mask_rows,
+            "closed": self.closed_answers,
+            "close_skipped": self.close_skipped,
+        }
+
     def _masks(self, batch: ScheduledBatch, num_rows: int):
         """The grammar masks of the step's constrained logits rows, on the device (None if there are
         none): a verify run's row j is masked as if its drafts 1..j were accepted. Plain grammar rows
@@ -673,12 +681,13 @@ class ModelRunner:
                     g.spec.digest()[:16] if g is not None else None,
                     produced,
                 )
+        ends = out.guides
         if guide.error is not None:
-            out.errors[rid] = guide.error
+            ends.errors[rid] = guide.error
             if guide.grammar_error:
-                out.bad_grammars.add(rid)
+                ends.bad_grammars.add(rid)
         elif guide.terminated:
-            out.done.add(rid)
+            ends.done.add(rid)
             if guide.cut:
-                out.cut.add(rid)
+                ends.cut.add(rid)
                 self.closed_answers += 1

@@ -1,4 +1,4 @@
-"""GrammarSpec: what a request asks its output to match, as one frozen, hashable value.
+"""OutputConstraint: what a request asks its output to match, as one frozen, hashable value.
 
 Owns the request shapes that carry a constraint and their validation: OpenAI's `response_format`
 (`json_schema`, `json_object`, `text`), vLLM's `structured_outputs` object and its older `guided_json` /
@@ -6,7 +6,7 @@ Owns the request shapes that carry a constraint and their validation: OpenAI's `
 names the field, raised before anything is compiled. It must not compile anything or import a grammar
 engine: whether a well-formed schema, regex or grammar is *valid* is the backend's question.
 
-The value is canonical text so that equal specs hash equal (the grammar cache's key):
+The value is canonical text so that equal constraints hash equal (the grammar cache's key):
 
     json_schema  the schema as compact JSON, key order kept (property order is what the output
                  follows: llguidance emits properties in the order the schema lists them)
@@ -38,7 +38,7 @@ _SO_OPTIONS = (
 
 
 @dataclass(frozen=True, slots=True)
-class GrammarSpec:
+class OutputConstraint:
     """One output constraint. Build it with the constructors below, which validate and canonicalize;
     the JSON options (whitespace, lenient) must stay at their defaults for the other kinds."""
 
@@ -52,7 +52,7 @@ class GrammarSpec:
         if self.kind not in KINDS:
             raise ValueError(f"unknown grammar kind {self.kind!r}; expected one of {', '.join(KINDS)}")
         if not isinstance(self.value, str):
-            raise ValueError(f"{self.kind}: the spec value must be text, got {type(self.value).__name__}")
+            raise ValueError(f"{self.kind}: the value must be text, got {type(self.value).__name__}")
         if self.kind not in _JSON_KINDS and (
             not self.whitespace_flexible or self.whitespace_pattern is not None or self.lenient
         ):
@@ -67,7 +67,7 @@ class GrammarSpec:
         whitespace_flexible: bool = True,
         whitespace_pattern: str | None = None,
         lenient: bool = False,
-    ) -> GrammarSpec:
+    ) -> OutputConstraint:
         """A JSON schema given as a dict, a bool (`true`: any JSON value) or JSON text."""
         if isinstance(schema, str):
             try:
@@ -91,17 +91,17 @@ class GrammarSpec:
     @classmethod
     def json_object(
         cls, *, whitespace_flexible: bool = True, whitespace_pattern: str | None = None
-    ) -> GrammarSpec:
+    ) -> OutputConstraint:
         return cls("json_object", "", bool(whitespace_flexible), whitespace_pattern)
 
     @classmethod
-    def regex(cls, pattern: Any) -> GrammarSpec:
+    def regex(cls, pattern: Any) -> OutputConstraint:
         if not isinstance(pattern, str):
             raise ValueError(f"regex: the pattern must be a string, got {_json_type(pattern)}")
         return cls("regex", pattern)
 
     @classmethod
-    def choice(cls, choices: Any) -> GrammarSpec:
+    def choice(cls, choices: Any) -> OutputConstraint:
         if not isinstance(choices, (list, tuple)) or not choices:
             raise ValueError("choice: expected a non-empty list of strings")
         for i, c in enumerate(choices):
@@ -110,16 +110,16 @@ class GrammarSpec:
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
 
     @classmethod
-    def lark(cls, grammar: Any) -> GrammarSpec:
+    def lark(cls, grammar: Any) -> OutputConstraint:
         if not isinstance(grammar, str) or not grammar.strip():
             raise ValueError("grammar: expected a non-empty grammar string (Lark, or GBNF)")
         return cls("lark", grammar)
 
     # -- API shapes -------------------------------------------------------------------------------
     @classmethod
-    def from_response_format(cls, response_format: Any) -> GrammarSpec | None:
+    def from_response_format(cls, response_format: Any) -> OutputConstraint | None:
         """OpenAI's `response_format`; None for `{"type": "text"}` (no constraint). `strict` is accepted
-        and changes nothing: every spec is enforced fully, and what cannot be enforced is refused."""
+        and changes nothing: every constraint is enforced fully, and what cannot be enforced is refused."""
         rf = _object(response_format, "response_format")
         _only(rf, ("type", "json_schema"), "response_format")
         kind = rf.get("type")
@@ -150,7 +150,7 @@ class GrammarSpec:
         return _prefixed("response_format.json_schema.schema", cls.json_schema, schema)
 
     @classmethod
-    def from_structured_outputs(cls, so: Any) -> GrammarSpec | None:
+    def from_structured_outputs(cls, so: Any) -> OutputConstraint | None:
         """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar, json_object
         (None when none is set), plus disable_any_whitespace and whitespace_pattern for JSON.
         structural_tag and disable_additional_properties are refused (not implemented);
@@ -198,7 +198,7 @@ class GrammarSpec:
         guided_choice: Any = None,
         guided_grammar: Any = None,
         guided_whitespace_pattern: Any = None,
-    ) -> GrammarSpec | None:
+    ) -> OutputConstraint | None:
         """vLLM's older request fields (`guided_json` ...); None when none is set."""
         so = {"json": guided_json, "regex": guided_regex, "choice": guided_choice, "grammar": guided_grammar}
         if guided_whitespace_pattern is not None:
@@ -211,7 +211,7 @@ class GrammarSpec:
 
     # -- identity ---------------------------------------------------------------------------------
     def digest(self) -> str:
-        """A stable sha256 of the spec (the same in every process): for logs and metrics labels."""
+        """A stable sha256 of the constraint (the same in every process): for logs and metrics labels."""
         parts = (
             self.kind,
             self.value,
@@ -253,7 +253,7 @@ def _only(d: dict, allowed: tuple[str, ...], where: str) -> None:
         raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, extra))}")
 
 
-def _prefixed(where: str, build, *args, **kwargs) -> GrammarSpec:
+def _prefixed(where: str, build, *args, **kwargs) -> OutputConstraint:
     """Call a constructor, naming the request field in its error."""
     try:
         return build(*args, **kwargs)
