@@ -112,18 +112,18 @@ def accepted_specs(llm: LLM, rows: list[dict]) -> list[OutputConstraint]:
 def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
     """All requests at once through the engine's step loop: per-request TPOT, and the mask time per
     row of each step that filled masks."""
-    eng, runner = llm.engine, llm.engine.runner
+    eng, guides = llm.engine, llm.engine.runner.guides
     per_row: list[float] = []
-    real_masks = runner._masks
+    real_masks = guides.masks
 
-    def masks(batch, num_rows):
-        t0, rows0 = runner.mask_seconds, runner.mask_rows
-        out = real_masks(batch, num_rows)
-        if runner.mask_rows > rows0:
-            per_row.append((runner.mask_seconds - t0) / (runner.mask_rows - rows0))
+    def masks(items, num_rows, guide_of):
+        t0, rows0 = guides.mask_seconds, guides.mask_rows
+        out = real_masks(items, num_rows, guide_of)
+        if guides.mask_rows > rows0:
+            per_row.append((guides.mask_seconds - t0) / (guides.mask_rows - rows0))
         return out
 
-    runner._masks = masks
+    guides.masks = masks
     try:
         ids = [eng.add_request(llm.processor.request(p, sp)) for p, sp in zip(prompts, params)]
         first, last, count, ends = {}, {}, dict.fromkeys(ids, 0), {}
@@ -140,7 +140,7 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
                     ends[why] = ends.get(why, 0) + 1
         wall = time.perf_counter() - t0
     finally:
-        runner._masks = real_masks
+        guides.masks = real_masks
     tpot = [(last[r] - first[r]) / (count[r] - 1) for r in ids if count[r] > 1]
     return {
         "tpot_ms": statistics.median(tpot) * 1e3,

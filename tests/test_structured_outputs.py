@@ -44,7 +44,7 @@ def assert_idle(llm) -> None:
     """Nothing left behind: no block, no guided request counted by the engine or the runner."""
     eng = llm.engine
     assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished()
-    assert eng._num_host_readers == 0 and eng.runner._num_guided == 0
+    assert eng._num_host_readers == 0 and eng.runner.guides.num_guided == 0
 
 
 @pytest.fixture(autouse=True)

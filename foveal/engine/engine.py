@@ -23,6 +23,7 @@ from foveal.engine.detokenizer import IncrementalDetokenizer
 from foveal.engine.input_processor import EngineInfo
 from foveal.metrics import StepReport
 from foveal.request import EngineRequest, FinishReason, Request, RequestStatus, TokenDelta, TokenLogprobs
+from foveal.sched import stops
 from foveal.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ class Engine:
             self.encoder_cache.stats() if self.encoder_cache is not None else None,
             (self.kv.query_tokens, self.kv.hit_tokens),
             self.speculation.report() if self.speculation is not None else None,
-            self.runner.grammar_report(),
+            self.runner.guides.report(),
             self.lora_report() if self.runner.lora is not None else None,
         )
 
@@ -272,12 +273,13 @@ class Engine:
         for rid in ends.done:  # the grammar is complete: nothing but EOS could follow
             t = self._tracked.get(rid)
             if t is not None:
-                # closed early for max_tokens: a length stop, even where its last token was an EOS
-                reason = FinishReason.LENGTH if rid in ends.cut else FinishReason.STOP
-                if not t.req.is_finished:
-                    self.scheduler.finish(t.req, reason)
-                elif reason is FinishReason.LENGTH and t.req.finish_reason is FinishReason.STOP:
-                    t.req.finish_reason = reason
+                req = t.req
+                decided = req.finish_reason if req.is_finished else None
+                reason = stops.after_guide_end(decided, rid in ends.cut)
+                if not req.is_finished:
+                    self.scheduler.finish(req, reason)
+                else:
+                    req.finish_reason = reason
         for rid, why in ends.errors.items():  # its guide failed: this request ends, alone
             t = self._tracked.get(rid)
             if t is not None and not t.req.is_finished:
@@ -316,7 +318,7 @@ class Engine:
                     req.drop_output(len(toks) - j - 1)  # a verify run's tokens after the stop string
                     del toks[j + 1 :]
                     self.scheduler.finish(req, FinishReason.STOP)
-                    req.finish_reason = FinishReason.STOP  # a stop string wins over a length stop
+                    req.finish_reason = stops.after_string_stop(req.finish_reason)
                     break
             if req.is_finished:
                 if t.detok.stop_matched is not None:

@@ -2,11 +2,12 @@
 
 `LoRASlots` attaches a `LoRAStacks` to every LoRA-capable linear of the model (foveal/lora/adapter.py
 `LoRALayout`) and binds each forward pass's `StepContext.lora` to them (a forward pre-hook). Before a
-step the runner asks `slots_for(adapters)`: an adapter already resident keeps its slot; a missing one
-goes to a free slot, else to the least recently used slot whose adapter no held request uses, else to
-the least recently used one the step does not use. The scheduler never runs more distinct adapters
-than there are slots, so a slot in use by the step is never taken. Copies are queued on the compute
-stream before the step's forward pass: a step still running on the device reads the old weights first.
+step the runner asks `groups(...)` for its items' slots (`hold` and `release` count the held requests
+of each adapter): an adapter already resident keeps its slot; a missing one goes to a free slot, else
+to the least recently used slot whose adapter no held request uses, else to the least recently used
+one the step does not use. The scheduler never runs more distinct adapters than there are slots, so a
+slot in use by the step is never taken. Copies are queued on the compute stream before the step's
+forward pass: a step still running on the device reads the old weights first.
 
 `group_rows` turns a step's per-item slots into the LoRABatch layout (rows grouped by slot, padding
 and base rows in the last group) as one host list, so one device copy carries it.
@@ -42,6 +43,7 @@ class LoRASlots:
         self.resident: list[int | None] = [None] * num_slots  # each slot's adapter uid (not the adapter:
         # an unloaded adapter's host memory goes with its last request, not when its slot is rewritten)
         self._used = [0] * num_slots  # the step that last used each slot (LRU)
+        self.held: Counter = Counter()  # adapter uid -> requests the runner holds that use it
         self._tick = 0
         self.num_loads = 0  # slot writes so far
 
@@ -96,6 +98,21 @@ class LoRASlots:
             st.write(slot, adapter.weights.get(name, ()))
         self.resident[slot] = adapter.uid
         self.num_loads += 1
+
+    def hold(self, adapter: HostAdapter) -> None:
+        """A held request uses `adapter` (its slot is taken last)."""
+        self.held[adapter.uid] += 1
+
+    def release(self, adapter: HostAdapter) -> None:
+        self.held[adapter.uid] -= 1
+
+    def groups(self, loras: list[HostAdapter | None], rows: list[int]) -> tuple[list[tuple[int, int]], bool]:
+        """Per item (its adapter's slot, or the base group; its rows), loading the step's adapters into
+        slots; and whether any item has an adapter. `loras[i]`: item i's adapter or None."""
+        adapters = [a for a in loras if a is not None]
+        slots = self.slots_for(adapters, self.held) if adapters else {}
+        base = self.num_slots
+        return [(base if a is None else slots[a.uid], n) for a, n in zip(loras, rows)], bool(adapters)
 
     def batch(self, packed: torch.Tensor, rows: int) -> LoRABatch:
         """The LoRABatch of a `group_rows` list already on the device."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.config import SchedulerConfig
 from foveal.request import FinishReason, Request, RequestStatus
+from foveal.sched import stops
 from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
 
 if TYPE_CHECKING:
@@ -326,7 +327,9 @@ class Scheduler:
             req.draft_ids = []
             if s.num_logits and s.committed:
                 req.append_pending()
-                req.ends_after_pending = self._length_stop(req, req.num_output_tokens, req.num_tokens)
+                req.ends_after_pending = stops.length_reached(
+                    req, req.num_output_tokens, req.num_tokens, self.max_model_len
+                )
 
     def _live(self, s: ScheduledItem) -> Request | None:
         req = self._by_id.get(s.request_id)
@@ -399,21 +402,9 @@ class Scheduler:
         req.append_token(tok)
         return req.num_output_tokens
 
-    def check_stop(self, req: Request, tok: int, num_out: int | None = None) -> FinishReason | None:
-        """Why the request ends at `tok`, its num_out-th output token (default: the last one)."""
-        p = req.params
-        if num_out is None:
-            num_out = req.num_output_tokens
-        if num_out >= p.min_tokens:
-            if (tok in req.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-                return FinishReason.STOP
-        if self._length_stop(req, num_out, req.num_prompt_tokens + num_out):
-            return FinishReason.LENGTH
-        return None
-
-    def _length_stop(self, req: Request, num_out: int, num_tokens: int) -> bool:
-        p = req.params
-        return (p.max_tokens is not None and num_out >= p.max_tokens) or num_tokens >= self.max_model_len
+    def check_stop(self, req: Request, tok: int, num_out: int) -> FinishReason | None:
+        """Why the request ends at `tok`, its num_out-th output token (sched/stops.py)."""
+        return stops.token_stop(req, tok, num_out, self.max_model_len)
 
 
 def _new_request(req: Request) -> NewRequest:

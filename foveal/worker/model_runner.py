@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +33,7 @@ from foveal.request import TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, ScheduledItem
 from foveal.speculative.rejection import verify
-from foveal.structured import closing
+from foveal.structured.driver import GuideDriver
 from foveal.structured.guide import Guide, GuideEnds
 from foveal.worker.rows import StepRows, build_rows
 
@@ -103,16 +102,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(vocab_size)
-        self.mask_seconds = 0.0  # host time spent filling grammar masks (and the rows filled)
-        self.mask_rows = 0
-        self.closed_answers = 0  # answers closed early for max_tokens (foveal/structured/closing.py)
-        self._num_guided = 0  # held requests with a guide: none, and a step fills no masks at all
+        self.guides = GuideDriver(self.device)  # structured outputs: masks, guide ends, totals
         self._num_diffusion = 0  # held requests of a diffusion model (their own attention shape)
-        self._mask_bufs: list[torch.Tensor | None] = [None, None]
-        self._mask_turn = 0
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
         self.lora = None  # foveal.lora.slots.LoRASlots when adapters are enabled (set by the engine)
-        self._lora_refs: Counter = Counter()  # adapter uid -> held requests using it
         # a hidden-state drafter's tap (spec/hidden.py): `tap_layers` the model reports, `fuse(aux,
         # final)` -> [T, H] kept per fed token; None: nothing is kept
         self.tap = None
@@ -129,22 +122,21 @@ class ModelRunner:
             held = self._held.pop(rid, None)
             if held is not None:
                 self._free_slots.append(held.slot)
-                self._num_guided -= held.guide is not None
+                self.guides.release(held.guide)
                 self._num_diffusion -= held.req.diffusion is not None
                 if held.req.lora is not None:
-                    self._lora_refs[held.req.lora.uid] -= 1
+                    self.lora.release(held.req.lora)
 
     def _admit(self, batch: ScheduledBatch) -> None:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
         for new in batch.new_requests:
             if new.request_id not in self._held:
-                guide = Guide(new.guide) if new.guide is not None else None
+                guide = self.guides.admit(new.guide)
                 shift = self.model.position_shift(new.rope)
                 self._held[new.request_id] = _Held(new, self._slot(), shift, guide=guide)
-                self._num_guided += guide is not None
                 self._num_diffusion += new.diffusion is not None
                 if new.lora is not None:
-                    self._lora_refs[new.lora.uid] += 1
+                    self.lora.hold(new.lora)
 
     def _slot(self) -> int:
         if not self._free_slots:
@@ -209,6 +201,9 @@ class ModelRunner:
         idx = to_device(torch.tensor(src, dtype=torch.long), self.device)
         return torch.where(idx >= 0, self.token_buffer.view(-1)[idx.clamp(min=0)], input_ids)
 
+    def _guide_of(self, request_id: str) -> Guide | None:
+        return self._held[request_id].guide
+
     def _rows(self, batch: ScheduledBatch) -> StepRows:
         diffusion = self._diffusion_rows if self._num_diffusion else None
         return build_rows(batch.items, self._held, self.token_buffer.shape[1], self.block_size, diffusion)
@@ -238,15 +233,9 @@ class ModelRunner:
         return input_ids, positions, meta
 
     def _lora_groups(self, items: list[ScheduledItem]) -> tuple[list[tuple[int, int]], bool]:
-        """Per item (its adapter's slot, or the base group; its rows), loading the step's adapters into
-        slots; and whether any item has an adapter."""
+        """LoRASlots.groups for the step's items (their adapters loaded into slots)."""
         held = self._held
-        loras = [held[s.request_id].req.lora for s in items]
-        adapters = [a for a in loras if a is not None]
-        slots = self.lora.slots_for(adapters, self._lora_refs) if adapters else {}
-        base = self.lora.num_slots
-        groups = [(base if a is None else slots[a.uid], s.num_tokens) for a, s in zip(loras, items)]
-        return groups, bool(adapters)
+        return self.lora.groups([held[s.request_id].req.lora for s in items], [s.num_tokens for s in items])
 
     def _bidirectional_spans(self, batch: ScheduledBatch) -> list[list[tuple[int, int]]] | None:
         """Per attention row, the image spans its chunk overlaps, for models whose image tokens attend
@@ -469,7 +458,7 @@ class ModelRunner:
         if not rows:
             return
         # the host fills the grammar masks while the device runs the forward pass queued before
-        masks = self._masks(batch, len(rows))
+        masks = self.guides.masks(batch.items, len(rows), self._guide_of)
         verifying = len(drafts) > len(launched.rows)
         if verifying:
             draft_ids = to_device(torch.tensor(drafts, dtype=torch.long), self.device)
@@ -529,78 +518,6 @@ class ModelRunner:
         launched.denoised = True
         self._start_copy(launched, torch.stack([torch.cat(x0s).double(), torch.cat(confs).double()]))
 
-    @property
-    def close_skipped(self) -> int:
-        """Closing plans given up over their budget (lifetime; plans run on this thread only)."""
-        return closing.BUDGET.skipped
-
-    def grammar_report(self) -> dict | None:
-        """Grammar totals for the metrics (StepReport.structured), or None before any masked row."""
-        if not self.mask_rows:
-            return None
-        return {
-            "mask_seconds": self.mask_seconds,
-            "mask_rows": self.mask_rows,
-            "closed": self.closed_answers,
-            "close_skipped": self.close_skipped,
-        }
-
-    def _masks(self, batch: ScheduledBatch, num_rows: int):
-        """The grammar masks of the step's constrained logits rows, on the device (None if there are
-        none): a verify run's row j is masked as if its drafts 1..j were accepted. Plain grammar rows
-        come first, filled in one call of the backend (in parallel, the GIL released)."""
-        if not self._num_guided:
-            return None
-        closing.BUDGET.new_step()
-        plain: list[tuple[Guide, int]] = []  # (guide, logits row): the grammar's own mask
-        other: list[tuple[Guide, int, ScheduledItem]] = []  # forced tokens, verify runs
-        row = 0
-        for s in batch.items:
-            guide = self._held[s.request_id].guide if s.num_logits else None
-            if guide is not None:
-                if s.num_drafts:
-                    other.append((guide, row, s))
-                elif guide.needs_mask():
-                    if guide.grammar_row:
-                        plain.append((guide, row))
-                    else:
-                        other.append((guide, row, s))
-            row += s.num_logits
-        if not plain and not other:
-            return None
-        t0 = time.perf_counter()
-        guide = (plain or other)[0][0]
-        masks = self._mask_buffer(num_rows, guide.spec.mask_words)
-        idx = [r for _, r in plain]
-        if plain:
-            plain[0][0].spec.grammar.backend.fill_bitmasks([g.matcher for g, _ in plain], masks)
-            for i, (g, _) in enumerate(plain):
-                g.filled(masks[i])
-        for g, r, s in other:
-            if s.num_drafts:
-                if s.drafts[0] == DEVICE_DRAFT:
-                    raise RuntimeError(f"{s.request_id}: a grammar masks by the drafts, left on the device")
-                g.fill_rows(list(s.drafts), masks[len(idx) : len(idx) + s.num_logits])
-                idx += range(r, r + s.num_logits)
-            else:
-                g.fill(masks[len(idx)])
-                idx.append(r)
-        self.mask_seconds += time.perf_counter() - t0
-        self.mask_rows += len(idx)
-        rows = torch.tensor(idx, dtype=torch.int32)
-        return to_device(masks[: len(idx)], self.device), to_device(rows, self.device)
-
-    def _mask_buffer(self, rows: int, words: int) -> torch.Tensor:
-        """A host buffer for a step's masks (pinned for a GPU), two kept and used in turn: a step's
-        masks may still be copying to the device while the next step's are filled."""
-        self._mask_turn ^= 1
-        buf = self._mask_bufs[self._mask_turn]
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
-            pin = self.device.type == "cuda"
-            buf = torch.empty(max(rows, 64), words, dtype=torch.int32, pin_memory=pin)
-            self._mask_bufs[self._mask_turn] = buf
-        return buf[:rows]
-
     def _verify(
         self,
         logits: torch.Tensor,
@@ -652,7 +569,7 @@ class ModelRunner:
             if held is not None:
                 held.output_token_ids += toks
                 if held.guide is not None:
-                    self._advance(held.guide, rid, toks, out, held.output_token_ids)
+                    self.guides.advance(held.guide, rid, toks, out.guides, held.output_token_ids)
         if launched.tapped is not None:
             self._hidden_rows(launched, kept, out)
         return out
@@ -667,27 +584,3 @@ class ModelRunner:
             valid = kept.get(s.request_id, n) if s.num_drafts else n
             out.hidden[s.request_id] = (s.start, launched.tapped[row : row + valid])
             row += n
-
-    def _advance(self, guide: Guide, rid: str, toks: list[int], out: RunnerOutput, produced: list) -> None:
-        """Move a request's guide over its new tokens; report a failure, or a grammar that is done."""
-        for t in toks:
-            if guide.error is None and not guide.accept(t):
-                guide.error = guide.refusal(t)
-                g = guide.spec.grammar
-                log.warning(
-                    "%s: %s; grammar %s; output %s",
-                    rid,
-                    guide.error,
-                    g.spec.digest()[:16] if g is not None else None,
-                    produced,
-                )
-        ends = out.guides
-        if guide.error is not None:
-            ends.errors[rid] = guide.error
-            if guide.grammar_error:
-                ends.bad_grammars.add(rid)
-        elif guide.terminated:
-            ends.done.add(rid)
-            if guide.cut:
-                ends.cut.add(rid)
-                self.closed_answers += 1
