@@ -1,16 +1,17 @@
 """The proposer protocol, and the n-gram proposer.
 
-Before each step the engine asks the proposer for drafts for the rows that may speculate (running
-decodes with every token known): each `ProposeRow` names the request, all its tokens so far (prompt +
-output, read-only) and how many drafts it may take. After the step's verification the proposer hears
-how many were accepted, and when a request ends it is told to forget it. A proposer owns whatever it
-keeps per request (an n-gram index, a draft model's KV); the engine keeps nothing of it.
+Before each step the speculation driver (driver.py) asks the proposer for drafts for the rows that may
+speculate (running decodes with every token known): each `ProposeRow` names the request, all its tokens
+so far (prompt + output, read-only) and how many drafts it may take. After the step's verification the
+proposer hears how many were accepted, and when a request ends it is told to forget it. A proposer owns
+whatever it keeps per request (an n-gram index, a draft model's KV); the engine keeps nothing of it.
 
-    engine step:  propose(rows) -> drafts per row -> schedule 1 + k tokens -> verify -> accepted(...)
+    step, through the driver:  propose(rows) -> drafts per row -> schedule 1 + k tokens -> verify
+                               -> accepted(...)
 
 A drafter that computes its drafts on the device (the hidden-state heads) also offers
 `propose_device(rows)`: the drafts of every row in one flat device tensor, row after row, and each
-row's count. The engine then stages them in the runner's token buffer without reading them back, so
+row's count. The driver then stages them in the runner's token buffer without reading them back, so
 the host schedules and launches the verify step while the device still drafts (only rows whose
 sampling reads the drafts' values, a grammar or penalties, have them read back).
 """
