@@ -11,6 +11,9 @@ Python). Medians per step, in microseconds; the callees' sums are per step too. 
 `--prefill N`: N prompts of 128 random words prefilled one at a time with the server's CPU budget (128
 tokens per step), each timed whole (one token sampled), the native kernels timed per callee; the first
 prefill is left out.
+
+`--qlinear avx2`: the quantized linears run the AVX2-only build of their kernel (-DFOVEAL_AVX2_ONLY: what
+a CPU without AVX-512 and VNNI runs) instead of this CPU's build, to compare the two in the model.
 """
 
 from __future__ import annotations
@@ -44,7 +47,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--args", default="{}", help="LLM keywords as JSON")
     ap.add_argument("--prefill", type=int, default=0, help="time N 128-token prefills instead")
+    ap.add_argument("--qlinear", choices=["native", "avx2"], default="native", help="the kernel build")
     a = ap.parse_args()
+    if a.qlinear == "avx2":  # before the model is built: its recorded steps call the kernel looked up
+        from foveal.layers import quant
+
+        avx2 = quant.build(wide=False)
+        quant.kernel = lambda: avx2
     if a.prefill:
         return prefills(a)
     llm = LLM(**json.loads(a.args))

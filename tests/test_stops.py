@@ -58,8 +58,3 @@ def test_length_by_max_tokens_or_context():
 )
 def test_a_guide_end_against_what_was_decided(decided, cut, want):
     assert stops.after_guide_end(decided, cut) is want
-
-
-@pytest.mark.parametrize("decided", [None, STOP, LENGTH])
-def test_a_stop_string_wins(decided):
-    assert stops.after_string_stop(decided) is STOP

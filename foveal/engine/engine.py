@@ -318,7 +318,7 @@ class Engine:
                     req.drop_output(len(toks) - j - 1)  # a verify run's tokens after the stop string
                     del toks[j + 1 :]
                     self.scheduler.finish(req, FinishReason.STOP)
-                    req.finish_reason = stops.after_string_stop(req.finish_reason)
+                    req.finish_reason = FinishReason.STOP  # a stop string wins over a length stop (stops.py)
                     break
             if req.is_finished:
                 if t.detok.stop_matched is not None:

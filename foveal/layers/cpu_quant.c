@@ -37,9 +37,9 @@
  *   instruction covers twice the columns (Zen 5 EPYC runs zmm at full width).
  * - VNNI (vpdpbusd: u8 x s8 products summed by 4 into int32 lanes, one instruction for vpmaddubsw +
  *   vpmaddwd + vpaddd; AVX512-VNNI with VL: Zen 4 and later, Ice Lake and later; AVX-VNNI: Alder Lake)
- *   for the int8 weights (tile8) only: there it replaces three instructions per product vector (the
- *   Q8_0 LM head at 16 rows 1.11-1.19x on a Zen 5 EPYC), while the 4-bit tile's int16 sums cost one
- *   vpaddw per product vector and vpdpbusd there measured 0.93x.
+ *   for the int8 weights (tile8, tile8x16) only: there it replaces three instructions per product
+ *   vector (the Q8_0 LM head at 16 rows 1.11-1.19x on a Zen 5 EPYC, measured with the ymm tiles), while
+ *   the 4-bit tile's int16 sums cost one vpaddw per product vector and vpdpbusd there measured 0.93x.
  * (benchmarks/cpu_kernels.py --linears-against avx2 times this CPU's build against the AVX2 one.) */
 #if !defined(FOVEAL_AVX2_ONLY) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define HAVE_VNNI 1

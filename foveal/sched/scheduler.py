@@ -367,7 +367,7 @@ class Scheduler:
             reason = None
             for j, tok in enumerate(toks):
                 num_out = req.fill_pending(tok) if s.committed else self._append(req, tok)
-                reason = self.check_stop(req, tok, num_out)
+                reason = stops.token_stop(req, tok, num_out, self.max_model_len)
                 if reason is not None:
                     del toks[j + 1 :]
                     break
@@ -392,7 +392,7 @@ class Scheduler:
         sampled[s.request_id] = new
         for tok in final:
             new.append(tok)
-            reason = self.check_stop(req, tok, self._append(req, tok))
+            reason = stops.token_stop(req, tok, self._append(req, tok), self.max_model_len)
             if reason is not None:
                 return reason
         return None
@@ -401,10 +401,6 @@ class Scheduler:
     def _append(req: Request, tok: int) -> int:
         req.append_token(tok)
         return req.num_output_tokens
-
-    def check_stop(self, req: Request, tok: int, num_out: int) -> FinishReason | None:
-        """Why the request ends at `tok`, its num_out-th output token (sched/stops.py)."""
-        return stops.token_stop(req, tok, num_out, self.max_model_len)
 
 
 def _new_request(req: Request) -> NewRequest:

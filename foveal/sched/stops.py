@@ -11,8 +11,8 @@
     the answer closed for max_tokens          LENGTH   the guide            Engine._resolve
     the guide or the detokenizer failed       ERROR
 
-When a token stop and a later rule meet on the same token, `after_string_stop` and `after_guide_end`
-say which reason the request keeps.
+When a token stop and a later rule meet on the same token: a stop string's STOP replaces a length
+stop (Engine._emit), and `after_guide_end` says which reason a guide's end leaves.
 """
 
 from __future__ import annotations
@@ -40,11 +40,6 @@ def length_reached(req: Request, num_out: int, num_tokens: int, max_model_len: i
     """Whether num_out output tokens (num_tokens in all) reach max_tokens or the context."""
     p = req.params
     return (p.max_tokens is not None and num_out >= p.max_tokens) or num_tokens >= max_model_len
-
-
-def after_string_stop(current: FinishReason | None) -> FinishReason:
-    """A stop string ended the text: STOP, even where the same token reached a length limit."""
-    return FinishReason.STOP
 
 
 def after_guide_end(current: FinishReason | None, closed_for_length: bool) -> FinishReason:

@@ -35,7 +35,7 @@ from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, Schedul
 from foveal.speculative.rejection import verify
 from foveal.structured.driver import GuideDriver
 from foveal.structured.guide import Guide, GuideEnds
-from foveal.worker.rows import StepRows, build_rows
+from foveal.worker.rows import StepRows, build_rows, staged_drafts
 
 log = logging.getLogger(__name__)
 
@@ -175,14 +175,6 @@ class ModelRunner:
             dst_d = to_device(torch.tensor(dst, dtype=torch.long), self.device)
             self.token_buffer.view(-1).index_copy_(0, dst_d, flat)
         return staged
-
-    def _draft_sources(self, s: ScheduledItem, width: int) -> list[int]:
-        """The flat token-buffer indices of a verify item's staged drafts (DEVICE_DRAFT ids); [] when
-        the host knows them."""
-        if not s.num_drafts or s.token_ids[-1] != DEVICE_DRAFT:
-            return []
-        base = self._held[s.request_id].slot * width + 1
-        return list(range(base, base + s.num_drafts))
 
     def _diffusion_rows(self, s: ScheduledItem) -> list[int] | None:
         """A block diffusion model's item as one-token queries: per fed token the last key it sees (its
@@ -450,9 +442,9 @@ class ModelRunner:
             launched.rows.append((s.request_id, len(rows), s.num_logits))
             rows += self._sampling_rows(s, self._held[s.request_id])
             if s.num_drafts:
-                staged = self._draft_sources(s, width)
+                staged = staged_drafts(s, self._held[s.request_id].slot, width)
                 if staged:
-                    sources += [-1] * (len(drafts) - len(sources)) + staged
+                    sources += [-1] * (len(drafts) - len(sources)) + list(staged)
                 drafts += s.drafts
             drafts.append(-1)
         if not rows:

@@ -44,6 +44,15 @@ class StepRows:
         return bool(self.pending)
 
 
+def staged_drafts(s: ScheduledItem, slot: int, width: int) -> range:
+    """The flat token-buffer indices of a verify item's drafts staged on the device (DEVICE_DRAFT ids
+    in the item; rows 1 .. k of the request's buffer row `slot`), or an empty range when the host
+    knows them."""
+    if not s.num_drafts or s.token_ids[-1] != DEVICE_DRAFT:
+        return range(0)
+    return range(slot * width + 1, slot * width + 1 + s.num_drafts)
+
+
 def build_rows(
     items: list[ScheduledItem],
     held: Mapping[str, Any],
@@ -90,10 +99,10 @@ def build_rows(
             continue
         prefill_seen = prefill_seen or not decode
         ids.extend(s.token_ids)
-        if s.num_drafts and s.token_ids[-1] == DEVICE_DRAFT:  # drafts still on the device: the buffer
-            first = h.slot * width + 1
-            pending += [-1] * (len(ids) - s.num_drafts - len(pending))
-            pending.extend(range(first, first + s.num_drafts))
+        staged = staged_drafts(s, h.slot, width)
+        if staged:  # drafts still on the device: read from the buffer
+            pending += [-1] * (len(ids) - len(staged) - len(pending))
+            pending.extend(staged)
         if s.num_pending:
             pending += [-1] * (len(ids) - len(pending))
             pending.extend(range(h.slot * width, h.slot * width + s.num_pending))
