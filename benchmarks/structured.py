@@ -112,13 +112,13 @@ def accepted_specs(llm: LLM, rows: list[dict]) -> list[OutputConstraint]:
 def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
     """All requests at once through the engine's step loop: per-request TPOT, and the mask time per
     row of each step that filled masks."""
-    eng, guides = llm.engine, llm.engine.runner.guides
+    eng, guides = llm.engine, llm.engine.guides
     per_row: list[float] = []
     real_masks = guides.masks
 
-    def masks(items, num_rows, guide_of):
+    def masks(items):
         t0, rows0 = guides.mask_seconds, guides.mask_rows
-        out = real_masks(items, num_rows, guide_of)
+        out = real_masks(items)
         if guides.mask_rows > rows0:
             per_row.append((guides.mask_seconds - t0) / (guides.mask_rows - rows0))
         return out

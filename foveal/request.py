@@ -299,7 +299,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order, spans disjoint
     rope: Any = None  # the model family's rotary positions (MultiModalPrompt.rope)
-    guide: GuideSetup | None = None  # its tokens are steered (the runner masks its rows; no overlapped steps)
+    guide: GuideSetup | None = None  # its tokens are steered (structured/driver.py masks its rows)
     encoder_time_s: float = 0.0  # this request's share of vision-encoder time (the runner reports it)
     # prefix cache: the tenant salt (never shared across salts), block keys computed so far, how many
     # of the request's blocks are published, and the prompt tokens a hit saved at first admission

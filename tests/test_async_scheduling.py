@@ -90,17 +90,28 @@ def test_stop_tokens_and_strings_stop_at_the_same_place(folder):
     assert all(reason == "stop" for _, _, reason in out)
 
 
-def deferred_launches(llm) -> list[bool]:
-    """Spy: the `sample` flag of every runner launch (False: sampling deferred past the step in flight)."""
-    runner, seen = llm.engine.runner, []
-    real = runner.launch
+def runner_calls(llm) -> list[str]:
+    """Spy: the runner's launch, sample and collect calls, in order."""
+    runner, calls = llm.engine.runner, []
 
-    def launch(batch, sample=True):
-        seen.append(sample)
-        return real(batch, sample)
+    def spy(name: str):
+        real = getattr(runner, name)
 
-    runner.launch = launch
-    return seen
+        def call(*args, **kw):
+            calls.append(name)
+            return real(*args, **kw)
+
+        return call
+
+    for name in ("launch", "sample", "collect"):
+        setattr(runner, name, spy(name))
+    return calls
+
+
+def sampling_deferred(calls: list[str]) -> bool:
+    """Whether some step's sampling waited for the step in flight: launched, that step collected (its
+    tokens read on the host), then sampled."""
+    return any(calls[i : i + 3] == ["launch", "collect", "sample"] for i in range(len(calls)))
 
 
 def test_penalties_and_logprobs(folder):
@@ -113,9 +124,9 @@ def test_penalties_and_logprobs(folder):
     ]
     sync = _run(_llm(folder, False), _prompts(), params)
     over_llm = _llm(folder, True)
-    seen = deferred_launches(over_llm)
+    calls = runner_calls(over_llm)
     assert _run(over_llm, _prompts(), params) == sync
-    assert False in seen  # the penalty rows' sampling waited for the step in flight
+    assert sampling_deferred(calls)  # the penalty rows' sampling waited for the step in flight
 
 
 def test_preemption_under_a_small_pool(folder):

@@ -185,7 +185,7 @@ def test_an_answer_past_max_tokens_ends_complete_with_length(tiny):
             assert len(c.token_ids) <= max_tokens
             jsonschema.validate(json.loads(c.text), IMAGE)
             assert c.finish_reason is FinishReason.LENGTH, c.text
-    assert tiny.engine.runner.guides.closed_answers >= 12
+    assert tiny.engine.guides.closed_answers >= 12
     p = SamplingParams(temperature=1.0, seed=0, max_tokens=60, structured=spec, close_on_length=False)
     (o,) = tiny.generate(["{"], p)
     c = o.outputs[0]

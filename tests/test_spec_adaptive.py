@@ -404,7 +404,7 @@ class _SimRunner:
         self.clock.now = max(self.clock.now, launched.end) + ms / 1e3
         return RunnerOutput(tokens={r: list(t) for r, t in launched.tokens.items()})
 
-    def sample(self, launched):
+    def sample(self, launched, masks=None):
         pass
 
     def release(self, ids):
@@ -440,6 +440,7 @@ def _sim_engine(clock: _Clock, speculate: bool, host: str = "light", prefix_cach
     from foveal.engine.engine import Engine
     from foveal.engine.input_processor import EngineInfo
     from foveal.sched.scheduler import Scheduler
+    from foveal.structured.driver import GuideDriver
 
     config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256)
     sched = Scheduler(config, KVCacheManager(16384, 16, prefix_caching), 1024)
@@ -451,7 +452,8 @@ def _sim_engine(clock: _Clock, speculate: bool, host: str = "light", prefix_cach
         )
     return Engine(
         SimpleNamespace(speculative=None), EngineInfo("sim", 1000, 1024, 1024, frozenset()), model=None,
-        tokenizer=_Detok(), scheduler=sched, runner=runner, speculation=driver, async_scheduling=True,
+        tokenizer=_Detok(), scheduler=sched, runner=runner, guides=GuideDriver("cpu"), speculation=driver,
+        async_scheduling=True,
     )  # fmt: skip
 
 

@@ -44,7 +44,7 @@ def assert_idle(llm) -> None:
     """Nothing left behind: no block, no guided request counted by the engine or the runner."""
     eng = llm.engine
     assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished()
-    assert eng._num_host_readers == 0 and eng.runner.guides.num_guided == 0
+    assert eng._num_host_readers == 0 and eng.guides.num_guided == 0
 
 
 @pytest.fixture(autouse=True)
@@ -238,7 +238,7 @@ def test_async_scheduling_gives_the_same_guided_outputs():
     """Step N+1's forward pass is launched before step N's tokens reach the host; guided rows sample
     once they have (their masks follow them): outputs equal plain steps, and the deferral happened."""
     from foveal.engine.llm import LLM
-    from tests.test_async_scheduling import deferred_launches
+    from tests.test_async_scheduling import runner_calls, sampling_deferred
     from tests.tiny_vlm import save_tiny_text_model
 
     path = save_tiny_text_model(tempfile.mkdtemp())
@@ -247,7 +247,7 @@ def test_async_scheduling_gives_the_same_guided_outputs():
     outs = []
     for overlap in (False, True):
         llm = LLM(path, async_scheduling=overlap, **kw)
-        seen = deferred_launches(llm)
+        calls = runner_calls(llm)
         params = [
             SamplingParams(temperature=1.0, seed=3, max_tokens=60,
                            structured=OutputConstraint.json_schema(schema), logit_bias=closing_bias(llm)),
@@ -255,7 +255,7 @@ def test_async_scheduling_gives_the_same_guided_outputs():
             SamplingParams(temperature=0.9, seed=1, max_tokens=15, ignore_eos=True),
         ]  # fmt: skip
         outs.append([o.outputs[0].token_ids for o in llm.generate(["[", "x", "y"], params)])
-        assert (False in seen) == overlap
+        assert sampling_deferred(calls) == overlap
     assert outs[0] == outs[1]
 
 

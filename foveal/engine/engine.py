@@ -28,6 +28,7 @@ from foveal.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from foveal.speculative.driver import SpeculationDriver
+    from foveal.structured.driver import GuideDriver
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Engine:
         tokenizer,
         scheduler: Scheduler,
         runner,
+        guides: GuideDriver,
         speculation: SpeculationDriver | None = None,
         encoder_cache=None,
         device: torch.device | None = None,
@@ -64,6 +66,7 @@ class Engine:
         self.tokenizer = tokenizer  # the detokenizers' (request-side tokenizing is the InputProcessor's)
         self.scheduler = scheduler
         self.runner = runner
+        self.guides = guides  # structured outputs' driver: each steered request's guide, the masks
         self.speculation = speculation  # speculative decoding's driver, when configured
         self.encoder_cache = encoder_cache
         self.device, self.dtype = device, dtype
@@ -96,6 +99,7 @@ class Engine:
         )
         self._tracked[rid] = _Tracked(req, detok)
         self._num_host_readers += req.reads_history
+        self.guides.admit(rid, request.guide)
         self.scheduler.add(req)
         log.debug("%s added: %d prompt tokens", rid, req.num_prompt_tokens)
         return rid
@@ -111,10 +115,14 @@ class Engine:
         return True
 
     def _release_finished(self) -> None:
-        """Let the runner forget the requests that finished (their image embeddings, buffer rows)."""
+        """The one teardown path of a finished, aborted or failed request (the scheduler has freed its
+        blocks): the runner (image embeddings, buffer row) and every driver forget it."""
         ids = self.scheduler.take_finished()
         if ids:
             self.runner.release(ids)
+            self.guides.release(ids)
+            if self.speculation is not None:
+                self.speculation.release(ids)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block and image embedding (model thread only). Returns the
@@ -139,7 +147,7 @@ class Engine:
             self.encoder_cache.stats() if self.encoder_cache is not None else None,
             (self.kv.query_tokens, self.kv.hit_tokens),
             self.speculation.report() if self.speculation is not None else None,
-            self.runner.guides.report(),
+            self.guides.report(),
             self.lora_report() if self.runner.lora is not None else None,
         )
 
@@ -197,7 +205,9 @@ class Engine:
         )
         if not batch.empty:
             try:
-                launched = self.runner.launch(batch, sample=not deferred)
+                launched = self.runner.launch(batch, sample=False)
+                if not deferred:  # the guides' masks are filled while the forward pass runs
+                    self.runner.sample(launched, self.guides.masks(batch.items))
             except Exception as e:  # a failed forward pass aborts only this batch's requests
                 log.exception("forward pass failed; aborting %d request(s)", len(batch.items))
                 if prev is not None:
@@ -210,7 +220,7 @@ class Engine:
             deltas += self._resolve(prev)
         if deferred:
             try:
-                self.runner.sample(launched)
+                self.runner.sample(launched, self.guides.masks(batch.items))
             except Exception as e:
                 log.exception("sampling failed; aborting %d request(s)", len(batch.items))
                 self._inflight = None
@@ -269,7 +279,7 @@ class Engine:
             if t is not None:
                 t.req.encoder_time_s += spent
         self.scheduler.resolve(launched.batch, out.tokens, out.confidence)
-        ends = out.guides
+        ends = self.guides.advance(out.tokens)
         for rid in ends.done:  # the grammar is complete: nothing but EOS could follow
             t = self._tracked.get(rid)
             if t is not None:
@@ -345,8 +355,6 @@ class Engine:
         req = t.req
         if self._tracked.pop(req.request_id, None) is not None:
             self._num_host_readers -= req.reads_history
-        if self.speculation is not None:
-            self.speculation.release(req.request_id)
         if req.status is not RequestStatus.FINISHED:  # defensive: never leave a request half-done
             self.scheduler.finish(req, FinishReason.ERROR)
         return TokenDelta(

@@ -25,6 +25,7 @@ from foveal.diffusion.info import diffusion_info
 from foveal.engine.engine import Engine
 from foveal.engine.input_processor import EngineInfo, InputProcessor
 from foveal.sched.scheduler import Scheduler
+from foveal.structured.driver import GuideDriver
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +230,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         tokenizer=ckpt.tokenizer,
         scheduler=scheduler,
         runner=runner,
+        guides=GuideDriver(device),
         speculation=speculation,
         encoder_cache=encoder_cache,
         device=device,

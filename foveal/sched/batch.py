@@ -33,7 +33,6 @@ from foveal.request import MultiModalItem, SamplingParams
 
 if TYPE_CHECKING:
     from foveal.lora.adapter import HostAdapter
-    from foveal.structured.guide import GuideSetup
 
 DEVICE_DRAFT = -1  # a draft id only the device knows (staged in the runner's token buffer)
 
@@ -82,7 +81,6 @@ class NewRequest:
     eos_token_ids: frozenset[int]
     mm_items: tuple[MultiModalItem, ...] = ()
     rope: Any = None  # the model family's positions for the prompt (MultiModalPrompt.rope), for the model
-    guide: GuideSetup | None = None  # grammar and think-block steering (structured/guide.py), or None
     # a diffusion model's request: (kind, block, mask token id); its attention: ("masked", 0, m) every
     # token sees every token, ("block", size, m) causal across blocks of `size` positions, both ways
     # inside one; None: an autoregressive request

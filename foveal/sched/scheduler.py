@@ -90,16 +90,16 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self._by_id.pop(req.request_id, None)
-        if req.request_id in self._known:
-            self._known.discard(req.request_id)
-            self._forget.append(req.request_id)
+        self._known.discard(req.request_id)
+        self._forget.append(req.request_id)
 
     def get(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
         return self._by_id.get(request_id)
 
     def take_finished(self) -> list[str]:
-        """Ids of requests the runner knew that finished since the last call: it may forget them."""
+        """Ids of the requests that finished since the last call (done, aborted or failed): the
+        engine's one teardown path hands them to the runner and every driver."""
         ids, self._forget = self._forget, []
         return ids
 
@@ -411,7 +411,6 @@ def _new_request(req: Request) -> NewRequest:
         req.eos_token_ids,
         tuple(req.mm_items),
         req.rope,
-        req.guide,
         None if req.diffusion is None else req.diffusion.runner_view,
         req.lora,
     )

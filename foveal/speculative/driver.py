@@ -12,7 +12,7 @@ The engine calls it at fixed points of `Engine.step` and nowhere else:
                                       accepted counts to the proposer, the policy and the stats
     driver.step_done(batch, prev, t_plan, inflight, waited_or_alone)
                                       the step's cost for the load-aware policy, why it ran alone
-    driver.release(request_id)        a request ended
+    driver.release(request_ids)       requests that ended (the engine's one teardown path)
     driver.report()                   the metrics' totals
 
 It owns the proposer (foveal.speculative.proposer), the load-aware policy (adaptive.py), the counts
@@ -289,11 +289,12 @@ class SpeculationDriver:
         elif prev is not None and all(x.is_decode and not x.num_drafts for x in prev.batch.items):
             self.policy.observe_step(sum(x.num_tokens for x in prev.batch.items), seconds)
 
-    def release(self, request_id: str) -> None:
-        """The request ended: the proposer and the policy forget it."""
-        self.proposer.finish(request_id)
-        if self.policy is not None:
-            self.policy.finish(request_id)
+    def release(self, request_ids: list[str]) -> None:
+        """The requests ended: the proposer and the policy forget them."""
+        for rid in request_ids:
+            self.proposer.finish(rid)
+            if self.policy is not None:
+                self.policy.finish(rid)
 
     def report(self) -> dict:
         """Lifetime totals for the metrics: SpecStats, the method, the policy's chosen drafts."""

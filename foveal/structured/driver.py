@@ -1,19 +1,21 @@
-"""Structured outputs' driver in the runner: the grammar masks of a step's constrained rows, each
-guide moved over its request's new tokens, and the totals the metrics read. The runner keeps each
-held request's `Guide` (made here at admission) and calls, once a step:
+"""Structured outputs' driver, on the scheduling side: each steered request's `Guide` (grammar
+matcher, think block, closing plan), the grammar masks of a step's constrained rows, each guide moved
+over its request's new tokens, and the totals the metrics read. The engine calls:
 
-    driver.masks(items, num_rows, guide_of)   before sampling: the masks of the rows that need one
-    driver.advance(guide, rid, toks, ends)    after a step's tokens arrive: a failure, a grammar done
-    driver.report()                           the metrics' totals
+    driver.admit(rid, setup)       a request arrives (no setup: unconstrained, nothing kept)
+    driver.masks(items)            before a step is sampled: its masks, as plain device tensors
+    driver.advance(tokens)         a step's tokens arrived: the guides that failed or completed
+    driver.release(rids)           requests that finished (the one teardown path)
+    driver.report()                the metrics' totals
 
-so the runner holds no grammar logic of its own (foveal/structured/guide.py is the per-request part).
+The runner receives the masks and their rows only (Sampler.sample's `masks`): no matcher, no grammar
+crosses to the device side (foveal/structured/guide.py is the per-request part).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -31,32 +33,40 @@ class GuideDriver:
         self.mask_seconds = 0.0  # host time spent filling grammar masks (and the rows filled)
         self.mask_rows = 0
         self.closed_answers = 0  # answers closed early for max_tokens (closing.py)
-        self.num_guided = 0  # held requests with a guide: none, and a step fills no masks at all
+        self.guides: dict[str, Guide] = {}  # request id -> its guide (steered requests only)
         self._mask_bufs: list[torch.Tensor | None] = [None, None]
         self._mask_turn = 0
 
-    def admit(self, setup: GuideSetup | None) -> Guide | None:
-        """A new request's guide (None: unconstrained)."""
-        if setup is None:
-            return None
-        self.num_guided += 1
-        return Guide(setup)
+    def admit(self, request_id: str, setup: GuideSetup | None) -> None:
+        """A new request: its guide, if it is steered."""
+        if setup is not None:
+            self.guides[request_id] = Guide(setup)
 
-    def release(self, guide: Guide | None) -> None:
-        self.num_guided -= guide is not None
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished requests (idempotent)."""
+        for rid in request_ids:
+            self.guides.pop(rid, None)
 
-    def masks(self, items: list[ScheduledItem], num_rows: int, guide_of: Callable[[str], Guide | None]):
+    @property
+    def num_guided(self) -> int:
+        return len(self.guides)
+
+    def steers(self, request_id: str) -> bool:
+        return request_id in self.guides
+
+    def masks(self, items: list[ScheduledItem]):
         """The grammar masks of the step's constrained logits rows, on the device, and their rows (None
         if there are none): a verify run's row j is masked as if its drafts 1..j were accepted. Plain
-        grammar rows come first, filled in one call of the backend (in parallel, the GIL released)."""
-        if not self.num_guided:
+        grammar rows come first, filled in one call of the backend (in parallel, the GIL released).
+        Called once the guides have seen every earlier token of the step's requests."""
+        if not self.guides:
             return None
         closing.BUDGET.new_step()
         plain: list[tuple[Guide, int]] = []  # (guide, logits row): the grammar's own mask
         other: list[tuple[Guide, int, ScheduledItem]] = []  # forced tokens, verify runs
         row = 0
         for s in items:
-            guide = guide_of(s.request_id) if s.num_logits else None
+            guide = self.guides.get(s.request_id) if s.num_logits else None
             if guide is not None:
                 if s.num_drafts:
                     other.append((guide, row, s))
@@ -70,7 +80,7 @@ class GuideDriver:
             return None
         t0 = time.perf_counter()
         guide = (plain or other)[0][0]
-        masks = self._mask_buffer(num_rows, guide.spec.mask_words)
+        masks = self._mask_buffer(sum(s.num_logits for s in items), guide.spec.mask_words)
         idx = [r for _, r in plain]
         if plain:
             plain[0][0].spec.grammar.backend.fill_bitmasks([g.matcher for g, _ in plain], masks)
@@ -101,18 +111,27 @@ class GuideDriver:
             self._mask_bufs[self._mask_turn] = buf
         return buf[:rows]
 
-    def advance(self, guide: Guide, rid: str, toks: list[int], ends: GuideEnds, produced: list) -> None:
-        """Move a request's guide over its new tokens; report a failure, or a grammar that is done."""
+    def advance(self, tokens: dict[str, list[int]]) -> GuideEnds:
+        """Move each steered request's guide over its new tokens (request id -> tokens, in order);
+        the requests whose guide failed or is done."""
+        ends = GuideEnds()
+        for rid, toks in tokens.items():
+            guide = self.guides.get(rid)
+            if guide is not None:
+                self._advance(guide, rid, toks, ends)
+        return ends
+
+    def _advance(self, guide: Guide, rid: str, toks: list[int], ends: GuideEnds) -> None:
         for t in toks:
             if guide.error is None and not guide.accept(t):
                 guide.error = guide.refusal(t)
                 g = guide.spec.grammar
                 log.warning(
-                    "%s: %s; grammar %s; output %s",
+                    "%s: %s; grammar %s; after %d tokens",
                     rid,
                     guide.error,
                     g.spec.digest()[:16] if g is not None else None,
-                    produced,
+                    guide.num_tokens,
                 )
         if guide.error is not None:
             ends.errors[rid] = guide.error

@@ -1,7 +1,7 @@
 """Steering one request's tokens: its answer's grammar, the think block before the answer, and the
-thinking budget, as one state machine the runner asks for a mask at every logits row.
+thinking budget, as one state machine the structured-output driver asks for a mask at every logits row.
 
-    GuideSetup (plain data, made on the request side)  ->  Guide (the runner's, per request)
+    GuideSetup (plain data, made on the request side)  ->  Guide (structured/driver.py's, per request)
 
     phase OPEN    the output may open a think block (its start marker's one token) or begin the answer:
                   the grammar's mask plus that token (no grammar: no mask)
@@ -59,7 +59,7 @@ class GuideSetup:
 
 @dataclass(slots=True)
 class GuideEnds:
-    """The requests whose guide ended in a step (the runner's report, RunnerOutput.guides)."""
+    """The requests whose guide ended in a step (GuideDriver.advance's answer)."""
 
     done: set[str] = field(default_factory=set)  # the grammar is complete: nothing but EOS could follow
     cut: set[str] = field(default_factory=set)  # of which closed early for max_tokens (closing.py)

@@ -33,8 +33,6 @@ from foveal.request import TokenLogprobs
 from foveal.sample.sampler import Sampler, SamplingRow
 from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, ScheduledItem
 from foveal.speculative.rejection import verify
-from foveal.structured.driver import GuideDriver
-from foveal.structured.guide import Guide, GuideEnds
 from foveal.worker.rows import StepRows, build_rows, staged_drafts
 
 log = logging.getLogger(__name__)
@@ -45,7 +43,6 @@ class RunnerOutput:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> its new tokens, in order
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     encoder_time_s: dict[str, float] = field(default_factory=dict)  # vision-encoder time spent per request
-    guides: GuideEnds = field(default_factory=GuideEnds)  # structured outputs: guides that ended
     # hidden-state drafters (`ModelRunner.tap`): per request, (position of the first row, [n, H]) for
     # the step's rows whose input tokens are confirmed (a verify row's: up to its last accepted draft)
     hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
@@ -62,7 +59,6 @@ class _Held:
     shift: int = 0  # generated tokens' position past their index (the model's `position_shift`)
     output_token_ids: list[int] = field(default_factory=list)  # produced and seen by collect()
     mm_embeds: dict[int, Any] = field(default_factory=dict)  # image index -> embeddings, until passed
-    guide: Guide | None = None  # grammar / think-block steering (foveal/structured/guide.py)
 
 
 @dataclass(slots=True)
@@ -102,7 +98,6 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(vocab_size)
-        self.guides = GuideDriver(self.device)  # structured outputs: masks, guide ends, totals
         self._num_diffusion = 0  # held requests of a diffusion model (their own attention shape)
         self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
         self.lora = None  # foveal.lora.slots.LoRASlots when adapters are enabled (set by the engine)
@@ -122,7 +117,6 @@ class ModelRunner:
             held = self._held.pop(rid, None)
             if held is not None:
                 self._free_slots.append(held.slot)
-                self.guides.release(held.guide)
                 self._num_diffusion -= held.req.diffusion is not None
                 if held.req.lora is not None:
                     self.lora.release(held.req.lora)
@@ -131,9 +125,8 @@ class ModelRunner:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
         for new in batch.new_requests:
             if new.request_id not in self._held:
-                guide = self.guides.admit(new.guide)
                 shift = self.model.position_shift(new.rope)
-                self._held[new.request_id] = _Held(new, self._slot(), shift, guide=guide)
+                self._held[new.request_id] = _Held(new, self._slot(), shift)
                 self._num_diffusion += new.diffusion is not None
                 if new.lora is not None:
                     self.lora.hold(new.lora)
@@ -192,9 +185,6 @@ class ModelRunner:
         token buffer (the tokens of a step the host has not seen yet)."""
         idx = to_device(torch.tensor(src, dtype=torch.long), self.device)
         return torch.where(idx >= 0, self.token_buffer.view(-1)[idx.clamp(min=0)], input_ids)
-
-    def _guide_of(self, request_id: str) -> Guide | None:
-        return self._held[request_id].guide
 
     def _rows(self, batch: ScheduledBatch) -> StepRows:
         diffusion = self._diffusion_rows if self._num_diffusion else None
@@ -426,9 +416,10 @@ class ModelRunner:
         return launched
 
     @torch.inference_mode()
-    def sample(self, launched: Launched) -> None:
-        """Sample (and verify) a launched step's logits: per-row parameters, grammar masks filled on
-        the host now (the guides have seen every earlier token), the tokens into the buffer."""
+    def sample(self, launched: Launched, masks=None) -> None:
+        """Sample (and verify) a launched step's logits: per-row parameters, the grammar masks of its
+        constrained rows (structured/driver.py: (masks, their logits rows) on the device, or None), the
+        tokens into the buffer."""
         batch, logits, launched.logits = launched.batch, launched.logits, None
         if self._num_diffusion:
             return self._denoise(launched, logits)
@@ -449,8 +440,6 @@ class ModelRunner:
             drafts.append(-1)
         if not rows:
             return
-        # the host fills the grammar masks while the device runs the forward pass queued before
-        masks = self.guides.masks(batch.items, len(rows), self._guide_of)
         verifying = len(drafts) > len(launched.rows)
         if verifying:
             draft_ids = to_device(torch.tensor(drafts, dtype=torch.long), self.device)
@@ -560,8 +549,6 @@ class ModelRunner:
             held = self._held.get(rid)
             if held is not None:
                 held.output_token_ids += toks
-                if held.guide is not None:
-                    self.guides.advance(held.guide, rid, toks, out.guides, held.output_token_ids)
         if launched.tapped is not None:
             self._hidden_rows(launched, kept, out)
         return out
