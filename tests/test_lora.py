@@ -64,7 +64,9 @@ def _parity(h: Harness, pm, adapter, prompts: list[list[int]], steps: int = 20) 
         h.sched.update(batch, sampled)
     for r in reqs:
         h.sched.finish(r, FinishReason.ABORT)
-    h.runner.release(h.sched.take_finished())
+    done = h.sched.take_finished()
+    h.runner.release(done)
+    h.sched.lora.release(done)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
@@ -504,21 +506,23 @@ def test_slots_never_evict_an_adapter_in_use(tmp_path):
     from collections import Counter
 
     h = Harness(tiny_hf_model("llama"), lora=(2, 8))
-    slots = h.runner.lora
+    driver = h.sched.lora
     ads = []
     for i in range(3):
         save_adapter(tmp_path / str(i), tiny_hf_model("llama"), 8, seed=i)
-        ads.append(load_adapter(f"x{i}", str(tmp_path / str(i)), slots.layout, torch.float32, 8))
+        ads.append(load_adapter(f"x{i}", str(tmp_path / str(i)), h.runner.lora.layout, torch.float32, 8))
     x0, x1, x2 = ads
-    assert slots.slots_for([x0]) == {x0.uid: 0}
-    assert slots.slots_for([x1]) == {x1.uid: 1}  # x0 is now the least recently used
+    assert driver.slots_for([x0]) == ({x0.uid: 0}, [(0, x0)])
+    assert driver.slots_for([x1]) == ({x1.uid: 1}, [(1, x1)])  # x0 is now the least recently used
+    assert driver.slots_for([x0]) == ({x0.uid: 0}, [])  # resident: no write
+    assert driver.slots_for([x1]) == ({x1.uid: 1}, [])  # x0 is the least recently used again
     held = Counter({x0.uid: 1})  # a request with x0 is running
-    assert slots.slots_for([x2], held) == {x2.uid: 1}  # x1 goes, not x0
-    assert slots.resident == [x0.uid, x2.uid]
-    assert slots.slots_for([x1, x0], Counter()) == {x0.uid: 0, x1.uid: 1}  # the step's x0 stays
+    assert driver.slots_for([x2], held) == ({x2.uid: 1}, [(1, x2)])  # x1 goes, not x0
+    assert driver.resident == [x0.uid, x2.uid]
+    # the step's x0 stays, though the least recently used
+    assert driver.slots_for([x1, x0], Counter()) == ({x0.uid: 0, x1.uid: 1}, [(1, x1)])
     with pytest.raises(RuntimeError, match="max-loras"):
-        slots.slots_for(ads)
-    assert slots.num_loads == 4
+        driver.slots_for(ads)
 
 
 def test_speculative_decoding_with_adapters_is_lossless(lora_setup):

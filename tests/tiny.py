@@ -118,12 +118,16 @@ class Harness:
         layers, kvh, hd = self.model.kv_shape
         caches = [torch.zeros(2, num_blocks * block_size, kvh, hd, dtype=dtype) for _ in range(layers)]
         self.kv = KVCacheManager(num_blocks, block_size)
-        self.sched = Scheduler(SchedulerConfig(budget, max_num_seqs), self.kv, cfg.max_position_embeddings)
-        self.runner = ModelRunner(self.model, caches, backend, block_size, "cpu", cfg.vocab_size)
+        slots = driver = None
         if lora is not None:  # (adapter slots, max rank[, fused: the CUDA path, in Triton's interpreter])
+            from foveal.lora.driver import LoRADriver
             from foveal.lora.slots import LoRASlots
 
-            self.runner.lora = LoRASlots(self.model, lora[0], lora[1], dtype, "cpu", *lora[2:])
+            slots = LoRASlots(self.model, lora[0], lora[1], dtype, "cpu", *lora[2:])
+            driver = LoRADriver(lora[0])
+        config = SchedulerConfig(budget, max_num_seqs)
+        self.sched = Scheduler(config, self.kv, cfg.max_position_embeddings, lora=driver)
+        self.runner = ModelRunner(self.model, caches, backend, block_size, "cpu", cfg.vocab_size, lora=slots)
 
     def use_backend(self, backend) -> None:
         """Swap the attention backend (same cache layout) between steps: in-process A/B runs."""

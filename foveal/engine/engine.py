@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -121,6 +120,8 @@ class Engine:
         if ids:
             self.runner.release(ids)
             self.guides.release(ids)
+            if self.scheduler.lora is not None:
+                self.scheduler.lora.release(ids)
             if self.speculation is not None:
                 self.speculation.release(ids)
 
@@ -148,15 +149,13 @@ class Engine:
             (self.kv.query_tokens, self.kv.hit_tokens),
             self.speculation.report() if self.speculation is not None else None,
             self.guides.report(),
-            self.lora_report() if self.runner.lora is not None else None,
+            self.lora_report(),
         )
 
-    def lora_report(self) -> dict:
-        """Sequences per LoRA adapter (its name), running and waiting, and the device's slots."""
+    def lora_report(self) -> dict | None:
+        """Sequences per LoRA adapter, running and waiting, and the device's slots (None: LoRA off)."""
         s = self.scheduler
-        running = Counter(r.lora.name for r in s.running if r.lora is not None)
-        waiting = Counter(r.lora.name for r in s.waiting if r.lora is not None)
-        return {"running": dict(running), "waiting": dict(waiting), "max_loras": self.runner.lora.num_slots}
+        return s.lora.report(s.running, s.waiting) if s.lora is not None else None
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.num_unfinished > 0 or self._inflight is not None

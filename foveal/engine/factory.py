@@ -24,6 +24,7 @@ from foveal.diffusion.driver import DiffusionDriver
 from foveal.diffusion.info import diffusion_info
 from foveal.engine.engine import Engine
 from foveal.engine.input_processor import EngineInfo, InputProcessor
+from foveal.lora.driver import LoRADriver
 from foveal.sched.scheduler import Scheduler
 from foveal.structured.driver import GuideDriver
 
@@ -144,7 +145,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         max_len,
         encoder_cache=encoder_cache,
         atomic_mm_spans=model.mm_bidirectional,
-        max_loras=cfg.lora.max_loras if lora_slots is not None else 0,
+        lora=LoRADriver(lora_slots.num_slots) if lora_slots is not None else None,
         diffusion=DiffusionDriver(info.diffusion) if info.diffusion is not None else None,
     )
     spec = cfg.speculative
@@ -174,6 +175,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
             except Exception:
                 log.exception("the draft head's graph capture failed; its steps run eagerly")
                 proposer.graphs = None
+    tap = proposer.tap if proposer is not None else None  # what a hidden-state drafter reads
     runner = ModelRunner(
         model,
         kv_caches,
@@ -183,33 +185,10 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         vocab_size,
         encoder_cache=encoder_cache,
         max_tokens_per_row=1 + (spec.num_speculative_tokens if spec else 0),
+        graphs=_decode_graphs(cfg, info, model, kv_caches, backend, device, dtype, max_len, tap, lora_slots),
+        lora=lora_slots,
+        tap=tap,
     )
-    runner.tap = proposer.tap if proposer is not None else None  # what a hidden-state drafter reads
-    runner.lora = lora_slots
-    graphs = None
-    if _use_graphs(cfg, device, backend):
-        from foveal.worker.cuda_graphs import DecodeGraphs as graphs
-    elif _use_cpu_graphs(cfg, device, backend, kv_caches, dtype):
-        from foveal.worker.cpu_graphs import CpuDecodeGraphs as graphs
-    if graphs is not None:
-        runner.graphs = graphs(
-            model,
-            kv_caches,
-            backend,
-            block_size=bs,
-            max_seqs=_graph_rows(cfg, info.diffusion),
-            max_model_len=max_len,
-            device=device,
-            tap=runner.tap,
-            lora_groups=lora_slots.num_slots + 1 if lora_slots is not None else 0,
-        )
-        try:
-            runner.graphs.capture()  # CUDA: every bucket now; CPU: each at its first step
-        except Exception:  # a model that cannot be captured still serves, eagerly
-            log.exception("decode-step graph capture failed; decode steps run eagerly")
-            runner.graphs = None
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
     speculation = None
     if proposer is not None:
         from foveal.speculative.driver import SpeculationDriver
@@ -260,6 +239,36 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
     processor = InputProcessor(info, ckpt.tokenizer, mm_processor, cfg.output)
     processor.lora = lora_registry
     return engine, processor
+
+
+def _decode_graphs(cfg: EngineConfig, info, model, kv_caches, backend, device, dtype, max_len, tap, lora):
+    """The decode-step graphs (CUDA: captured now; CPU: each recorded at its first step), or None:
+    eager steps (configured so, or a model that cannot be captured still serves, eagerly)."""
+    if _use_graphs(cfg, device, backend):
+        from foveal.worker.cuda_graphs import DecodeGraphs as graphs
+    elif _use_cpu_graphs(cfg, device, backend, kv_caches, dtype):
+        from foveal.worker.cpu_graphs import CpuDecodeGraphs as graphs
+    else:
+        return None
+    made = graphs(
+        model,
+        kv_caches,
+        backend,
+        block_size=cfg.cache.block_size,
+        max_seqs=_graph_rows(cfg, info.diffusion),
+        max_model_len=max_len,
+        device=device,
+        tap=tap,
+        lora_groups=lora.num_slots + 1 if lora is not None else 0,
+    )
+    try:
+        made.capture()
+    except Exception:
+        log.exception("decode-step graph capture failed; decode steps run eagerly")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return None
+    return made
 
 
 def _lora(cfg: EngineConfig, model, dtype: torch.dtype, device: torch.device):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from foveal.request import MultiModalItem, SamplingParams
 
 if TYPE_CHECKING:
-    from foveal.lora.adapter import HostAdapter
+    from foveal.lora.driver import LoRAStep
 
 DEVICE_DRAFT = -1  # a draft id only the device knows (staged in the runner's token buffer)
 
@@ -85,7 +85,6 @@ class NewRequest:
     # token sees every token, ("block", size, m) causal across blocks of `size` positions, both ways
     # inside one; None: an autoregressive request
     diffusion: tuple[str, int, int] | None = None
-    lora: HostAdapter | None = None  # the adapter its rows run with, or None (base)
 
 
 @dataclass(slots=True)
@@ -93,6 +92,7 @@ class ScheduledBatch:
     items: list[ScheduledItem] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids sent back to the waiting queue
+    lora: LoRAStep | None = None  # per item its adapter's slot and the slot writes first (lora/driver.py)
 
     @property
     def num_tokens(self) -> int:

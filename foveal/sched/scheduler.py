@@ -32,6 +32,7 @@ from foveal.sched.batch import NewRequest, ScheduledBatch, ScheduledItem
 
 if TYPE_CHECKING:
     from foveal.diffusion.driver import DiffusionDriver
+    from foveal.lora.driver import LoRADriver
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class Scheduler:
         *,
         encoder_cache=None,
         atomic_mm_spans: bool = False,
-        max_loras: int = 0,
+        lora: LoRADriver | None = None,
         diffusion: DiffusionDriver | None = None,
     ):
         if config.max_num_batched_tokens is None:
@@ -56,7 +57,7 @@ class Scheduler:
         self.encoder_budget = config.max_encoder_tokens_per_step or config.max_num_batched_tokens
         self.kv = kv
         self.max_model_len = max_model_len
-        self.max_loras = max_loras  # distinct LoRA adapters running at once (the device's slots)
+        self.lora = lora  # LoRA's driver (adapter slots, their cap per step), else None
         self.diffusion = diffusion  # a diffusion model's driver (plans its passes), else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -69,6 +70,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if self.diffusion is not None:
             self.diffusion.admit(req)
+        if self.lora is not None:
+            self.lora.admit(req)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
         self._by_id[req.request_id] = req
@@ -163,7 +166,7 @@ class Scheduler:
             i += 1
         # Waiting requests only when nobody was preempted this step (they would just evict each other).
         # A request whose adapter would be one more than the slots hold waits, the ones behind it go on.
-        adapters = {r.lora.uid for r in self.running if r.lora is not None} if self.max_loras else set()
+        cap = self.lora.cap(self.running) if self.lora is not None else None
         passed: list[Request] = []
         while (
             self.waiting
@@ -172,13 +175,7 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            lora = req.lora
-            if (
-                self.max_loras
-                and lora is not None
-                and lora.uid not in adapters
-                and len(adapters) >= self.max_loras
-            ):
+            if cap is not None and not cap.admits(req):
                 passed.append(self.waiting.popleft())
                 continue
             cached = self.kv.find_cached(req)  # the longest prefix already in the cache: not recomputed
@@ -196,8 +193,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if req.lora is not None:
-                adapters.add(req.lora.uid)
+            if cap is not None:
+                cap.add(req)
             self.kv.allocate(req, n, cached)
             if req.num_preemptions == 0 and not req.output_token_ids:
                 req.num_cached_tokens = start
@@ -214,6 +211,8 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(passed))
         decodes += chunks
+        if self.lora is not None and batch.items:
+            batch.lora = self.lora.plan(batch.items, self._by_id)
         return batch
 
     def _verify(self, req: Request, decodes: list[ScheduledItem], budget: int) -> bool:
@@ -412,5 +411,4 @@ def _new_request(req: Request) -> NewRequest:
         tuple(req.mm_items),
         req.rope,
         None if req.diffusion is None else req.diffusion.runner_view,
-        req.lora,
     )

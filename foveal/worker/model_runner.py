@@ -89,6 +89,9 @@ class ModelRunner:
         vocab_size: int,
         encoder_cache=None,
         max_tokens_per_row: int = 1,
+        graphs=None,
+        lora=None,
+        tap=None,
     ):
         self.model = model
         self.encoder_cache = encoder_cache
@@ -99,11 +102,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(vocab_size)
         self._num_diffusion = 0  # held requests of a diffusion model (their own attention shape)
-        self.graphs = None  # worker.cuda_graphs.DecodeGraphs, set by the engine on CUDA
-        self.lora = None  # foveal.lora.slots.LoRASlots when adapters are enabled (set by the engine)
-        # a hidden-state drafter's tap (spec/hidden.py): `tap_layers` the model reports, `fuse(aux,
-        # final)` -> [T, H] kept per fed token; None: nothing is kept
-        self.tap = None
+        self.graphs = graphs  # decode-step graphs (worker/cuda_graphs.py, cpu_graphs.py), or None: eager
+        self.lora = lora  # foveal.lora.slots.LoRASlots when adapters are enabled
+        # a hidden-state drafter's tap (speculative/hidden.py): `tap_layers` the model reports,
+        # `fuse(aux, final)` -> [T, H] kept per fed token; None: nothing is kept
+        self.tap = tap
         self._tapped: torch.Tensor | None = None  # the latest forward pass's, until launch takes it
         self._held: dict[str, _Held] = {}
         self._free_slots: list[int] = []
@@ -118,8 +121,6 @@ class ModelRunner:
             if held is not None:
                 self._free_slots.append(held.slot)
                 self._num_diffusion -= held.req.diffusion is not None
-                if held.req.lora is not None:
-                    self.lora.release(held.req.lora)
 
     def _admit(self, batch: ScheduledBatch) -> None:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
@@ -128,8 +129,6 @@ class ModelRunner:
                 shift = self.model.position_shift(new.rope)
                 self._held[new.request_id] = _Held(new, self._slot(), shift)
                 self._num_diffusion += new.diffusion is not None
-                if new.lora is not None:
-                    self.lora.hold(new.lora)
 
     def _slot(self) -> int:
         if not self._free_slots:
@@ -214,10 +213,13 @@ class ModelRunner:
             positions = to_device(torch.tensor(rows.positions, dtype=torch.long), dev)
         return input_ids, positions, meta
 
-    def _lora_groups(self, items: list[ScheduledItem]) -> tuple[list[tuple[int, int]], bool]:
-        """LoRASlots.groups for the step's items (their adapters loaded into slots)."""
-        held = self._held
-        return self.lora.groups([held[s.request_id].req.lora for s in items], [s.num_tokens for s in items])
+    @staticmethod
+    def _lora_groups(batch: ScheduledBatch) -> list[tuple[int, int]] | None:
+        """Per item (its adapter's slot, its rows) when some row of the step runs an adapter, else None
+        (the slots are the scheduling side's choice: foveal/lora/driver.py)."""
+        if batch.lora is None:
+            return None
+        return list(zip(batch.lora.slots, (s.num_tokens for s in batch.items)))
 
     def _bidirectional_spans(self, batch: ScheduledBatch) -> list[list[tuple[int, int]]] | None:
         """Per attention row, the image spans its chunk overlaps, for models whose image tokens attend
@@ -328,8 +330,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(rows.slots, dtype=torch.long) if rows.block_diffusion else None,
             block_size=self.block_size,
         )
-        lora = self._lora_groups(items)[0] if self.lora is not None else None
-        logits = self.graphs.run(input_ids, host[1], attn, lora)
+        logits = self.graphs.run(input_ids, host[1], attn, self._lora_groups(batch))
         if self.tap is not None:  # the graphs' static buffer: the next replay overwrites it
             self._tapped = self.graphs.tapped[: rows.num_rows].clone()
         if len(rows.logits_rows) < rows.num_rows:  # a block diffusion item's last num_logits rows
@@ -343,6 +344,8 @@ class ModelRunner:
         """Logits of the positions that give them (in batch order), or of every token when all_tokens
         (tests). `spent` collects vision-encoder time per request."""
         self._admit(batch)
+        if batch.lora is not None:  # the step's adapters not yet in their slots
+            self.lora.load(batch.lora.loads)
         rows = self._rows(batch)
         if self.graphs is not None and not all_tokens:
             logits = self._graph_decode(batch, rows)
@@ -350,13 +353,12 @@ class ModelRunner:
                 return logits
         input_ids, positions, meta = self._prepare(batch, rows)
         ctx = StepContext(positions, self.kv_caches, meta)
-        if self.lora is not None:
-            groups, adapters = self._lora_groups(batch.items)
-            if adapters:
-                from foveal.lora.slots import group_rows
+        groups = self._lora_groups(batch)
+        if groups is not None:
+            from foveal.lora.slots import group_rows
 
-                packed = group_rows(groups, self.lora.num_slots + 1)
-                ctx.lora = self.lora.batch(to_device(torch.tensor(packed), self.device), input_ids.shape[0])
+            packed = group_rows(groups, self.lora.num_slots + 1)
+            ctx.lora = self.lora.batch(to_device(torch.tensor(packed), self.device), input_ids.shape[0])
         if self.tap is not None:
             ctx.aux_layers, ctx.aux = self.tap.tap_layers, []
         if self.model.is_multimodal:
