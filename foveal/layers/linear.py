@@ -178,8 +178,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     lora = None  # foveal.lora.stacks.LoRAStacks when LoRA adapters are enabled for this projection
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lo = self.lora
-        if lo is not None and lo.state.batch is not None:
-            return lo.forward(x, self.weight, self.bias)  # this step has rows with adapters
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """`lora`: the step's LoRABatch (StepContext.lora) when some row runs an adapter, else None."""
+        if lora is not None and self.lora is not None:
+            return self.lora.forward(x, self.weight, self.bias, lora)
         return linear(x, self.weight, self.bias)

@@ -1,9 +1,9 @@
 """The device's LoRA slots (the model thread's): a `LoRAStacks` on every LoRA-capable linear of the
-model (foveal/lora/adapter.py `LoRALayout`), the slot writes a step asks for, and the binding of each
-forward pass's `StepContext.lora` to the stacks (a forward pre-hook: the CUDA graphs' capture binds
-its static buffers through it too). Which adapter goes to which slot is decided on the scheduling side
-(foveal/lora/driver.py); the runner applies its `LoRAStep`: writes queued on the compute stream before
-the step's forward pass, so a step still running on the device reads the old weights first.
+model (foveal/lora/adapter.py `LoRALayout`), and the slot writes a step asks for. Which adapter goes
+to which slot is decided on the scheduling side (foveal/lora/driver.py); the runner applies its
+`LoRAStep`: writes queued on the compute stream before the step's forward pass, so a step still
+running on the device reads the old weights first. The step's rows reach the stacks as
+`StepContext.lora` (a `LoRABatch`), which the model passes to every LoRA-capable linear.
 
 `group_rows` turns a step's per-item slots into the LoRABatch layout (rows grouped by slot, padding
 and base rows in the last group) as one host list, so one device copy carries it.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from foveal.lora.adapter import HostAdapter, LoRALayout
-from foveal.lora.stacks import LoRABatch, LoRAStacks, LoRAState
+from foveal.lora.stacks import LoRABatch, LoRAStacks
 
 
 class LoRASlots:
@@ -26,22 +26,17 @@ class LoRASlots:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = torch.device(device)
-        self.state = LoRAState()
         self.stacks: dict[str, LoRAStacks] = {}
         for name, target in self.layout.targets.items():
             mod = model.get_submodule(name)
-            st = LoRAStacks(target, self.state, num_slots, max_rank, dtype, self.device, mod, fused)
+            st = LoRAStacks(target, num_slots, max_rank, dtype, self.device, mod, fused)
             mod.lora = st
             self.stacks[name] = st
-        model.register_forward_pre_hook(self._bind)
         self.num_loads = 0  # slot writes so far
 
     @property
     def nbytes(self) -> int:
         return sum(st.nbytes for st in self.stacks.values())
-
-    def _bind(self, module, args) -> None:
-        self.state.batch = args[1].lora
 
     def load(self, writes) -> None:
         """Write each (slot, adapter) of a step's LoRAStep.loads into the stacks."""

@@ -37,21 +37,9 @@ class LoRABatch:
     offs: torch.Tensor  # [S + 1] int32: cumulative ends of the groups (offs[S] == T)
 
 
-class LoRAState:
-    """What every stack of one model reads: the current step's batch (None: no adapter row, skip)."""
-
-    __slots__ = ("batch",)
-
-    def __init__(self):
-        self.batch: LoRABatch | None = None
-
-
 class LoRAStacks:
-    def __init__(
-        self, target, state: LoRAState, num_slots: int, max_rank: int, dtype, device, linear=None, fused=None
-    ):
+    def __init__(self, target, num_slots: int, max_rank: int, dtype, device, linear=None, fused=None):
         self.target = target
-        self.state = state
         self.num_slots = num_slots
         self.rank = max_rank
         k = len(target.slices) * max_rank
@@ -97,14 +85,15 @@ class LoRAStacks:
             else:
                 B[off : off + rows, j * R : j * R + r].copy_(b, non_blocking=True)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The linear's output plus each row's adapter delta (the step's batch must be set).
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch: LoRABatch
+    ) -> torch.Tensor:
+        """The linear's output plus each row's adapter delta (`batch`: the step's StepContext.lora).
 
         On CUDA the shrink is part of the base GEMM (x @ [W; A_0; ...]^T: a few percent more weight
         rows, no kernel of its own) and one Triton kernel adds each row's h_s @ B[s]^T to its output."""
         from foveal.layers.linear import linear
 
-        batch = self.state.batch
         if self.W_ext is not None:
             from foveal.lora.ops_triton import lora_expand_fused
 

@@ -11,10 +11,13 @@ A vision-language model also implements `encode_images(items) -> [embeddings per
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from foveal.lora.stacks import LoRABatch
 
 
 @dataclass(slots=True)
@@ -33,8 +36,9 @@ class StepContext:
     # final norm) to `aux`, in layer order
     aux_layers: tuple[int, ...] = ()
     aux: list[torch.Tensor] | None = None
-    # LoRA adapters (foveal/lora): the step's rows grouped by adapter slot; None: no adapter row
-    lora: Any = None
+    # LoRA adapters (foveal/lora/stacks.py LoRABatch): the step's rows grouped by adapter slot, which
+    # the model passes to every LoRA-capable linear (`Linear.forward(x, lora)`); None: no adapter row
+    lora: LoRABatch | None = None
 
 
 class CausalLM(nn.Module):

@@ -132,9 +132,9 @@ class Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(spec.head_dim, spec.eps)
         self.k_norm = GemmaRMSNorm(spec.head_dim, spec.eps)
 
-    def forward(self, x, rope, kv_cache, meta):
+    def forward(self, x, rope, kv_cache, meta, lora=None):
         s = self.spec
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(-1, s.num_heads, s.head_dim))
         k = self.k_norm(k.view(-1, s.num_kv_heads, s.head_dim))
         v = v.view(-1, s.num_kv_heads, s.head_dim)
@@ -143,7 +143,7 @@ class Attention(nn.Module):
         out = self.backend.forward(
             q, k, v, kv_cache, meta, s.scale, window=self.window, softcap=s.attn_softcap
         )
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj(out.reshape(-1, self.q_size), lora)
 
 
 class MLP(nn.Module):
@@ -154,9 +154,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(spec.hidden, 2 * spec.intermediate, bias=False)
         self.down_proj = Linear(spec.intermediate, spec.hidden, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x, lora=None):
+        gate, up = self.gate_up_proj(x, lora).split(self.inter, dim=-1)
+        return self.down_proj(self.act(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -169,10 +169,10 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(spec.hidden, spec.eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(spec.hidden, spec.eps)
 
-    def forward(self, x, rope, kv_cache, meta):
-        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta, lora=None):
+        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, lora)
         x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.mlp(self.pre_feedforward_layernorm(x), lora)
         return x + self.post_feedforward_layernorm(h)
 
 
@@ -205,7 +205,7 @@ class Gemma3ForCausalLM(CausalLM):
         x = self.embed_input_ids(input_ids) if ctx.inputs_embeds is None else ctx.inputs_embeds
         rope = self.rotary.cos_sin(ctx.positions, x.dtype)
         for layer, cache in zip(self.layers, ctx.kv_caches):
-            x = layer(x, rope, cache, ctx.attn)
+            x = layer(x, rope, cache, ctx.attn, ctx.lora)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -70,9 +70,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, spec.eps)
         self.scale = hd**-0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta):
+    def forward(self, x, cos, sin, kv_cache, meta, lora=None):
         s = self.spec
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
@@ -81,7 +81,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)  # on CUDA: in place, into the qkv buffer
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj(out.reshape(-1, self.q_size), lora)
 
 
 class MLP(nn.Module):
@@ -91,14 +91,14 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(spec.hidden, 2 * spec.intermediate, bias=spec.mlp_bias)
         self.down_proj = Linear(spec.intermediate, spec.hidden, bias=spec.mlp_bias)
 
-    def forward(self, x):
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x, lora=None):
+        gate_up = self.gate_up_proj(x, lora)
         if gate_up.is_cuda and fused.use_fused(gate_up):
-            return self.down_proj(fused.silu_and_mul(gate_up))
+            return self.down_proj(fused.silu_and_mul(gate_up), lora)
         if cpu_fused.use(gate_up) and (h := cpu_fused.silu_and_mul(gate_up)) is not None:
-            return self.down_proj(h)
+            return self.down_proj(h, lora)
         gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -109,15 +109,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
 
-    def forward(self, x, residual, cos, sin, kv_cache, meta):
+    def forward(self, x, residual, cos, sin, kv_cache, meta, lora=None):
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_residual(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, lora)
         h, residual = self.post_attention_layernorm.forward_residual(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(CausalLM):
@@ -150,7 +150,7 @@ class LlamaForCausalLM(CausalLM):
         for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
             if i in aux:  # the hidden state entering layer i: the running sum x + residual
                 ctx.aux.append(x if residual is None else x + residual)
-            x, residual = layer(x, residual, cos, sin, cache, ctx.attn)
+            x, residual = layer(x, residual, cos, sin, cache, ctx.attn, ctx.lora)
             if deepstack is not None and i < deepstack[1].shape[1]:
                 # the layer's output is x + residual; adding to x puts it on that sum
                 x = x.index_add(0, deepstack[0], deepstack[1][:, i].to(x.dtype))
