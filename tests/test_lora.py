@@ -64,9 +64,7 @@ def _parity(h: Harness, pm, adapter, prompts: list[list[int]], steps: int = 20) 
         h.sched.update(batch, sampled)
     for r in reqs:
         h.sched.finish(r, FinishReason.ABORT)
-    done = h.sched.take_finished()
-    h.runner.release(done)
-    h.sched.lora.release(done)
+    h.runner.release(h.sched.take_finished())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
@@ -523,6 +521,28 @@ def test_slots_never_evict_an_adapter_in_use(tmp_path):
     assert driver.slots_for([x1, x0], Counter()) == ({x0.uid: 0, x1.uid: 1}, [(1, x1)])
     with pytest.raises(RuntimeError, match="max-loras"):
         driver.slots_for(ads)
+
+
+def test_a_step_plan_gives_slots_and_keeps_the_adapters_of_unfinished_requests():
+    """LoRADriver.plan: per item its slot (the base model's: num_slots), a write only for an adapter not
+    resident, None for a step without adapters; the adapter of an unfinished request (waiting too) is
+    evicted after one no request uses, even when it is the least recently used."""
+    from types import SimpleNamespace as NS
+
+    from foveal.lora.driver import LoRADriver
+
+    d = LoRADriver(2)
+    a, b, c = (NS(uid=i, name=f"x{i}") for i in range(3))
+    reqs = {"r0": NS(lora=a), "r1": NS(lora=None), "r2": NS(lora=b)}
+    items = [NS(request_id=k) for k in reqs]
+    step = d.plan(items, reqs)
+    assert step.slots == (0, 2, 1) and step.loads == ((0, a), (1, b))
+    assert d.plan(items[1:2], reqs) is None
+    assert d.plan(items[2:], reqs).loads == ()  # b resident; a is now the least recently used
+    # r2 (b) finished, r0 (a) waits: c takes b's slot
+    step = d.plan([NS(request_id="r3")], {"r0": reqs["r0"], "r3": NS(lora=c)})
+    assert step.slots == (1,) and step.loads == ((1, c),)
+    assert d.resident == [a.uid, c.uid]
 
 
 def test_speculative_decoding_with_adapters_is_lossless(lora_setup):

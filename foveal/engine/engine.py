@@ -120,8 +120,6 @@ class Engine:
         if ids:
             self.runner.release(ids)
             self.guides.release(ids)
-            if self.scheduler.lora is not None:
-                self.scheduler.lora.release(ids)
             if self.speculation is not None:
                 self.speculation.release(ids)
 

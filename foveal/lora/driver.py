@@ -1,11 +1,10 @@
-"""LoRA's driver, on the scheduling side: which adapter each request runs with, which device slot
-holds which adapter, and so per step each item's slot and the slot writes the step needs first. The
-scheduler calls it; the runner receives the answer as plain values (`ScheduledBatch.lora`):
+"""LoRA's driver, on the scheduling side: which device slot holds which adapter, and so per step each
+item's slot and the slot writes the step needs first. The scheduler calls it; the runner receives the
+answer as plain values (`ScheduledBatch.lora`). Each request carries its adapter (`Request.lora`), so
+the driver keeps nothing per request:
 
-    driver.admit(req)                a request arrives: its adapter counts as held
     cap = driver.cap(running)        a step's admission cap: `cap.admits(req)`, then `cap.add(req)`
     driver.plan(items, requests)     -> LoRAStep (per item its slot; (slot, adapter) writes), or None
-    driver.release(request_ids)      requests that finished (the engine's one teardown path)
     driver.report(running, waiting)  the metrics' view
 
 Slots: an adapter already resident keeps its slot; a missing one goes to a free slot, else to the
@@ -60,46 +59,32 @@ class LoRADriver:
         self.resident: list[int | None] = [None] * num_slots  # each slot's adapter uid
         self._used = [0] * num_slots  # the step that last used each slot (LRU)
         self._tick = 0
-        self.held: Counter = Counter()  # adapter uid -> unfinished requests that use it
-        self._adapter_of: dict[str, int] = {}  # request id -> its adapter's uid (adapter requests only)
-
-    # -- requests ------------------------------------------------------------------------------------
-    def admit(self, req: Request) -> None:
-        if req.lora is not None and req.request_id not in self._adapter_of:
-            self._adapter_of[req.request_id] = req.lora.uid
-            self.held[req.lora.uid] += 1
-
-    def release(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            uid = self._adapter_of.pop(rid, None)
-            if uid is not None:
-                self.held[uid] -= 1
-                if not self.held[uid]:
-                    del self.held[uid]
 
     # -- one step ------------------------------------------------------------------------------------
     def cap(self, running: list[Request]) -> AdapterCap:
         return AdapterCap(self.num_slots, {r.lora.uid for r in running if r.lora is not None})
 
     def plan(self, items: list[ScheduledItem], requests: dict[str, Request]) -> LoRAStep | None:
-        """Each item's slot and the writes the step needs; None when no item runs an adapter."""
+        """Each item's slot and the writes the step needs; None when no item runs an adapter.
+        `requests`: every unfinished request by id (their adapters' slots are taken last)."""
         adapters = [requests[s.request_id].lora for s in items]
         if not any(a is not None for a in adapters):
             return None
-        slots, loads = self.slots_for([a for a in adapters if a is not None])
+        held = Counter(r.lora.uid for r in requests.values() if r.lora is not None)
+        slots, loads = self.slots_for([a for a in adapters if a is not None], held)
         base = self.num_slots
         return LoRAStep(tuple(base if a is None else slots[a.uid] for a in adapters), tuple(loads))
 
     def slots_for(self, adapters: list[HostAdapter], held: Counter | None = None):
         """(uid -> slot, [(slot, adapter) to write]) for a step's adapters. `held`: the adapters of
-        unfinished requests (their slots are taken last; default: this driver's count)."""
+        unfinished requests (their slots are taken last)."""
         wanted = {a.uid: a for a in adapters}
         if len(wanted) > self.num_slots:
             raise RuntimeError(
                 f"a step uses {len(wanted)} adapters but only {self.num_slots} fit (--max-loras): "
                 "the scheduler must not schedule more"
             )
-        held = self.held if held is None else held
+        held = Counter() if held is None else held
         self._tick += 1
         out: dict[int, int] = {uid: self.resident.index(uid) for uid in wanted if uid in self.resident}
         loads: list[tuple[int, HostAdapter]] = []

@@ -70,8 +70,6 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if self.diffusion is not None:
             self.diffusion.admit(req)
-        if self.lora is not None:
-            self.lora.admit(req)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
         self._by_id[req.request_id] = req
