@@ -22,6 +22,7 @@ from foveal.cache.kv_cache_manager import KVCacheManager
 from foveal.config import EngineConfig
 from foveal.diffusion.driver import DiffusionDriver
 from foveal.diffusion.info import diffusion_info
+from foveal.diffusion.passes import DiffusionPasses
 from foveal.engine.engine import Engine
 from foveal.engine.input_processor import EngineInfo, InputProcessor
 from foveal.lora.driver import LoRADriver
@@ -188,6 +189,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         graphs=_decode_graphs(cfg, info, model, kv_caches, backend, device, dtype, max_len, tap, lora_slots),
         lora=lora_slots,
         tap=tap,
+        diffusion=DiffusionPasses() if info.diffusion is not None else None,
     )
     speculation = None
     if proposer is not None:

@@ -92,6 +92,7 @@ class ModelRunner:
         graphs=None,
         lora=None,
         tap=None,
+        diffusion=None,
     ):
         self.model = model
         self.encoder_cache = encoder_cache
@@ -101,7 +102,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(vocab_size)
-        self._num_diffusion = 0  # held requests of a diffusion model (their own attention shape)
+        self.diffusion = diffusion  # a diffusion model's rows and passes (diffusion/passes.py), or None
         self.graphs = graphs  # decode-step graphs (worker/cuda_graphs.py, cpu_graphs.py), or None: eager
         self.lora = lora  # foveal.lora.slots.LoRASlots when adapters are enabled
         # a hidden-state drafter's tap (speculative/hidden.py): `tap_layers` the model reports,
@@ -120,7 +121,6 @@ class ModelRunner:
             held = self._held.pop(rid, None)
             if held is not None:
                 self._free_slots.append(held.slot)
-                self._num_diffusion -= held.req.diffusion is not None
 
     def _admit(self, batch: ScheduledBatch) -> None:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
@@ -128,7 +128,6 @@ class ModelRunner:
             if new.request_id not in self._held:
                 shift = self.model.position_shift(new.rope)
                 self._held[new.request_id] = _Held(new, self._slot(), shift)
-                self._num_diffusion += new.diffusion is not None
 
     def _slot(self) -> int:
         if not self._free_slots:
@@ -168,16 +167,8 @@ class ModelRunner:
             self.token_buffer.view(-1).index_copy_(0, dst_d, flat)
         return staged
 
-    def _diffusion_rows(self, s: ScheduledItem) -> list[int] | None:
-        """A block diffusion model's item as one-token queries: per fed token the last key it sees (its
-        attention block's end, within the item), so the decode path of every backend gives the block-
-        causal shape (all of a step's keys are written before any row reads). None for other items."""
-        shape = self._held[s.request_id].req.diffusion
-        if shape is None or shape[0] != "block":
-            return None
-        size, a = shape[1], s.start
-        b = a + s.num_tokens
-        return [min(p - p % size + size, b) - 1 for p in range(a, b)]
+    def _key_limits(self, s: ScheduledItem) -> list[int] | None:
+        return self.diffusion.key_limits(s, self._held[s.request_id].req.diffusion)
 
     def _with_pending(self, input_ids: torch.Tensor, src: list[int]) -> torch.Tensor:
         """input_ids with every position whose `src` entry is >= 0 replaced by that flat index of the
@@ -186,8 +177,8 @@ class ModelRunner:
         return torch.where(idx >= 0, self.token_buffer.view(-1)[idx.clamp(min=0)], input_ids)
 
     def _rows(self, batch: ScheduledBatch) -> StepRows:
-        diffusion = self._diffusion_rows if self._num_diffusion else None
-        return build_rows(batch.items, self._held, self.token_buffer.shape[1], self.block_size, diffusion)
+        limits = self._key_limits if self.diffusion is not None else None
+        return build_rows(batch.items, self._held, self.token_buffer.shape[1], self.block_size, limits)
 
     def _prepare(self, batch: ScheduledBatch, rows: StepRows):
         dev = self.device
@@ -225,7 +216,7 @@ class ModelRunner:
         """Per attention row, the image spans its chunk overlaps, for models whose image tokens attend
         both ways (Gemma 3); None when no chunk of the step touches one. A decode row needs none: a
         single query token sees every earlier token anyway."""
-        if not self.model.mm_bidirectional and not self._num_diffusion:
+        if not self.model.mm_bidirectional and self.diffusion is None:
             return None
         spans: list[list[tuple[int, int]]] = []
         for s in batch.items:
@@ -234,11 +225,8 @@ class ModelRunner:
                 continue
             a, b = s.start, s.start + s.num_tokens
             req = self._held[s.request_id].req
-            if req.diffusion is not None:  # a diffusion model's attention shape (NewRequest.diffusion)
-                if req.diffusion[0] == "masked":  # every token sees every token
-                    spans.append([(0, b)])
-                else:  # block-causal: one-token queries that see their block's end (_diffusion_rows)
-                    spans += [[] for _ in range(s.num_tokens)]
+            if self.diffusion is not None:  # its attention shape (NewRequest.diffusion)
+                spans += self.diffusion.spans(s, req.diffusion)
                 continue
             spans.append([(it.offset, it.end) for it in req.mm_items if it.offset < b and a < it.end])
         return spans if any(spans) else None
@@ -423,8 +411,13 @@ class ModelRunner:
         constrained rows (structured/driver.py: (masks, their logits rows) on the device, or None), the
         tokens into the buffer."""
         batch, logits, launched.logits = launched.batch, launched.logits, None
-        if self._num_diffusion:
-            return self._denoise(launched, logits)
+        if self.diffusion is not None:  # a diffusion model's denoising passes
+            reqs = [self._held[s.request_id].req for s in batch.items]
+            launched.rows, host = self.diffusion.sample(batch.items, reqs, logits, self.sampler)
+            if host is not None:
+                launched.denoised = True
+                self._start_copy(launched, host)
+            return
         rows: list[SamplingRow] = []
         drafts: list[int] = []  # per logits row: the draft it checks, -1 for an item's last row
         sources: list[int] = []  # per logits row: where a staged draft is in the token buffer, or -1
@@ -475,32 +468,6 @@ class ModelRunner:
             host = pinned
         launched.host = host
 
-    def _denoise(self, launched: Launched, logits: torch.Tensor) -> None:
-        """A diffusion model's step: each denoising item's rows give (token, confidence) (diffusion/
-        sampling.py), to the host as one float64 tensor [2, rows] (token ids are exact in float64)."""
-        from foveal.diffusion.sampling import choose
-
-        x0s, confs, row = [], [], 0
-        for s in launched.batch.items:
-            if not s.num_logits:
-                continue
-            if s.denoise < 0:
-                raise RuntimeError(f"{s.request_id}: a diffusion model samples only in denoising passes")
-            req, n = self._held[s.request_id].req, s.num_logits
-            total = s.num_tokens - len(req.prompt_token_ids) if req.diffusion[0] == "masked" else n
-            x0, conf = choose(
-                logits[row : row + n, : self.sampler.vocab_size], req.diffusion[2], req.params, s.denoise,
-                total, self.sampler,
-            )  # fmt: skip
-            launched.rows.append((s.request_id, row, n))
-            x0s.append(x0)
-            confs.append(conf)
-            row += n
-        if not x0s:
-            return
-        launched.denoised = True
-        self._start_copy(launched, torch.stack([torch.cat(x0s).double(), torch.cat(confs).double()]))
-
     def _verify(
         self,
         logits: torch.Tensor,
@@ -532,11 +499,8 @@ class ModelRunner:
             return out
         if launched.event is not None:
             launched.event.synchronize()
-        if launched.denoised:  # per item: the rows' tokens and confidences
-            x0, conf = launched.host.tolist()
-            for rid, first, n in launched.rows:
-                out.tokens[rid] = [int(t) for t in x0[first : first + n]]
-                out.confidence[rid] = conf[first : first + n]
+        if launched.denoised:
+            self.diffusion.collect(launched.host, launched.rows, out)
             return out
         host = launched.host.tolist()
         num_rows = launched.tokens.shape[0]

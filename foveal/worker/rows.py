@@ -58,11 +58,11 @@ def build_rows(
     held: Mapping[str, Any],
     width: int,
     block_size: int,
-    diffusion_rows: Callable[[ScheduledItem], list[int] | None] | None = None,
+    key_limits: Callable[[ScheduledItem], list[int] | None] | None = None,
 ) -> StepRows:
     """The rows of `items`. `held[request_id]` gives `.slot` (its token-buffer row, `width` wide),
     `.shift` (generated tokens' position past their index) and `.req` (its NewRequest);
-    `diffusion_rows(item)`: a block diffusion item's per-row contexts, else None."""
+    `key_limits(item)`: a block diffusion item's per-row last keys (diffusion/passes.py), else None."""
     out = StepRows()
     ids, pos, rope, slots = out.ids, out.positions, out.rope, out.slots
     q_lens, ctxs, tables, logits = out.query_lens, out.context_lens, out.block_tables, out.logits_rows
@@ -73,7 +73,7 @@ def build_rows(
     for s in items:
         h = held[s.request_id]
         n, base, shift = len(s.token_ids) + s.num_pending, len(ids), h.shift
-        rows_ctx = diffusion_rows(s) if diffusion_rows is not None else None
+        rows_ctx = key_limits(s) if key_limits is not None else None
         decode = (s.num_logits == n and s.denoise < 0) or rows_ctx is not None
         if decode and prefill_seen:
             raise ValueError(f"{s.request_id}: decode items must come before prefill chunks in a batch")
