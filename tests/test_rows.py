@@ -59,17 +59,29 @@ def test_a_prompt_tokens_query_is_not_a_short_query():
 
 
 def test_block_diffusion_rows_see_their_block_end_and_do_not_mix():
-    def diffusion_rows(s):
+    def key_limits(s):
         return [s.start + s.num_tokens - 1] * s.num_tokens if s.request_id == "q" else None
 
     block = ScheduledItem("q", 8, (1, 2, 3, 4), (1, 2, 3), num_logits=4, denoise=0)
-    rows = build_rows([block], HELD, WIDTH, BS, diffusion_rows)
+    rows = build_rows([block], HELD, WIDTH, BS, key_limits)
     assert rows.context_lens == [11] * 4 and rows.query_lens == [1] * 4
     assert rows.block_diffusion and rows.short_queries
     mixed = build_rows(
-        [ScheduledItem("d", 4, (41,), (7, 8), num_logits=1), block], HELD, WIDTH, BS, diffusion_rows
+        [ScheduledItem("d", 4, (41,), (7, 8), num_logits=1), block], HELD, WIDTH, BS, key_limits
     )
     assert mixed.block_diffusion and not mixed.short_queries  # a graph takes their slots only alone
+
+
+def test_a_block_models_rows_see_up_to_their_blocks_end_within_the_item():
+    """DiffusionPasses.key_limits: positions 6..10 with blocks of 4 see keys up to 7 (block 4..7) and
+    up to 10 (block 8..11, cut at the item's end); a masked model's item is one both-ways row."""
+    from foveal.diffusion.passes import DiffusionPasses
+
+    item = ScheduledItem("q", 6, (1, 2, 3, 4, 5), (1, 2, 3), num_logits=5, denoise=0)
+    assert DiffusionPasses.key_limits(item, ("block", 4, 99)) == [7, 7, 10, 10, 10]
+    assert DiffusionPasses.spans(item, ("block", 4, 99)) == [[]] * 5
+    assert DiffusionPasses.key_limits(item, ("masked", 0, 99)) is None
+    assert DiffusionPasses.spans(item, ("masked", 0, 99)) == [[(0, 11)]]
 
 
 def test_a_decode_after_a_prefill_chunk_is_refused():

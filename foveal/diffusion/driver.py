@@ -77,7 +77,7 @@ class DiffusionDriver:
     @staticmethod
     def item(req: Request, plan: Plan) -> tuple[ScheduledItem, bool]:
         """The planned item, and whether it goes with the decodes: a block model's rows are one-token
-        queries (ModelRunner._diffusion_rows), a masked model's item is a chunk."""
+        queries (DiffusionPasses.key_limits), a masked model's item is a chunk."""
         start, toks, num_logits, denoise = plan
         item = ScheduledItem(req.request_id, start, toks, tuple(req.block_ids), num_logits, denoise=denoise)
         return item, req.diffusion.kind == "block"
