@@ -295,6 +295,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    announced: bool = False  # the runner has its NewRequest (sent with the first step that ran it)
     # A cache of prompt+output, appended in place, so the scheduler never re-concatenates lists.
     all_token_ids: list[int] = field(default_factory=list)
     mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order, spans disjoint

@@ -62,8 +62,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._known: set[str] = set()  # request ids the runner has been told about (NewRequest sent)
-        self._forget: list[str] = []  # of those, finished since the last batch: the runner may drop them
+        self._finished: list[str] = []  # ids finished since take_finished last ran (the teardown path)
         self._by_id: dict[str, Request] = {}  # unfinished requests
 
     # -- queue management ------------------------------------------------------------------------
@@ -91,8 +90,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self._by_id.pop(req.request_id, None)
-        self._known.discard(req.request_id)
-        self._forget.append(req.request_id)
+        self._finished.append(req.request_id)
 
     def get(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
@@ -101,7 +99,7 @@ class Scheduler:
     def take_finished(self) -> list[str]:
         """Ids of the requests that finished since the last call (done, aborted or failed): the
         engine's one teardown path hands them to the runner and every driver."""
-        ids, self._forget = self._forget, []
+        ids, self._finished = self._finished, []
         return ids
 
     @property
@@ -197,8 +195,8 @@ class Scheduler:
             if req.num_preemptions == 0 and not req.output_token_ids:
                 req.num_cached_tokens = start
                 self.kv.record_lookup(req, start)
-            if req.request_id not in self._known:
-                self._known.add(req.request_id)
+            if not req.announced:  # the runner's copy goes with its first step (kept across preemption)
+                req.announced = True
                 batch.new_requests.append(_new_request(req))
             if plan is not None:
                 self._add_diffusion(req, plan, decodes, chunks)
