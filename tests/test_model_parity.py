@@ -9,7 +9,10 @@ import torch
 from foveal.request import FinishReason
 from tests.tiny import Harness, tiny_hf_model
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_softcap"]
+FAMILIES = [
+    "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_softcap",
+    "qwen3_moe", "qwen3_moe_unnormed", "mixtral",
+]  # fmt: skip
 TOL = 1e-4
 
 
@@ -60,7 +63,7 @@ def _ends(batch):
         yield s, off
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("budget", [1, 7, 16])
 def test_chunked_prefill_matches_unchunked(family, budget):
     """A 40-token prompt split into chunks of `budget` tokens (with a decoding request sharing the steps)

@@ -72,6 +72,18 @@ def tiny_config(family: str, **overrides):
         return tf.Qwen2Config(**COMMON, tie_word_embeddings=False)
     if family == "qwen3":
         return tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)
+    if family == "qwen3_moe":  # 8 experts, top 2 renormalized; layer 1 dense (mlp_only_layers)
+        return tf.Qwen3MoeConfig(
+            **COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
+        )  # fmt: skip
+    if family == "qwen3_moe_unnormed":  # top 3 of 6 not renormalized, every layer sparse, 3 layers
+        return tf.Qwen3MoeConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=16, num_experts=6, num_experts_per_tok=3,
+            moe_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
+        )  # fmt: skip
+    if family == "mixtral":  # 4 experts of 128, top 2
+        return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     raise ValueError(family)
 
 
@@ -86,6 +98,8 @@ def tiny_hf_model(family: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):  # a router: distinct scores, so the top k is no tie
+                p.normal_(0, 0.5)
     cfg.architectures = [type(model).__name__]
     return model
 

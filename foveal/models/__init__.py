@@ -10,6 +10,8 @@ _MODELS = {
     "Qwen2ForCausalLM": "foveal.models.llama:Qwen2ForCausalLM",
     "MiMoForCausalLM": "foveal.models.llama:MiMoForCausalLM",
     "Qwen3ForCausalLM": "foveal.models.llama:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "foveal.models.llama_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "foveal.models.llama_moe:MixtralForCausalLM",
     "LLaDAModelLM": "foveal.models.llama:LLaDAModelLM",
     "SDARForCausalLM": "foveal.models.llama:SDARForCausalLM",
     "LlavaForConditionalGeneration": "foveal.models.llava:LlavaForConditionalGeneration",

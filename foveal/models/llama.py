@@ -102,10 +102,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSwitches, backend):
+    def __init__(self, spec: DecoderSwitches, backend, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = Attention(spec, backend)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec) if mlp is None else mlp  # or a mixture of experts (models/llama_moe.py)
         self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
 
@@ -130,13 +130,16 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         spec = self.spec = self._spec(config)
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(self._layer(spec, backend, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden, spec.eps)
         self.rotary = RotaryEmbedding(config, spec.head_dim, max_positions)
         self.lm_head = None if spec.tie_embeddings else Linear(spec.hidden, spec.vocab_size, bias=False)
 
     def _spec(self, config) -> DecoderSwitches:
         return DecoderSwitches(config, family_qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+
+    def _layer(self, spec: DecoderSwitches, backend, index: int) -> DecoderLayer:
+        return DecoderLayer(spec, backend)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:

@@ -1,0 +1,99 @@
+"""Mixture of experts: the router's choice per token and the experts' computation.
+
+    route(logits, k, ...)            -> weights [T, k] (float32), ids [T, k]: each token's experts
+    FusedMoE(E, H, I)(x, w, ids)     -> [T, H]: sum_j w[t, j] * expert_ids[t, j](x[t])
+
+An expert is a gated MLP, down(act(gate(x)) * up(x)). The experts' weights are stored as two stacks,
+gate/up [E * 2I, H] (each expert's gate rows, then its up rows) and down [E * H, I], so a checkpoint's
+per-expert tensors fill row ranges of them and transformers 5's fused tensors ([E, 2I, H], [E, H, I])
+fill them whole.
+
+The computation sorts the (token, expert) pairs by expert and runs one grouped GEMM for gate/up and one
+for down over them (`torch._grouped_mm`: every expert's rows in one call, no host sync, so a CUDA
+graph can hold it), scales each row by its weight and adds the rows back per token. `experts_reference`
+is the plain loop over experts that tests compare with (what transformers computes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTS = {"silu": F.silu}
+
+
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool = True, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing: each token's top_k experts by probability and their weights (float32),
+    renormalized to sum to 1 when asked (Mixtral always; Qwen3-MoE by `norm_topk_prob`). `bias`: a
+    router bias added to the logits first."""
+    x = logits.float()
+    if bias is not None:
+        x = x + bias.float()
+    probs = torch.softmax(x, dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
+        super().__init__()
+        if act not in _ACTS:
+            raise ValueError(f"expert activation {act!r} is not supported (only {', '.join(_ACTS)})")
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.act = _ACTS[act]
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts * hidden, intermediate))
+
+    @property
+    def w13(self) -> torch.Tensor:
+        """[E, 2I, H]: each expert's gate rows, then its up rows."""
+        return self.gate_up_proj.view(self.num_experts, 2 * self.intermediate, self.hidden)
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """[E, H, I]"""
+        return self.down_proj.view(self.num_experts, self.hidden, self.intermediate)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return experts_grouped(x, self.w13, self.w2, weights, ids, self.act)
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    """torch._grouped_mm needs 16-byte aligned strides."""
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in ts)
+
+
+def experts_grouped(x, w13, w2, weights, ids, act=F.silu) -> torch.Tensor:
+    """The experts' output [T, H]: the (token, expert) pairs sorted by expert, one grouped GEMM each
+    for gate/up and down, each row scaled by its weight and added back to its token."""
+    T, k = ids.shape
+    E, two_i, _ = w13.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    if not _aligned(x, w2) or two_i * x.element_size() % 16:
+        return experts_reference(x, w13, w2, weights, ids, act)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    h = torch._grouped_mm(x[token], w13.transpose(1, 2), offs)
+    gate, up = h.split(two_i // 2, dim=-1)
+    d = torch._grouped_mm((act(gate) * up).contiguous(), w2.transpose(1, 2), offs)
+    d = d * weights.reshape(-1)[order, None].to(d.dtype)
+    return torch.zeros_like(x).index_add_(0, token, d)
+
+
+def experts_reference(x, w13, w2, weights, ids, act=F.silu) -> torch.Tensor:
+    """The plain loop over experts (transformers' computation): for each expert some token chose,
+    its tokens' gated MLP, scaled by their weights, added to their rows."""
+    out = torch.zeros_like(x)
+    inter = w13.shape[1] // 2
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], w13[e]).split(inter, dim=-1)
+        d = F.linear(act(gate) * up, w2[e]) * weights[token, slot, None].to(x.dtype)
+        out.index_add_(0, token, d)
+    return out

@@ -1,0 +1,172 @@
+"""Mixture-of-experts: the grouped expert computation against the plain loop, the router against its
+formula, the published per-expert checkpoint layouts, and a Qwen3-MoE folder served end to end.
+(Logits parity with transformers per family: test_model_parity.py's FAMILIES.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foveal.layers.moe import experts_grouped, experts_reference, route
+from tests.tiny import tiny_hf_model
+
+
+def _experts(E, H, inter, dtype, g):
+    w13 = torch.randn(E, 2 * inter, H, generator=g).to(dtype) / H**0.5
+    w2 = torch.randn(E, H, inter, generator=g).to(dtype) / inter**0.5
+    return w13, w2
+
+
+@pytest.mark.parametrize("E,k,T", [(1, 1, 5), (4, 2, 1), (8, 2, 17), (16, 4, 64), (6, 3, 3), (32, 8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_loop(E, k, T, dtype):
+    """Random shapes, expert counts and top-k (some experts chosen by no token, some by many): the
+    grouped GEMMs give the loop's output."""
+    g = torch.Generator().manual_seed(E * 100 + k * 10 + T)
+    H, inter = 64, 48
+    w13, w2 = _experts(E, H, inter, dtype, g)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    weights, ids = route(torch.randn(T, E, generator=g), k)
+    got = experts_grouped(x, w13, w2, weights, ids)
+    want = experts_reference(x, w13, w2, weights, ids)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert got.dtype == dtype and (got.float() - want.float()).abs().max().item() < tol
+    # the loop is the definition: token t's output is the weighted sum of its experts' MLPs
+    t, x32 = T - 1, x[T - 1].float()
+
+    def mlp(e):
+        gate, up = F.linear(x32, w13[e, :inter].float()), F.linear(x32, w13[e, inter:].float())
+        return F.linear(F.silu(gate) * up, w2[e].float())
+
+    direct = sum(float(weights[t, j]) * mlp(e) for j, e in enumerate(ids[t].tolist()))
+    assert (want[t].float() - direct).abs().max().item() < (1e-5 if dtype == torch.float32 else 5e-2)
+
+
+def test_unaligned_shapes_take_the_loop():
+    """Rows whose byte stride is not a multiple of 16 (what torch._grouped_mm needs) still compute."""
+    g = torch.Generator().manual_seed(3)
+    w13, w2 = _experts(4, 6, 5, torch.float32, g)
+    x = torch.randn(7, 6, generator=g)
+    weights, ids = route(torch.randn(7, 4, generator=g), 2)
+    want = experts_reference(x, w13, w2, weights, ids)
+    assert torch.allclose(experts_grouped(x, w13, w2, weights, ids), want)
+
+
+def test_routing_is_softmax_top_k():
+    """Softmax over all experts, the top k, renormalized or not; renormalized equals Mixtral's way
+    round (top k of the logits, softmax over those)."""
+    logits = torch.randn(9, 8, generator=torch.Generator().manual_seed(0))
+    w, ids = route(logits, 3, renormalize=False)
+    p = torch.softmax(logits, -1)
+    assert torch.equal(ids, p.topk(3, -1).indices) and torch.allclose(w, p.gather(1, ids))
+    w, ids = route(logits, 3)
+    top, idx = logits.topk(3, -1)
+    assert torch.equal(ids, idx) and torch.allclose(w, torch.softmax(top, -1), atol=1e-6)
+    assert torch.allclose(w.sum(-1), torch.ones(9))
+
+
+def published_state_dict(hf) -> dict[str, torch.Tensor]:
+    """The checkpoint layout the Hub's files use: one tensor per expert and projection (Qwen3-MoE:
+    mlp.experts.E.{gate,up,down}_proj; Mixtral: block_sparse_moe.experts.E.{w1,w3,w2} and its gate)
+    instead of transformers 5's fused [E, ...] stacks."""
+    mixtral = type(hf).__name__.startswith("Mixtral")
+    out = {}
+    for name, t in hf.state_dict().items():
+        if ".mlp.experts." not in name:
+            if mixtral and name.endswith(".mlp.gate.weight"):
+                name = name.replace(".mlp.", ".block_sparse_moe.")
+            out[name] = t
+            continue
+        prefix, stack = name.rsplit(".", 1)
+        if mixtral:
+            prefix = prefix.replace(".mlp.", ".block_sparse_moe.")
+        names = ("w1", "w3") if mixtral else ("gate_proj", "up_proj")
+        for e in range(t.shape[0]):
+            if stack == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.{names[0]}.weight"] = gate.clone()
+                out[f"{prefix}.{e}.{names[1]}.weight"] = up.clone()
+            else:
+                out[f"{prefix}.{e}.{'w2' if mixtral else 'down_proj'}.weight"] = t[e].clone()
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_published_layout_loads_to_the_same_model(family):
+    from foveal.attention import get_backend
+    from foveal.models import build_model
+
+    hf = tiny_hf_model(family)
+    published = published_state_dict(hf)
+    assert any(".experts.3." in n for n in published) and not any("gate_up_proj" in n for n in published)
+    models = [
+        build_model(
+            hf.config,
+            get_backend("torch", "cpu"),
+            max_positions=64,
+            dtype=torch.float32,
+            device="cpu",
+            weights=iter(w.items()),
+        )  # fmt: skip
+        for w in (hf.state_dict(), published)
+    ]
+    for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()):
+        assert torch.equal(a, b)
+    missing = {n: t for n, t in published.items() if ".experts.1." not in n}
+    with pytest.raises(ValueError, match="missing weights"):
+        build_model(hf.config, get_backend("torch", "cpu"), max_positions=64, dtype=torch.float32,
+                    device="cpu", weights=iter(missing.items()))  # fmt: skip
+
+
+def save_tiny_moe_folder(path) -> str:
+    """A tiny random Qwen3-MoE folder in the published safetensors layout, with the byte tokenizer."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from tests.tiny import tiny_config
+    from tests.tiny_vlm import byte_tokenizer
+
+    tok = byte_tokenizer([], "")
+    cfg = tiny_config("qwen3_moe")
+    cfg.vocab_size = len(tok)
+    cfg.bos_token_id, cfg.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    cfg.pad_token_id = tok.pad_token_id
+    torch.manual_seed(0)
+    hf = tf.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(path)
+    save_file({n: t.contiguous() for n, t in published_state_dict(hf).items()}, f"{path}/model.safetensors")
+    tok.save_pretrained(path)
+    assert "moe_intermediate_size" in json.loads((path / "config.json").read_text())
+    return hf
+
+
+def test_a_served_moe_model_answers_like_transformers(tmp_path):
+    """A Qwen3-MoE checkpoint in the published layout: offline greedy tokens equal transformers'
+    generate, batched with other prompts; the server answers the same through the official client."""
+    from foveal import SamplingParams
+    from foveal.engine.llm import LLM
+    from tests.test_server import serving
+
+    hf = save_tiny_moe_folder(tmp_path)
+    prompts = ["hello experts", "a", "mixture of experts, routed"]
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=256)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        ids = llm.processor.tokenizer(prompt)["input_ids"]
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert out.outputs[0].token_ids == want[0, len(ids) :].tolist(), prompt
+    with serving({"model": str(tmp_path), "block_size": 4}, {}) as s:
+        r = s.client().completions.create(
+            model=s.model, prompt=prompts[0], max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.usage.completion_tokens == 12 and r.choices[0].text == outs[0].outputs[0].text
+    assert s.engine.kv.num_used_blocks == 0
