@@ -9,9 +9,10 @@ per-expert tensors fill row ranges of them and transformers 5's fused tensors ([
 fill them whole.
 
 The computation sorts the (token, expert) pairs by expert and runs one grouped GEMM for gate/up and one
-for down over them (`torch._grouped_mm`: every expert's rows in one call, no host sync, so a CUDA
-graph can hold it), scales each row by its weight and adds the rows back per token. `experts_reference`
-is the plain loop over experts that tests compare with (what transformers computes).
+for down over them, scales each row by its weight and adds the rows back per token: on CUDA one Triton
+kernel launched twice (foveal/layers/moe_triton.py: no host sync, so a CUDA graph holds it), on a CPU
+`torch._grouped_mm` (every expert's rows in one call). `experts_reference` is the plain loop over
+experts that tests compare with (what transformers computes).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class FusedMoE(nn.Module):
         return self.down_proj.view(self.num_experts, self.hidden, self.intermediate)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # the Triton grouped-GEMM kernel (foveal/layers/moe_triton.py)
+            from foveal.layers.moe_triton import experts_triton
+
+            return experts_triton(x.contiguous(), self.w13, self.w2, weights, ids, self.act)
         return experts_grouped(x, self.w13, self.w2, weights, ids, self.act)
 
 

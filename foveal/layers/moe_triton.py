@@ -1,0 +1,142 @@
+"""The experts of a mixture-of-experts layer on CUDA: one Triton grouped-GEMM kernel, launched for gate/up
+and again for down, over the (token, expert) pairs sorted by expert.
+
+    pairs      the T*k routing choices, pair p = token p // k's j-th expert (j = p % k)
+    rows       the pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M with
+               the sentinel T*k: [max_rows], max_rows = T*k + min(E, T*k) * (BLOCK_M - 1) rounded up
+    experts    per BLOCK_M tile of `rows` its expert, or -1 past the last run: [max_rows / BLOCK_M]
+
+Both come from torch ops on the device (`align`), whose shapes depend only on T, k, E and BLOCK_M: no
+host sync, so a CUDA graph holds the whole layer. A program takes one tile of rows (one expert) and
+one tile of columns: C[p] = A[row(p)] @ W[e]^T, with A's row the token (gate/up: x gathered, no copy)
+or the pair (down: the activation's row), and for down each row scaled by its routing weight. The
+pair-indexed down output [T*k, H] is summed over k per token.
+
+fp32 uses IEEE dots (as foveal/lora/ops_triton.py); tile sizes are picked per shape (`_tiles`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from foveal.lora.ops_triton import _dot_args
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    scale_ptr,
+    rows_ptr,
+    experts_ptr,
+    num_pairs,
+    N,
+    K,
+    a_row,
+    c_row,
+    TOP_K: tl.constexpr,
+    GATHER: tl.constexpr,
+    SCALE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """C[p, :N] = A[p // TOP_K if GATHER else p] @ W[e, :N, :K]^T (times scale[p] if SCALE) for the
+    pairs p of this program's tile of rows, all of expert e."""
+    tile = tl.program_id(0)
+    e = tl.load(experts_ptr + tile)
+    if e < 0:
+        return
+    pairs = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    pairs = tl.where(valid, pairs, 0).to(tl.int64)
+    src = pairs // TOP_K if GATHER else pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w_base = w_ptr + e.to(tl.int64) * N * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a_mask = valid[:, None] & k_mask[None, :]
+        a = tl.load(a_ptr + src[:, None] * a_row + ks[None, :], mask=a_mask, other=0.0)
+        w = tl.load(
+            w_base + cols[None, :].to(tl.int64) * K + ks[:, None],
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    if SCALE:
+        acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+    c = c_ptr + pairs[:, None] * c_row + cols[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [max_rows] int32, experts [max_rows / block_m] int32) for the routing choices ids [T, k]:
+    the pairs sorted by expert, each expert's run padded to block_m with the sentinel T*k, and each
+    tile's expert (-1 past the runs). Device ops only; shapes depend on T, k, E and block_m alone."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    run_start = torch.cumsum(counts, 0) - counts
+    e_sorted = flat[order]
+    dest = (pad_end - padded)[e_sorted] + torch.arange(n, device=ids.device) - run_start[e_sorted]
+    rows = torch.full((max_rows,), n, dtype=torch.int32, device=ids.device)
+    rows[dest] = order.to(torch.int32)
+    starts = torch.arange(0, max_rows, block_m, device=ids.device)
+    experts = torch.searchsorted(pad_end, starts, right=True)
+    experts = torch.where(experts < num_experts, experts, -1).to(torch.int32)
+    return rows, experts
+
+
+def _tiles(n_pairs: int, N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): small row tiles for decode-sized steps (each expert sees a few
+    rows), wider ones as the pairs per expert grow."""
+    bm = 16 if n_pairs <= 256 else 32 if n_pairs <= 2048 else 64
+    bn = max(16, min(128, triton.next_power_of_2(N)))
+    bk = max(16, min(64, triton.next_power_of_2(K)))
+    return bm, bn, bk
+
+
+def _gemm(a, w, c, scale, rows, experts, n_pairs, top_k, gather, tiles) -> None:
+    bm, bn, bk = tiles
+    N, K = w.shape[1], w.shape[2]
+    grid = (experts.shape[0], triton.cdiv(N, bn))
+    _moe_gemm_kernel[grid](
+        a, w, c, scale, rows, experts, n_pairs, N, K, a.stride(0), c.stride(0),
+        TOP_K=top_k, GATHER=gather, SCALE=scale is not None, **_dot_args(a.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=2,
+    )  # fmt: skip
+
+
+def experts_triton(x, w13, w2, weights, ids, act) -> torch.Tensor:
+    """The experts' output [T, H] (foveal/layers/moe.py `experts_grouped`'s contract): gate/up by the
+    kernel over x's rows, the activation, down by the kernel scaled by each pair's weight, summed over
+    each token's k pairs."""
+    T, k = ids.shape
+    E, two_i, H = w13.shape
+    inter = two_i // 2
+    assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous() and x.dtype == w13.dtype
+    n = T * k
+    bm = _tiles(n, two_i, H)[0]
+    rows, experts = align(ids, E, bm)
+    h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
+    _gemm(x, w13, h, None, rows, experts, n, k, True, _tiles(n, two_i, H))
+    a = (act(h[:, :inter]) * h[:, inter:]).contiguous()
+    d = torch.empty((n, H), dtype=x.dtype, device=x.device)
+    scale = weights.reshape(-1).to(torch.float32).contiguous()
+    _gemm(a, w2, d, scale, rows, experts, n, k, False, _tiles(n, H, inter))
+    return d.view(T, k, H).sum(dim=1)

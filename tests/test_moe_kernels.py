@@ -1,0 +1,53 @@
+"""The CUDA mixture-of-experts kernel (foveal.layers.moe_triton) against the plain loop over experts
+(foveal.layers.moe.experts_reference), on CPU tensors in Triton's interpreter (or on CUDA where there
+is one): random shapes, expert counts, top-k, experts no token chose, and the tile layout itself."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from foveal.layers.moe import experts_reference, route  # noqa: E402
+from foveal.layers.moe_triton import align, experts_triton  # noqa: E402
+from tests.interpreter import interpreter_rounds_to_nearest_even  # noqa: F401 (autouse)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors need the interpreter
+if DEVICE == "cpu":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "CPU tensors need Triton's interpreter"
+
+
+@pytest.mark.parametrize(
+    "T,E,k,H,inter",
+    [(1, 8, 2, 32, 16), (5, 4, 1, 48, 40), (19, 16, 4, 64, 32), (40, 6, 3, 32, 24), (3, 32, 8, 16, 16)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_equals_the_loop(T, E, k, H, inter, dtype):
+    g = torch.Generator().manual_seed(T * 7 + E)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
+    x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
+    got = experts_triton(x, w13, w2, weights, ids, torch.nn.functional.silu)
+    want = experts_reference(x, w13, w2, weights, ids)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    assert got.shape == (T, H) and got.dtype == dtype
+    assert (got.float() - want.float()).abs().max().item() < tol
+
+
+def test_align_sorts_pairs_by_expert_in_padded_tiles():
+    """Each expert's pairs in one run of whole tiles (sentinel-padded), tiles past the runs marked -1,
+    experts no token chose given no tile; every pair appears once."""
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]])  # 8 pairs: expert 0 x2, 1 x1, 2 x1, 3 x4
+    rows, experts = align(ids, 5, 4)
+    n = ids.numel()
+    assert rows.numel() % 4 == 0 and experts.numel() == rows.numel() // 4
+    assert sorted(r for r in rows.tolist() if r < n) == list(range(n))
+    flat = ids.reshape(-1).tolist()
+    for t, e in enumerate(experts.tolist()):
+        tile = [r for r in rows[t * 4 : (t + 1) * 4].tolist() if r < n]
+        assert all(flat[r] == e for r in tile) and (e >= 0) == bool(tile)
+    assert [e for e in experts.tolist() if e >= 0] == [0, 1, 2, 3]  # expert 4: no pair, no tile
