@@ -88,7 +88,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     n = flat.numel()
     max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # a scatter, not torch.bincount: CUDA's bincount reads the largest id back to the host (a sync)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     run_start = torch.cumsum(counts, 0) - counts
