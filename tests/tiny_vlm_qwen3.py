@@ -15,7 +15,7 @@ from tests.tiny_vlm import TinyVLM, byte_tokenizer, image_processor_class, pertu
 from tests.tiny_vlm_qwen import IMAGE_TEXT, SPECIALS, _HFReference, qwen_config
 
 
-def build_qwen3_vl(path: str) -> TinyVLM:
+def build_qwen3_vl(path: str, moe: bool = False) -> TinyVLM:
     import transformers as tf
     from transformers.utils import is_torchvision_available
 
@@ -37,9 +37,13 @@ def build_qwen3_vl(path: str) -> TinyVLM:
         temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=16,
         deepstack_visual_indexes=[0, 1],
     )  # fmt: skip
-    cfg = qwen_config(tf.Qwen3VLConfig, text, vision, ids)
+    if moe:  # 6 experts of 48 (not square: the published stacks are [E, H, 2I]), top 2; layer 2 dense
+        text.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[2])
+    config_cls = tf.Qwen3VLMoeConfig if moe else tf.Qwen3VLConfig
+    cfg = qwen_config(config_cls, text, vision, ids)
     torch.manual_seed(0)
-    hf = tf.Qwen3VLForConditionalGeneration(cfg).eval()
+    model_cls = tf.Qwen3VLMoeForConditionalGeneration if moe else tf.Qwen3VLForConditionalGeneration
+    hf = model_cls(cfg).eval()
     perturb(hf)
     ip = image_processor_class("Qwen2VLImageProcessor")(
         size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
@@ -55,4 +59,8 @@ def build_qwen3_vl(path: str) -> TinyVLM:
     return TinyVLM(path, _HFReference(hf), proc, IMAGE_TEXT)
 
 
-BUILDERS = {"qwen3_vl": build_qwen3_vl}
+def build_qwen3_vl_moe(path: str) -> TinyVLM:
+    return build_qwen3_vl(path, moe=True)
+
+
+BUILDERS = {"qwen3_vl": build_qwen3_vl, "qwen3_vl_moe": build_qwen3_vl_moe}

@@ -22,6 +22,7 @@ _MODELS = {
     "Qwen2VLForConditionalGeneration": "foveal.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "foveal.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
 }
 
 

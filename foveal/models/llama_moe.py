@@ -4,10 +4,13 @@ say) and Mixtral (Mistral's attention, every layer sparse, top-k renormalized). 
 rotary and the KV cache are llama.py's; the sparse block is a router (`mlp.gate`) and a FusedMoE
 (`mlp.experts`, foveal/layers/moe.py).
 
-Checkpoint names, both accepted:
+Checkpoint names, all accepted:
     published     model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight              (Qwen3-MoE)
                   model.layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight, .gate   (Mixtral)
+                  ...mlp.experts.{gate_up_proj [E, H, 2I], down_proj [E, I, H]}        (Qwen3-VL-MoE)
     transformers  model.layers.L.mlp.experts.{gate_up_proj [E, 2I, H], down_proj [E, H, I]}
+A stacked tensor is transposed when its shape says so; a square one (H == 2I, or H == I) follows the
+family's published layout (`stacks_transposed`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class SparseMoeBlock(nn.Module):
 
 
 class _MoeMixin:
-    """What both families share: the sparse layers, and the experts' tensor names."""
+    """What the MoE families share: the sparse layers, and the experts' tensor names."""
+
+    stacks_transposed = False  # the published stacked tensors are [E, cols, rows] (Qwen3-VL-MoE)
 
     def _sparse(self, index: int) -> bool:
         return True
@@ -58,7 +63,15 @@ class _MoeMixin:
         if len(parts) >= 5 and parts[0] == "layers" and parts[2:4] == ["mlp", "experts"]:
             experts = self.get_submodule(".".join(parts[:4]))
             base = prefix + ".".join(parts[:4]) + "."
-            if parts[4] in ("gate_up_proj", "down_proj"):  # transformers 5's fused stacks, [E, rows, cols]
+            if parts[4] in ("gate_up_proj", "down_proj"):  # stacked: [E, rows, cols] or [E, cols, rows]
+                gate_up = parts[4] == "gate_up_proj"
+                want = (
+                    (2 * experts.intermediate, experts.hidden)
+                    if gate_up
+                    else (experts.hidden, experts.intermediate)
+                )
+                if tuple(tensor.shape[1:]) != want or (self.stacks_transposed and want[0] == want[1]):
+                    tensor = tensor.transpose(1, 2)
                 filler.put(base + parts[4], tensor.reshape(-1, tensor.shape[-1]), name)
                 return
             if parts[4].isdigit() and len(parts) >= 6 and parts[5] in _EXPERT_PROJ:
@@ -72,7 +85,9 @@ class _MoeMixin:
         super().load_weight(filler, name, tensor, prefix)
 
 
-class Qwen3MoeForCausalLM(_MoeMixin, Qwen3ForCausalLM):
+class Qwen3Moe(_MoeMixin):
+    """Qwen3-MoE's sparse layers and router (also the language model of Qwen3-VL-MoE)."""
+
     def _sparse(self, index: int) -> bool:
         c = self.config
         step = getattr(c, "decoder_sparse_step", 1) or 1
@@ -87,6 +102,10 @@ class Qwen3MoeForCausalLM(_MoeMixin, Qwen3ForCausalLM):
             config.num_experts_per_tok,
             bool(getattr(config, "norm_topk_prob", True)),
         )
+
+
+class Qwen3MoeForCausalLM(Qwen3Moe, Qwen3ForCausalLM):
+    pass
 
 
 class MixtralForCausalLM(_MoeMixin, MistralForCausalLM):

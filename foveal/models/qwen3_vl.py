@@ -9,7 +9,11 @@ feature i to the hidden states of the image tokens after its layer i. `encode_im
 concatenated per image, [num_embeds, hidden * (1 + k)], so the vision cache and the per-request
 embeddings hold one tensor as for every family; the runner splits the columns (`deepstack_layers`).
 
-Only images: videos (timestamped frames) are not produced by our processor calls. Not the MoE variant.
+Qwen3-VL-MoE: the same tower and positions, with Qwen3-MoE's sparse layers in the decoder (every layer
+sparse by default, the top k always renormalized; its published expert stacks are [E, H, 2I] and
+[E, I, H]: foveal/models/llama_moe.py).
+
+Only images: videos (timestamped frames) are not produced by our processor calls.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 from foveal.layers.rotary import MRotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.models.llama import Qwen3ForCausalLM
+from foveal.models.llama_moe import Qwen3Moe
 from foveal.models.qwen2_vl import MRopePositions, Qwen2VLAdapter
 from foveal.models.vlm import VisionLanguageModel, hf_module
 
@@ -103,3 +108,22 @@ class Qwen3VLForConditionalGeneration(MRopePositions, VisionLanguageModel):
             )
         feats = torch.cat([merged, *deep], dim=-1)
         return list(feats.split((grid.prod(-1) // self.merge**2).tolist()))
+
+
+class MRopeQwen3MoeForCausalLM(Qwen3Moe, MRopeQwen3ForCausalLM):
+    """Qwen3-VL-MoE's language model: the M-RoPE decoder with mixture-of-experts layers."""
+
+    stacks_transposed = True
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    def build_text_model(self, text_config, backend, max_positions: int) -> nn.Module:
+        tie = bool(getattr(self.config, "tie_word_embeddings", False))
+        return MRopeQwen3MoeForCausalLM(text_config, backend, max_positions, tie_embeddings=tie)
+
+    def build_vision(self, device, dtype) -> None:
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+        self.visual = hf_module(
+            lambda: Qwen3VLMoeVisionModel._from_config(self.config.vision_config), device, dtype
+        )
