@@ -125,47 +125,38 @@ def hub_name(n: str) -> str:
     return n.removeprefix("model.") if n.startswith("model.") else "language_model." + n
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3"])
-def test_hub_style_checkpoint_names_load_identically(family, tmp_path):
+def loaded_params(config, weights) -> dict:
+    """Our model's parameters, built on the CPU from `weights` (name, tensor) pairs."""
     from foveal.attention import get_backend
     from foveal.models import build_model
 
+    backend = get_backend("torch", "cpu")
+    model = build_model(config, backend, max_positions=64, dtype=torch.float32, device="cpu", weights=weights)
+    return dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_hub_style_checkpoint_names_load_identically(family, tmp_path):
     hf = build(family, str(tmp_path)).hf
     state = hf.state_dict()
-
-    def load(weights):
-        model = build_model(
-            hf.config, get_backend("torch", "cpu"), max_positions=64, dtype=torch.float32, device="cpu",
-            weights=weights,
-        )  # fmt: skip
-        return dict(model.named_parameters())
-
-    new, hub = load(state.items()), load((hub_name(n), t) for n, t in state.items())
+    new = loaded_params(hf.config, state.items())
+    hub = loaded_params(hf.config, ((hub_name(n), t) for n, t in state.items()))
     assert new.keys() == hub.keys() and all(torch.equal(new[k], hub[k]) for k in new)
 
 
 def test_qwen3_vl_moe_published_expert_stacks_load_identically(tmp_path):
     """Qwen3-VL-MoE's Hub files hold each layer's experts as [E, H, 2I] and [E, I, H] (transformers 5
     transposes them on load): those load to the same model as transformers' own [E, 2I, H] layout."""
-    from foveal.attention import get_backend
-    from foveal.models import build_model
-
     hf = build("qwen3_vl_moe", str(tmp_path)).hf.model
     state = hf.state_dict()
-
-    def load(weights):
-        model = build_model(
-            hf.config, get_backend("torch", "cpu"), max_positions=64, dtype=torch.float32, device="cpu",
-            weights=weights,
-        )  # fmt: skip
-        return dict(model.named_parameters())
 
     def published(n, t):
         stacked = n.endswith(("experts.gate_up_proj", "experts.down_proj"))
         return t.transpose(1, 2).contiguous() if stacked else t
 
     assert any(t.shape[1] != t.shape[2] for n, t in state.items() if n.endswith("experts.gate_up_proj"))
-    ours, hub = load(state.items()), load((n, published(n, t)) for n, t in state.items())
+    ours = loaded_params(hf.config, state.items())
+    hub = loaded_params(hf.config, ((n, published(n, t)) for n, t in state.items()))
     assert ours.keys() == hub.keys() and all(torch.equal(ours[k], hub[k]) for k in ours)
 
 
