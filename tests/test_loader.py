@@ -203,7 +203,11 @@ def write_gguf(
     tokenizer: bool = True,
     vocab_meta: bool = True,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    quantize: dict[str, str] | None = None,
 ) -> None:
+    """`quantize`: llama.cpp tensor-name part (e.g. "ffn_up_exps") -> GGUF type, stored quantized. A
+    mixture of experts' transformers stacks become llama.cpp's ffn_{gate,up,down}_exps [E, rows, cols]
+    and its router ffn_gate_inp."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -223,6 +227,10 @@ def write_gguf(
         w.add_value_length(c.head_dim)
         if vocab_meta:
             w.add_vocab_size(c.vocab_size)
+        if getattr(c, "num_experts", None):
+            w.add_expert_count(c.num_experts)
+            w.add_expert_used_count(c.num_experts_per_tok)
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")
@@ -236,14 +244,36 @@ def write_gguf(
     if model is not None:
         c = model.config
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+        tensors = {}
         for hf_name, t in expected_state(model).items():
+            layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+            if hf_name.endswith("mlp.experts.gate_up_proj"):
+                stack = t.detach().float().numpy()
+                gate, up = stack.reshape(t.shape[0], 2, -1, t.shape[2]).swapaxes(0, 1)
+                tensors[f"blk.{layer}.ffn_gate_exps.weight"] = gate
+                tensors[f"blk.{layer}.ffn_up_exps.weight"] = up
+                continue
+            if hf_name.endswith("mlp.experts.down_proj"):
+                tensors[f"blk.{layer}.ffn_down_exps.weight"] = t.detach().float().numpy()
+                continue
+            if hf_name.endswith("mlp.gate.weight"):
+                tensors[f"blk.{layer}.ffn_gate_inp.weight"] = t.detach().float().numpy()
+                continue
             base, suffix = hf_name.rsplit(".", 1)
             a = t.detach().numpy().astype(np.float32)
             if arch == "llama" and base.endswith("q_proj"):
                 a = llamacpp_permute(a, c.num_attention_heads, c.num_attention_heads)
             elif arch == "llama" and base.endswith("k_proj"):
                 a = llamacpp_permute(a, c.num_attention_heads, c.num_key_value_heads)
-            w.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(a))
+            tensors[f"{names.get_name(base)}.{suffix}"] = a
+        for name, a in tensors.items():
+            kind = next((k for part, k in (quantize or {}).items() if f".{part}." in name), None)
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            if kind is None:
+                w.add_tensor(name, a)
+            else:
+                q = gguf.quants.quantize(a, gguf.GGMLQuantizationType[kind])
+                w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
     for name, a in (extra_tensors or {}).items():
         w.add_tensor(name, a)
     w.write_header_to_file()

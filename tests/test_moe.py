@@ -121,9 +121,22 @@ def test_the_published_layout_loads_to_the_same_model(family):
                     device="cpu", weights=iter(missing.items()))  # fmt: skip
 
 
+def qwen3_moe_model(cfg):
+    """A random transformers Qwen3-MoE of `cfg` whose routers score experts apart (no ties in the top k)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    hf = tf.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return hf
+
+
 def save_tiny_moe_folder(path) -> str:
     """A tiny random Qwen3-MoE folder in the published safetensors layout, with the byte tokenizer."""
-    import transformers as tf
     from safetensors.torch import save_file
 
     from tests.tiny import tiny_config
@@ -134,13 +147,7 @@ def save_tiny_moe_folder(path) -> str:
     cfg.vocab_size = len(tok)
     cfg.bos_token_id, cfg.eos_token_id = tok.bos_token_id, tok.eos_token_id
     cfg.pad_token_id = tok.pad_token_id
-    torch.manual_seed(0)
-    hf = tf.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    hf = qwen3_moe_model(cfg)
     cfg.save_pretrained(path)
     save_file({n: t.contiguous() for n, t in published_state_dict(hf).items()}, f"{path}/model.safetensors")
     tok.save_pretrained(path)
@@ -170,3 +177,79 @@ def test_a_served_moe_model_answers_like_transformers(tmp_path):
         )
         assert r.usage.completion_tokens == 12 and r.choices[0].text == outs[0].outputs[0].text
     assert s.engine.kv.num_used_blocks == 0
+
+
+# -- GGUF: llama.cpp's qwen3moe layout ------------------------------------------------------------------
+def _gguf_moe(tmp_path, quantize=None):
+    """A tiny Qwen3-MoE written as llama.cpp writes qwen3moe (every layer sparse, the top k renormalized:
+    what its converter and runtime do): ffn_{gate,up,down}_exps [E, rows, cols] and ffn_gate_inp."""
+    import transformers as tf
+
+    from tests.test_loader import tiny_vocab, write_gguf
+
+    cfg = tf.Qwen3MoeConfig(
+        vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        tie_word_embeddings=False, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    hf = qwen3_moe_model(cfg)
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    write_gguf(path, "qwen3moe", hf, quantize=quantize)
+    return hf, str(path)
+
+
+def test_a_qwen3moe_gguf_loads_as_transformers_has_it(tmp_path):
+    """F32 tensors: the experts come one by one under the Hub's names, the config carries the experts'
+    counts, and greedy tokens equal transformers' on the original model."""
+    from foveal import SamplingParams
+    from foveal.engine.llm import LLM
+    from foveal.loader.checkpoint import load_checkpoint
+
+    hf, path = _gguf_moe(tmp_path)
+    ckpt = load_checkpoint(path, dtype=torch.float32)
+    cfg = ckpt.hf_config
+    assert (type(cfg).__name__, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        "Qwen3MoeConfig", 8, 2, 32,
+    )  # fmt: skip
+    want = published_state_dict(hf)
+    got = dict(ckpt.weights)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    llm = LLM(path, dtype="float32", quantization="none", block_size=4, num_blocks=128)
+    prompts = [[5, 9, 14, 3], [7, 7, 30, 2, 8, 1, 40]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist()
+
+
+def test_quantized_gguf_experts_run_packed(tmp_path):
+    """Q4_0 gate/up and Q8_0 down experts with --quantization gguf: every expert runs on its rows of
+    the packed stacks, which unpack to what the dense engine dequantized; next-token log-probabilities
+    stay near the dense engine's; batched equals single."""
+    from foveal import SamplingParams
+    from foveal.engine.llm import LLM
+    from foveal.layers import quant
+
+    if quant.kernel() is None:
+        pytest.skip("no quantized-linear kernel on this machine")
+    _, path = _gguf_moe(tmp_path, {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q8_0"})
+    kw = dict(dtype="float32", block_size=4, num_blocks=128)
+    q, d = LLM(path, quantization="gguf", **kw), LLM(path, quantization="none", **kw)
+    dense = dict(d.engine.model.named_parameters())
+    packed = {n: p._foveal_quant for n, p in q.engine.model.named_parameters() if hasattr(p, "_foveal_quant")}
+    assert sorted(packed) == sorted(
+        f"layers.{i}.mlp.experts.{s}" for i in range(2) for s in ("gate_up_proj", "down_proj")
+    )  # fmt: skip
+    for name, qw in packed.items():
+        torch.testing.assert_close(qw.dequantize(), dense[name], rtol=0, atol=1e-6, msg=name)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    for ids in ([5, 9, 14, 3], [7, 7, 30, 2, 8, 1, 40]):
+        lq, ld = (llm.generate([ids], params)[0].outputs[0].logprobs[0].top for llm in (q, d))
+        lq, ld = {t.token_id: t.logprob for t in lq}, {t.token_id: t.logprob for t in ld}
+        top = max(ld, key=ld.get)
+        assert max(lq, key=lq.get) == top and abs(lq[top] - ld[top]) < 0.05, (lq, ld)
+    prompts = [[5, 9, 14, 3], [7, 7, 30, 2, 8, 1, 40], [11, 12]]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in q.generate(prompts, greedy)]
+    assert together == [q.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]

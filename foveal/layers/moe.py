@@ -61,11 +61,47 @@ class FusedMoE(nn.Module):
         return self.down_proj.view(self.num_experts, self.hidden, self.intermediate)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu and self._quantized() is not None:  # GGUF blocks, run as stored (layers/quant.py)
+            return self._experts_quantized(x, weights, ids)
         if x.is_cuda:  # the Triton grouped-GEMM kernel (foveal/layers/moe_triton.py)
             from foveal.layers.moe_triton import experts_triton
 
             return experts_triton(x.contiguous(), self.w13, self.w2, weights, ids, self.act)
         return experts_grouped(x, self.w13, self.w2, weights, ids, self.act)
+
+    def _quantized(self):
+        """Per expert (gate/up, down) as QuantWeight row views or dense row slices, when the stacks came
+        as GGUF blocks (`_foveal_quant`, models/weights.py); else None."""
+        cached = getattr(self, "_per_expert", None)
+        stacks = (self.gate_up_proj, self.down_proj)
+        if cached is not None or not any(hasattr(p, "_foveal_quant") for p in stacks):
+            return cached
+        E, two_i, H = self.num_experts, 2 * self.intermediate, self.hidden
+        per = []
+        for e in range(E):
+            pair = []
+            for p, n in ((self.gate_up_proj, two_i), (self.down_proj, H)):
+                qw = getattr(p, "_foveal_quant", None)
+                pair.append(qw.rows(e * n, (e + 1) * n) if qw is not None else p[e * n : (e + 1) * n])
+            per.append(tuple(pair))
+        self._per_expert = per
+        return per
+
+    def _experts_quantized(self, x, weights, ids) -> torch.Tensor:
+        """The loop over the experts some token chose, each on its quantized rows."""
+        from foveal.layers.linear import linear
+
+        def run(w, h):
+            return w.linear(h) if hasattr(w, "packed") else linear(h, w)
+
+        out = torch.zeros_like(x)
+        per = self._quantized()
+        for e in torch.unique(ids).tolist():
+            token, slot = torch.where(ids == e)
+            up, down = per[e]
+            gate, u = run(up, x[token]).split(self.intermediate, dim=-1)
+            out.index_add_(0, token, run(down, self.act(gate) * u) * weights[token, slot, None].to(x.dtype))
+        return out
 
 
 def _aligned(*ts: torch.Tensor) -> bool:

@@ -205,6 +205,17 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.packed.numel()
 
+    def rows(self, start: int, stop: int) -> QuantWeight:
+        """The weight's rows [start, stop) as a QuantWeight sharing this one's memory (an expert's rows
+        of a mixture's stacked weight); both ends on a panel boundary (or stop at the last row)."""
+        if start % PANEL or (stop % PANEL and stop != self.out_features) or not 0 <= start < stop:
+            raise ValueError(f"rows {start}:{stop} do not fall on panels of {PANEL}")
+        view = QuantWeight.__new__(QuantWeight)
+        view.out_features, view.in_features = stop - start, self.in_features
+        view.int8, view.kind = self.int8, self.kind
+        view.packed = self.packed[start // PANEL : -(-stop // PANEL)]
+        return view
+
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 [N, K] (tests, fallbacks)."""
         p = self.packed

@@ -1,4 +1,5 @@
-"""GGUF metadata -> a transformers config, for the GGUF architectures we serve: llama, qwen2, qwen3.
+"""GGUF metadata -> a transformers config, for the GGUF architectures we serve: llama, qwen2, qwen3,
+qwen3moe.
 
 Owns: reading metadata values from a parsed header (gguf_file.py), the per-architecture table (config class,
 HF architecture name, whether llama.cpp permuted q/k), and the rope parameters, including Llama 3
@@ -29,6 +30,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("LlamaConfig", "LlamaForCausalLM", permuted_qk=True),
     "qwen2": GGUFArch("Qwen2Config", "Qwen2ForCausalLM", permuted_qk=False, has_qkv_bias=True),
     "qwen3": GGUFArch("Qwen3Config", "Qwen3ForCausalLM", permuted_qk=False),
+    "qwen3moe": GGUFArch("Qwen3MoeConfig", "Qwen3MoeForCausalLM", permuted_qk=False),
 }
 
 _MISSING = object()
@@ -86,10 +88,20 @@ def build_hf_config(reader, path: str):
             raise ModelLoadError(f"GGUF file {path} has no token_embd.weight tensor")
         vocab = int(tensors["token_embd.weight"].shape[1])
 
+    moe: dict[str, Any] = {}
+    if arch == "qwen3moe":  # every layer sparse; llama.cpp renormalizes the top k (expert_weights_norm)
+        moe = dict(
+            num_experts=int(m("expert_count")),
+            num_experts_per_tok=int(m("expert_used_count")),
+            moe_intermediate_size=int(m("expert_feed_forward_length")),
+            norm_topk_prob=bool(m("expert_weights_norm", True)),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     kwargs: dict[str, Any] = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(m("feed_forward_length")),
+        intermediate_size=int(m("feed_forward_length", moe.get("moe_intermediate_size", _MISSING))),
         num_hidden_layers=int(m("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -98,6 +110,7 @@ def build_hf_config(reader, path: str):
         rope_parameters=_rope_parameters(reader, arch, head_dim, path),
         tie_word_embeddings="output.weight" not in tensors,
         architectures=[spec.hf_architecture],
+        **moe,
     )
     ctx = m("context_length", None)
     if ctx is not None:

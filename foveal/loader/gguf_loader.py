@@ -35,7 +35,11 @@ _PER_LAYER = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# a mixture of experts' stacked tensors [E, rows, cols]: yielded one expert at a time, by the Hub's names
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_STACK = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\w+)\.weight")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _EMBEDDING = "model.embed_tokens.weight"
 _CONSUMED = {"rope_freqs.weight"}  # folded into the config's rope parameters, not a parameter
@@ -44,6 +48,8 @@ _CONSUMED = {"rope_freqs.weight"}  # folded into the config's rope parameters, n
 def hf_name(gguf_name: str) -> str | None:
     """The HF parameter name for a llama.cpp tensor name; None if it is not one we know."""
     if m := _LAYER_NAME.fullmatch(gguf_name):
+        if m[2] in _EXPERTS and m[3] == "weight":  # split into experts by `GGUFFile.weights`
+            return f"model.layers.{m[1]}.mlp.experts.{_EXPERTS[m[2]]}.weight"
         part = _PER_LAYER.get(m[2])
         return f"model.layers.{m[1]}.{part}.{m[3]}" if part else None
     base, _, suffix = gguf_name.rpartition(".")
@@ -98,6 +104,9 @@ class GGUFFile:
                 continue
             # ggml lists dims fastest-first; reversed, they are the row-major (HF) shape
             shape = tuple(reversed(t.shape))
+            if len(shape) == 3:  # a mixture of experts' stack
+                yield from self._experts(t, name, shape, dtype, device, keep_blocks)
+                continue
             n_head = next((n for marker, n in qk_heads.items() if marker in t.name), None)
             n_head = n_head if self.arch.permuted_qk else None
             raw = None
@@ -129,6 +138,31 @@ class GGUFFile:
             if raw is not None:
                 w.gguf_blocks = (t.tensor_type.name, raw)
             yield name, w
+
+    def _experts(self, t, name: str, shape, dtype, device, keep_blocks) -> Iterator[tuple[str, torch.Tensor]]:
+        """A stacked expert tensor [E, rows, cols] as E tensors named as the Hub's files name them
+        (model.layers.L.mlp.experts.e.gate_proj.weight): raw blocks per expert where kept, else
+        dequantized (the whole stack at once: one tensor, as for any other)."""
+        from gguf.quants import dequantize
+
+        layer, proj = _EXPERT_STACK.fullmatch(name).groups()
+        names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(shape[0])]
+        if t.tensor_type.name in keep_blocks:
+            raw = t.data.reshape(shape[0], shape[1], -1)
+            for e, n in enumerate(names):
+                w = torch.empty(shape[1:], dtype=dtype, device="meta")
+                w.gguf_blocks = (t.tensor_type.name, torch.from_numpy(raw[e].copy()))
+                yield n, w
+            return
+        try:
+            arr = dequantize(t.data, t.tensor_type).reshape(shape)
+        except Exception as e:
+            raise ModelLoadError(
+                f"GGUF file {self.path}: could not dequantize tensor {t.name} ({t.tensor_type.name}): {e}"
+            ) from e
+        stack = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
+        for e, n in enumerate(names):
+            yield n, stack[e].to(dtype).to(device)
 
 
 def open_gguf(path: str) -> GGUFFile:
