@@ -67,14 +67,34 @@ def _parity(h: Harness, pm, adapter, prompts: list[list[int]], steps: int = 20) 
     h.runner.release(h.sched.take_finished())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("rank", [8, 64])
 def test_logits_equal_peft(family, rank, tmp_path):
-    pm = save_adapter(tmp_path, tiny_hf_model(family), rank, seed=rank)
+    """PEFT's adapters on every linear; on a mixture of experts on the attention projections (PEFT
+    would take the expert stacks' names as target_parameters: refused, test_expert_adapters_are_refused_
+    by_name)."""
+    if "moe" in family or family == "mixtral":
+        pm = save_adapter(tmp_path, tiny_hf_model(family), rank, seed=rank, target_modules=list(ATTENTION))
+    else:
+        pm = save_adapter(tmp_path, tiny_hf_model(family), rank, seed=rank)
     h = Harness(tiny_hf_model(family), lora=(2, 64))
     adapter = load_adapter("a", str(tmp_path), h.runner.lora.layout, torch.float32, 64)
     g = torch.Generator().manual_seed(1)
     _parity(h, pm, adapter, [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 13, 9)])
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_expert_adapters_are_refused_by_name(tmp_path):
+    """PEFT's all-linear on a mixture of experts also targets the expert stacks and the router (as
+    parameters): the load is refused with a message that says so."""
+    from foveal.lora.peft import AdapterError
+
+    save_adapter(tmp_path, tiny_hf_model("qwen3_moe"), 8, seed=1)
+    h = Harness(tiny_hf_model("qwen3_moe"), lora=(2, 8))
+    with pytest.raises(AdapterError, match="target_parameters.*expert stacks or router"):
+        load_adapter("a", str(tmp_path), h.runner.lora.layout, torch.float32, 8)
 
 
 def test_cuda_layout_in_the_interpreter_equals_peft(tmp_path):

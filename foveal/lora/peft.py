@@ -60,7 +60,10 @@ class AdapterConfig:
             refuse("lora_bias", "LoRA with a bias on B is not supported")
         if raw.get("fan_in_fan_out"):
             refuse("fan_in_fan_out", "only nn.Linear-layout adapters are supported")
-        for name in ("target_parameters", "trainable_token_indices", "alora_invocation_tokens"):
+        if raw.get("target_parameters"):  # PEFT's LoRA on bare parameters: a mixture's experts, router
+            why = "LoRA on parameters (a mixture of experts' expert stacks or router) is not supported"
+            refuse("target_parameters", why + "; adapters may target attention projections and dense MLPs")
+        for name in ("trainable_token_indices", "alora_invocation_tokens"):
             if raw.get(name):
                 refuse(name, "is not supported")
         if raw.get("layer_replication"):
