@@ -227,10 +227,12 @@ def write_gguf(
         w.add_value_length(c.head_dim)
         if vocab_meta:
             w.add_vocab_size(c.vocab_size)
-        if getattr(c, "num_experts", None):
-            w.add_expert_count(c.num_experts)
+        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+        if experts:
+            w.add_expert_count(experts)
             w.add_expert_used_count(c.num_experts_per_tok)
-            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+            if hasattr(c, "moe_intermediate_size"):
+                w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")

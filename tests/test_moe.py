@@ -180,41 +180,56 @@ def test_a_served_moe_model_answers_like_transformers(tmp_path):
 
 
 # -- GGUF: llama.cpp's qwen3moe layout ------------------------------------------------------------------
-def _gguf_moe(tmp_path, quantize=None):
-    """A tiny Qwen3-MoE written as llama.cpp writes qwen3moe (every layer sparse, the top k renormalized:
-    what its converter and runtime do): ffn_{gate,up,down}_exps [E, rows, cols] and ffn_gate_inp."""
+def _gguf_moe(tmp_path, quantize=None, arch: str = "qwen3moe"):
+    """A tiny mixture written as llama.cpp writes it: qwen3moe (every layer sparse, the top k
+    renormalized: what its converter and runtime do), or Mixtral as `llama` with experts (q/k rows
+    permuted); ffn_{gate,up,down}_exps [E, rows, cols] and ffn_gate_inp."""
     import transformers as tf
 
     from tests.test_loader import tiny_vocab, write_gguf
 
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+    common = dict(
+        vocab_size=len(tiny_vocab()), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_experts_per_tok=2,
         tie_word_embeddings=False, rms_norm_eps=1e-6,
     )  # fmt: skip
-    hf = qwen3_moe_model(cfg)
-    path = tmp_path / "tiny-qwen3moe.gguf"
-    write_gguf(path, "qwen3moe", hf, quantize=quantize)
+    if arch == "llama":
+        cfg = tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, sliding_window=None)
+        torch.manual_seed(0)
+        hf = tf.MixtralForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0, 0.5)
+        cfg.architectures = ["MixtralForCausalLM"]
+    else:
+        cfg = tf.Qwen3MoeConfig(
+            **common, intermediate_size=128, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True
+        )
+        hf = qwen3_moe_model(cfg)
+    path = tmp_path / f"tiny-{arch}-moe.gguf"
+    write_gguf(path, arch, hf, quantize=quantize)
     return hf, str(path)
 
 
-def test_a_qwen3moe_gguf_loads_as_transformers_has_it(tmp_path):
-    """F32 tensors: the experts come one by one under the Hub's names, the config carries the experts'
-    counts, and greedy tokens equal transformers' on the original model."""
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_a_moe_gguf_loads_as_transformers_has_it(tmp_path, arch):
+    """F32 tensors: the experts come one by one (under Qwen3-MoE's Hub names), the config carries the
+    experts' counts, and greedy tokens equal transformers' on the original model."""
     from foveal import SamplingParams
     from foveal.engine.llm import LLM
     from foveal.loader.checkpoint import load_checkpoint
 
-    hf, path = _gguf_moe(tmp_path)
+    hf, path = _gguf_moe(tmp_path, arch=arch)
     ckpt = load_checkpoint(path, dtype=torch.float32)
     cfg = ckpt.hf_config
-    assert (type(cfg).__name__, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
-        "Qwen3MoeConfig", 8, 2, 32,
-    )  # fmt: skip
-    want = published_state_dict(hf)
+    assert type(cfg) is type(hf.config) and cfg.architectures == hf.config.architectures
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (hf.config.num_experts, 2)
     got = dict(ckpt.weights)
-    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert sum(".mlp.experts." in n for n in got) == 2 * 3 * hf.config.num_experts
+    if arch == "qwen3moe":
+        want = published_state_dict(hf)
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     llm = LLM(path, dtype="float32", quantization="none", block_size=4, num_blocks=128)
     prompts = [[5, 9, 14, 3], [7, 7, 30, 2, 8, 1, 40]]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

@@ -1,5 +1,5 @@
-"""GGUF metadata -> a transformers config, for the GGUF architectures we serve: llama, qwen2, qwen3,
-qwen3moe.
+"""GGUF metadata -> a transformers config, for the GGUF architectures we serve: llama (Mixtral too: a
+llama with experts), qwen2, qwen3, qwen3moe.
 
 Owns: reading metadata values from a parsed header (gguf_file.py), the per-architecture table (config class,
 HF architecture name, whether llama.cpp permuted q/k), and the rope parameters, including Llama 3
@@ -89,6 +89,14 @@ def build_hf_config(reader, path: str):
         vocab = int(tensors["token_embd.weight"].shape[1])
 
     moe: dict[str, Any] = {}
+    config_class, hf_architecture = spec.config_class, spec.hf_architecture
+    if arch == "llama" and m("expert_count", None):  # Mixtral: llama.cpp writes it as llama with experts
+        config_class, hf_architecture = "MixtralConfig", "MixtralForCausalLM"
+        moe = dict(
+            num_local_experts=int(m("expert_count")),
+            num_experts_per_tok=int(m("expert_used_count")),
+            sliding_window=None,
+        )
     if arch == "qwen3moe":  # every layer sparse; llama.cpp renormalizes the top k (expert_weights_norm)
         moe = dict(
             num_experts=int(m("expert_count")),
@@ -109,7 +117,7 @@ def build_hf_config(reader, path: str):
         rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_parameters=_rope_parameters(reader, arch, head_dim, path),
         tie_word_embeddings="output.weight" not in tensors,
-        architectures=[spec.hf_architecture],
+        architectures=[hf_architecture],
         **moe,
     )
     ctx = m("context_length", None)
@@ -123,7 +131,7 @@ def build_hf_config(reader, path: str):
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    return getattr(transformers, spec.config_class)(**kwargs)
+    return getattr(transformers, config_class)(**kwargs)
 
 
 def _scalar(value: Any, key: str, path: str) -> int:
