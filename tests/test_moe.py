@@ -121,17 +121,17 @@ def test_the_published_layout_loads_to_the_same_model(family):
                     device="cpu", weights=iter(missing.items()))  # fmt: skip
 
 
-def qwen3_moe_model(cfg):
-    """A random transformers Qwen3-MoE of `cfg` whose routers score experts apart (no ties in the top k)."""
+def moe_model(cfg, arch: str = "Qwen3MoeForCausalLM"):
+    """A random transformers mixture of `cfg` whose routers score experts apart (no ties in the top k)."""
     import transformers as tf
 
     torch.manual_seed(0)
-    hf = tf.Qwen3MoeForCausalLM(cfg).eval()
+    hf = getattr(tf, arch)(cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.architectures = [arch]
     return hf
 
 
@@ -147,7 +147,7 @@ def save_tiny_moe_folder(path) -> str:
     cfg.vocab_size = len(tok)
     cfg.bos_token_id, cfg.eos_token_id = tok.bos_token_id, tok.eos_token_id
     cfg.pad_token_id = tok.pad_token_id
-    hf = qwen3_moe_model(cfg)
+    hf = moe_model(cfg)
     cfg.save_pretrained(path)
     save_file({n: t.contiguous() for n, t in published_state_dict(hf).items()}, f"{path}/model.safetensors")
     tok.save_pretrained(path)
@@ -195,18 +195,12 @@ def _gguf_moe(tmp_path, quantize=None, arch: str = "qwen3moe"):
     )  # fmt: skip
     if arch == "llama":
         cfg = tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, sliding_window=None)
-        torch.manual_seed(0)
-        hf = tf.MixtralForCausalLM(cfg).eval()
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if name.endswith("mlp.gate.weight"):
-                    p.normal_(0, 0.5)
-        cfg.architectures = ["MixtralForCausalLM"]
+        hf = moe_model(cfg, "MixtralForCausalLM")
     else:
         cfg = tf.Qwen3MoeConfig(
             **common, intermediate_size=128, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True
         )
-        hf = qwen3_moe_model(cfg)
+        hf = moe_model(cfg)
     path = tmp_path / f"tiny-{arch}-moe.gguf"
     write_gguf(path, arch, hf, quantize=quantize)
     return hf, str(path)
