@@ -262,3 +262,25 @@ def test_quantized_gguf_experts_run_packed(tmp_path):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     together = [o.outputs[0].token_ids for o in q.generate(prompts, greedy)]
     assert together == [q.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_moe_composes_with_prefix_caching_async_steps_and_kv_quantization(tmp_path):
+    """On the tiny Qwen3-MoE folder: prompts sharing a prefix give the same greedy tokens with the
+    prefix cache and overlapped steps as without (and the cache was hit); an int8 KV cache runs."""
+    from foveal import SamplingParams
+    from foveal.engine.llm import LLM
+
+    save_tiny_moe_folder(tmp_path)
+    shared = "a shared system prefix that spans several blocks of the cache. "
+    prompts = [shared + tail for tail in ("one", "the second", "3", "four four")]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=4, num_blocks=256)
+    plain = LLM(str(tmp_path), enable_prefix_caching=False, async_scheduling=False, **kw)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    cached = LLM(str(tmp_path), enable_prefix_caching=True, async_scheduling=True, **kw)
+    for p, w in zip(prompts, want):  # one at a time: each later prompt finds the shared blocks
+        assert cached.generate([p], params)[0].outputs[0].token_ids == w
+    assert cached.engine.kv.hit_tokens >= 3 * (len(shared) // 4 * 4 - 4)
+    int8 = LLM(str(tmp_path), kv_cache_dtype="int8", **kw)
+    out = int8.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in out) and int8.engine.kv.num_used_blocks == 0

@@ -32,12 +32,15 @@ MIXED_GREEDY = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+@pytest.fixture(scope="module", params=list(_ARCHS))
 def folder(request, tmp_path_factory):
     from tests.tiny import tiny_config
 
     cfg = tiny_config(request.param)
-    cfg.architectures = ["LlamaForCausalLM" if request.param == "llama" else "Qwen3ForCausalLM"]
+    cfg.architectures = [_ARCHS[request.param]]
     path = tmp_path_factory.mktemp("spec") / "tiny.json"
     path.write_text(cfg.to_json_string())
     return path
