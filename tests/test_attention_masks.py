@@ -61,12 +61,12 @@ class Case:
             bidirectional=[list(sp) for _, _, sp in seqs] if any(sp for _, _, sp in seqs) else None,
         )
 
-    def run(self, backend, meta, window=None, softcap=None):
+    def run(self, backend, meta, window=None, softcap=None, sinks=None):
         return backend.forward(
-            self.q, self.k, self.v, self.cache, meta, SCALE, window=window, softcap=softcap
+            self.q, self.k, self.v, self.cache, meta, SCALE, window=window, softcap=softcap, sinks=sinks
         )
 
-    def reference(self, window=None, softcap=None) -> torch.Tensor:
+    def reference(self, window=None, softcap=None, sinks=None) -> torch.Tensor:
         rows = []
         for (ctx, n, spans), q, k, v in zip(
             self.seqs, self.q.cpu().split([s[1] for s in self.seqs]), self.keys, self.values
@@ -85,6 +85,10 @@ class Case:
                     s = kk @ q[t, h].double() * SCALE
                     if softcap is not None:
                         s = torch.tanh(s / softcap) * softcap
+                    if sinks is not None:  # one more logit, of a zero value
+                        p_all = torch.softmax(torch.cat([s, sinks[h : h + 1].double()]), 0)
+                        out[h] = p_all[:-1] @ vv
+                        continue
                     out[h] = torch.softmax(s, 0) @ vv
                 rows.append(out)
         return torch.stack(rows)
@@ -93,15 +97,16 @@ class Case:
 MIXED = [(0, 1, ()), (6, 1, ()), (13, 1, ()), (21, 1, ()), (0, 11, ()), (9, 7, ()), (3, 2, ())]
 
 
-def check(case, window=None, softcap=None, tol=1e-5, device="cpu"):
+def check(case, window=None, softcap=None, tol=1e-5, device="cpu", sinks=None):
     backend = TorchAttentionBackend()
     if device != "cpu":
         for name in ("q", "k", "v", "cache"):
             setattr(case, name, getattr(case, name).to(device))
         case.batch.slot_mapping = case.batch.slot_mapping.to(device)
-    out = case.run(backend, backend.plan(case.batch, torch.device(device)), window, softcap)
-    err = (out.double().cpu() - case.reference(window, softcap)).abs().max().item()
-    assert err < tol, f"window={window} softcap={softcap}: max error {err}"
+    dev_sinks = None if sinks is None else sinks.to(device)
+    out = case.run(backend, backend.plan(case.batch, torch.device(device)), window, softcap, dev_sinks)
+    err = (out.double().cpu() - case.reference(window, softcap, sinks)).abs().max().item()
+    assert err < tol, f"window={window} softcap={softcap} sinks={sinks is not None}: max error {err}"
 
 
 def test_plain_causal_matches_reference():
@@ -134,6 +139,14 @@ def test_softcap(window):
     case = Case(SPANS + [(0, 9, ())], seed=4)
     case.q *= 4  # large scores, so the cap bites
     check(case, window=window, softcap=2.0)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_attention_sinks(window):
+    """gpt-oss's sinks: per head one more logit in every softmax, of value zero (large and small ones,
+    so some heads put most of their weight on the sink); decode and prefill rows, with a window."""
+    sinks = torch.tensor([3.0, -2.0, 0.5, 8.0, -30.0, 1.0][:H], dtype=torch.float32)
+    check(Case(MIXED, seed=11), window=window, sinks=sinks)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -96,6 +96,19 @@ def test_softcap_with_and_without_window(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_sinks_with_and_without_window(dtype, monkeypatch):
+    """gpt-oss's per-head sinks in the native decode kernel (and the prefill rows' torch path)."""
+    case = cpu_case([(90, 1), (3, 1), (40, 1)] + MIXED, group=4, num_kv=2, dtype=dtype, seed=5)
+    sinks = torch.linspace(-3.0, 6.0, 8).to(dtype)  # some heads weigh the sink more than any key
+    backend = CpuAttentionBackend()
+    calls = native_calls(backend, monkeypatch)
+    compare(case, backend, sinks=sinks)
+    compare(case, backend, sinks=sinks, window=7)
+    assert calls == [5, 5]
+
+
+@needs_kernel
 def test_layers_share_the_step_plan(monkeypatch):
     """One plan per step, many layers (windowed and not): each layer equals its own torch run."""
     case = cpu_case([(40, 1), (9, 1), (0, 5)], group=2, seed=8)

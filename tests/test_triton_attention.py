@@ -56,6 +56,17 @@ def test_softcap_with_and_without_window():
     compare(case, TritonAttentionBackend(split_tokens=8), softcap=2.0, window=7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_sinks(dtype):
+    """gpt-oss's per-head sinks in the decode kernel (one split and several: counted once) and the
+    prefill kernel, with and without a window."""
+    case = Case([(150, 1), (3, 1), (40, 1)] + MIXED[2:] + [(0, 30)], group=4, num_kv=2, dtype=dtype, seed=9)
+    sinks = torch.linspace(-3.0, 6.0, 8, device=case.device).to(dtype)
+    compare(case, TritonAttentionBackend(), sinks=sinks)
+    compare(case, TritonAttentionBackend(split_tokens=8), sinks=sinks)
+    compare(case, TritonAttentionBackend(split_tokens=8), sinks=sinks, window=7)
+
+
 def test_graph_metadata_matches_plan_and_padding_is_inert():
     backend = TritonAttentionBackend(split_tokens=16)
     case = Case(DECODES[1:], num_kv=1, group=4, head_dim=48, bs=4)

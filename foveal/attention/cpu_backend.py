@@ -85,7 +85,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self.kernel is None or not self.kernel.store(k_cache, v_cache, slots, k, v):
             super()._store(k_cache, v_cache, slots, k, v)
 
-    def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap) -> bool:
+    def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap, sinks=None) -> bool:
         d = meta.extra
         if d is None or isinstance(kv_cache, QuantizedKVCache) or q.dtype != kv_cache.dtype:
             return False
@@ -94,7 +94,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         starts = d.starts.get(window)
         if starts is None:
             starts = d.starts[window] = (d.lens - window).clamp_(min=0)
+        if sinks is not None:
+            sinks = sinks.float().contiguous()
         self.kernel.decode(
-            q, kv_cache[0], kv_cache[1], d.tables, starts, d.lens, out, meta.block_size, scale, softcap
+            q, kv_cache[0], kv_cache[1], d.tables, starts, d.lens, out, meta.block_size, scale, softcap, sinks
         )
         return True

@@ -108,7 +108,7 @@ static inline int chunk_for(int heads, int D) {
     void NAME(const T *q, int64_t q_tok, const T *k, const T *v, int64_t slot_stride,                \
               const int64_t *tables, int64_t table_stride, const int64_t *starts, const int64_t *lens, \
               T *out, int nd, int H, int KVH, int D, int bs, float scale, float softcap,             \
-              int nthreads) {                                                                         \
+              const float *sinks, int nthreads) {                                                     \
         const int G = H / KVH;                                                                        \
         /* a task = one sequence and a range of its kv heads: whole sequences when there are enough \
            of them (every key block is then read front to back), else split by heads */              \
@@ -124,8 +124,9 @@ static inline int chunk_for(int heads, int D) {
             for (int r = 0; r < nh * G; r++) {                                                        \
                 LOAD_ROW(qf + r * D, q + b * q_tok + (int64_t)(h0 * G + r) * D, D);                   \
                 scale_row(qf + r * D, scale, D);                                                      \
-                m[r] = -INFINITY;                                                                     \
-                l[r] = 0.0f;                                                                          \
+                /* an attention sink: one more logit of value zero, so it starts the running sum */   \
+                m[r] = sinks ? sinks[h0 * G + r] : -INFINITY;                                         \
+                l[r] = sinks ? 1.0f : 0.0f;                                                           \
             }                                                                                         \
             memset(acc, 0, sizeof(acc));                                                              \
             const int64_t *table = tables + b * table_stride;                                         \

@@ -1,7 +1,7 @@
 """Loads the CPU decode-attention kernel (cpu_decode.c, built through foveal.native). Where no compiler
 works, `kernel()` is None and the CPU backend falls back to the torch backend's path (logged once).
 
-    kernel().decode(q, k_pool, v_pool, tables, starts, lens, out, scale, softcap)
+    kernel().decode(q, k_pool, v_pool, tables, starts, lens, out, scale, softcap, sinks)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _FUNCS = {
     torch.float16: "foveal_decode_f16",
 }
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ARGTYPES = [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _F, _I]
+_ARGTYPES = [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _F, _P, _I]
 
 
 class DecodeKernel:
@@ -68,8 +68,11 @@ class DecodeKernel:
         block_size: int,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [H] float32 attention-sink logits, or None
     ) -> torch.Tensor:
         nd, heads, dim = q.shape
+        if sinks is not None and not (sinks.dtype == torch.float32 and sinks.is_contiguous()):
+            raise ValueError("sinks must be contiguous float32 [heads]")
         kv_heads = k_pool.shape[1]
         if q.stride(2) != 1 or q.stride(1) != dim:
             q = q.contiguous()
@@ -83,7 +86,8 @@ class DecodeKernel:
         self._fns[q.dtype](
             q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),
             tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
-            nd, heads, kv_heads, dim, block_size, scale, softcap or 0.0, torch.get_num_threads(),
+            nd, heads, kv_heads, dim, block_size, scale, softcap or 0.0,
+            None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
 

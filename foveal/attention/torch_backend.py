@@ -137,21 +137,30 @@ def _layout(meta: TorchAttentionMetadata, window: int | None) -> tuple[_Decode |
     return found
 
 
-def _attend(q, k, v, mask, causal: bool, scale: float, softcap: float | None, gqa: bool) -> torch.Tensor:
-    if softcap is None:
+def _attend(
+    q, k, v, mask, causal: bool, scale: float, softcap: float | None, gqa: bool, sinks=None
+) -> torch.Tensor:
+    """`sinks`: per-head logits broadcast against the scores' [..., heads, queries, 1]: one more column
+    in every softmax, whose value is zero (gpt-oss's attention sinks)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
         )
-    # SDPA cannot cap logits (Gemma 2 style): plain math, with scores capped before the mask
+    # SDPA cannot cap logits (Gemma 2 style) nor take sinks: plain math, scores capped before the mask
     if k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        return torch.matmul(probs.to(q.dtype), v)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
@@ -194,7 +203,7 @@ class TorchAttentionBackend:
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
 
-    def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap) -> bool:
+    def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap, sinks=None) -> bool:
         """Hook for backends built on this one: attend the decode rows into `out` and return True, or
         return False for the gather + SDPA path below (the oracle)."""
         return False
@@ -210,7 +219,9 @@ class TorchAttentionBackend:
         *,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`sinks`: per-head attention-sink logits [num_heads] (gpt-oss), or None."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv = k.shape[1]
         group = num_heads // num_kv
@@ -234,7 +245,7 @@ class TorchAttentionBackend:
 
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and not self._decode_in_place(q[:nd], kv_cache, meta, out[:nd], scale, window, softcap):
+        if nd and not self._decode_in_place(q[:nd], kv_cache, meta, out[:nd], scale, window, softcap, sinks):
             decode = _layout(meta, window)[0]
             if decode is None:  # graph metadata (cpu_backend) has no gather layout to fall back on
                 raise RuntimeError("decode rows planned for the native kernel, which cannot take them")
@@ -246,7 +257,8 @@ class TorchAttentionBackend:
                 # an additive mask is ~20% faster than a boolean one in the CPU kernel
                 bias = torch.zeros(decode.mask.shape, dtype=q.dtype, device=q.device)
                 decode.bias = bias.masked_fill_(~decode.mask, float("-inf"))
-            od = _attend(qd, kd, vd, decode.bias, False, scale, softcap, gqa=False)
+            sd = None if sinks is None else sinks.view(num_kv, group, 1)
+            od = _attend(qd, kd, vd, decode.bias, False, scale, softcap, gqa=False, sinks=sd)
             out[:nd] = od.reshape(nd, num_heads, head_dim)
         for p in _layout(meta, window)[1]:
             # 4-D inputs ([1, heads, len, dim]) take the CPU flash kernel; 3-D falls back to ~2x slower math
@@ -257,6 +269,7 @@ class TorchAttentionBackend:
             else:
                 kp = blocks_of(0, p.blocks).view(-1, num_kv, head_dim).transpose(0, 1)[None]
                 vp = blocks_of(1, p.blocks).view(-1, num_kv, head_dim).transpose(0, 1)[None]
-            op = _attend(qp, kp, vp, p.mask, p.mask is None, scale, softcap, gqa=True)
+            sp = None if sinks is None else sinks.view(num_heads, 1, 1)
+            op = _attend(qp, kp, vp, p.mask, p.mask is None, scale, softcap, gqa=True, sinks=sp)
             out[s:e] = op[0].transpose(0, 1)
         return kv_cache.from_pool_basis(out) if quantized else out

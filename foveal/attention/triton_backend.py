@@ -239,9 +239,10 @@ class TritonAttentionBackend:
         *,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.fallback is not None or isinstance(kv_cache, QuantizedKVCache):
-            return self._forward_torch(q, k, v, kv_cache, meta, scale, window, softcap)
+            return self._forward_torch(q, k, v, kv_cache, meta, scale, window, softcap, sinks)
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd, num_heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
@@ -262,6 +263,7 @@ class TritonAttentionBackend:
                 window=window,
                 softcap=softcap,
                 workspace=meta.workspace,
+                sinks=sinks,
             )
         if meta.num_prefill_tokens:
             paged_prefill(
@@ -277,6 +279,7 @@ class TritonAttentionBackend:
                 window=window,
                 softcap=softcap,
                 query_limits=meta.query_limits,
+                sinks=sinks,
             )
         return out
 
@@ -286,9 +289,11 @@ class TritonAttentionBackend:
         programs = max(1, meta.num_decodes * num_kv_heads)
         return max(1, min(meta.num_splits, -(-2 * _num_sms(torch.device(device)) // programs)))
 
-    def _forward_torch(self, q, k, v, kv_cache, meta, scale, window, softcap) -> torch.Tensor:
+    def _forward_torch(self, q, k, v, kv_cache, meta, scale, window, softcap, sinks=None) -> torch.Tensor:
         if meta.fallback is None:
             if meta.batch is None:
                 raise NotImplementedError("graph metadata has no torch fallback (quantized KV cache)")
             meta.fallback = self._torch.plan(meta.batch, q.device)
-        return self._torch.forward(q, k, v, kv_cache, meta.fallback, scale, window=window, softcap=softcap)
+        return self._torch.forward(
+            q, k, v, kv_cache, meta.fallback, scale, window=window, softcap=softcap, sinks=sinks
+        )

@@ -16,7 +16,8 @@ programs (flash-decoding) and merged by a second small kernel.
 num_splits is a host int chosen without device data (from lengths known at plan time, or a bound on them
 for CUDA graphs), passed as a runtime argument so that one compiled kernel serves every count. A
 sequence of length 0 (a graph padding row) has empty splits everywhere and writes 0. A sliding window
-starts the key range at the tile holding position seq_len - window.
+starts the key range at the tile holding position seq_len - window. Attention sinks (gpt-oss: per
+head one more logit, of a zero value) start split 0's running max at the sink and its sum at 1.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foveal.attention.kernels.tile import NEG_INIT, dot_args, scales, slot_offsets, softmax_step
+from foveal.attention.kernels.tile import LOG2E_C, NEG_INIT, dot_args, scales, slot_offsets, softmax_step
 
 BLOCK_N = 64  # keys per tile; bf16 head_dim 128: a 16 KiB K tile and the same for V
 NUM_WARPS = 4
@@ -41,6 +42,7 @@ def _decode_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    sinks_ptr,
     qk_scale,
     cap_in,
     cap_out,
@@ -64,6 +66,7 @@ def _decode_kernel(
     DIRECT: tl.constexpr,  # one split: write the output, no partials
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -91,6 +94,11 @@ def _decode_kernel(
 
     m_i = tl.full([GROUP_PAD], NEG_INIT, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if USE_SINKS:  # the sink's logit (log2 domain) and its exp2(0) = 1, counted by split 0 only
+        sink = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0).to(tl.float32) * LOG2E_C
+        first = g_ok & (split == 0)
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     k_base = cache_ptr + kvh * stride_ch + d[None, :]
     table = tables_ptr + seq * stride_table
@@ -168,6 +176,7 @@ def paged_decode(
     window: int | None = None,
     softcap: float | None = None,
     workspace: torch.Tensor | None = None,  # fp32, >= workspace_numel(...) elements
+    sinks: torch.Tensor | None = None,  # [H] attention-sink logits, or None
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv = kv_cache.shape[2]
@@ -193,6 +202,7 @@ def paged_decode(
         out,
         part_acc,
         part_ml,
+        q if sinks is None else sinks,
         qk_scale,
         cap_in,
         cap_out,
@@ -216,6 +226,7 @@ def paged_decode(
         DIRECT=num_splits == 1,
         USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None,
         **dot_args(q.dtype),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,

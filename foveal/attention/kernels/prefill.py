@@ -24,6 +24,9 @@ counts back from the query's own position.
 
 A short chunk after a context (draft verification: 1..k+1 tokens) is the same thing with few rows, so
 BLOCK_M shrinks with the longest chunk of the step (a host int) to waste fewer padding rows.
+
+Attention sinks (gpt-oss: per head one more logit, of a zero value) start each row's running max at its
+head's sink and its sum at 1.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foveal.attention.kernels.tile import NEG_INIT, dot_args, scales, slot_offsets, softmax_step
+from foveal.attention.kernels.tile import LOG2E_C, NEG_INIT, dot_args, scales, slot_offsets, softmax_step
 
 MAX_BLOCK_M = 128
 
@@ -100,6 +103,7 @@ def _prefill_kernel(
     ctx_ptr,
     lim_ptr,
     out_ptr,
+    sinks_ptr,
     qk_scale,
     cap_in,
     cap_out,
@@ -121,6 +125,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_LIMIT: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -164,6 +169,10 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:  # the sink's logit (log2 domain), and exp2(0) = 1 in the sum
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E_C
+        m_i = tl.where(row_ok, sink, m_i)
+        l_i = tl.where(row_ok, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     k_base = cache_ptr + kvh * stride_ch + d[None, :]
     table = tables_ptr + seq * stride_table
@@ -217,6 +226,7 @@ def paged_prefill(
     window: int | None = None,
     softcap: float | None = None,
     query_limits: torch.Tensor | None = None,  # [Tp] int32: the last key position each row sees
+    sinks: torch.Tensor | None = None,  # [H] attention-sink logits, or None
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = kv_cache.shape[2]
@@ -240,6 +250,7 @@ def paged_prefill(
         context_lens,
         cu_q_lens if query_limits is None else query_limits,  # unread without limits
         out,
+        q if sinks is None else sinks,  # unread without sinks
         qk_scale,
         cap_in,
         cap_out,
@@ -261,6 +272,7 @@ def paged_prefill(
         USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
         USE_LIMIT=query_limits is not None,
+        USE_SINKS=sinks is not None,
         **dot_args(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

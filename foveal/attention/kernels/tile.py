@@ -16,6 +16,7 @@ import triton.language as tl
 from foveal.config import triton_interpreted
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)  # for kernels
 # running-max start and the max of an empty split (finite: see above); constexpr so kernels may read it
 NEG_INIT = tl.constexpr(-1.0e30)
 
