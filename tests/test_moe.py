@@ -45,6 +45,23 @@ def test_grouped_experts_equal_the_loop(E, k, T, dtype):
     assert (want[t].float() - direct).abs().max().item() < (1e-5 if dtype == torch.float32 else 5e-2)
 
 
+def test_grouped_experts_with_biases_and_the_clamped_swiglu():
+    """gpt-oss's experts (a bias after each projection, the clamped SwiGLU) on the grouped path."""
+    from foveal.layers.moe import ClampedSwiGLU
+
+    g = torch.Generator().manual_seed(8)
+    E, H, inter, T = 8, 64, 32, 21
+    w13, w2 = _experts(E, H, inter, torch.float32, g)
+    b13, b2 = torch.randn(E, 2 * inter, generator=g), torch.randn(E, H, generator=g)
+    x = torch.randn(T, H, generator=g) * 4
+    weights, ids = route(torch.randn(T, E, generator=g), 4)
+    glu = ClampedSwiGLU(1.702, 7.0)
+    got = experts_grouped(x, w13, w2, weights, ids, glu, b13, b2)
+    want = experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
+    assert (got - want).abs().max().item() < 1e-5
+    assert (want - experts_reference(x, w13, w2, weights, ids, glu)).abs().max().item() > 0.1
+
+
 def test_unaligned_shapes_take_the_loop():
     """Rows whose byte stride is not a multiple of 16 (what torch._grouped_mm needs) still compute."""
     g = torch.Generator().manual_seed(3)

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from foveal.layers.moe import experts_reference, route  # noqa: E402
+from foveal.layers.moe import ClampedSwiGLU, experts_reference, route, silu_glu  # noqa: E402
 from foveal.layers.moe_triton import align, experts_triton  # noqa: E402
 from tests.interpreter import interpreter_rounds_to_nearest_even  # noqa: F401 (autouse)
 
@@ -31,11 +31,31 @@ def test_the_kernel_equals_the_loop(T, E, k, H, inter, dtype):
     w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
     x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
     weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
-    got = experts_triton(x, w13, w2, weights, ids, torch.nn.functional.silu)
+    got = experts_triton(x, w13, w2, weights, ids, silu_glu)
     want = experts_reference(x, w13, w2, weights, ids)
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     assert got.shape == (T, H) and got.dtype == dtype
     assert (got.float() - want.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_biases_and_the_clamped_swiglu(dtype):
+    """gpt-oss's experts: a bias after each projection, the clamped SwiGLU (large inputs, so the
+    clamps bite)."""
+    g = torch.Generator().manual_seed(4)
+    T, E, k, H, inter = 9, 8, 4, 32, 32
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.25).to(dtype).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
+    b13 = torch.randn(E, 2 * inter, generator=g).to(dtype).to(DEVICE)
+    b2 = torch.randn(E, H, generator=g).to(dtype).to(DEVICE)
+    x = (torch.randn(T, H, generator=g) * 3).to(dtype).to(DEVICE)
+    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
+    glu = ClampedSwiGLU(1.702, 7.0)
+    got = experts_triton(x, w13, w2, weights, ids, glu, b13, b2)
+    want = experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest output (bf16: an ulp of ~2^-8)
+    assert (got.float() - want.float()).abs().max().item() < tol * want.float().abs().max().item()
+    assert (experts_reference(x, w13, w2, weights, ids, glu) - want).abs().max().item() > 0.1  # biases count
 
 
 def test_align_sorts_pairs_by_expert_in_padded_tiles():

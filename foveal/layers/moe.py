@@ -3,7 +3,8 @@
     route(logits, k, ...)            -> weights [T, k] (float32), ids [T, k]: each token's experts
     FusedMoE(E, H, I)(x, w, ids)     -> [T, H]: sum_j w[t, j] * expert_ids[t, j](x[t])
 
-An expert is a gated MLP, down(act(gate(x)) * up(x)). The experts' weights are stored as two stacks,
+An expert is a gated MLP, down(glu(gate(x), up(x))) (glu: silu(gate) * up, or gpt-oss's clamped SwiGLU;
+gpt-oss's experts also add a bias after each projection). The experts' weights are stored as two stacks,
 gate/up [E * 2I, H] (each expert's gate rows, then its up rows) and down [E * H, I], so a checkpoint's
 per-expert tensors fill row ranges of them and transformers 5's fused tensors ([E, 2I, H], [E, H, I])
 fill them whole.
@@ -21,7 +22,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ACTS = {"silu": F.silu}
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The experts' gated activation of most families: silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+class ClampedSwiGLU:
+    """gpt-oss's: gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha
+    gate)."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
 
 
 def route(
@@ -41,14 +57,17 @@ def route(
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, glu=silu_glu, bias: bool = False):
         super().__init__()
-        if act not in _ACTS:
-            raise ValueError(f"expert activation {act!r} is not supported (only {', '.join(_ACTS)})")
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.act = _ACTS[act]
+        self.glu = glu  # (gate, up) -> the activation the down projection takes
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts * hidden, intermediate))
+        if bias:  # per expert, added after each projection (gpt-oss)
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
 
     @property
     def w13(self) -> torch.Tensor:
@@ -63,11 +82,12 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cpu and self._quantized() is not None:  # GGUF blocks, run as stored (layers/quant.py)
             return self._experts_quantized(x, weights, ids)
+        args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
         if x.is_cuda:  # the Triton grouped-GEMM kernel (foveal/layers/moe_triton.py)
             from foveal.layers.moe_triton import experts_triton
 
-            return experts_triton(x.contiguous(), self.w13, self.w2, weights, ids, self.act)
-        return experts_grouped(x, self.w13, self.w2, weights, ids, self.act)
+            return experts_triton(x.contiguous(), *args)
+        return experts_grouped(x, *args)
 
     def _quantized(self):
         """Per expert (gate/up, down) as QuantWeight row views or dense row slices, when the stacks came
@@ -96,11 +116,18 @@ class FusedMoE(nn.Module):
 
         out = torch.zeros_like(x)
         per = self._quantized()
+        b13, b2 = self.gate_up_proj_bias, self.down_proj_bias
         for e in torch.unique(ids).tolist():
             token, slot = torch.where(ids == e)
             up, down = per[e]
-            gate, u = run(up, x[token]).split(self.intermediate, dim=-1)
-            out.index_add_(0, token, run(down, self.act(gate) * u) * weights[token, slot, None].to(x.dtype))
+            h = run(up, x[token])
+            if b13 is not None:
+                h = h + b13[e]
+            gate, u = h.split(self.intermediate, dim=-1)
+            d = run(down, self.glu(gate, u))
+            if b2 is not None:
+                d = d + b2[e]
+            out.index_add_(0, token, d * weights[token, slot, None].to(x.dtype))
         return out
 
 
@@ -109,32 +136,38 @@ def _aligned(*ts: torch.Tensor) -> bool:
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in ts)
 
 
-def experts_grouped(x, w13, w2, weights, ids, act=F.silu) -> torch.Tensor:
+def experts_grouped(x, w13, w2, weights, ids, glu=silu_glu, b13=None, b2=None) -> torch.Tensor:
     """The experts' output [T, H]: the (token, expert) pairs sorted by expert, one grouped GEMM each
-    for gate/up and down, each row scaled by its weight and added back to its token."""
+    for gate/up and down (each plus its expert's bias, where there is one), each row scaled by its
+    weight and added back to its token."""
     T, k = ids.shape
     E, two_i, _ = w13.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
     if not _aligned(x, w2) or two_i * x.element_size() % 16:
-        return experts_reference(x, w13, w2, weights, ids, act)
+        return experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
     offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    expert = flat[order]
     h = torch._grouped_mm(x[token], w13.transpose(1, 2), offs)
+    if b13 is not None:
+        h = h + b13[expert]
     gate, up = h.split(two_i // 2, dim=-1)
-    d = torch._grouped_mm((act(gate) * up).contiguous(), w2.transpose(1, 2), offs)
+    d = torch._grouped_mm(glu(gate, up).contiguous(), w2.transpose(1, 2), offs)
+    if b2 is not None:
+        d = d + b2[expert]
     d = d * weights.reshape(-1)[order, None].to(d.dtype)
     return torch.zeros_like(x).index_add_(0, token, d)
 
 
-def experts_reference(x, w13, w2, weights, ids, act=F.silu) -> torch.Tensor:
+def experts_reference(x, w13, w2, weights, ids, glu=silu_glu, b13=None, b2=None) -> torch.Tensor:
     """The plain loop over experts (transformers' computation): for each expert some token chose,
-    its tokens' gated MLP, scaled by their weights, added to their rows."""
+    its tokens' gated MLP (with its biases), scaled by their weights, added to their rows."""
     out = torch.zeros_like(x)
     inter = w13.shape[1] // 2
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
-        gate, up = F.linear(x[token], w13[e]).split(inter, dim=-1)
-        d = F.linear(act(gate) * up, w2[e]) * weights[token, slot, None].to(x.dtype)
-        out.index_add_(0, token, d)
+        gate, up = F.linear(x[token], w13[e], None if b13 is None else b13[e]).split(inter, dim=-1)
+        d = F.linear(glu(gate, up), w2[e], None if b2 is None else b2[e])
+        out.index_add_(0, token, d * weights[token, slot, None].to(x.dtype))
     return out

@@ -28,6 +28,7 @@ from foveal.lora.ops_triton import _dot_args
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
+    bias_ptr,
     c_ptr,
     scale_ptr,
     rows_ptr,
@@ -40,14 +41,15 @@ def _moe_gemm_kernel(
     TOP_K: tl.constexpr,
     GATHER: tl.constexpr,
     SCALE: tl.constexpr,
+    BIAS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """C[p, :N] = A[p // TOP_K if GATHER else p] @ W[e, :N, :K]^T (times scale[p] if SCALE) for the
-    pairs p of this program's tile of rows, all of expert e."""
+    """C[p, :N] = (A[p // TOP_K if GATHER else p] @ W[e, :N, :K]^T + bias[e] if BIAS) (times scale[p] if
+    SCALE) for the pairs p of this program's tile of rows, all of expert e."""
     tile = tl.program_id(0)
     e = tl.load(experts_ptr + tile)
     if e < 0:
@@ -74,6 +76,8 @@ def _moe_gemm_kernel(
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    if BIAS:
+        acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if SCALE:
         acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     c = c_ptr + pairs[:, None] * c_row + cols[None, :]
@@ -114,21 +118,21 @@ def _tiles(n_pairs: int, N: int, K: int) -> tuple[int, int, int]:
     return bm, bn, bk
 
 
-def _gemm(a, w, c, scale, rows, experts, n_pairs, top_k, gather, tiles) -> None:
+def _gemm(a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles) -> None:
     bm, bn, bk = tiles
     N, K = w.shape[1], w.shape[2]
     grid = (experts.shape[0], triton.cdiv(N, bn))
     _moe_gemm_kernel[grid](
-        a, w, c, scale, rows, experts, n_pairs, N, K, a.stride(0), c.stride(0),
-        TOP_K=top_k, GATHER=gather, SCALE=scale is not None, **_dot_args(a.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=2,
+        a, w, w if bias is None else bias.contiguous(), c, scale, rows, experts, n_pairs, N, K, a.stride(0),
+        c.stride(0), TOP_K=top_k, GATHER=gather, SCALE=scale is not None, BIAS=bias is not None,
+        **_dot_args(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=2,
     )  # fmt: skip
 
 
-def experts_triton(x, w13, w2, weights, ids, act) -> torch.Tensor:
+def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None) -> torch.Tensor:
     """The experts' output [T, H] (foveal/layers/moe.py `experts_grouped`'s contract): gate/up by the
-    kernel over x's rows, the activation, down by the kernel scaled by each pair's weight, summed over
-    each token's k pairs."""
+    kernel over x's rows (plus b13), the activation `glu(gate, up)`, down by the kernel (plus b2)
+    scaled by each pair's weight, summed over each token's k pairs."""
     T, k = ids.shape
     E, two_i, H = w13.shape
     inter = two_i // 2
@@ -137,9 +141,9 @@ def experts_triton(x, w13, w2, weights, ids, act) -> torch.Tensor:
     bm = _tiles(n, two_i, H)[0]
     rows, experts = align(ids, E, bm)
     h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, h, None, rows, experts, n, k, True, _tiles(n, two_i, H))
-    a = (act(h[:, :inter]) * h[:, inter:]).contiguous()
+    _gemm(x, w13, b13, h, None, rows, experts, n, k, True, _tiles(n, two_i, H))
+    a = glu(h[:, :inter], h[:, inter:]).contiguous()
     d = torch.empty((n, H), dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
-    _gemm(a, w2, d, scale, rows, experts, n, k, False, _tiles(n, H, inter))
+    _gemm(a, w2, b2, d, scale, rows, experts, n, k, False, _tiles(n, H, inter))
     return d.view(T, k, H).sum(dim=1)

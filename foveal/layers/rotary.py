@@ -1,7 +1,9 @@
 """Rotary position embeddings (RoPE): inverse frequencies for the rope types we support, a cos/sin
 table indexed by absolute position, and the rotate-half application used by Llama and Qwen.
 
-Supported rope types: default, linear, llama3. Anything else raises a clear error at model build.
+Supported rope types: default, linear, llama3, yarn (gpt-oss: frequencies ramped between extrapolated
+and interpolated ones, cos/sin scaled by the attention factor). Anything else raises a clear error at
+model build.
 
 M-RoPE (Qwen2-VL family): positions are [3, T] (temporal, height, width); `mrope_section` splits the
 head_dim/2 rotary frequencies into consecutive sections, section i taking its angle from axis i % 3.
@@ -18,7 +20,7 @@ from torch import nn
 
 from foveal.layers import cpu_fused, fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config) -> dict:
@@ -58,7 +60,46 @@ def inv_frequencies(config, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wl) & (wavelen <= low_wl)
         inv = torch.where(medium, smoothed, scaled)
+    elif rope_type == "yarn":
+        inv = _yarn(inv, params, dim, base)
     return inv
+
+
+def _yarn(inv: torch.Tensor, params: dict, dim: int, base: float) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), more than `beta_fast` times kept, a linear ramp between."""
+    factor = float(params["factor"])
+    old_ctx = float(params["original_max_position_embeddings"])
+
+    def dim_of(rotations: float) -> float:  # the frequency index that turns `rotations` times
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(float(params.get("beta_fast") or 32)), dim_of(float(params.get("beta_slow") or 1))
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the extrapolated (unchanged) frequency
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def attention_factor(config) -> float:
+    """What cos and sin are multiplied by: YaRN's `attention_factor` (0.1 ln(factor) + 1 unless given,
+    or the mscale ratio), 1 for other rope types."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(params["factor"])
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,8 +114,9 @@ class RotaryEmbedding(nn.Module):
             pos = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(pos, inv)
             emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+            scale = attention_factor(config)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token cos/sin [T, 1, head_dim]; computed once per step and shared by every layer."""
