@@ -11,7 +11,7 @@ from tests.tiny import Harness, tiny_hf_model
 
 FAMILIES = [
     "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_softcap",
-    "qwen3_moe", "qwen3_moe_unnormed", "mixtral",
+    "qwen3_moe", "qwen3_moe_unnormed", "mixtral", "gpt_oss",
 ]  # fmt: skip
 TOL = 1e-4
 
@@ -63,7 +63,7 @@ def _ends(batch):
         yield s, off
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss"])
 @pytest.mark.parametrize("budget", [1, 7, 16])
 def test_chunked_prefill_matches_unchunked(family, budget):
     """A 40-token prompt split into chunks of `budget` tokens (with a decoding request sharing the steps)

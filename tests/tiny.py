@@ -82,15 +82,23 @@ def tiny_config(family: str, **overrides):
             **{**COMMON, "num_hidden_layers": 3}, head_dim=16, num_experts=6, num_experts_per_tok=3,
             moe_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
         )  # fmt: skip
+    if family == "gpt_oss":  # sliding (window 8) then full attention, sinks, YaRN, 4 experts of 32, top 2
+        return tf.GptOssConfig(
+            **{**COMMON, "intermediate_size": 32}, head_dim=16, sliding_window=8, num_local_experts=4,
+            num_experts_per_tok=2, tie_word_embeddings=False,
+        )  # fmt: skip
     if family == "mixtral":  # 4 experts of 128, top 2
         return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     raise ValueError(family)
 
 
-def tiny_hf_model(family: str, seed: int = 0):
+def tiny_hf_model(family: str, seed: int = 0, **config):
+    """The family's tiny transformers model; `config`: values set on its config first."""
     import transformers as tf
 
     cfg = tiny_config(family)
+    for key, value in config.items():
+        setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     # random init leaves norms at 1 and biases at 0: perturb them so those paths are tested too
@@ -98,8 +106,10 @@ def tiny_hf_model(family: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith("mlp.gate.weight"):  # a router: distinct scores, so the top k is no tie
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a router: no ties in the top k
                 p.normal_(0, 0.5)
+            if name.endswith(("self_attn.sinks", "experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.normal_(0, 1.0)  # sinks, expert biases: initialized small or zero
     cfg.architectures = [type(model).__name__]
     return model
 

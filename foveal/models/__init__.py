@@ -12,6 +12,7 @@ _MODELS = {
     "Qwen3ForCausalLM": "foveal.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "foveal.models.llama_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "foveal.models.llama_moe:MixtralForCausalLM",
+    "GptOssForCausalLM": "foveal.models.gpt_oss:GptOssForCausalLM",
     "LLaDAModelLM": "foveal.models.llama:LLaDAModelLM",
     "SDARForCausalLM": "foveal.models.llama:SDARForCausalLM",
     "LlavaForConditionalGeneration": "foveal.models.llava:LlavaForConditionalGeneration",

@@ -58,6 +58,8 @@ class DecoderSwitches(DecoderShape):
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSwitches, backend, in_features: int | None = None):
         super().__init__()
+        self.window: int | None = None  # a sliding window (gpt-oss's sliding layers), else full attention
+        self.sinks: torch.Tensor | None = None  # per-head attention-sink logits (gpt-oss), else None
         self.spec = spec
         self.backend = backend
         h, hd = spec.num_heads, spec.head_dim
@@ -80,7 +82,12 @@ class Attention(nn.Module):
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)  # on CUDA: in place, into the qkv buffer
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if self.window is None and self.sinks is None:
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        else:
+            out = self.backend.forward(
+                q, k, v, kv_cache, meta, self.scale, window=self.window, sinks=self.sinks
+            )
         return self.o_proj(out.reshape(-1, self.q_size), lora)
 
 
@@ -102,9 +109,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSwitches, backend, mlp: nn.Module | None = None):
+    def __init__(
+        self, spec: DecoderSwitches, backend, mlp: nn.Module | None = None, attn: nn.Module | None = None
+    ):
         super().__init__()
-        self.self_attn = Attention(spec, backend)
+        self.self_attn = Attention(spec, backend) if attn is None else attn
         self.mlp = MLP(spec) if mlp is None else mlp  # or a mixture of experts (models/llama_moe.py)
         self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
