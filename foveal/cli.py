@@ -107,7 +107,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default="auto",
         help="think-marker format of the model's reasoning (auto: from the tokenizer; none; or a name in "
-        "foveal/parsing/reasoning.py, e.g. qwen3, deepseek_r1)",
+        "foveal/parsing/reasoning.py, e.g. qwen3, deepseek_r1; harmony: gpt-oss, detected by auto)",
     )
     g.add_argument(
         "--tool-call-parser",

@@ -301,7 +301,8 @@ class SpeculativeConfig:
 class OutputConfig:
     """How outputs are shaped: the reasoning and tool-call formats, thinking defaults, grammars."""
 
-    # auto: from the tokenizer's think markers (foveal/parsing/reasoning.py); none; or a format name
+    # auto: from the tokenizer's think markers (foveal/parsing/reasoning.py; Harmony's markers: gpt-oss's
+    # one parser for reasoning, content and calls, foveal/parsing/harmony.py); none; or a format name
     reasoning_parser: str = "auto"
     # auto: from the chat template's markers (foveal/parsing/tools.py; a template without tool support
     # gets a generic Hermes-style tool prompt and parser); none; or a format name

@@ -3,7 +3,8 @@
 The fixtures (../shared/heldout/canitoolcall, read in place, never copied) are replayed for the
 families qwen3-hermes, qwen3-xml, llama (JSON and pythonic), mistral, glm, deepseek (V3/V3.1 and
 DSML), kimi (K2; K3's XTML is not implemented and its fixtures are counted as unsupported) and
-gemma4; gpt-oss's Harmony format is not implemented: its fixtures are counted as unsupported. Every
+gemma4, and gpt-oss's Harmony output (foveal.parsing.harmony: reasoning, content and calls in one
+parser, so its fixtures replay the whole raw output through it). Every
 family of the data is one of these (a new one fails test_fixture_counts). Following its spec/README:
 `expected` (content and reasoning strict, "" = null; soft-v1 equality reported apart; arguments as
 parsed JSON with types) or `expected_error` (the outcome must be in `accept`); no marker leaks; every
@@ -30,6 +31,7 @@ from functools import cache
 
 import pytest
 
+from foveal.parsing import harmony
 from foveal.parsing.tool_formats.values import coerce
 from foveal.parsing.tools import (
     FORMATS,
@@ -51,7 +53,7 @@ FAMILIES = ("qwen3-hermes", "qwen3-xml", "llama", "mistral", "glm", "deepseek", 
 KNOWN_FAILURES: dict[str, str] = {}
 # Fixtures of a format we do not implement: counted apart, not run.
 UNSUPPORTED_TAGS = {"x-kimi-k3": "Kimi K3 XTML (<|open|>tools<|sep|>...) is not implemented"}
-UNSUPPORTED_FAMILIES = {"gpt-oss": "the Harmony format (<|channel|>... to=functions.f) is not implemented"}
+UNSUPPORTED_FAMILIES: dict[str, str] = {}
 
 
 def load_fixtures() -> list[dict]:
@@ -214,20 +216,41 @@ def view(result) -> tuple:
     return result.content, [(c.name, c.arguments) for c in result.tool_calls]
 
 
+def replay_harmony(fx: dict, markers: list[str], problems: list[str]):
+    """gpt-oss: the Harmony parser takes the whole output (reasoning, content and calls are one
+    sequence of messages); every chunking's deltas, joined, equal the whole parse."""
+    truncated = "truncated" in fx["tags"]
+    reasoning, result = harmony.parse(fx["raw_output"], truncated)
+    for name, chunks in chunkings(fx["raw_output"], markers).items():
+        s = harmony.HarmonyStream()
+        deltas = [d for c in chunks for d in s.feed(c)] + s.finish(truncated)
+        thought = "".join(d.text for d in deltas if isinstance(d, harmony.ReasoningDelta)) or None
+        deltas = [d for d in deltas if not isinstance(d, harmony.ReasoningDelta)]
+        problems += [f"{name}: {p}" for p in check_deltas(deltas)]
+        if (thought, view(collect(deltas))) != (reasoning, view(result)):
+            got, want = (thought, view(collect(deltas))), (reasoning, view(result))
+            problems.append(f"{name}: stream {got} != nonstream {want}")
+    return reasoning, fx["raw_output"], result
+
+
 @cache
 def run_fixture(index: int) -> tuple[str, list[str]]:
     """('pass' | 'soft_pass' | 'fail', problems) for one fixture."""
     fx = FIXTURES[index]
-    fmt, tools, truncated = format_of(fx), fx["tools"], "truncated" in fx["tags"]
-    reasoning, rest = split_reasoning(fx)
-    markers = list(dict.fromkeys(fx["_markers"] + list(get_format(fmt).markers.markup)))
     problems: list[str] = []
-    result = parse(rest, tools, format=fmt, truncated=truncated)
-    for name, chunks in chunkings(rest, markers).items():
-        deltas = stream(fmt, tools, chunks, truncated)
-        problems += [f"{name}: {p}" for p in check_deltas(deltas)]
-        if view(collect(deltas)) != view(result):
-            problems.append(f"{name}: stream {view(collect(deltas))} != nonstream {view(result)}")
+    if fx["family"] == "gpt-oss":
+        markers = list(dict.fromkeys(fx["_markers"] + list(harmony.MARKERS)))
+        reasoning, rest, result = replay_harmony(fx, markers, problems)
+    else:
+        fmt, tools, truncated = format_of(fx), fx["tools"], "truncated" in fx["tags"]
+        reasoning, rest = split_reasoning(fx)
+        markers = list(dict.fromkeys(fx["_markers"] + list(get_format(fmt).markers.markup)))
+        result = parse(rest, tools, format=fmt, truncated=truncated)
+        for name, chunks in chunkings(rest, markers).items():
+            deltas = stream(fmt, tools, chunks, truncated)
+            problems += [f"{name}: {p}" for p in check_deltas(deltas)]
+            if view(collect(deltas)) != view(result):
+                problems.append(f"{name}: stream {view(collect(deltas))} != nonstream {view(result)}")
     status = "pass"
     if "expected" in fx:
         exp = fx["expected"]
@@ -387,7 +410,8 @@ def test_mangled_outputs_stream_like_they_parse():
     noise = list("\"{}[]<>\n ,:'()\\x1")
     for _ in range(1500):
         fx = rng.choice(cases)
-        fmt, chars = format_of(fx), list(split_reasoning(fx)[1])
+        fmt = None if fx["family"] == "gpt-oss" else format_of(fx)
+        chars = list(fx["raw_output"] if fmt is None else split_reasoning(fx)[1])
         for _ in range(rng.randint(1, 6)):
             i = rng.randrange(len(chars) + 1)
             op = rng.random()
@@ -399,15 +423,23 @@ def test_mangled_outputs_stream_like_they_parse():
                 j = rng.randrange(len(chars))
                 chars[min(i, len(chars) - 1)], chars[j] = chars[j], chars[min(i, len(chars) - 1)]
         text, truncated = "".join(chars), rng.random() < 0.3
-        want = view(parse(text, fx["tools"], format=fmt, truncated=truncated))
         sizes = rng.choice([1, 3, 12])
         chunks, i = [], 0
         while i < len(text):
             k = rng.randint(1, sizes)
             chunks.append(text[i : i + k])
             i += k
-        deltas = stream(fmt, fx["tools"], chunks, truncated)
-        assert view(collect(deltas)) == want, (fx["id"], text)
+        if fx["family"] == "gpt-oss":  # Harmony: reasoning too, from the one parser
+            thought, result = harmony.parse(text, truncated)
+            s = harmony.HarmonyStream()
+            deltas = [d for c in chunks for d in s.feed(c)] + s.finish(truncated)
+            got = "".join(d.text for d in deltas if isinstance(d, harmony.ReasoningDelta)) or None
+            deltas = [d for d in deltas if not isinstance(d, harmony.ReasoningDelta)]
+            assert (got, view(collect(deltas))) == (thought, view(result)), (fx["id"], text)
+        else:
+            want = view(parse(text, fx["tools"], format=fmt, truncated=truncated))
+            deltas = stream(fmt, fx["tools"], chunks, truncated)
+            assert view(collect(deltas)) == want, (fx["id"], text)
         assert not check_deltas(deltas), (fx["id"], text)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from foveal.config import OutputConfig
 from foveal.diffusion.state import DiffusionParams
 from foveal.engine.tool_prompt import has_tool_turns, renders_tools, with_tool_prompt
-from foveal.parsing import reasoning, tools
+from foveal.parsing import harmony, reasoning, tools
 from foveal.request import EngineRequest, InvalidParameter, MultiModalPrompt, SamplingParams, new_request_id
 from foveal.structured import closing
 from foveal.structured.bitmask import bitmask_words
@@ -72,7 +72,9 @@ class InputProcessor:
         self.output = output or OutputConfig()
         # no text longer than this can tokenize to a prompt that fits: refused before tokenizing it
         self.max_prompt_chars = info.max_request_tokens * _longest_token_chars(tokenizer)
-        self.reasoning = self._reasoning_format()  # a ReasoningFormat, or None: the model does not think
+        # gpt-oss's Harmony: reasoning, content and calls in one message format (foveal/parsing/harmony.py)
+        self.harmony = self._harmony()
+        self.reasoning = None if self.harmony else self._reasoning_format()  # None: the model does not think
         self.think_ids = (
             (self._marker_ids(self.reasoning.start), self._marker_ids(self.reasoning.end))
             if self.reasoning
@@ -81,7 +83,8 @@ class InputProcessor:
         template = self.chat_template
         # tool calls: the template renders `tools` itself, or gets the generic (Hermes-style) prompt
         self.native_tools = renders_tools(template)
-        self.tool_format = self._tool_format(template)  # the format's name, or None: no tool parsing
+        # the format's name, or None: no tool parsing (Harmony's calls are its own parser's)
+        self.tool_format = None if self.harmony else self._tool_format(template)
         # the markers' special tokens keep their text in the output (the parsers read them)
         keep = set(self.think_ids[0] + self.think_ids[1])
         self.tool_special: dict[str, int] = {}  # the format's markers that are special tokens (grammars)
@@ -92,6 +95,9 @@ class InputProcessor:
             added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
             special = {t.content: i for i, t in added.items() if getattr(t, "special", False)}
             self.tool_special = {m: special[m] for m in markup if m in special}
+        if self.harmony:
+            vocab = tokenizer.get_vocab()
+            keep.update(vocab[m] for m in harmony.MARKERS if m in vocab)
         self.keep_special_ids = tuple(sorted(keep))
         self._grammars = None  # the GrammarCache, made at the first constrained request
         self.lora = None  # foveal.lora.registry.LoRARegistry when adapters are enabled (set at start)
@@ -120,6 +126,16 @@ class InputProcessor:
         return found.name
 
     # -- output formats -----------------------------------------------------------------------------
+    def _harmony(self) -> bool:
+        """Harmony output (auto: where the tokenizer has its markers, unless a parser is named)."""
+        named = "harmony" in (self.output.reasoning_parser, self.output.tool_call_parser)
+        if not harmony.detect(self.tokenizer):
+            if named:
+                raise ValueError("the harmony parser needs a tokenizer with Harmony's <|channel|> markers")
+            return False
+        parsers = {self.output.reasoning_parser, self.output.tool_call_parser}
+        return parsers <= {"auto", "harmony"}  # a parser named otherwise takes the output instead
+
     def _reasoning_format(self):
         name = self.output.reasoning_parser
         if name == "none":

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from foveal.parsing.harmony import HarmonyStream, ReasoningDelta
 from foveal.parsing.reasoning import ReasoningFormat, ReasoningParser
 from foveal.parsing.tool_formats.base import CallSyntax
 from foveal.parsing.tools import ContentDelta, ToolCall, ToolCallStream
@@ -29,6 +30,7 @@ class OutputPlan:
     tool_format: str | None = None  # parse tool calls in this format (the request offered tools)
     tools: Sequence[Mapping[str, Any]] = ()
     tool_syntax: CallSyntax | None = None  # a tool-call grammar writes the calls: stream them as they grow
+    harmony: bool = False  # gpt-oss: reasoning, content and calls from one parser (parsing/harmony.py)
 
 
 @dataclass(slots=True)
@@ -38,9 +40,13 @@ class ChoiceOutput:
     content_text: list[str] = field(default_factory=list)
     _reasoner: ReasoningParser | None = None
     _tools: ToolCallStream | None = None
+    _harmony: HarmonyStream | None = None
 
     def __post_init__(self) -> None:
         p = self.plan
+        if p.harmony:
+            self._harmony = HarmonyStream()
+            return
         if p.reasoning is not None:
             self._reasoner = ReasoningParser(p.reasoning, thinking=p.thinking, prompt_opened=p.prompt_opened)
         if p.tool_format is not None:
@@ -48,10 +54,14 @@ class ChoiceOutput:
 
     @property
     def calls(self) -> list[ToolCall]:
+        if self._harmony is not None:
+            return self._harmony.calls
         return self._tools.calls if self._tools is not None else []
 
     def feed(self, text: str) -> list[dict]:
         """OpenAI delta fragments for this text ([] while everything is held back)."""
+        if self._harmony is not None:
+            return self._deltas(self._harmony.feed(text))
         if self._reasoner is None:
             return self._content(text, False, False)
         thought, content = self._reasoner.feed(text)
@@ -59,6 +69,8 @@ class ChoiceOutput:
 
     def finish(self, truncated: bool = False) -> list[dict]:
         """The rest: held text, and a tool call that closed at the end. `truncated`: cut by length."""
+        if self._harmony is not None:
+            return self._deltas(self._harmony.finish(truncated))
         out: list[dict] = []
         content = ""
         if self._reasoner is not None:
@@ -79,8 +91,14 @@ class ChoiceOutput:
             deltas = self._tools.feed(text) if text else []
             if final:
                 deltas += self._tools.finish(truncated)
+        return self._deltas(deltas)
+
+    def _deltas(self, deltas) -> list[dict]:
         out = []
         for d in deltas:
+            if isinstance(d, ReasoningDelta):
+                out += self._reasoning(d.text)
+                continue
             if isinstance(d, ContentDelta):
                 if not d.text:
                     continue
@@ -93,7 +111,7 @@ class ChoiceOutput:
         (as `reasoning_content` and `reasoning`), tool_calls."""
         content = "".join(self.content_text)
         msg: dict[str, Any] = {"role": "assistant", "content": content if content or not self.calls else None}
-        if self._reasoner is not None:
+        if self._reasoner is not None or self._harmony is not None:
             thought = "".join(self.reasoning_text) or None
             msg["reasoning_content"] = msg["reasoning"] = thought
         if self.calls:

@@ -189,6 +189,13 @@ class Prompts:
         if mode == "none":
             return None, params, None, None
         fmt = self.processor.tool_format
+        if self.processor.harmony:  # gpt-oss: the template renders the tools, the Harmony parser reads calls
+            if mode != "auto":
+                raise APIError(
+                    400, f"tool_choice {mode!r} is not supported for Harmony output (gpt-oss); use auto",
+                    param="tool_choice",
+                )  # fmt: skip
+            return [t.model_dump(exclude_none=True) for t in req.tools], params, None, None
         if fmt is None:
             raise APIError(
                 400, "this server does not parse tool calls (--tool-call-parser none)", param="tools"
@@ -289,6 +296,7 @@ class Prompts:
             tool_format=tool_format,
             tools=tools or (),
             tool_syntax=tool_syntax,
+            harmony=self.processor.harmony,
         )
         return choices, plan
 
