@@ -1,0 +1,182 @@
+"""Issue 37's mixture-of-experts figures: the experts' kernel on its own, and Qwen3-30B-A3B and
+gpt-oss-20b through Foveal's engine on random weights of the real shapes (`--load-format dummy` with
+benchmarks/configs/*.json), against their memory floors measured in the same run.
+
+    python3 benchmarks/moe.py --parts ceilings,kernel,qwen3,gptoss [--smoke] [--profile]
+
+kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 2048, I 768) and
+         gpt-oss-20b (E 32, k 4, H 2880, I 2880), at 1, 64 and 256 tokens: the Triton kernel
+         (layers/moe_triton.py), torch's grouped GEMMs (layers/moe.py experts_grouped) and the loop over
+         experts (the reference): us per call, and the bytes of the experts those tokens touch (each
+         distinct expert read once) over that time.
+qwen3    Qwen3-30B-A3B: batch-1 decode, 512 prompt / 256 output, against its floor: the bytes a step
+         reads (every dense weight, the k experts of each layer, the KV cache of the mean context)
+         over the measured copy bandwidth; then 256 requests of 512 / 256 at once: output tok/s
+         against the floor of a step that reads every expert a step's tokens touch (expected distinct
+         experts of B tokens x k draws: E (1 - (1 - k/E)^B)) and the KV cache.
+gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same floors.
+--profile  the largest CUDA kernels of a decode step (what a step's time goes to).
+
+`--smoke` runs the code paths on the CPU with tiny configs and counts: it checks the script, not the
+speed (GPU time is scarce; run it before a device call). Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from functools import partial
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import gpu_workloads as gw  # noqa: E402
+
+from foveal.layers.moe import experts_grouped, experts_reference, route, silu_glu  # noqa: E402
+
+RESULTS: dict = {}
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "gpt-oss-20b": (32, 4, 2880, 2880)}  # E, k, H, I
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _time(fn, reps: int) -> float:
+    if torch.cuda.is_available():
+        return gw._time_cuda(fn, reps)
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+# -- the experts on their own -------------------------------------------------------------------------
+def kernel(smoke: bool) -> None:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    out = {}
+    for name, (E, k, H, inter) in SHAPES.items():
+        if smoke:
+            E, H, inter = min(E, 16), 64, 32
+        g = torch.Generator().manual_seed(0)
+        w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.02).to(dtype).to(dev)
+        w2 = (torch.randn(E, H, inter, generator=g) * 0.02).to(dtype).to(dev)
+        for T in (1, 64, 256):
+            x = torch.randn(T, H, generator=g).to(dtype).to(dev)
+            weights, ids = route(torch.randn(T, E, generator=g).to(dev), k)
+            touched = len(torch.unique(ids))
+            nbytes = touched * 3 * H * inter * w13.element_size()
+            args = (x, w13, w2, weights, ids, silu_glu)
+            paths = {"grouped": partial(experts_grouped, *args), "loop": partial(experts_reference, *args)}
+            if dev == "cuda":
+                from foveal.layers.moe_triton import experts_triton
+
+                paths["triton"] = partial(experts_triton, *args)
+            row = {"experts_touched": touched, "MB": round(nbytes / 1e6, 1)}
+            for p, fn in paths.items():
+                s = _time(fn, 3 if smoke else 20)
+                row[f"{p}_us"] = round(s * 1e6, 1)
+                row[f"{p}_GBps"] = round(nbytes / s / 1e9, 1)
+            out[f"{name}/T{T}"] = row
+            log(f"kernel {name} T={T}: {row}")
+    RESULTS["kernel"] = out
+
+
+# -- through the engine ----------------------------------------------------------------------------
+def _bytes(llm) -> tuple[int, int, int, int]:
+    """(dense bytes a decode step reads, bytes of one layer's one expert, experts per layer, layers
+    with experts): the text model's parameters, the expert stacks apart (the embedding table only when
+    it doubles as the LM head)."""
+    from foveal.layers.moe import FusedMoE
+
+    model = llm.engine.model
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    expert_params = {id(p) for m in moes for p in m.parameters()}
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
+    if getattr(model, "lm_head", None) is not None:
+        dense -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    m = moes[0]
+    per_expert = sum(p.numel() * p.element_size() for p in m.parameters()) // m.num_experts
+    return dense, per_expert, m.num_experts, len(moes)
+
+
+def _floor_row(llm, r: dict, batch: int, context: int, top_k: int) -> dict:
+    """The step's bytes and the floor they give (tok/s at the measured copy bandwidth)."""
+    dense, per_expert, E, layers = _bytes(llm)
+    distinct = E * (1 - (1 - top_k / E) ** batch)
+    step = dense + layers * distinct * per_expert + batch * gw.kv_bytes_per_token(llm) * context
+    out = {"step_MB": round(step / 1e6, 1), "experts_per_layer": round(distinct, 1)}
+    if "ceilings" in gw.RESULTS:
+        bw = gw.RESULTS["ceilings"]["copy_GBps"] * 1e9
+        floor = batch * bw / step  # tokens per second when a step costs only its reads
+        got = r["decode_tok_s"] if batch == 1 else r["output_tok_s"]
+        out.update(floor_tok_s=round(floor, 1), share_of_floor=round(got / floor, 3))
+    return out
+
+
+def model(name: str, config: str, batches: list[int], a) -> None:
+    prompt, output = gw.L(512), gw.L(256)
+    llm = gw.engine(config, a, max_model_len=2048, max_num_seqs=max(batches), max_num_batched_tokens=8192)
+    V = llm.processor.info.vocab_size
+    top_k = llm.engine.model.config.num_experts_per_tok
+    gw.run(llm, gw.random_prompts(4, gw.L(128), V, 99), [gw.greedy(8)] * 4)  # compiles outside the timings
+    out = {}
+    for b in batches:
+        n = gw.N(b) if b > 1 else 1
+        if a.profile and b == 1:
+            gw.profile(llm, V, batch=1, context=prompt)
+        r = gw.run(llm, gw.random_prompts(n, prompt, V, b), [gw.greedy(output)] * n)
+        r.update(_floor_row(llm, r, n, prompt + output // 2, top_k))
+        gw.report(f"{name} batch {n}", r, f"floor {r.get('floor_tok_s')} tok/s ({r.get('share_of_floor')})")
+        out[f"batch{b}"] = r
+    RESULTS[name] = out
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _smoke_config(name: str) -> str:
+    """A tiny config of the family (the script's code paths on CPU)."""
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config("qwen3_moe_unnormed" if name == "qwen3" else "gpt_oss")
+    cfg.architectures = ["Qwen3MoeForCausalLM" if name == "qwen3" else "GptOssForCausalLM"]
+    path = os.path.join(tempfile.mkdtemp(), "config.json")
+    with open(path, "w") as f:
+        f.write(cfg.to_json_string())
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="ceilings,kernel,qwen3,gptoss")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    a = ap.parse_args()
+    gw.SMOKE = a.smoke
+    parts = a.parts.split(",")
+    if "ceilings" in parts and torch.cuda.is_available():
+        gw.RESULTS["ceilings"] = RESULTS["ceilings"] = gw.ceilings()
+    if "kernel" in parts:
+        kernel(a.smoke)
+    runs = (("qwen3", "qwen3-30b-a3b.json", [1, 256]), ("gptoss", "gpt-oss-20b.json", [1, 64]))
+    for name, config, batches in runs:
+        if name in parts:
+            model(name, _smoke_config(name) if a.smoke else config, batches, a)
+    print(json.dumps({"benchmark": "moe", "smoke": a.smoke, **RESULTS}))
+
+
+if __name__ == "__main__":
+    main()
