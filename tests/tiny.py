@@ -83,15 +83,9 @@ def tiny_config(family: str, **overrides):
             moe_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
         )  # fmt: skip
     if family == "gpt_oss":  # sliding (window 8) then full attention, sinks, YaRN, 4 experts of 32, top 2
-        yarn = dict(
-            rope_type="yarn",
-            rope_theta=150000.0,
-            factor=32.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            truncate=False,
-            original_max_position_embeddings=16,
-        )  # 16 x 32 = the 512 positions
+        # YaRN over 16 x 32 = the 512 positions
+        yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}  # fmt: skip
         return tf.GptOssConfig(
             **{**COMMON, "intermediate_size": 32}, head_dim=16, sliding_window=8, num_local_experts=4,
             num_experts_per_tok=2, tie_word_embeddings=False, rope_parameters=yarn,
