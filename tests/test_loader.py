@@ -129,8 +129,12 @@ def tiny_vocab() -> list[str]:
 def tiny_model(family: str, tie: bool = False, seed: int = 0, layers: int = 2):
     import transformers
 
-    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
+    moe = {}
+    if family == "qwen3_moe":  # 4 experts of 32, top 2
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     config = getattr(transformers, f"{cls}Config")(
+        **moe,
         vocab_size=1000,
         hidden_size=64,
         intermediate_size=128,

@@ -301,3 +301,26 @@ def test_moe_composes_with_prefix_caching_async_steps_and_kv_quantization(tmp_pa
     int8 = LLM(str(tmp_path), kv_cache_dtype="int8", **kw)
     out = int8.generate(prompts, params)
     assert all(len(o.outputs[0].token_ids) == 10 for o in out) and int8.engine.kv.num_used_blocks == 0
+
+
+def test_an_eagle3_head_on_a_moe_target_is_lossless(tmp_path):
+    """EAGLE-3 reads a mixture's hidden states like a dense model's: greedy tokens with the head equal
+    those without, and drafts were accepted."""
+    from foveal import SamplingParams
+    from foveal.engine.llm import LLM
+    from tests.test_loader import tiny_hf_tokenizer, tiny_model
+    from tests.test_spec_heads import write_eagle3
+
+    target = tmp_path / "target"
+    tiny_model("qwen3_moe", seed=0, layers=4).save_pretrained(target)
+    tiny_hf_tokenizer().save_pretrained(target)
+    head = write_eagle3(tmp_path / "eagle3")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(dtype="float32", num_blocks=200, block_size=4, max_num_seqs=8, max_model_len=160)
+    plain = [o.outputs[0].token_ids for o in LLM(str(target), **kw).generate(prompts, params)]
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(target), speculative_config=spec, **kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.speculation.stats.num_drafts > 0
