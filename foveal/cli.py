@@ -32,6 +32,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "dense elsewhere; gguf: insist on that (an error off the CPU); none: dequantize every weight to "
         "--dtype (the dense path the parity tests compare with transformers)",
     )
+    g.add_argument(
+        "--pooling",
+        default="auto",
+        choices=["auto", "none", "last", "mean"],
+        help="/v1/embeddings: how a prompt's hidden states are pooled (auto: an embedding model's own, e.g. "
+        "Qwen3-Embedding's last token; a generative model serves none unless last or mean is named)",
+    )
     g.add_argument("--device", default="auto")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
@@ -207,6 +214,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         load_format=a.load_format,
         dtype=a.dtype,
         quantization=a.quantization,
+        pooling=a.pooling,
         device=a.device,
         max_model_len=a.max_model_len,
         kv_cache_memory=a.kv_cache_memory,

@@ -58,6 +58,10 @@ class ModelConfig:
     # stored, on CPUs with AVX2 (layers/quant.py: int8 activations per block of 32, as llama.cpp);
     # auto: gguf where it can run (a CPU with the kernel, float32 / bfloat16 activations), else none
     quantization: str = "auto"
+    # embeddings (/v1/embeddings): how a prompt's hidden states are pooled. auto: an embedding model's
+    # own (transformers' bare *Model architectures: the last token), none for a generative model;
+    # last | mean serve a generative model's hidden states too; none: no embeddings
+    pooling: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

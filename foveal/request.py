@@ -271,6 +271,8 @@ class EngineRequest:
     shared_prefix_len: int = 0
     guide: GuideSetup | None = None  # the answer's grammar, think markers, budget (structured/guide.py)
     lora: HostAdapter | None = None  # the LoRA adapter to run with (None: the base model)
+    # an embedding request: its prompt's hidden states pooled ("last" token or "mean"), no token sampled
+    pooling: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -321,6 +323,7 @@ class Request:
     # a diffusion model's canvas (foveal/diffusion/state.py), set by the diffusion driver at admission
     diffusion: DiffusionState | None = None
     lora: HostAdapter | None = None  # or None (see EngineRequest)
+    pooling: str | None = None  # an embedding request's pooling (see EngineRequest)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -341,6 +344,7 @@ class Request:
             shared_prefix_len=r.shared_prefix_len,
             guide=r.guide,
             lora=r.lora,
+            pooling=r.pooling,
         )
 
     @property
@@ -422,6 +426,7 @@ class TokenDelta:
     num_images: int = 0
     encoder_time_s: float = 0.0  # this request's share of vision-encoder time
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    embedding: list[float] | None = None  # an embedding request's pooled hidden state (its final delta)
 
     @property
     def finished(self) -> bool:

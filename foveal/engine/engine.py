@@ -299,6 +299,12 @@ class Engine:
             toks = out.tokens.get(t.req.request_id)
             if toks:
                 deltas.append(self._emit(t, toks, out.logprobs.get(t.req.request_id)))
+        for rid, vector in out.pooled.items():  # an embedding request: its prompt is done, so is it
+            t = self._tracked.get(rid)
+            if t is not None and not t.req.is_finished:
+                self.scheduler.finish(t.req, FinishReason.STOP)
+                deltas.append(self._final_delta(t, [], "", None))
+                deltas[-1].embedding = vector.tolist()
         return deltas
 
     def _abort_batch(self, batch, e: Exception) -> list[TokenDelta]:

@@ -139,6 +139,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         prefix_caching=cfg.cache.enable_prefix_caching,
         diffusion=diffusion_info(hf),
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens or 0,
+        pooling=_pooling(cfg.model.pooling, model),
     )
     scheduler = Scheduler(
         cfg.scheduler,
@@ -271,6 +272,15 @@ def _decode_graphs(cfg: EngineConfig, info, model, kv_caches, backend, device, d
             torch.cuda.synchronize(device)
         return None
     return made
+
+
+def _pooling(setting: str, model) -> str | None:
+    """The embeddings' pooling: the setting, or (auto) an embedding model's own; None: no embeddings."""
+    if setting not in ("auto", "none", "last", "mean"):
+        raise ValueError(f"unknown pooling {setting!r}; use auto, none, last or mean")
+    if setting == "auto":
+        return model.default_pooling
+    return None if setting == "none" else setting
 
 
 def _lora(cfg: EngineConfig, model, dtype: torch.dtype, device: torch.device):

@@ -46,6 +46,7 @@ class EngineInfo:
     prefix_caching: bool = True
     diffusion: Any = None  # a diffusion model's DiffusionInfo (foveal/diffusion/info.py), else None
     max_num_batched_tokens: int = 0  # one step's token budget (a masked diffusion pass must fit it)
+    pooling: str | None = None  # embeddings: "last" or "mean" pooling of a prompt's hidden states; None: none
 
 
 def _salted(item, cache_salt: str | None):
@@ -388,6 +389,28 @@ class InputProcessor:
             shared_prefix_len=min(mm.shared_prefix_len, len(ids)) if mm is not None else 0,
             guide=None if diffusion else self._guide(ids, params, thinking),
         )
+
+    def embedding_request(
+        self, text_or_ids: str | list[int], request_id: str | None = None, cache_salt: str | None = None
+    ) -> EngineRequest:
+        """One input of /v1/embeddings: its tokens (a string tokenized as the model's tokenizer adds
+        special tokens), to be pooled by the engine (`info.pooling`), no token generated."""
+        info = self.info
+        if info.pooling is None:
+            raise ValueError(
+                f"{info.model_name} is not served for embeddings (a generative model: start it with "
+                "--pooling last or mean)"
+            )
+        ids = self.tokenizer(text_or_ids)["input_ids"] if isinstance(text_or_ids, str) else list(text_or_ids)
+        if not ids:
+            raise ValueError("an input is empty")
+        if len(ids) > info.max_request_tokens - 1:
+            raise ValueError(f"an input has {len(ids)} tokens; at most {info.max_request_tokens - 1} fit")
+        if any(not isinstance(t, int) or not 0 <= t < info.vocab_size for t in ids):
+            raise ValueError(f"input token ids must be integers in [0, {info.vocab_size})")
+        params = SamplingParams(temperature=0.0, max_tokens=1)  # never reached: the prompt ends it
+        rid = request_id or new_request_id("emb")
+        return EngineRequest(rid, tuple(ids), params, cache_salt=cache_salt, pooling=info.pooling)
 
     # sampling fields a diffusion pass does not apply (yet): field -> whether the request sets it
     _NOT_FOR_DIFFUSION = {

@@ -10,6 +10,9 @@ _MODELS = {
     "Qwen2ForCausalLM": "foveal.models.llama:Qwen2ForCausalLM",
     "MiMoForCausalLM": "foveal.models.llama:MiMoForCausalLM",
     "Qwen3ForCausalLM": "foveal.models.llama:Qwen3ForCausalLM",
+    "LlamaModel": "foveal.models.llama:LlamaModel",  # embedding models: transformers' bare decoders
+    "Qwen2Model": "foveal.models.llama:Qwen2Model",
+    "Qwen3Model": "foveal.models.llama:Qwen3Model",
     "Qwen3MoeForCausalLM": "foveal.models.llama_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "foveal.models.llama_moe:MixtralForCausalLM",
     "GptOssForCausalLM": "foveal.models.gpt_oss:GptOssForCausalLM",

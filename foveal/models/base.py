@@ -49,6 +49,7 @@ class CausalLM(nn.Module):
     deepstack_layers = 0  # image embeddings carry this many more hidden-sized vectors per row
     is_multimodal = False  # implements encode_images
     supports_aux_hidden = False  # fills StepContext.aux (EAGLE-3, DFlash drafters read it)
+    default_pooling: str | None = None  # an embedding model's pooling ("last", "mean"); None: generative
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError

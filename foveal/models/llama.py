@@ -223,6 +223,31 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
 
+class _EmbeddingDecoder:
+    """transformers' bare decoder (an embedding model's published class, e.g. Qwen3-Embedding's
+    Qwen3Model): the same layers without an LM head; tensors named without the `model.` prefix. Its
+    prompts' last-token hidden states are the embeddings (foveal/server/protocols/embeddings.py)."""
+
+    default_pooling = "last"
+
+    def _spec(self, config) -> DecoderSwitches:
+        spec = super()._spec(config)
+        spec.tie_embeddings = True  # no head of its own (compute_logits only ever sees no rows)
+        return spec
+
+
+class LlamaModel(_EmbeddingDecoder, LlamaForCausalLM):
+    pass
+
+
+class Qwen2Model(_EmbeddingDecoder, Qwen2ForCausalLM):
+    pass
+
+
+class Qwen3Model(_EmbeddingDecoder, Qwen3ForCausalLM):
+    pass
+
+
 class SDARForCausalLM(Qwen3ForCausalLM):
     """SDAR (JetLM/SDAR-*-Chat): block diffusion on a Qwen3 decoder with Qwen3's tensor names. Only the
     attention differs (block-causal: see foveal/diffusion/info.py), which the runner's spans carry."""

@@ -85,6 +85,7 @@ class NewRequest:
     # token sees every token, ("block", size, m) causal across blocks of `size` positions, both ways
     # inside one; None: an autoregressive request
     diffusion: tuple[str, int, int] | None = None
+    pooling: str | None = None  # an embedding request: its prompt's hidden states pooled ("last", "mean")
 
 
 @dataclass(slots=True)

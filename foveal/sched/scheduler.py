@@ -174,7 +174,8 @@ class Scheduler:
             if cap is not None and not cap.admits(req):
                 passed.append(self.waiting.popleft())
                 continue
-            cached = self.kv.find_cached(req)  # the longest prefix already in the cache: not recomputed
+            # the longest prefix already in the cache: not recomputed (an embedding pools every position)
+            cached = self.kv.find_cached(req) if req.pooling is None else []
             if self.diffusion is not None:
                 cached = self.diffusion.usable_prefix(req, cached, self.kv.block_size)
             start = req.num_computed_tokens + len(cached) * self.kv.block_size
@@ -283,7 +284,7 @@ class Scheduler:
             start,
             tuple(known[start:end]) + tuple(drafts),
             tuple(req.block_ids),
-            num_logits=(1 + len(drafts)) if reaches_end else 0,
+            num_logits=(1 + len(drafts)) if reaches_end and req.pooling is None else 0,
             num_pending=start + n - end,
             num_drafts=len(drafts),
         )
@@ -407,4 +408,5 @@ def _new_request(req: Request) -> NewRequest:
         tuple(req.mm_items),
         req.rope,
         None if req.diffusion is None else req.diffusion.runner_view,
+        req.pooling,
     )

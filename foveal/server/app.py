@@ -19,7 +19,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from foveal.config import ServerConfig
@@ -30,8 +29,8 @@ from foveal.metrics.prometheus import PrometheusSink
 from foveal.parsing.output import ChoiceOutput, OutputPlan
 from foveal.request import new_request_id
 from foveal.server import openapi, sse
-from foveal.server.body import ClientLeft, read_json
-from foveal.server.errors import APIError, error_response, from_stream_error, from_validation
+from foveal.server.body import ClientLeft, read_json, read_model
+from foveal.server.errors import APIError, error_response, from_stream_error
 from foveal.server.inputs import InputWork
 from foveal.server.prompts import Prompts
 from foveal.server.protocol import (
@@ -40,6 +39,7 @@ from foveal.server.protocol import (
     LoadLoraRequest,
     UnloadLoraRequest,
 )
+from foveal.server.protocols import embeddings
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("foveal.access")
@@ -147,6 +147,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             "/v1/completions": CompletionRequest,
             "/v1/load_lora_adapter": LoadLoraRequest,
             "/v1/unload_lora_adapter": UnloadLoraRequest,
+            "/v1/embeddings": embeddings.EmbeddingRequest,
         },
     )
 
@@ -174,13 +175,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
         return error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
     async def parse(request: Request, model_cls):
-        data = await read_json(request, cfg.max_body_bytes, cfg.body_timeout)
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        try:
-            req = model_cls.model_validate(data)
-        except ValidationError as e:
-            raise from_validation(e) from None
+        req = await read_model(request, model_cls, cfg.max_body_bytes, cfg.body_timeout)
         adapter = None
         if req.model is not None and req.model not in names:
             adapter = await lora_adapter(req.model)
@@ -421,6 +416,8 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             "%s: completion request, %d sequence(s), n=%d, stream=%s", rid, len(choices), params.n, req.stream
         )
         return await run(request, rid, req, choices, None)
+
+    app.include_router(embeddings.router(loop, processor, cfg, names, model_name, prompts))
 
     @app.get("/v1/models")
     async def models():

@@ -102,3 +102,19 @@ def _depth_exceeds(data, max_depth: int) -> bool:
         items = list(chain.from_iterable(v.values() if type(v) is dict else v for v in level))
         level = list(compress(items, map(_CONTAINERS.__contains__, map(type, items))))
     return False
+
+
+async def read_model(request: Request, model_cls, max_bytes: int, timeout: float):
+    """The body as `model_cls` (a pydantic model): read_json's errors, a 400 for a body that is not an
+    object, and the validation's errors as 400s naming the field (errors.from_validation)."""
+    from pydantic import ValidationError
+
+    from foveal.server.errors import from_validation
+
+    data = await read_json(request, max_bytes, timeout)
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise from_validation(e) from None

@@ -48,6 +48,8 @@ class RunnerOutput:
     hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # diffusion models: per request, each denoising row's confidence (its token is in `tokens`)
     confidence: dict[str, list[float]] = field(default_factory=dict)
+    # embedding requests whose prompt was finished: the pooled hidden state (float32, on the host)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -59,6 +61,7 @@ class _Held:
     shift: int = 0  # generated tokens' position past their index (the model's `position_shift`)
     output_token_ids: list[int] = field(default_factory=list)  # produced and seen by collect()
     mm_embeds: dict[int, Any] = field(default_factory=dict)  # image index -> embeddings, until passed
+    pool_sum: torch.Tensor | None = None  # an embedding request's (mean pooling) hidden-state sum so far
 
 
 @dataclass(slots=True)
@@ -76,6 +79,7 @@ class Launched:
     logits: torch.Tensor | None = None  # until sampled: the forward pass's logits rows
     tapped: torch.Tensor | None = None  # [T, H]: every fed token's state for a hidden-state drafter
     denoised: bool = False  # a diffusion step: `host` is [2, rows] (tokens, confidences) in float64
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding requests done this step
 
 
 class ModelRunner:
@@ -109,6 +113,8 @@ class ModelRunner:
         # `fuse(aux, final)` -> [T, H] kept per fed token; None: nothing is kept
         self.tap = tap
         self._tapped: torch.Tensor | None = None  # the latest forward pass's, until launch takes it
+        self._num_pooling = 0  # held embedding requests: a step pools their rows' hidden states
+        self._pooled: dict[str, torch.Tensor] = {}  # the latest forward pass's, until launch takes it
         self._held: dict[str, _Held] = {}
         self._free_slots: list[int] = []
         # [requests, tokens one step may produce per row]: the latest sampled tokens of each request
@@ -121,6 +127,7 @@ class ModelRunner:
             held = self._held.pop(rid, None)
             if held is not None:
                 self._free_slots.append(held.slot)
+                self._num_pooling -= held.req.pooling is not None
 
     def _admit(self, batch: ScheduledBatch) -> None:
         """Learn the batch's new requests (idempotent: a batch may be run twice)."""
@@ -128,6 +135,7 @@ class ModelRunner:
             if new.request_id not in self._held:
                 shift = self.model.position_shift(new.rope)
                 self._held[new.request_id] = _Held(new, self._slot(), shift)
+                self._num_pooling += new.pooling is not None
 
     def _slot(self) -> int:
         if not self._free_slots:
@@ -363,9 +371,30 @@ class ModelRunner:
         hidden = self.model(input_ids, ctx)
         if self.tap is not None:
             self._tapped = self.tap.fuse(ctx.aux, hidden)
+        if self._num_pooling:
+            self._pool(batch, hidden)
         if not all_tokens:
             hidden = hidden[to_device(torch.tensor(rows.logits_rows, dtype=torch.long), self.device)]
         return self.model.compute_logits(hidden)
+
+    def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Embedding requests: fold each item's rows of (final-norm) hidden states into its pooling; an
+        item that completes the prompt leaves the pooled vector in `_pooled`. A chunk from position 0
+        starts over (a preempted request is recomputed)."""
+        row = 0
+        for s in batch.items:
+            held, n = self._held[s.request_id], s.num_tokens
+            how = held.req.pooling
+            if how is not None:
+                rows = hidden[row : row + n].float()
+                if how == "mean":
+                    part = rows.sum(0)
+                    held.pool_sum = part if s.start == 0 or held.pool_sum is None else held.pool_sum + part
+                if s.start + n == len(held.req.prompt_token_ids):
+                    pooled = rows[-1] if how == "last" else held.pool_sum / (s.start + n)
+                    self._pooled[s.request_id] = pooled
+                    held.pool_sum = None
+            row += n
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.collect(self.launch(batch))
@@ -400,6 +429,7 @@ class ModelRunner:
         spent: dict[str, float] = {}
         logits = self.compute_logits(batch, spent=spent)
         launched = Launched(batch, encoder_time_s=spent, logits=logits, tapped=self._tapped)
+        launched.pooled, self._pooled = self._pooled, {}
         self._tapped = None
         if sample:
             self.sample(launched)
@@ -493,6 +523,7 @@ class ModelRunner:
     def collect(self, launched: Launched) -> RunnerOutput:
         """Wait for a launched step's tokens."""
         out = RunnerOutput(encoder_time_s=launched.encoder_time_s)
+        out.pooled = {rid: v.cpu() for rid, v in launched.pooled.items()}
         if not launched.rows:
             if launched.tapped is not None:
                 self._hidden_rows(launched, {}, out)
