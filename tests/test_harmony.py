@@ -48,10 +48,11 @@ def test_harmony_named_without_its_markers_is_refused():
 @pytest.mark.parametrize("size", [1, 3, 7, len(OUTPUT)])
 def test_a_chat_choice_streams_reasoning_content_and_calls(size):
     out = ChoiceOutput(OutputPlan(harmony=True))
-    deltas = []
+    events = []
     for i in range(0, len(OUTPUT), size):
-        deltas += out.feed(OUTPUT[i : i + size])
-    deltas += out.finish()
+        events += out.feed(OUTPUT[i : i + size])
+    events += out.finish()
+    deltas = [e.to_openai() for e in events]  # as the OpenAI chat stream sends them
     reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
     content = "".join(d.get("content", "") for d in deltas)
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
@@ -70,6 +71,6 @@ def test_a_chat_choice_streams_reasoning_content_and_calls(size):
 def test_a_call_cut_by_max_tokens_is_dropped_and_the_rest_kept():
     out = ChoiceOutput(OutputPlan(harmony=True))
     cut = OUTPUT[: OUTPUT.index('"Paris') + 4]
-    deltas = out.feed(cut) + out.finish(truncated=True)
+    deltas = [e.to_openai() for e in out.feed(cut) + out.finish(truncated=True)]
     assert not any("tool_calls" in d for d in deltas) and out.message().get("tool_calls") is None
     assert out.message()["content"] == "Checking."

@@ -23,24 +23,22 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 
 from foveal.parsing.tool_formats.base import JsonSpan, skip_ws
-from foveal.parsing.tools import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta, new_call_id
+from foveal.parsing.tools import (
+    ContentDelta,
+    ParsedOutput,
+    ReasoningDelta,
+    ToolCall,
+    ToolCallDelta,
+    new_call_id,
+)
 
 START, END, MESSAGE, CALL, RETURN = "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|return|>"
 CHANNEL, CONSTRAIN = "<|channel|>", "<|constrain|>"
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, CALL, RETURN)
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL_NAME = re.compile(r"[^\s<]*")
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningDelta:
-    text: str
-
-    def to_openai(self) -> dict:
-        return {"reasoning_content": self.text, "reasoning": self.text}
 
 
 def detect(vocab) -> bool:

@@ -1,11 +1,12 @@
-"""One chat choice's output text, split into reasoning, content and tool calls: streamed (OpenAI
-delta fragments) and whole (the message). The reasoning parser runs first; its content goes on to
-the tool-call parser when the request offered tools.
+"""One chat choice's output text, split into reasoning, content and tool calls: streamed (events)
+and whole (the message). The reasoning parser runs first; its content goes on to the tool-call parser
+when the request offered tools (Harmony: one parser for all three).
 
-    text deltas -> ReasoningParser -> reasoning            -> {"reasoning_content": ..., "reasoning": ...}
-                                   -> content -> ToolCallStream -> {"content": ...} / {"tool_calls": [...]}
+    text deltas -> ReasoningParser -> reasoning                  -> ReasoningDelta
+                                   -> content -> ToolCallStream -> ContentDelta / ToolCallDelta
 
-Text in, OpenAI-shaped dicts out: no HTTP, no engine.
+Text in, protocol-neutral events out (each protocol adapter shapes them; `.to_openai()` gives OpenAI's
+delta fragments): no HTTP, no engine.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from foveal.parsing.harmony import HarmonyStream, ReasoningDelta
+from foveal.parsing.harmony import HarmonyStream
 from foveal.parsing.reasoning import ReasoningFormat, ReasoningParser
 from foveal.parsing.tool_formats.base import CallSyntax
-from foveal.parsing.tools import ContentDelta, ToolCall, ToolCallStream
+from foveal.parsing.tools import ContentDelta, ReasoningDelta, ToolCall, ToolCallDelta, ToolCallStream
+
+Event = ReasoningDelta | ContentDelta | ToolCallDelta  # one choice's output, protocol-neutral
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,10 @@ class OutputPlan:
 
 @dataclass(slots=True)
 class ChoiceOutput:
+    """One choice's parsers. `feed` and `finish` return the choice's events, protocol-neutral
+    (ReasoningDelta, ContentDelta, ToolCallDelta: each adapter shapes them, `.to_openai()` for OpenAI's
+    delta fragments); `message()` is the whole message after `finish`."""
+
     plan: OutputPlan
     reasoning_text: list[str] = field(default_factory=list)
     content_text: list[str] = field(default_factory=list)
@@ -58,52 +65,47 @@ class ChoiceOutput:
             return self._harmony.calls
         return self._tools.calls if self._tools is not None else []
 
-    def feed(self, text: str) -> list[dict]:
-        """OpenAI delta fragments for this text ([] while everything is held back)."""
+    def feed(self, text: str) -> list[Event]:
+        """The events this text completes ([] while everything is held back)."""
         if self._harmony is not None:
-            return self._deltas(self._harmony.feed(text))
+            return self._record(self._harmony.feed(text))
         if self._reasoner is None:
-            return self._content(text, False, False)
+            return self._record(self._content(text, False, False))
         thought, content = self._reasoner.feed(text)
-        return self._reasoning(thought) + self._content(content, False, False)
+        return self._record(self._thought(thought) + self._content(content, False, False))
 
-    def finish(self, truncated: bool = False) -> list[dict]:
+    def finish(self, truncated: bool = False) -> list[Event]:
         """The rest: held text, and a tool call that closed at the end. `truncated`: cut by length."""
         if self._harmony is not None:
-            return self._deltas(self._harmony.finish(truncated))
-        out: list[dict] = []
+            return self._record(self._harmony.finish(truncated))
+        events: list[Event] = []
         content = ""
         if self._reasoner is not None:
             thought, content = self._reasoner.finish()
-            out += self._reasoning(thought)
-        return out + self._content(content, True, truncated)
+            events += self._thought(thought)
+        return self._record(events + self._content(content, True, truncated))
 
-    def _reasoning(self, text: str) -> list[dict]:
-        if not text:
-            return []
-        self.reasoning_text.append(text)
-        return [{"reasoning_content": text, "reasoning": text}]
+    @staticmethod
+    def _thought(text: str) -> list[Event]:
+        return [ReasoningDelta(text)] if text else []
 
-    def _content(self, text: str, final: bool, truncated: bool) -> list[dict]:
+    def _content(self, text: str, final: bool, truncated: bool) -> list[Event]:
         if self._tools is None:
-            deltas = [ContentDelta(text)] if text else []
-        else:
-            deltas = self._tools.feed(text) if text else []
-            if final:
-                deltas += self._tools.finish(truncated)
-        return self._deltas(deltas)
+            return [ContentDelta(text)] if text else []
+        events = self._tools.feed(text) if text else []
+        if final:
+            events += self._tools.finish(truncated)
+        return events
 
-    def _deltas(self, deltas) -> list[dict]:
+    def _record(self, events) -> list[Event]:
+        """Keep the texts the message is made of; drop empty text events."""
         out = []
-        for d in deltas:
-            if isinstance(d, ReasoningDelta):
-                out += self._reasoning(d.text)
-                continue
-            if isinstance(d, ContentDelta):
-                if not d.text:
+        for e in events:
+            if isinstance(e, ReasoningDelta | ContentDelta):
+                if not e.text:
                     continue
-                self.content_text.append(d.text)
-            out.append(d.to_openai())
+                (self.reasoning_text if isinstance(e, ReasoningDelta) else self.content_text).append(e.text)
+            out.append(e)
         return out
 
     def message(self) -> dict:

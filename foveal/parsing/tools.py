@@ -111,6 +111,16 @@ class ContentDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """Reasoning text (a think block, Harmony's analysis channel)."""
+
+    text: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"reasoning_content": self.text, "reasoning": self.text}
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallDelta:
     """The first delta of a call has `id` and `name` (and arguments ""); later ones only arguments."""
 

@@ -354,9 +354,10 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                 yield sse.sse(_chunk(stream, obj, [choice(i, {"role": "assistant", "content": ""})], inc))
             async for i, d in stream.deltas():
                 reason = sse.finish(d.finish_reason)
-                frags = outs[i].feed(d.text)
+                events = outs[i].feed(d.text)
                 if d.finished:
-                    frags += outs[i].finish(truncated=reason == "length")
+                    events += outs[i].finish(truncated=reason == "length")
+                frags = [e.to_openai() for e in events]
                 lp = sse.chat_logprobs(d.logprobs, text_of) if d.logprobs else None
                 if lp and not frags:
                     frags = [{"content": ""}]  # the step's logprobs, though its text is held back
