@@ -404,7 +404,11 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
         log.info(
             "%s: chat request, %d message(s), n=%d, stream=%s", rid, len(req.messages), params.n, req.stream
         )
-        choices, plan = await prompts.chat(req, params, rid, cache_salt(request, req))
+        try:
+            chat = req.chat_input(info.is_multimodal)
+        except ValueError as e:  # InvalidParameter (tool_choice without tools)
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        choices, plan = await prompts.chat(chat, params, rid, cache_salt(request, req))
         return await run(request, rid, req, with_adapter(choices, adapter), plan)
 
     @app.post("/v1/completions")

@@ -27,9 +27,10 @@ from foveal.parsing.output import OutputPlan
 from foveal.parsing.reasoning import prompt_opens_thinking
 from foveal.request import EngineRequest, SamplingParams
 from foveal.server import media
+from foveal.server.chat_input import ChatInput
 from foveal.server.errors import APIError
 from foveal.server.inputs import InputWork, InputWorkTooSlow
-from foveal.server.protocol import ChatCompletionRequest, CompletionRequest
+from foveal.server.protocol import CompletionRequest
 from foveal.structured.constraint import OutputConstraint
 from foveal.structured.tool_grammar import tool_call_grammar
 
@@ -91,13 +92,6 @@ def _bad_input(e: ValueError, param: str, source: str | None = None) -> APIError
     return APIError(400, str(e), param=named or param)
 
 
-def _invalid_param(fn):
-    try:
-        return fn()
-    except ValueError as e:
-        raise _bad_input(e, "") from None
-
-
 class Prompts:
     def __init__(self, processor: InputProcessor, cfg: ServerConfig, inputs: InputWork):
         self.processor, self.cfg, self.inputs = processor, cfg, inputs
@@ -138,7 +132,7 @@ class Prompts:
         except ValueError as e:
             raise _bad_input(e, "prompt", req.grammar_source) from None
 
-    def _template_kwargs(self, req: ChatCompletionRequest) -> dict:
+    def _template_kwargs(self, req: ChatInput) -> dict:
         kwargs = dict(req.chat_template_kwargs or {})
         bad = sorted(k for k in kwargs if k in _RESERVED_KWARGS)
         if bad:
@@ -164,7 +158,7 @@ class Prompts:
                     "continue_final_message needs add_generation_prompt=false",
                     param="continue_final_message",
                 )
-            if req.messages[-1].role != "assistant":
+            if req.messages[-1]["role"] != "assistant":
                 raise APIError(
                     400,
                     "continue_final_message needs the last message to be the assistant's",
@@ -181,11 +175,11 @@ class Prompts:
             kwargs.setdefault("enable_thinking", default)
         return kwargs
 
-    def _tools(self, req: ChatCompletionRequest, params: SamplingParams):
+    def _tools(self, req: ChatInput, params: SamplingParams):
         """(the tools for the template, or None; params with the tool calls' grammar; the output plan's
         tool format; the calls' syntax where the grammar constrains them). tool_choice none renders no
         tools and parses none."""
-        mode = _invalid_param(lambda: req.tool_mode)
+        mode = req.tool_mode
         if mode == "none":
             return None, params, None, None
         fmt = self.processor.tool_format
@@ -195,12 +189,12 @@ class Prompts:
                     400, f"tool_choice {mode!r} is not supported for Harmony output (gpt-oss); use auto",
                     param="tool_choice",
                 )  # fmt: skip
-            return [t.model_dump(exclude_none=True) for t in req.tools], params, None, None
+            return req.tools, params, None, None
         if fmt is None:
             raise APIError(
                 400, "this server does not parse tool calls (--tool-call-parser none)", param="tools"
             )
-        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        tools = req.tools
         try:
             constraint = tool_call_grammar(
                 fmt, tools, mode, req.parallel_tool_calls, self.processor.tool_special
@@ -233,16 +227,15 @@ class Prompts:
                 raise APIError(400, f"{where}: {e}", param=where) from None
 
     async def chat(
-        self, req: ChatCompletionRequest, params: SamplingParams, rid: str, cache_salt: str | None
+        self, req: ChatInput, params: SamplingParams, rid: str, cache_salt: str | None
     ) -> tuple[list[EngineRequest], OutputPlan]:
         """The request's sequences, and how their output is parsed (reasoning, tool calls)."""
-        urls = []
-        for i, m in enumerate(req.messages):
-            if m.image_urls and m.role != "user":
+        for i, _ in req.images:
+            if req.messages[i]["role"] != "user":
                 raise APIError(
                     400, f"messages[{i}]: image parts are only allowed in user messages", "messages"
                 )
-            urls += m.image_urls
+        urls = req.image_urls
         info = self.processor.info
         if urls and not info.is_multimodal:
             raise APIError(
@@ -263,7 +256,7 @@ class Prompts:
             grammar_source = "tool_choice"
         if tools:
             kwargs["tools"] = tools
-        messages = [m.as_template_dict(info.is_multimodal) for m in req.messages]
+        messages = req.messages
         opened = [await self._open_images(urls)] if urls else []
         total = sum(im.width * im.height for im in opened[0]) if urls else 0
         if total > self.cfg.max_request_image_pixels:

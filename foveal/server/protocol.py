@@ -26,6 +26,7 @@ from foveal.request import (
     InvalidParameter,
     SamplingParams,
 )
+from foveal.server.chat_input import ChatInput
 from foveal.structured.constraint import OutputConstraint
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -401,6 +402,24 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool = True
     # passed to the chat template; "none" also turns thinking off (enable_thinking=false)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def chat_input(self, multimodal: bool) -> ChatInput:
+        """The protocol-neutral request (server/chat_input.py). `multimodal`: the model takes images
+        (a text model's template gets each message's text as one string)."""
+        images = [(i, url) for i, m in enumerate(self.messages) for url in m.image_urls]
+        return ChatInput(
+            messages=[m.as_template_dict(multimodal) for m in self.messages],
+            images=images,
+            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+            tool_mode=self.tool_mode,
+            parallel_tool_calls=self.parallel_tool_calls,
+            chat_template_kwargs=self.chat_template_kwargs,
+            chat_template=self.chat_template,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            reasoning_effort=self.reasoning_effort,
+            grammar_source=self.grammar_source,
+        )
 
     @property
     def tool_mode(self) -> str | dict:

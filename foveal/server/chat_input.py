@@ -1,0 +1,37 @@
+"""A chat request in no protocol's shape: what the input side needs of OpenAI chat completions,
+Anthropic Messages or any other chat protocol, which each build one (`Prompts.chat` takes it).
+
+    messages       the chat template's own shape: {"role", "content": str | [{"type": "text", "text"},
+                   {"type": "image"}], "tool_calls": [{"id", "type": "function", "function":
+                   {"name", "arguments": dict}}], "tool_call_id", "reasoning_content"}; roles system,
+                   user, assistant, tool
+    images         per image part, in order: (the index of its message, its URL or data: URL)
+    tools          OpenAI-shaped function tools ({"type": "function", "function": {name, description,
+                   parameters}}), and tool_mode none | auto | required | {"type": "function",
+                   "function": {"name": ...}}
+    template       the template's switches the request may set (validated by Prompts)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class ChatInput:
+    messages: list[dict]
+    images: list[tuple[int, str]] = field(default_factory=list)
+    tools: list[dict] | None = None
+    tool_mode: str | dict = "none"
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless the server trusts request templates
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    reasoning_effort: str | None = None
+    grammar_source: str | None = None  # the request field a structured-output constraint came from
+
+    @property
+    def image_urls(self) -> list[str]:
+        return [url for _, url in self.images]
