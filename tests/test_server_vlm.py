@@ -154,3 +154,22 @@ def test_image_to_a_text_only_model_is_a_400(text_only):
         )
     out = c.chat.completions.create(model=text_only.model, messages=user("hi"), max_tokens=2)
     assert out.usage.completion_tokens == 2
+
+
+def test_an_anthropic_image_block_equals_the_openai_image_part(vlm):
+    """The same image as an Anthropic base64 block and as an OpenAI image_url part: the same prompt and
+    the same greedy reply (both routes render one chat input)."""
+    anthropic = pytest.importorskip("anthropic")
+    url = data_url(image(40, 30, 2))
+    oai = vlm.client().chat.completions.create(
+        model=vlm.model, messages=user("What is this?", img_part(url)), max_tokens=8, temperature=0
+    )
+    media_type, data = url[len("data:") :].split(";base64,")
+    block = {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+    c = anthropic.Anthropic(base_url=vlm.url, api_key="none", max_retries=0)
+    msg = c.messages.create(
+        model=vlm.model, max_tokens=8, extra_body={"temperature": 0.0},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, block]}],
+    )  # fmt: skip
+    assert msg.usage.input_tokens == oai.usage.prompt_tokens
+    assert msg.content[0].text == oai.choices[0].message.content

@@ -39,7 +39,7 @@ from foveal.server.protocol import (
     LoadLoraRequest,
     UnloadLoraRequest,
 )
-from foveal.server.protocols import embeddings
+from foveal.server.protocols import anthropic, embeddings
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("foveal.access")
@@ -78,8 +78,10 @@ class _Edge:
 
         state["tenant"], state["admin"] = None, not self.keys  # no auth: one tenant, everyone is admin
         if self.keys and self._protected(scope["path"]):
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            token = (auth[7:] if auth[:7].lower() == "bearer " else "").encode()
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            # Bearer, or Anthropic's x-api-key header
+            token = auth[7:].encode() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"")
             found = None
             for key, tenant, admin in self.keys:
                 if hmac.compare_digest(token, key.encode()):
@@ -148,6 +150,8 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             "/v1/load_lora_adapter": LoadLoraRequest,
             "/v1/unload_lora_adapter": UnloadLoraRequest,
             "/v1/embeddings": embeddings.EmbeddingRequest,
+            "/v1/messages": anthropic.MessagesRequest,
+            "/v1/messages/count_tokens": anthropic.CountTokensRequest,
         },
     )
 
@@ -423,6 +427,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
         return await run(request, rid, req, choices, None)
 
     app.include_router(embeddings.router(loop, processor, cfg, names, model_name, prompts))
+    app.include_router(anthropic.router(loop, processor, cfg, names, model_name, prompts))
 
     @app.get("/v1/models")
     async def models():
