@@ -149,3 +149,25 @@ def test_errors_are_anthropics_shape(srv):
     body = {"model": srv.model, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}
     r = httpx.post(srv.url + "/v1/messages", headers={"Authorization": f"Bearer {KEY}"}, json=body)
     assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 3
+
+
+def test_thinking_blocks_and_the_budget(tmp_path):
+    """A thinking model (its template opens the think block): budget_tokens ends the thinking after that
+    many tokens (the end marker forced), the reply's first block is its thinking, streamed as
+    thinking_delta events before the text; thinking disabled closes the block in the prompt."""
+    from tests.test_structured_outputs import save_thinker
+
+    with serving({"model": save_thinker(str(tmp_path)), "reasoning_parser": "qwen3"}, {}) as s:
+        c = client(s, "none")
+        args = dict(model=s.model, max_tokens=40, messages=[{"role": "user", "content": "think"}],
+                    extra_body={"temperature": 0.0})  # fmt: skip
+        msg = c.messages.create(**args, thinking={"type": "enabled", "budget_tokens": 10})
+        kinds = [b.type for b in msg.content]
+        assert kinds[0] == "thinking" and msg.content[0].thinking and set(kinds) <= {"thinking", "text"}
+        with c.messages.stream(**args, thinking={"type": "enabled", "budget_tokens": 10}) as st:
+            deltas = [e.delta.type for e in st if e.type == "content_block_delta"]
+            final = st.get_final_message()
+        assert deltas[0] == "thinking_delta" and final.content[0].thinking == msg.content[0].thinking
+        assert all(d == "thinking_delta" for d in deltas[: deltas.count("thinking_delta")])
+        off = c.messages.create(**args, thinking={"type": "disabled"})
+        assert all(b.type == "text" for b in off.content)
