@@ -39,7 +39,7 @@ from foveal.server.protocol import (
     LoadLoraRequest,
     UnloadLoraRequest,
 )
-from foveal.server.protocols import anthropic, embeddings
+from foveal.server.protocols import anthropic, embeddings, responses
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("foveal.access")
@@ -152,6 +152,8 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
             "/v1/embeddings": embeddings.EmbeddingRequest,
             "/v1/messages": anthropic.MessagesRequest,
             "/v1/messages/count_tokens": anthropic.CountTokensRequest,
+            "/v1/responses": responses.CreateRequest,
+            "/v1/responses/input_tokens": responses.InputTokensRequest,
         },
     )
 
@@ -428,6 +430,8 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
 
     app.include_router(embeddings.router(loop, processor, cfg, names, model_name, prompts))
     app.include_router(anthropic.router(loop, processor, cfg, names, model_name, prompts))
+    app.state.responses = stored = responses.ResponseStore()
+    app.include_router(responses.router(loop, processor, cfg, names, model_name, prompts, stored))
 
     @app.get("/v1/models")
     async def models():
