@@ -170,3 +170,29 @@ def test_bad_inputs_are_400s_naming_the_field(srv):
         c.responses.create(model=srv.model, input="x", tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="type"):
         c.responses.create(model=srv.model, input=[{"type": "item_reference", "id": "x"}])
+
+
+def test_background_responses_are_polled_and_cancelled(srv):
+    import time
+
+    c = srv.client(api_key="sk-a")
+    r = c.responses.create(model=srv.model, input="hi", max_output_tokens=8, temperature=0.0, background=True)
+    assert r.status == "queued" and r.background
+    deadline = time.monotonic() + 30
+    while (got := c.responses.retrieve(r.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    want = c.responses.create(model=srv.model, input="hi", max_output_tokens=8, temperature=0.0)
+    assert got.status == "incomplete" and got.output_text == want.output_text
+    long = c.responses.create(model=srv.model, input="a long story", max_output_tokens=2000, background=True,
+                              extra_body={"temperature": 1.0})  # fmt: skip
+    cancelled = c.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and c.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.NotFoundError):
+        srv.client(api_key="sk-b").responses.cancel(long.id)  # another tenant's
+    with pytest.raises(openai.BadRequestError, match="background"):
+        c.responses.cancel(want.id)  # not a background response
+    deadline = time.monotonic() + 10
+    while srv.engine.kv.num_used_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.engine.kv.num_used_blocks == 0

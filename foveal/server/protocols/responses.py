@@ -6,6 +6,8 @@
     DELETE /v1/responses/{id}               forget it
     GET    /v1/responses/{id}/input_items   the items it was given (newest last; `order` asc/desc)
     POST   /v1/responses/input_tokens       the prompt's token count, nothing generated
+    POST   /v1/responses/{id}/cancel        stop a background response (`background: true` returns at
+                                            once, status queued; GET polls it until it is done)
 
     input                str, or items: messages (input_text, input_image, output_text parts),
                          function_call and function_call_output, reasoning (text kept as the turn's)
@@ -23,6 +25,7 @@ kept (least recently used dropped first); a restart keeps none, by design (no fi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -356,6 +359,7 @@ class _Items:
 
 def router(loop, processor, cfg, names: set[str], model_name: str, prompts, store: ResponseStore):
     r = APIRouter()
+    running: dict[tuple[str | None, str], asyncio.Task] = {}  # background responses still generating
 
     def chat_input(req: InputTokensRequest, tenant) -> tuple[ChatInput, list[dict], list[dict]]:
         """(the neutral request, the conversation before this input, this input's items)."""
@@ -414,8 +418,8 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts, stor
                 param="model",
                 code="model_not_found",
             )
-        if req.background:
-            _refuse("background", "background responses are not served; poll-free: use stream")
+        if req.background and (not req.store or req.stream):
+            _refuse("background", "a background response needs store true and no stream (poll it with GET)")
         tenant = request.state.tenant
         chat, conversation, items = chat_input(req, tenant)
         cap, wanted = cfg.max_tokens, req.max_output_tokens  # the server's default and cap, if any
@@ -477,6 +481,11 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts, stor
                     },
                 )
 
+        if req.background:  # runs on; GET polls it, cancel stops it
+            queued = {**base, "status": "queued", "background": True}
+            store.put(tenant, rid, {"response": queued, "input_items": items, "conversation": conversation})
+            running[(tenant, rid)] = asyncio.create_task(background(run, tenant, rid, finish, queued))
+            return JSONResponse(queued)
         if req.stream:
             return StreamingResponse(
                 run.events(finish, loop),
@@ -490,6 +499,35 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts, stor
         finish(response)
         return JSONResponse(response)
 
+    async def background(run: _Run, tenant, rid: str, finish, queued: dict) -> None:
+        try:
+            response = await run.whole(loop)
+        except asyncio.CancelledError:
+            return
+        except (StreamFailed, APIError) as e:
+            why = e.error.message if isinstance(e, StreamFailed) else e.message
+            response = {**queued, "status": "failed", "error": {"code": "server_error", "message": why}}
+        finally:
+            running.pop((tenant, rid), None)
+        if store.get(tenant, rid) is not None:  # not deleted meanwhile
+            finish({**response, "background": True})
+
+    async def cancel(request: Request, response_id: str):
+        tenant = request.state.tenant
+        hit = store.get(tenant, response_id)
+        if hit is None:
+            raise APIError(404, f"response '{response_id}' was not found", code="not_found")
+        task = running.pop((tenant, response_id), None)
+        if task is None:
+            if not hit["response"].get("background"):
+                raise APIError(400, "only a background response can be cancelled")
+            return JSONResponse(hit["response"])  # finished already: as it is
+        loop.abort(response_id)
+        task.cancel()
+        cancelled = {**hit["response"], "status": "cancelled"}
+        store.put(tenant, response_id, {**hit, "response": cancelled})
+        return JSONResponse(cancelled)
+
     async def retrieve(request: Request, response_id: str):
         hit = store.get(request.state.tenant, response_id)
         if hit is None:
@@ -497,6 +535,10 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts, stor
         return JSONResponse(hit["response"])
 
     async def delete(request: Request, response_id: str):
+        task = running.pop((request.state.tenant, response_id), None)
+        if task is not None:  # a background response still generating stops
+            loop.abort(response_id)
+            task.cancel()
         if not store.delete(request.state.tenant, response_id):
             raise APIError(404, f"response '{response_id}' was not found", code="not_found")
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
@@ -531,6 +573,7 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts, stor
     r.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
     r.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
     r.add_api_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
+    r.add_api_route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"])
     return r
 
 
