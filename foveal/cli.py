@@ -306,6 +306,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             max_tokens=a.max_tokens or None,  # 0: up to the context
             request_timeout=a.request_timeout or None,  # 0: none
             metrics_public=a.metrics_public,
+            ui=a.ui,
             drain_timeout=a.drain_timeout,
             api_key_file=a.api_key_file,
             allow_client_cache_salt=a.allow_client_cache_salt,
@@ -431,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
         "then gets a 429",
     )
     s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    s.add_argument(
+        "--no-ui", dest="ui", action="store_false", help="no built-in page at / (the chat and the dashboard)"
+    )
     s.add_argument("--limit-images-per-request", type=int, default=8)
     s.add_argument(
         "--allow-private-media-urls", action="store_true", help="fetch image URLs on private addresses"

@@ -133,6 +133,7 @@ class ServerConfig:
     # when the operator says so (vLLM's --trust-request-chat-template)
     trust_request_chat_template: bool = False
     metrics_public: bool = False
+    ui: bool = True  # the built-in page at / (chat and dashboard, foveal/server/ui); --no-ui: off
     max_body_bytes: int = 4 * 2**20
     # slow clients (server/transport.py, server/body.py): a connection's request headers must arrive in
     # header_timeout s and its body in body_timeout s; idle keep-alive connections close after

@@ -14,9 +14,11 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,6 +42,7 @@ from foveal.server.protocol import (
 from foveal.server.protocols import anthropic, embeddings, openai, responses
 
 log = logging.getLogger(__name__)
+UI = Path(__file__).with_name("ui")  # index.html, ui.js, ui.css
 access_log = logging.getLogger("foveal.access")
 
 
@@ -177,6 +180,13 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
     app.include_router(anthropic.router(loop, processor, cfg, names, model_name, prompts))
     app.state.responses = stored = responses.ResponseStore()
     app.include_router(responses.router(loop, processor, cfg, names, model_name, prompts, stored))
+
+    if cfg.ui:  # the built-in page: static files; its API calls carry the key like any client's
+        app.mount("/ui", StaticFiles(directory=UI), name="ui")
+
+        @app.get("/", include_in_schema=False)
+        async def page():
+            return FileResponse(UI / "index.html", headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/models")
     async def models():
