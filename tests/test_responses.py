@@ -170,6 +170,11 @@ def test_bad_inputs_are_400s_naming_the_field(srv):
         c.responses.create(model=srv.model, input="x", tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="type"):
         c.responses.create(model=srv.model, input=[{"type": "item_reference", "id": "x"}])
+    import httpx
+
+    auth = {"Authorization": "Bearer sk-a"}
+    r = httpx.get(srv.url + "/v1/responses/x/input_items?limit=many", headers=auth)
+    assert r.status_code == 400 and "limit" in r.json()["error"]["message"]
 
 
 def test_background_responses_are_polled_and_cancelled(srv):

@@ -2,7 +2,9 @@
 
 before_call: keep generation short on a CPU box: an integer max_tokens / max_completion_tokens above
     $ADV_MAX_TOKENS_HINT is lowered to it, and a body with neither (or a null one) gets max_tokens =
-    the hint (a chat request without one would generate up to the context length); min_tokens, n and
+    the hint (a chat request without one would generate up to the context length); /v1/responses'
+    max_output_tokens likewise, and nothing is added where a route generates nothing (embeddings,
+    token counts); min_tokens, n and
     best_of are capped, and a list of more than 4 prompts is cut to 4. Values of a wrong type are left
     alone: those are the negative cases. Runs before every call, in every phase.
 after_call / after_network_error: one JSON line per request in $ADV_CALL_LOG (method, path, status;
@@ -26,13 +28,24 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _clamp(body: dict) -> None:
-    for k in ("max_tokens", "max_completion_tokens"):
+# the field that bounds generation, per route (None: the route generates nothing); default max_tokens
+_LIMIT = {
+    "/v1/responses": ("max_output_tokens",),
+    "/v1/embeddings": None,
+    "/v1/messages/count_tokens": None,
+    "/v1/responses/input_tokens": None,
+}
+
+
+def _clamp(body: dict, path: str = "") -> None:
+    fields = _LIMIT.get(path, ("max_tokens", "max_completion_tokens"))
+    if fields is None:
+        return
+    for k in fields:
         if _int(body.get(k)) and body[k] > HINT:
             body[k] = HINT
-    if not any(_int(body.get(k)) for k in ("max_tokens", "max_completion_tokens")):
-        if body.get("max_tokens") is None:
-            body["max_tokens"] = HINT
+    if not any(_int(body.get(k)) for k in fields) and body.get(fields[0]) is None:
+        body[fields[0]] = HINT
     for k, cap in (("min_tokens", HINT), ("n", 2), ("best_of", 2), ("top_logprobs", 5), ("logprobs", 5)):
         if _int(body.get(k)) and body[k] > cap:
             body[k] = cap
@@ -50,7 +63,7 @@ def _write(rec: dict) -> None:
 @schemathesis.hook
 def before_call(context, case, kwargs):
     if isinstance(case.body, dict):
-        _clamp(case.body)
+        _clamp(case.body, case.path)
 
 
 @schemathesis.hook

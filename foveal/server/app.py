@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -169,6 +170,13 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
                 e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind, headers=e.headers
             )
         )
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_parameter(request: Request, e: RequestValidationError):
+        """A path or query parameter of the wrong type (bodies are read by the routes themselves)."""
+        err = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        return error_response(APIError(400, f"{where}: {err.get('msg', 'invalid')}", param=where or None))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception):
