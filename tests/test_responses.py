@@ -1,5 +1,7 @@
 """OpenAI's Responses API through the official `openai` SDK on the embedded model: the reply and every
-streamed event validated by the SDK's own types, the same greedy text and prompt tokens as the chat
+streamed event validated by the SDK's own types and by the Open Responses specification's
+(`openresponses-types`: its reasoning events are named apart, `response.reasoning.*`, so those are
+checked by the SDK's alone), the same greedy text and prompt tokens as the chat
 route, a function-call round trip chained by previous_response_id, structured output, stored
 responses (retrieve, input_items, delete) scoped to the API key's tenant, input_tokens."""
 
@@ -15,6 +17,23 @@ from pydantic import TypeAdapter
 from tests.test_server import serving
 
 KEYS = (("sk-a", "tenant-a", False), ("sk-b", "tenant-b", False))
+
+
+def open_responses(obj: dict) -> None:
+    """Validate a response, or a streamed event, with the Open Responses types (when installed)."""
+    spec = pytest.importorskip("openresponses_types.types")
+    if obj.get("object") == "response":
+        spec.ResponseResource.model_validate(obj)
+        return
+    for name in dir(spec):
+        if not name.endswith("StreamingEvent"):
+            continue
+        cls = getattr(spec, name)
+        if obj["type"] in {t.value for t in cls.model_fields["type"].annotation}:
+            cls.model_validate(obj)
+            return
+
+
 TOOLS = [
     {
         "type": "function",
@@ -42,6 +61,7 @@ def test_a_response_is_the_chat_routes_text_and_validates(srv):
         model=srv.model, input="hello there", instructions="Be brief.", max_output_tokens=12, temperature=0.0
     )
     Response.model_validate(r.model_dump())
+    open_responses(r.model_dump(mode="json", exclude_unset=True))
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 12 and [it.type for it in r.output] == ["message"]
     chat = c.chat.completions.create(
@@ -64,6 +84,7 @@ def test_the_stream_is_the_typed_event_sequence(srv):
     events = list(c.responses.create(**args, stream=True))
     for e in events:
         check.validate_python(e.model_dump())
+        open_responses(e.model_dump(mode="json", exclude_unset=True))
     kinds = [e.type for e in events]
     assert kinds[:4] == [
         "response.created",

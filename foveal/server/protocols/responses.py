@@ -453,11 +453,20 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts, stor
             "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "top_logprobs": 0,
             "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": None,
             "metadata": req.metadata or {},
             "store": req.store,
+            "background": bool(req.background),
+            "service_tier": "default",
+            "safety_identifier": req.safety_identifier,
+            "prompt_cache_key": req.prompt_cache_key,
+            "completed_at": None,
             "text": {"format": {"type": "text"}}
             if req.text is None or req.text.format is None
             else {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)},
@@ -609,6 +618,7 @@ class _Run:
             "output": self.items.items,
             "usage": _usage(final),
             "status": "incomplete" if cut else "completed",
+            "completed_at": int(time.time()),
         }
         if cut:
             resp["incomplete_details"] = {"reason": "max_output_tokens"}
