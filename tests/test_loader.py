@@ -191,6 +191,74 @@ def test_hf_folder_yields_state_dict(tmp_path, family, sharded):
         )
 
 
+# -- FP8 checkpoints (Qwen3-*-FP8, DeepSeek's layout) ----------------------------------------------
+def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv per block, the weight they give back): each block scaled
+    to e4m3's 448 maximum."""
+    br, bc = block
+    rows, cols = w.shape
+    nr, nc = -(-rows // br), -(-cols // bc)
+    scale = torch.zeros(nr, nc)
+    for i in range(nr):
+        for j in range(nc):
+            scale[i, j] = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc].abs().max().clamp(min=1e-12) / 448
+    full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    q = (w / full).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * full
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_an_fp8_checkpoint_loads_dequantized(tmp_path, family):
+    """Block-wise FP8 weights with their weight_scale_inv (blocks of 24 x 40: partial ones at the edges):
+    every linear comes dequantized, exactly q * scale, the rest as stored; the scales are not tensors of
+    the model; another quantization method is refused by name."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = tiny_model(family, seed=3)
+    folder = tmp_path / "fp8"
+    model.config.save_pretrained(folder)
+    tiny_hf_tokenizer().save_pretrained(folder)
+    block = (24, 40)
+    state, want = {}, {}
+    for name, t in expected_state(model).items():
+        if t.dim() == 3:  # transformers 5's fused experts: the published layout has one tensor per expert
+            continue
+        if t.dim() == 2 and name.endswith("proj.weight"):
+            state[name], state[name + "_scale_inv"], want[name] = fp8_blocks(t.float(), block)
+        else:
+            state[name] = want[name] = t
+    if family == "qwen3_moe":  # per-expert tensors, each quantized on its own
+        for name, t in expected_state(model).items():
+            if t.dim() != 3:
+                continue
+            prefix, stack = name.rsplit(".", 1)
+            for e in range(t.shape[0]):
+                parts = (
+                    [("down_proj", t[e])]
+                    if stack == "down_proj"
+                    else list(zip(("gate_proj", "up_proj"), t[e].chunk(2, dim=0)))
+                )
+                for proj, w in parts:
+                    n = f"{prefix}.{e}.{proj}.weight"
+                    state[n], state[n + "_scale_inv"], want[n] = fp8_blocks(w.float().contiguous(), block)
+    save_file({n: t.contiguous() for n, t in state.items()}, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                  "activation_scheme": "dynamic"}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ckpt = load_checkpoint(str(folder), dtype=torch.float32, device=torch.device("cpu"))
+    got = dict(ckpt.weights)
+    assert set(got) == set(want) and not any(n.endswith("_scale_inv") for n in got)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="awq"):
+        load_checkpoint(str(folder), dtype=torch.float32, device=torch.device("cpu"))
+
+
 # -- tiny GGUFs written like llama.cpp writes them -------------------------------------------------
 def llamacpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute, applied to q with (n_head, n_head), k with n_head_kv."""

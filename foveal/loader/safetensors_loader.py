@@ -38,23 +38,31 @@ class HFFolder:
     path: str
     hf_config: Any  # transformers.PretrainedConfig
     files: dict[str, list[str]]  # safetensors file -> tensor names to take from it, in file order
+    block_size: tuple[int, int] | None = None  # an FP8 checkpoint's weight_block_size (quantization_config)
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(names) for names in self.files.values())
+        return sum(1 for names in self.files.values() for n in names if not _is_scale(n))
 
     def weights(
         self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor cast to `dtype`; an FP8 weight (a quantized checkpoint: Qwen3-*-FP8, DeepSeek's)
+        comes dequantized with its scales, which are not yielded themselves."""
         from safetensors import safe_open
 
         dev = _safetensors_device(torch.device(device))
+        scales = {n: file for file, names in self.files.items() for n in names if _is_scale(n)}
         for file, names in self.files.items():
             name = None
             try:
                 with safe_open(file, framework="pt", device=dev) as f:
                     for name in names:
+                        if _is_scale(name):
+                            continue
                         t = f.get_tensor(name)
+                        if t.dtype in _FP8:
+                            t = _dequantize_fp8(t, name, scales, dev, self.block_size)
                         yield name, (t.to(dtype) if t.is_floating_point() else t)
             except ModelLoadError:
                 raise
@@ -62,6 +70,39 @@ class HFFolder:
                 raise ModelLoadError(
                     f"could not read tensor {name} from {file}: {type(e).__name__}: {e}"
                 ) from e
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _is_scale(name: str) -> bool:
+    """An FP8 weight's scale (block-wise `weight_scale_inv`, per-tensor `weight_scale`), or a static
+    activation scale (unused: activations run in the model's dtype)."""
+    return name.endswith(("weight_scale_inv", "weight_scale", "input_scale"))
+
+
+def _dequantize_fp8(w: torch.Tensor, name: str, scales: dict[str, str], dev: str, block) -> torch.Tensor:
+    """An FP8 weight in float32: times its per-block scale (`*_scale_inv`, one per block_size block of
+    [rows, cols]) or its per-tensor / per-row scale (`*_scale`)."""
+    from safetensors import safe_open
+
+    for suffix in ("_scale_inv", "_scale"):
+        file = scales.get(name + suffix)
+        if file is None:
+            continue
+        with safe_open(file, framework="pt", device=dev) as f:
+            s = f.get_tensor(name + suffix).float()
+        out = w.float()
+        if suffix == "_scale_inv" and s.dim() == 2 and out.dim() == 2:
+            if block is None:
+                raise ModelLoadError(f"{name}: block-wise FP8 scales but no weight_block_size in the config")
+            br, bc = block
+            rows, cols = out.shape
+            s = s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        elif s.dim() == 1 and s.numel() == out.shape[0]:
+            s = s[:, None]
+        return out * s
+    raise ModelLoadError(f"FP8 tensor {name} has no scale ({name}_scale_inv or {name}_scale)")
 
 
 def open_hf_folder(path: str) -> HFFolder:
@@ -89,7 +130,24 @@ def open_hf_folder(path: str) -> HFFolder:
     log.info(
         "read config and %d safetensors headers of %s in %.2f s", len(files), path, time.perf_counter() - t0
     )
-    return HFFolder(path=path, hf_config=hf_config, files=files)
+    return HFFolder(path=path, hf_config=hf_config, files=files, block_size=_fp8_block(hf_config, path))
+
+
+def _fp8_block(hf_config, path: str) -> tuple[int, int] | None:
+    """An FP8 checkpoint's scale block (quantization_config.weight_block_size); its weights are
+    dequantized as they load (FP8 matmuls are not served: they run in the model's dtype)."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ModelLoadError(
+            f"{path}: quantization {method!r} is not supported (FP8 checkpoints are, dequantized at load; "
+            "or a GGUF file)"
+        )
+    block = q.get("weight_block_size")
+    return tuple(block) if block else None
 
 
 def foreign_config(data: dict) -> tuple[str, dict] | None:
