@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issues 34, 35 and 37 on the GPU machine (device tool, carry [".whl", "before"]), parts that each fit a call:
+#   tests   the CUDA tests at this commit: the mixtures on CUDA (Triton experts kernel, graphs == eager,
+#           == transformers), attention sinks in the Triton kernels, graphs, async scheduling, LoRA,
+#           speculation, structured outputs (-k "not real_model": the embedded model cannot travel)
+#   moe     benchmarks/moe.py: the ceilings, the experts kernel at 1 / 64 / 256 tokens, gpt-oss-20b at
+#           batch 1 and 64 (dummy bf16 weights of the real shapes)
+#   qwen3   benchmarks/moe.py: Qwen3-30B-A3B at batch 1 (with the step's largest kernels) and 256
+#   w13     W1-W3 (benchmarks/gpu_workloads.py), this checkout then before/ (`git archive <base> foveal
+#           benchmarks scripts | tar -x -C before`), one process each
+# Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/moe_device.sh tests moe
+# Logs go to $OUT (when set) as well as stdout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/device_env.sh
+LOG=${OUT:-/tmp}
+for part in "$@"; do
+  echo "=== $part $(date -u +%H:%M:%S)"
+  case $part in
+    tests)
+      timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_gpu.py \
+        tests/test_moe_kernels.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_cuda_graphs.py \
+        tests/test_async_scheduling.py tests/test_lora.py tests/test_lora_kernels.py tests/test_spec_verify.py \
+        tests/test_structured.py tests/test_speculative.py tests/test_spec_heads.py tests/test_moe.py \
+        tests/test_gpt_oss.py -k "not real_model" 2>&1 | tee "$LOG/tests.txt" | tail -30
+      ;;
+    moe)
+      timeout ${T_MOE:-240} python3 benchmarks/moe.py --parts ceilings,kernel,gptoss 2>&1 \
+        | grep -v "^\[transformers\]" | tee "$LOG/moe.txt" | tail -30
+      ;;
+    qwen3)
+      timeout ${T_QWEN3:-300} python3 benchmarks/moe.py --parts ceilings,qwen3 --profile 2>&1 \
+        | grep -v "^\[transformers\]" | tee "$LOG/qwen3.txt" | tail -45
+      ;;
+    w13)
+      timeout ${T_W13:-240} python3 benchmarks/gpu_workloads.py --workloads ceilings,w1,w2,w3 2>&1 \
+        | grep -v "^\[transformers\]" | tee "$LOG/w13_after.txt" | grep -E "^W[123]|ceil" | tail -12
+      (cd before && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=before timeout ${T_W13:-240} python3 \
+        benchmarks/gpu_workloads.py --workloads ceilings,w1,w2,w3 2>&1 | grep -v "^\[transformers\]" \
+        | tee "$LOG/w13_before.txt" | grep -E "^W[123]|ceil" | tail -12)
+      ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
