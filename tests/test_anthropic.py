@@ -141,10 +141,17 @@ def test_errors_are_anthropics_shape(srv):
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.create(model=srv.model, max_tokens=0, messages=[{"role": "user", "content": "x"}])
     assert e.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in str(e.value)
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as e:
         client(srv, "wrong").messages.create(
             model=srv.model, max_tokens=5, messages=[{"role": "user", "content": "x"}]
         )
+    assert e.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "invalid or missing API key"},
+    }
+    r = httpx.get(srv.url + "/v1/messages", headers={"x-api-key": KEY})  # the app's own errors too
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["type"] == "error"
     # the x-api-key header is what the SDK sends; a Bearer token works as well
     body = {"model": srv.model, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}
     r = httpx.post(srv.url + "/v1/messages", headers={"Authorization": f"Bearer {KEY}"}, json=body)

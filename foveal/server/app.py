@@ -89,7 +89,9 @@ class _Edge:
                 if hmac.compare_digest(token, key.encode()):
                     found = (tenant, admin)
             if found is None:
-                resp = error_response(APIError(401, "invalid or missing API key", code="invalid_api_key"))
+                resp = shaped_error(
+                    scope["path"], APIError(401, "invalid or missing API key", code="invalid_api_key")
+                )
                 await resp(scope, receive, send_with_id)
                 return self._access(scope, state, status[0], t0)
             state["tenant"], state["admin"] = found
@@ -110,6 +112,14 @@ class _Edge:
             status,
             time.perf_counter() - t0,
         )
+
+
+def shaped_error(path: str, e: APIError) -> Response:
+    """An error in the shape of the protocol the path belongs to: Anthropic's under /v1/messages,
+    OpenAI's everywhere else."""
+    if path.startswith("/v1/messages"):
+        return JSONResponse(anthropic.error_body(e), status_code=e.status, headers=e.headers)
+    return error_response(e)
 
 
 def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = None) -> FastAPI:
@@ -155,7 +165,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(e)
+        return shaped_error(request.url.path, e)
 
     @app.exception_handler(ClientLeft)
     async def _client_left(request: Request, e: ClientLeft):
@@ -165,10 +175,11 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(
+        return shaped_error(
+            request.url.path,
             APIError(
                 e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind, headers=e.headers
-            )
+            ),
         )
 
     @app.exception_handler(RequestValidationError)
@@ -176,12 +187,16 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
         """A path or query parameter of the wrong type (bodies are read by the routes themselves)."""
         err = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in err.get("loc", ()))
-        return error_response(APIError(400, f"{where}: {err.get('msg', 'invalid')}", param=where or None))
+        return shaped_error(
+            request.url.path, APIError(400, f"{where}: {err.get('msg', 'invalid')}", param=where or None)
+        )
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception):
         log.exception("%s: unhandled error", request.state.request_id)
-        return error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+        return shaped_error(
+            request.url.path, APIError(500, f"internal error: {type(e).__name__}", "server_error")
+        )
 
     app.include_router(openai.router(loop, processor, cfg, names, model_name, prompts))
     app.include_router(embeddings.router(loop, processor, cfg, names, model_name, prompts))

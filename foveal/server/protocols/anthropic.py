@@ -312,7 +312,8 @@ def event(kind: str, body: dict) -> bytes:
 
 
 def error_body(e: APIError) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
+    kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
 
 
 class _Blocks:
