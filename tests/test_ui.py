@@ -146,7 +146,9 @@ def test_the_page_chats_streams_uploads_stops_and_shows_the_dashboard(vlm, tmp_p
                   "(document.querySelectorAll('.msg.assistant')[2] || {}).textContent")  # fmt: skip
         page.js("document.getElementById('stop').click()")
         meta = page.wait("(document.querySelectorAll('.msg.assistant .meta')[2] || {}).textContent")
-        assert "finish: stopped" in meta
+        assert "finish: stopped" in meta, page.js(
+            "document.querySelectorAll('.msg.assistant')[2].textContent"
+        )
         deadline = time.monotonic() + 10
         while vlm.engine.kv.num_used_blocks and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -181,7 +181,11 @@ async function reply() {
     }
   } catch (e) {
     if (e.name === "AbortError") finish = "stopped";
-    else { out.classList.add("error"); body.textContent = (text ? text + "\n" : "") + "Error: " + e.message; }
+    else {
+      finish = "error";
+      out.classList.add("error");
+      body.textContent = (text ? text + "\n" : "") + "Error: " + e.message;
+    }
   } finally {
     state.controller = null;
     $("send").disabled = false;
