@@ -217,9 +217,20 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class VideoClip:
+    """A clip's sampled frames, as a VLM's request side takes them (the server decodes them from a URL;
+    a library caller may build one from its own frames)."""
+
+    frames: Any  # numpy uint8 [T, H, W, 3], RGB
+    fps: float  # frames per second of these frames (the sampled rate, not the source's)
+    content_hash: str = ""  # over the frames and their sampling: same clip, same sampling -> same hash
+
+
 @dataclass(slots=True, eq=False)
 class MultiModalItem:
-    """One image of a request: where its placeholder tokens sit in the prompt and what the encoder needs.
+    """One image or video of a request: where its placeholder tokens sit in the prompt and what the
+    encoder needs.
 
     The span [offset, offset + length) covers the image's placeholder run. Most families fill every
     position of it with an embedding; some (Idefics3) interleave text tokens (row/column markers), so
@@ -229,7 +240,7 @@ class MultiModalItem:
         idefics3:    t <fake> <row_1_col_1> <img> <img> <fake> ...   embed_index = [-1, -1, 0, 1, -1, ...]
     """
 
-    modality: str  # "image"
+    modality: str  # "image" | "video"
     offset: int
     length: int
     num_embeds: int

@@ -104,7 +104,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
 
         if ckpt.processor is None:
             raise ValueError(f"{ckpt.name} is a vision-language model but its folder has no processor files")
-        mm_processor = MultiModalProcessor(ckpt.processor, type(model).mm_adapter(hf))
+        mm_processor = MultiModalProcessor(ckpt.processor, type(model).mm_adapter(hf, ckpt.video_config))
         encoder_cache = EncoderCache(cfg.cache.vision_cache_memory)
     load_s = time.perf_counter() - t0
     lora_slots, lora_registry = _lora(cfg, model, dtype, device)  # before the KV pool's sizing

@@ -232,13 +232,15 @@ class InputProcessor:
         messages: list[dict],
         *,
         images=(),
+        videos=(),
         pixel_hashes: list[str] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         **template_kwargs,
     ) -> MultiModalPrompt:
-        """Chat messages (a VLM's may have {"type": "image"} parts, one per image in `images`, in order)
-        -> token ids with expanded placeholders and one item per image. `tools` (OpenAI function
+        """Chat messages (a VLM's may have {"type": "image"} parts, one per image in `images`, and
+        {"type": "video"} parts, one per `VideoClip` in `videos`, in order) -> token ids with expanded
+        placeholders and one item per image and video. `tools` (OpenAI function
         definitions) go to a template that renders them, else into the generic tool prompt."""
         if not messages:
             raise ValueError("messages must not be empty")
@@ -248,7 +250,7 @@ class InputProcessor:
         elif tools or has_tool_turns(messages):
             messages = with_tool_prompt(messages, tools or ())
         if self.mm_processor is None:
-            self._text_only(images)
+            self._text_only(images, videos)
             if not getattr(self.tokenizer, "chat_template", None) and "chat_template" not in template_kwargs:
                 raise ValueError("this model has no chat template; use a plain prompt")
             text = self.tokenizer.apply_chat_template(
@@ -260,18 +262,27 @@ class InputProcessor:
         )
         self.check_text_length(text)
         return self.mm_processor.process(
-            text, list(images), add_special_tokens=False, pixel_hashes=pixel_hashes
+            text, list(images), videos=list(videos), add_special_tokens=False, pixel_hashes=pixel_hashes
         )
 
     def render_prompt(
-        self, text: str, *, images=(), pixel_hashes: list[str] | None = None
+        self, text: str, *, images=(), videos=(), pixel_hashes: list[str] | None = None
     ) -> MultiModalPrompt:
-        """A plain prompt (a VLM's with its image placeholder text, one per image) -> token ids and items."""
+        """A plain prompt (a VLM's with its placeholder text, one per image and video) -> token ids and
+        items."""
         if self.mm_processor is None:
-            self._text_only(images)
+            self._text_only(images, videos)
             return MultiModalPrompt(self.tokenize(text), [])
         self.check_text_length(text)
-        return self.mm_processor.process(text, list(images), pixel_hashes=pixel_hashes)
+        return self.mm_processor.process(text, list(images), videos=list(videos), pixel_hashes=pixel_hashes)
+
+    def frame_indices(self, total_frames: int, video_fps: float, **sampling) -> list[int]:
+        """Which frames of a clip of `total_frames` at `video_fps` this model's video input takes: the
+        family's rule (models/vlm.py ImageAdapter.frame_indices) with the request's `sampling` (fps,
+        num_frames, max_frames). ValueError for a model that takes no video."""
+        if self.mm_processor is None or self.mm_processor.adapter.video_token_id is None:
+            raise ValueError(f"{self.info.model_name} does not accept video inputs")
+        return self.mm_processor.adapter.frame_indices(total_frames, video_fps, **sampling)
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
@@ -280,9 +291,10 @@ class InputProcessor:
             messages, add_generation_prompt=add_generation_prompt, **template_kwargs
         ).prompt_token_ids
 
-    def _text_only(self, images) -> None:
-        if images:
-            raise ValueError(f"{self.info.model_name} is a text-only model; it does not accept images")
+    def _text_only(self, images, videos=()) -> None:
+        if images or videos:
+            what = "images" if images else "videos"
+            raise ValueError(f"{self.info.model_name} is a text-only model; it does not accept {what}")
 
     def system_prefix_len(self, messages: list[dict], ids: list[int], **template_kwargs) -> int:
         """How many leading tokens of `ids` (these messages' rendered chat) are the leading system
@@ -349,7 +361,7 @@ class InputProcessor:
             if mm.items and not info.is_multimodal:
                 raise ValueError(f"{info.model_name} is a text-only model; it does not accept images")
             if any(it.offset < 0 or it.end > len(ids) for it in mm.items):
-                raise ValueError("an image placeholder span lies outside the prompt")
+                raise ValueError("an image or video placeholder span lies outside the prompt")
         else:
             ids = prompt
         if not ids:

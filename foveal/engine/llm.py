@@ -3,7 +3,9 @@
 no scheduling logic of its own.
 
 Images (vision-language models): chat message parts `{"type": "image", "image": <PIL.Image>}`, or a
-prompt made with `llm.processor.render_prompt(text, images=[...])`.
+prompt made with `llm.processor.render_prompt(text, images=[...])`. Videos (Qwen2-VL, Qwen2.5-VL): parts
+`{"type": "video", "video": VideoClip(frames, fps)}` (foveal.request.VideoClip: uint8 [T, H, W, 3] frames
+already sampled, at `fps` frames a second).
 
 LoRA adapters: `LLM(model, enable_lora=True)`, then `generate(prompts, params,
 lora_request=LoRARequest("sql", "/path/to/adapter"))` (one for all prompts, or a list, one per prompt;
@@ -103,22 +105,25 @@ class LLM:
         return self._run(prompts, params, kw.get("enable_thinking"), lora_request)
 
     def _chat_prompt(self, messages: list[dict], kw: dict) -> MultiModalPrompt:
-        """Pull PIL images out of {"type": "image", "image": ...} parts, in order."""
-        images, msgs = [], []
+        """Pull PIL images out of {"type": "image", "image": ...} parts and VideoClips out of
+        {"type": "video", "video": ...} parts, in order."""
+        media: dict[str, list] = {"image": [], "video": []}
+        msgs = []
         for m in messages:
             content = m.get("content")
             if isinstance(content, list):
                 parts = []
                 for p in content:
-                    if isinstance(p, dict) and p.get("type") == "image":
-                        if p.get("image") is not None:
-                            images.append(p["image"])
-                        parts.append({"type": "image"})
+                    kind = p.get("type") if isinstance(p, dict) else None
+                    if kind in media:
+                        if p.get(kind) is not None:
+                            media[kind].append(p[kind])
+                        parts.append({"type": kind})
                     else:
                         parts.append(p)
                 m = {**m, "content": parts}
             msgs.append(m)
-        return self.processor.render_chat(msgs, images=images, **kw)
+        return self.processor.render_chat(msgs, images=media["image"], videos=media["video"], **kw)
 
     def stream(
         self,

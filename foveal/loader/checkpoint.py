@@ -32,6 +32,7 @@ class Checkpoint:
     format: str  # "gguf" | "safetensors" | "dummy"
     name: str  # served model name
     processor: Any = None  # transformers processor (images); None for text-only models
+    video_config: dict | None = None  # the folder's video preprocessor settings (VLMs that take video)
 
 
 def load_checkpoint(
@@ -111,7 +112,7 @@ def _load_local(
 
 def _load_dummy(path: str) -> Checkpoint:
     from foveal.loader import dummy
-    from foveal.loader.processors import load_hf_processor
+    from foveal.loader.processors import load_hf_processor, load_video_config
     from foveal.loader.safetensors_loader import load_hf_tokenizer
 
     config = dummy.load_config(path)
@@ -124,7 +125,17 @@ def _load_dummy(path: str) -> Checkpoint:
     if processor is None and config.get_text_config() is not config:  # a VLM: its family's processor
         processor = dummy.dummy_processor(config, tokenizer)
     name = os.path.basename(path.rstrip(os.sep)).removesuffix(".json")
-    return Checkpoint(config, tokenizer, None, source=path, format="dummy", name=name, processor=processor)
+    video = load_video_config(folder) if folder else None
+    return Checkpoint(
+        config,
+        tokenizer,
+        None,
+        source=path,
+        format="dummy",
+        name=name,
+        processor=processor,
+        video_config=video,
+    )
 
 
 def _load_gguf(
@@ -147,7 +158,7 @@ def _load_gguf(
 def _load_folder(
     path: str, name: str, dtype: torch.dtype, device: torch.device, progress: bool
 ) -> Checkpoint:
-    from foveal.loader.processors import load_hf_processor
+    from foveal.loader.processors import load_hf_processor, load_video_config
     from foveal.loader.safetensors_loader import load_hf_tokenizer, open_hf_folder
 
     folder = open_hf_folder(path)
@@ -162,6 +173,7 @@ def _load_folder(
         format="safetensors",
         name=name,
         processor=processor,
+        video_config=load_video_config(path),
     )
 
 

@@ -42,6 +42,32 @@ def load_hf_processor(path: str):
         raise ModelLoadError(f"could not load the processor of {path}: {type(e).__name__}: {e}") from e
 
 
+def load_video_config(path: str) -> dict | None:
+    """The folder's video preprocessor settings, or None. transformers' own order: the video
+    processor's file (video_preprocessor_config.json, or the "video_processor" part of
+    processor_config.json), else the image processor's settings that older checkpoints share with
+    video (preprocessor_config.json, or processor_config.json's "image_processor"). Read as plain
+    values: transformers' video processors need torchvision to load, their settings do not."""
+
+    def read(name: str) -> dict | None:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return None
+        with open(file) as f:
+            return json.load(f)
+
+    nested = read("processor_config.json") or {}
+    for found in (
+        read("video_preprocessor_config.json"),
+        nested.get("video_processor"),
+        read("preprocessor_config.json"),
+        nested.get("image_processor"),
+    ):
+        if isinstance(found, dict):
+            return found
+    return None
+
+
 def images_unsupported() -> str | None:
     """Why this transformers cannot process images here, or None: before 5.18 its image processors
     (the Auto class and the PIL backends alike) load only with torchvision installed."""

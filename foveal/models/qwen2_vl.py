@@ -9,7 +9,9 @@ adapter's `rope`, an `MRope`); generated tokens sit at p + delta on every axis, 
 + 1 - L. A text-only request has no table and delta 0: plain 1-D positions, as in transformers. The
 runner asks the model (`MRopePositions`) for each step's positions; it never reads the table.
 
-Only images: video inputs are not produced by our processor calls.
+Videos (Qwen2-VL, Qwen2.5-VL): sampled frames become temporal patches (models/qwen_video.py) that run
+through the same tower; their tokens get grid positions whose time axis counts temporal patches (2.5:
+scaled to seconds, tokens_per_second positions a second).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from foveal.layers.rotary import MRotaryEmbedding
 from foveal.models.llama import Qwen2ForCausalLM
+from foveal.models.qwen_video import QwenVideoConfig, frame_indices, video_patches
 from foveal.models.vlm import ImageAdapter, VisionLanguageModel, hf_module
 
 
@@ -71,24 +74,30 @@ class MRopePositions:
         return rope.delta if rope is not None else 0
 
 
-def mrope_prompt_positions(length: int, spans: list[tuple[int, tuple[int, int, int]]], merge: int) -> MRope:
-    """[3, length] positions and the delta for a prompt whose images sit at `spans`: (offset, grid t/h/w
-    in patches), in prompt order. Every image token is one merged cell of its grid."""
+def mrope_prompt_positions(
+    length: int, spans: list[tuple[int, tuple[int, int, int], float]], merge: int
+) -> MRope:
+    """[3, length] positions and the delta for a prompt whose images and videos sit at `spans`: (offset,
+    grid t/h/w in patches, temporal step), in prompt order. Every image or video token is one merged
+    cell of its grid; a video's temporal patch i sits at int(i * step) (Qwen2.5-VL: step = tokens per
+    second x seconds per temporal patch; Qwen2-VL and images: 1). The text after a span resumes one past
+    the span's largest position (the Qwen rule: transformers since 5.3 resumes at start + max(h, w)
+    instead, which differs only for a video whose time axis outruns its height and width)."""
     pos = torch.empty(3, length, dtype=torch.long)
     cur = 0  # the next text position
     text_start = 0
-    for offset, (t, h, w) in spans:
+    for offset, (t, h, w), step in spans:
         n = offset - text_start
         pos[:, text_start:offset] = torch.arange(cur, cur + n)
         cur += n
         h, w = h // merge, w // merge
         cells = t * h * w
         span = pos[:, offset : offset + cells]
-        span[0] = torch.arange(t).repeat_interleave(h * w)
+        span[0] = (torch.arange(t, dtype=torch.float64) * step).long().repeat_interleave(h * w)
         span[1] = torch.arange(h).repeat_interleave(w).repeat(t)
         span[2] = torch.arange(w).repeat(t * h)
         span += cur
-        cur += max(h, w)
+        cur += max(int(span[0, -1]) - cur + 1, h, w)
         text_start = offset + cells
     pos[:, text_start:] = torch.arange(cur, cur + length - text_start)
     delta = int(pos.max()) + 1 - length if length else 0
@@ -99,7 +108,7 @@ class Qwen2VLAdapter(ImageAdapter):
     """The processor returns all images' patches as one [sum t*h*w, C*T*P*P] tensor plus a [N, 3] grid;
     image i owns the next t*h*w rows and takes t*h*w / merge^2 placeholder tokens."""
 
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, video_config: dict | None = None):
         super().__init__(hf_config)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
 
@@ -116,18 +125,58 @@ class Qwen2VLAdapter(ImageAdapter):
             raise ValueError(f"image grids cover {row} patches but the processor gave {pv.shape[0]}")
         return parts
 
+    def _temporal_step(self, it) -> float:
+        return 1.0
+
     def rope(self, prompt_ids: list[int], items: list) -> MRope:
         spans = []
         for it in sorted(items, key=lambda it: it.offset):
-            t, h, w = (int(x) for x in it.data["image_grid_thw"][0])
+            video = it.modality == "video"
+            t, h, w = (int(x) for x in it.data["video_grid_thw" if video else "image_grid_thw"][0])
             if it.embed_index is not None or it.length != t * h * w // self.merge**2:
-                raise ValueError(f"image span of {it.length} tokens does not match its grid {t}x{h}x{w}")
-            spans.append((it.offset, (t, h, w)))
+                raise ValueError(
+                    f"{it.modality} span of {it.length} tokens does not match its grid {t}x{h}x{w}"
+                )
+            spans.append((it.offset, (t, h, w), self._temporal_step(it) if video else 1.0))
         return mrope_prompt_positions(len(prompt_ids), spans, self.merge)
 
 
+class QwenVideoAdapter(Qwen2VLAdapter):
+    """Qwen2-VL and Qwen2.5-VL: images, and videos as temporal patches of their sampled frames
+    (models/qwen_video.py). Qwen2.5-VL spaces a video's temporal positions by time: tokens_per_second
+    positions per second of the clip."""
+
+    def __init__(self, hf_config, video_config: dict | None = None):
+        super().__init__(hf_config)
+        self.video_token_id = int(hf_config.video_token_id)
+        self.video = QwenVideoConfig.from_dict(video_config)
+        self.tokens_per_second = getattr(hf_config.vision_config, "tokens_per_second", None)
+
+    def frame_indices(self, total_frames, video_fps, **sampling):
+        return frame_indices(self.video, total_frames, video_fps, **sampling)
+
+    def video_inputs(self, clip) -> tuple[dict[str, Any], int]:
+        if not clip.fps > 0:
+            raise ValueError(f"a video's frame rate must be positive, got {clip.fps}")
+        frames = torch.from_numpy(clip.frames) if not isinstance(clip.frames, torch.Tensor) else clip.frames
+        patches, (t, h, w) = video_patches(self.video, frames)
+        data = {
+            "pixel_values_videos": patches,
+            "video_grid_thw": torch.tensor([[t, h, w]]),
+            "second_per_grid_t": torch.tensor(
+                [self.video.temporal_patch_size / clip.fps], dtype=torch.float64
+            ),
+        }
+        return data, t * h * w // self.merge**2
+
+    def _temporal_step(self, it) -> float:
+        if self.tokens_per_second is None:  # Qwen2-VL: one position per temporal patch
+            return 1.0
+        return float(self.tokens_per_second * it.data["second_per_grid_t"][0])
+
+
 class Qwen2VLForConditionalGeneration(MRopePositions, VisionLanguageModel):
-    mm_adapter = Qwen2VLAdapter
+    mm_adapter = QwenVideoAdapter
     vision_class = "qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel"  # transformers.models.*
     # transformers 5 names first (`model.language_model.`, `model.visual.`), then the older layout whose
     # decoder is the top-level `model.` (so that prefix must come last)
@@ -155,11 +204,12 @@ class Qwen2VLForConditionalGeneration(MRopePositions, VisionLanguageModel):
         self.visual = hf_module(lambda: cls._from_config(self.config.vision_config), device, dtype)
 
     def encode_images(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """One tower pass over all images: attention stays within each image (the grid tells the tower
-        where images end), so batching images of different sizes changes nothing."""
+        """One tower pass over all images and videos: attention stays within each image or video frame
+        (the grid tells the tower where they end), so batching them changes nothing."""
         w = self.visual.patch_embed.proj.weight
-        pixels = torch.cat([it["pixel_values"] for it in items]).to(device=w.device, dtype=w.dtype)
-        grid = torch.cat([it["image_grid_thw"] for it in items]).to(w.device)
+        pixels = torch.cat([it.get("pixel_values", it.get("pixel_values_videos")) for it in items])
+        pixels = pixels.to(device=w.device, dtype=w.dtype)
+        grid = torch.cat([it.get("image_grid_thw", it.get("video_grid_thw")) for it in items]).to(w.device)
         out = self.visual(pixels, grid_thw=grid)
         feats = getattr(out, "pooler_output", out)  # transformers 5 returns the merged features there
         return list(feats.split((grid.prod(-1) // self.merge**2).tolist()))

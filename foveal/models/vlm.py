@@ -57,7 +57,9 @@ class ImageAdapter:
     processor's batched output splits into one item per image, and how many embeddings each image takes.
     M-RoPE families also compute the [3, L] prompt positions."""
 
-    def __init__(self, hf_config):
+    video_token_id: int | None = None  # set by the families that take video
+
+    def __init__(self, hf_config, video_config: dict | None = None):
         tid = getattr(hf_config, "image_token_id", None)
         if tid is None:
             tid = getattr(hf_config, "image_token_index", None)
@@ -73,6 +75,22 @@ class ImageAdapter:
     def processor_images(self, images: list) -> list:
         """The `images` argument the processor wants for one prompt (some want a nested list)."""
         return images
+
+    def frame_indices(
+        self,
+        total_frames: int,
+        video_fps: float,
+        *,
+        fps: float | None = None,
+        num_frames: int | None = None,
+        max_frames: int | None = None,
+    ) -> list[int]:
+        """Which of a clip's frames to decode (the family's sampling rule)."""
+        raise ValueError(f"{type(self.config).__name__} does not take video inputs")
+
+    def video_inputs(self, clip) -> tuple[dict[str, Any], int]:
+        """A `VideoClip` -> (its encoder tensors, its number of embeddings)."""
+        raise ValueError(f"{type(self.config).__name__} does not take video inputs")
 
     def rope(self, prompt_ids: list[int], items: list) -> Any:
         """The family's rotary positions for this prompt (`MultiModalPrompt.rope`), or None when they

@@ -1,0 +1,199 @@
+"""Video inputs of Qwen2-VL and Qwen2.5-VL (models/qwen_video.py, the adapter, the engine) against
+transformers on tiny random configs (fp32, CPU).
+
+The reference gets the same input_ids and pixel_values_videos as Foveal (transformers' video processor
+needs torchvision, which this CPU install lacks: where torchvision loads, the patches themselves are
+compared with it below) and computes its own positions (get_rope_index over mm_token_type_ids), tower
+pass and logits. The clips are short enough that a video's time axis stays within its height and width,
+where transformers' rule for the text after a video and Qwen's agree (see mrope_prompt_positions)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from foveal.engine.llm import LLM
+from foveal.models.qwen2_vl import mrope_prompt_positions
+from foveal.models.qwen_video import QwenVideoConfig, frame_indices, video_patches
+from foveal.request import VideoClip
+from tests.tiny_vlm import build, foveal_greedy, hf_greedy, image
+
+TOL = 1e-4
+STEPS = 8
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def tiny(request, tmp_path_factory):
+    return build(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+def clip(frames: int, h: int, w: int, seed: int, fps: float = 4.0) -> VideoClip:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (frames, h, w, 3), generator=g, dtype=torch.uint8).numpy()
+    return VideoClip(data, fps, content_hash=f"clip-{frames}-{h}-{w}-{seed}")
+
+
+def engine_for(tiny, **kw) -> LLM:
+    opts = dict(model=tiny.path, dtype="float32", device="cpu", num_blocks=256, block_size=4)
+    opts.update({"enable_prefix_caching": False, **kw})
+    return LLM(**opts)
+
+
+def hf_video_greedy(tiny, llm, text: str, video: VideoClip, steps: int):
+    """transformers on the same token ids and patches: prompt logits and greedy tokens."""
+    p = llm.processor.render_prompt(text, videos=[video])
+    (item,) = p.items
+    t, h, w = item.data["video_grid_thw"][0].tolist()
+    start = int(p.rope.table[0, item.offset])
+    assert int(p.rope.table[0, item.end - 1]) - start < max(h, w) // 2, "a time axis past the grid"
+    ids = torch.tensor([p.prompt_token_ids])
+    video_id = tiny.hf.config.video_token_id
+    inputs = {
+        "pixel_values_videos": item.data["pixel_values_videos"],
+        "video_grid_thw": item.data["video_grid_thw"],
+        "mm_token_type_ids": (ids == video_id).long() * 2,
+    }
+    if "Qwen2_5" in type(tiny.hf.model).__name__:
+        inputs["second_per_grid_ts"] = item.data["second_per_grid_t"].float()
+    tokens, first = [], None
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = tiny.hf(input_ids=ids, **inputs).logits[0]
+            first = logits if first is None else first
+            tokens.append(int(logits[-1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
+    return first, tokens
+
+
+def cases():
+    # 4 frames of 56x84 px: grid t=2, 4x6 patches -> 2x3 merged cells a frame, 12 video tokens; at 4
+    # fps Qwen2.5's temporal step is tokens_per_second x 0.5 s
+    return [
+        (f"<|user|>{VIDEO}What happens here?\n<|assistant|>", clip(4, 56, 84, 1)),
+        (f"<|user|>Watch {VIDEO} and describe it.\n<|assistant|>", clip(3, 84, 56, 2)),
+    ]
+
+
+def test_video_prompts_match_transformers_alone_and_batched(tiny):
+    llm = engine_for(tiny)
+    cs = cases()
+    for (text, video), (logits, toks, _) in zip(
+        cs, foveal_greedy(llm, [llm.processor.render_prompt(t, videos=[v]) for t, v in cs], STEPS)
+    ):
+        ref_logits, ref_toks = hf_video_greedy(tiny, llm, text, video, STEPS)
+        assert (logits - ref_logits).abs().max().item() < TOL
+        assert toks == ref_toks
+    # mixed with a text and an image request in one batch: each as alone
+    im = tiny.image_text
+    mixed = [
+        llm.processor.render_prompt(cs[0][0], videos=[cs[0][1]]),
+        llm.processor.render_prompt("<|user|>Say something.\n<|assistant|>"),
+        llm.processor.render_prompt(f"<|user|>{im}What is this?\n<|assistant|>", images=[image(40, 30, 1)]),
+        llm.processor.render_prompt(cs[1][0], videos=[cs[1][1]]),
+    ]
+    together = foveal_greedy(llm, mixed, STEPS)
+    alone = [foveal_greedy(llm, [p], STEPS)[0] for p in mixed]
+    for a, b in zip(together, alone):
+        assert a[1] == b[1] and (a[0] - b[0]).abs().max().item() < TOL
+    ref_img = hf_greedy(tiny, f"<|user|>{im}What is this?\n<|assistant|>", [image(40, 30, 1)], STEPS)
+    assert together[2][1] == ref_img[1]
+
+
+@pytest.mark.parametrize("budget", [5, 11])
+def test_chunked_prefill_inside_a_video_span(tiny, budget):
+    llm = engine_for(tiny, max_num_batched_tokens=budget)
+    text, video = cases()[0]
+    p = llm.processor.render_prompt(text, videos=[video])
+    (it,) = p.items
+    assert it.offset // budget != (it.end - 1) // budget, "the budget must split the video's span"
+    ((logits, toks, _),) = foveal_greedy(llm, [p], STEPS)
+    ref_logits, ref_toks = hf_video_greedy(tiny, llm, text, video, STEPS)
+    assert (logits - ref_logits).abs().max().item() < TOL and toks == ref_toks
+
+
+def test_a_repeated_clip_hits_the_vision_cache_and_the_prefix_cache(tiny):
+    cold = engine_for(tiny)
+    warm = engine_for(tiny, enable_prefix_caching=True)
+    text, video = cases()[0]
+    ((ref_logits, ref_toks, _),) = foveal_greedy(
+        cold, [cold.processor.render_prompt(text, videos=[video])], STEPS
+    )
+    foveal_greedy(warm, [warm.processor.render_prompt(text, videos=[video])], STEPS)
+    encoded = warm.engine.runner.num_encoded
+    p = warm.processor.render_prompt(text, videos=[video])
+    ((logits, toks, _),) = foveal_greedy(warm, [p], STEPS)
+    hit = len(p.prompt_token_ids) - logits.shape[0]
+    assert hit >= len(p.prompt_token_ids) - 4 and toks == ref_toks
+    assert (logits - ref_logits[hit:]).abs().max().item() < TOL
+    # without the prefix cache, the same frames (a fresh array) come from the vision cache
+    again = VideoClip(video.frames.copy(), video.fps, video.content_hash)
+    before = cold.engine.runner.num_encoded
+    foveal_greedy(cold, [cold.processor.render_prompt(text, videos=[again])], 1)
+    assert cold.engine.runner.num_encoded == before
+    # other frames under the same placeholder tokens: a miss in both caches past the video's start
+    other = clip(4, 56, 84, 9)
+    q = warm.processor.render_prompt(text, videos=[other])
+    assert q.prompt_token_ids == p.prompt_token_ids
+    ((logits2, _, _),) = foveal_greedy(warm, [q], 1)
+    assert len(q.prompt_token_ids) - logits2.shape[0] <= q.items[0].offset
+    assert warm.engine.runner.num_encoded == encoded + 1
+
+
+def test_video_positions_count_time_and_resume_past_the_span():
+    """The time axis of a video's cells is int(i * step) from the span's start; height and width are
+    the merged grid; the text after it starts one past the span's largest position."""
+    length = 3 + 2 * 2 * 3 + 2
+    rope = mrope_prompt_positions(length, [(3, (2, 4, 6), 5.0)], merge=2)
+    pos = rope.table
+    assert pos[:, :3].tolist() == [[0, 1, 2]] * 3
+    video = pos[:, 3:15]
+    assert video[0].tolist() == [3] * 6 + [8] * 6
+    assert video[1].tolist() == [3, 3, 3, 4, 4, 4] * 2 and video[2].tolist() == [3, 4, 5] * 4
+    assert pos[:, 15:].tolist() == [[9, 10]] * 3  # 8 + 1: past the time axis, not 3 + max(h, w)
+    assert rope.delta == 11 - length
+
+
+def test_frame_sampling_follows_the_processor_rules():
+    cfg = QwenVideoConfig.from_dict({"min_frames": 4, "max_frames": 16, "fps": 2.0})
+    # 10 s at 30 fps, 2 fps wanted: 20 frames -> capped at 16, evenly spread
+    idx = frame_indices(cfg, 300, 30.0)
+    assert len(idx) == 16 and idx == [int(i * 300 / 16) for i in range(16)]
+    assert frame_indices(cfg, 300, 30.0, fps=1.0) == [i * 30 for i in range(10)]  # 10 frames, even
+    assert len(frame_indices(cfg, 300, 30.0, fps=1.0, max_frames=7)) == 6  # floored to the patch
+    # num_frames rounds to the temporal patch as Python rounds (half to even), as transformers does
+    assert frame_indices(cfg, 300, 30.0, num_frames=5) == [0, 75, 150, 225]
+    assert frame_indices(cfg, 300, 30.0, num_frames=7) == [int(i * 300 / 8) for i in range(8)]
+    assert frame_indices(cfg, 3, 30.0) == [0, 1]  # min_frames past the clip: what it has, even
+    with pytest.raises(ValueError):
+        frame_indices(cfg, 0, 30.0)
+
+
+def test_patches_of_a_still_clip_equal_the_image_processors():
+    """Two identical frames whose size needs no resize: the video patches equal the image processor's
+    patches for that picture (an image is one temporal patch of a repeated frame)."""
+    from tests.tiny_vlm import image_processor_class
+
+    frame = np.asarray(image(84, 56, 4))
+    ip = image_processor_class("Qwen2VLImageProcessor")(
+        size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+    )
+    ref = ip(images=[frame], return_tensors="pt")
+    cfg = QwenVideoConfig.from_dict({"size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}})
+    patches, grid = video_patches(cfg, torch.from_numpy(np.stack([frame, frame])))
+    assert list(grid) == ref["image_grid_thw"][0].tolist()
+    assert (patches - ref["pixel_values"]).abs().max().item() < 1e-5
+
+
+def test_patches_equal_transformers_video_processor():
+    pytest.importorskip("torchvision", reason="transformers' video processors need torchvision")
+    from transformers import Qwen2VLVideoProcessor
+
+    frames = clip(5, 61, 97, 3).frames  # resized: 61x97 is no multiple of 28
+    size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+    vp = Qwen2VLVideoProcessor(size=size, cap_pixels_per_frame=True)
+    ref = vp(videos=[frames], return_tensors="pt", do_sample_frames=False)
+    patches, grid = video_patches(QwenVideoConfig.from_dict({"size": size}), torch.from_numpy(frames))
+    assert list(grid) == ref["video_grid_thw"][0].tolist()
+    assert (patches - ref["pixel_values_videos"]).abs().max().item() < 0.05  # uint8 resize rounding
