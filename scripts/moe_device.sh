@@ -2,7 +2,9 @@
 # Issues 34, 35 and 37 on the GPU machine (device tool, carry [".whl", "before"]), parts that each fit a call:
 #   tests   the CUDA tests at this commit: the mixtures on CUDA (Triton experts kernel, graphs == eager,
 #           == transformers), attention sinks in the Triton kernels, graphs, async scheduling, LoRA,
-#           speculation, structured outputs (-k "not real_model": the embedded model cannot travel)
+#           speculation, structured outputs, video inputs against transformers' video processor (it
+#           needs torchvision, which the GPU machine has) (-k "not real_model": the embedded model
+#           cannot travel)
 #   moe     benchmarks/moe.py: the ceilings, the experts kernel at 1 / 64 / 256 tokens, gpt-oss-20b at
 #           batch 1 and 64 (dummy bf16 weights of the real shapes)
 #   qwen3   benchmarks/moe.py: Qwen3-30B-A3B at batch 1 (with the step's largest kernels) and 256
@@ -22,7 +24,7 @@ for part in "$@"; do
         tests/test_moe_kernels.py tests/test_triton_attention.py tests/test_fused_ops.py tests/test_cuda_graphs.py \
         tests/test_async_scheduling.py tests/test_lora.py tests/test_lora_kernels.py tests/test_spec_verify.py \
         tests/test_structured.py tests/test_speculative.py tests/test_spec_heads.py tests/test_moe.py \
-        tests/test_gpt_oss.py -k "not real_model" 2>&1 | tee "$LOG/tests.txt" | tail -30
+        tests/test_gpt_oss.py tests/test_video_inputs.py -k "not real_model" 2>&1 | tee "$LOG/tests.txt" | tail -30
       ;;
     moe)
       timeout ${T_MOE:-240} python3 benchmarks/moe.py --parts ceilings,kernel,gptoss 2>&1 \

@@ -192,7 +192,7 @@ def test_patches_equal_transformers_video_processor():
 
     frames = clip(5, 61, 97, 3).frames  # resized: 61x97 is no multiple of 28
     size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
-    vp = Qwen2VLVideoProcessor(size=size, cap_pixels_per_frame=True)
+    vp = Qwen2VLVideoProcessor(size=size)  # the per-frame cap does not bind at this size
     ref = vp(videos=[frames], return_tensors="pt", do_sample_frames=False)
     patches, grid = video_patches(QwenVideoConfig.from_dict({"size": size}), torch.from_numpy(frames))
     assert list(grid) == ref["video_grid_thw"][0].tolist()
