@@ -3,6 +3,7 @@
 Owns the four URL forms (data:, http(s):, file:, bare absolute path), the limits that stop a request from
 making the server fetch internal URLs (SSRF), read files outside one directory, or allocate a
 decompression bomb, and `MediaError`, whose short message is shown to the API user as a 400.
+`read_media_bytes(..., kind="video" | "audio")` is the same reader for video.py and audio.py's bytes.
 Synchronous on purpose: callers run it on a thread pool. It must not import torch or foveal.engine.
 """
 
@@ -36,6 +37,12 @@ _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _USER_AGENT = "foveal-media/1"
 # ask for what we decode: a CDN negotiating on Accept would otherwise send AVIF or JPEG XL
 _ACCEPT = "image/png,image/jpeg,image/webp,image/gif,image/bmp,image/tiff;q=0.9,*/*;q=0.5"
+# read_media_bytes' `kind`: what messages call the input, the data: media types taken, the Accept header
+_KINDS = {
+    "image": ("an image", ("image/",), _ACCEPT),
+    "video": ("a video", ("video/",), "video/mp4,video/webm,video/*;q=0.9,*/*;q=0.5"),
+    "audio": ("audio", ("audio/",), "audio/*;q=0.9,*/*;q=0.5"),
+}
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -66,20 +73,25 @@ def image_hash(img: Image.Image) -> str:
     return h.hexdigest()
 
 
-def read_media_bytes(url: str, limits: MediaLimits) -> bytes:
-    """The encoded bytes behind `url`, at most `limits.max_bytes`, after every access check."""
+def read_media_bytes(url: str, limits: MediaLimits, *, kind: str = "image") -> bytes:
+    """The encoded bytes behind `url`, at most `limits.max_bytes`, after every access check.
+
+    `kind` ("image", "video" or "audio") names the input in messages and picks the data: media types
+    taken (`<kind>/*`, or application/octet-stream) and the Accept header sent."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown media kind {kind!r}; expected one of {sorted(_KINDS)}")
     if not url:
-        raise MediaError("empty image URL")
+        raise MediaError(f"empty {kind} URL")
     head = url[:16].lower()
     if head.startswith("data:"):
-        return _read_data_url(url, limits)
+        return _read_data_url(url, limits, kind)
     if head.startswith(("http://", "https://")):
-        return _fetch_http(url, limits)
+        return _fetch_http(url, limits, kind)
     if head.startswith("file:") or url.startswith("/"):
-        return _read_local(url, limits)
+        return _read_local(url, limits, kind)
     scheme = urlsplit(url[:100]).scheme
     what = f"scheme {scheme!r}" if scheme else f"URL {_short(url)!r}"
-    raise MediaError(f"unsupported image {what}; use {SUPPORTED_URLS}")
+    raise MediaError(f"unsupported {kind} {what}; use {SUPPORTED_URLS}")
 
 
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
@@ -137,26 +149,27 @@ def is_public_address(ip: IPAddress) -> bool:
 # ---- data: URLs ----
 
 
-def _read_data_url(url: str, limits: MediaLimits) -> bytes:
+def _read_data_url(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
+    noun, mime_prefixes, _ = _KINDS[kind]
     comma = url.find(",", 0, _DATA_HEADER_MAX)
     if comma < 0:
-        raise MediaError("malformed data URL: expected data:image/<type>;base64,<data>")
+        raise MediaError(f"malformed data URL: expected data:{kind}/<type>;base64,<data>")
     params = [p.strip().lower() for p in url[5:comma].split(";")]
     mime = params[0]
     if "base64" not in params[1:]:
-        raise MediaError("data URL must be base64-encoded: data:image/<type>;base64,<data>")
-    if mime and not (mime.startswith("image/") or mime == "application/octet-stream"):
-        raise MediaError(f"data URL media type {_short(mime)!r} is not an image")
+        raise MediaError(f"data URL must be base64-encoded: data:{kind}/<type>;base64,<data>")
+    if mime and not (mime.startswith(mime_prefixes) or mime == "application/octet-stream"):
+        raise MediaError(f"data URL media type {_short(mime)!r} is not {noun}")
     payload = url[comma + 1 :]
     limit = 4 * ((limits.max_bytes + 2) // 3)  # base64 length of max_bytes
     # refuse by length before any copy or decode; line breaks are the only legitimate slack
     if len(payload) > 2 * limit + 1024:
-        raise _too_big(limits)
+        raise _too_big(limits, kind)
     if "%" in payload:  # percent-encoded by some clients; '%' is never a base64 character
         payload = unquote(payload)
     payload = "".join(payload.split())  # no copy when there is no whitespace
     if len(payload) > limit:
-        raise _too_big(limits)
+        raise _too_big(limits, kind)
     if "-" in payload or "_" in payload:  # the URL-safe alphabet
         payload = payload.replace("-", "+").replace("_", "/")
     payload += "=" * (-len(payload) % 4)  # tolerate stripped padding
@@ -167,31 +180,33 @@ def _read_data_url(url: str, limits: MediaLimits) -> bytes:
     if not data:
         raise MediaError("data URL has no data")
     if len(data) > limits.max_bytes:
-        raise _too_big(limits)
+        raise _too_big(limits, kind)
     return data
 
 
 # ---- http(s) ----
 
 
-def _fetch_http(url: str, limits: MediaLimits) -> bytes:
+def _fetch_http(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
     deadline = time.monotonic() + limits.fetch_timeout_s
-    current = _parse_http_url(url, url)
+    current = _parse_http_url(url, url, kind)
     # trust_env=False: no proxy from the environment, so the address we checked is the one we connect to
     with httpx.Client(verify=_ssl_context(), trust_env=False, follow_redirects=False) as client:
         for _ in range(MAX_REDIRECTS + 1):
-            result = _get(client, current, limits, deadline)
+            result = _get(client, current, limits, deadline, kind)
             if isinstance(result, bytes):
                 return result
             current = result  # redirects are followed by hand so each hop's host is checked again
     raise MediaError(f"too many redirects fetching {_short(url)} (at most {MAX_REDIRECTS})")
 
 
-def _get(client: httpx.Client, url: httpx.URL, limits: MediaLimits, deadline: float) -> bytes | httpx.URL:
+def _get(
+    client: httpx.Client, url: httpx.URL, limits: MediaLimits, deadline: float, kind: str = "image"
+) -> bytes | httpx.URL:
     """One hop: the body, or the URL a redirect points to."""
     name = _short(str(url))
     last: Exception | None = None
-    for target, headers, extensions in _connect_targets(url, limits):
+    for target, headers, extensions in _connect_targets(url, limits, kind):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _timed_out(name, limits)
@@ -203,7 +218,7 @@ def _get(client: httpx.Client, url: httpx.URL, limits: MediaLimits, deadline: fl
                     location = resp.headers.get("location")
                     if not location:
                         raise MediaError(f"{name} redirected (HTTP {resp.status_code}) without a Location")
-                    return _parse_http_url(url.join(location), str(url))
+                    return _parse_http_url(url.join(location), str(url), kind)
                 if not 200 <= resp.status_code < 300:
                     raise MediaError(f"fetching {name} failed: HTTP {resp.status_code}")
                 return _read_capped(resp, name, limits, deadline)
@@ -216,13 +231,15 @@ def _get(client: httpx.Client, url: httpx.URL, limits: MediaLimits, deadline: fl
     raise MediaError(f"could not fetch {name}: {_short(str(last) or 'connection failed')}") from last
 
 
-def _connect_targets(url: httpx.URL, limits: MediaLimits) -> list[tuple[httpx.URL, dict, dict]]:
+def _connect_targets(
+    url: httpx.URL, limits: MediaLimits, kind: str = "image"
+) -> list[tuple[httpx.URL, dict, dict]]:
     """(URL to connect to, headers, httpcore extensions) per address to try, in order.
 
     Without --allow-private-media-urls the host is resolved here, every address is checked, and the
     connection is pinned to a checked address (Host header and TLS SNI keep the name). Letting httpx
     resolve again would let a DNS answer that changes between check and connect (rebinding) through."""
-    headers = {"User-Agent": _USER_AGENT, "Accept": _ACCEPT}
+    headers = {"User-Agent": _USER_AGENT, "Accept": _KINDS[kind][2]}
     if limits.allow_private_urls:
         return [(url, headers, {})]
     host = url.raw_host.decode("ascii")
@@ -266,15 +283,15 @@ def _read_capped(resp: httpx.Response, name: str, limits: MediaLimits, deadline:
     return bytes(buf)
 
 
-def _parse_http_url(url: str | httpx.URL, shown: str) -> httpx.URL:
+def _parse_http_url(url: str | httpx.URL, shown: str, kind: str = "image") -> httpx.URL:
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, ValueError, TypeError) as e:
-        raise MediaError(f"invalid image URL {_short(str(url))!r}") from e
+        raise MediaError(f"invalid {kind} URL {_short(str(url))!r}") from e
     if parsed.scheme not in ("http", "https"):
         raise MediaError(f"{_short(shown)} redirected to an unsupported scheme {parsed.scheme!r}")
     if not parsed.raw_host:
-        raise MediaError(f"image URL {_short(str(url))!r} has no host")
+        raise MediaError(f"{kind} URL {_short(str(url))!r} has no host")
     return parsed
 
 
@@ -293,7 +310,7 @@ def _ssl_context():
 # ---- local files ----
 
 
-def _read_local(url: str, limits: MediaLimits) -> bytes:
+def _read_local(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
     name = _short(url)
     if url.startswith("/"):
         raw = url
@@ -304,7 +321,7 @@ def _read_local(url: str, limits: MediaLimits) -> bytes:
         raw = unquote(parts.path)
     if limits.allowed_local_path is None:
         raise MediaError(
-            f"local image files are disabled on this server (refusing {name!r}); "
+            f"local {kind} files are disabled on this server (refusing {name!r}); "
             "the server allows them only under --allowed-local-media-path"
         )
     try:
@@ -326,9 +343,9 @@ def _read_local(url: str, limits: MediaLimits) -> bytes:
         with open(path, "rb") as f:
             data = f.read(limits.max_bytes + 1)  # the file may grow after stat()
     except FileNotFoundError as e:
-        raise MediaError(f"local image file not found: {name!r}") from e
+        raise MediaError(f"local {kind} file not found: {name!r}") from e
     except OSError as e:
-        raise MediaError(f"cannot read local image {name!r}: {e.strerror or type(e).__name__}") from e
+        raise MediaError(f"cannot read local {kind} {name!r}: {e.strerror or type(e).__name__}") from e
     if len(data) > limits.max_bytes:
         raise _too_big(limits, name)
     return data
