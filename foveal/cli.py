@@ -312,6 +312,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
             allow_client_cache_salt=a.allow_client_cache_salt,
             shared_prefix_cache=a.shared_prefix_cache,
             limit_images_per_request=a.limit_images_per_request,
+            limit_videos_per_request=a.limit_videos_per_request,
+            max_video_bytes=a.max_video_bytes,
+            max_video_duration=a.max_video_duration,
+            max_video_frames=a.max_video_frames,
             allow_private_media_urls=a.allow_private_media_urls,
             allowed_local_media_path=a.allowed_local_media_path,
             media_fetch_timeout=a.media_fetch_timeout,
@@ -436,6 +440,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-ui", dest="ui", action="store_false", help="no built-in page at / (the chat and the dashboard)"
     )
     s.add_argument("--limit-images-per-request", type=int, default=8)
+    s.add_argument("--limit-videos-per-request", type=int, default=2)
+    s.add_argument("--max-video-bytes", type=int, default=64 * 2**20, help="encoded bytes of one video")
+    s.add_argument(
+        "--max-video-duration",
+        type=float,
+        default=600.0,
+        help="seconds of one video (refused before decoding)",
+    )
+    s.add_argument(
+        "--max-video-frames",
+        type=int,
+        default=256,
+        help="frames sampled from one video (a request may ask fewer)",
+    )
     s.add_argument(
         "--allow-private-media-urls", action="store_true", help="fetch image URLs on private addresses"
     )

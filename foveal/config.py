@@ -155,6 +155,12 @@ class ServerConfig:
     # request that would pass it waits up to image_queue_timeout s, then gets a 429
     max_image_pixels_in_flight: int = 128 * 2**20
     image_queue_timeout: float = 10.0
+    # videos (the VLMs that take them): encoded bytes, the clip's length (from its header and its
+    # packets, before any frame is decoded), frames sampled from one clip (the family's own cap too)
+    limit_videos_per_request: int = 2
+    max_video_bytes: int = 64 * 2**20
+    max_video_duration: float = 600.0
+    max_video_frames: int = 256
 
     @classmethod
     def from_env(cls, api_key_file: str | None = None, **kwargs) -> ServerConfig:
@@ -167,8 +173,10 @@ class ServerConfig:
             raise ValueError("max_queued_requests must be >= 1")
         if cfg.request_timeout is not None and cfg.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
-        if cfg.limit_images_per_request < 0:
-            raise ValueError("limit_images_per_request must be >= 0")
+        if cfg.limit_images_per_request < 0 or cfg.limit_videos_per_request < 0:
+            raise ValueError("limit_images_per_request and limit_videos_per_request must be >= 0")
+        if cfg.max_video_duration <= 0 or cfg.max_video_frames < 1 or cfg.max_video_bytes < 1:
+            raise ValueError("max_video_duration, max_video_frames and max_video_bytes must be positive")
         if cfg.media_fetch_timeout <= 0:
             raise ValueError("media_fetch_timeout must be > 0")
         for name in ("input_timeout", "body_timeout", "header_timeout", "keep_alive_timeout"):

@@ -14,6 +14,7 @@ import torch
 from tests.tiny_vlm import TinyVLM, byte_tokenizer, image_processor_class, perturb, save, text_config_kwargs
 
 IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_TEXT = "<|vision_start|><|video_pad|><|vision_end|>"
 SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 
 
@@ -53,7 +54,7 @@ def _build(path: str, family: str) -> TinyVLM:
 
     from foveal.loader.processors import image_only_processor_class
 
-    tok = byte_tokenizer(SPECIALS, IMAGE_TEXT)
+    tok = byte_tokenizer(SPECIALS, IMAGE_TEXT, VIDEO_TEXT)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
     text = text_config_kwargs(len(tok))
     text.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -121,8 +121,9 @@ def frame_indices(
         return list(range(min(total_frames, cap)))
     if n > total_frames:
         raise ValueError(f"cannot sample {n} frames from a video of {total_frames}")
-    # as transformers computes them (a float32 arange, truncated), so the same frames are taken
-    return torch.arange(0, total_frames, total_frames / n).int().tolist()
+    # as transformers computes them (a float32 arange, truncated), so the same frames are taken; its
+    # float steps can yield one index too many, which is dropped here
+    return torch.arange(0, total_frames, total_frames / n).int().tolist()[:n]
 
 
 def video_patches(cfg: QwenVideoConfig, frames: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:

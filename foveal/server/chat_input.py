@@ -2,10 +2,11 @@
 Anthropic Messages or any other chat protocol, which each build one (`Prompts.chat` takes it).
 
     messages       the chat template's own shape: {"role", "content": str | [{"type": "text", "text"},
-                   {"type": "image"}], "tool_calls": [{"id", "type": "function", "function":
-                   {"name", "arguments": dict}}], "tool_call_id", "reasoning_content"}; roles system,
-                   user, assistant, tool
+                   {"type": "image"}, {"type": "video"}], "tool_calls": [{"id", "type": "function",
+                   "function": {"name", "arguments": dict}}], "tool_call_id", "reasoning_content"};
+                   roles system, user, assistant, tool
     images         per image part, in order: (the index of its message, its URL or data: URL)
+    videos         the same per video part; video_fps / video_frames: how they are sampled
     tools          OpenAI-shaped function tools ({"type": "function", "function": {name, description,
                    parameters}}), and tool_mode none | auto | required | {"type": "function",
                    "function": {"name": ...}}
@@ -22,6 +23,9 @@ from typing import Any
 class ChatInput:
     messages: list[dict]
     images: list[tuple[int, str]] = field(default_factory=list)
+    videos: list[tuple[int, str]] = field(default_factory=list)  # as images: (message index, URL)
+    video_fps: float | None = None  # the videos' sampling, as the request asks (None: the model's)
+    video_frames: int | None = None  # ... or this many frames in all
     tools: list[dict] | None = None
     tool_mode: str | dict = "none"
     parallel_tool_calls: bool = True

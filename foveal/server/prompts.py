@@ -1,5 +1,5 @@
-"""Request bodies -> EngineRequests: chat templates, tokenizing, image fetch and decode, through the
-engine's InputProcessor (which also checks the prompt's limits, fills in max_tokens and expands n). All
+"""Request bodies -> EngineRequests: chat templates, tokenizing, image and video fetch and decode,
+through the engine's InputProcessor (which also checks the prompt's limits, fills in max_tokens and expands n). All
 of it runs before admission, off the model thread and the event loop (server/inputs.py's pool, with a
 deadline), so every problem is a 4xx before a stream starts and one slow input fails alone.
 
@@ -11,7 +11,10 @@ Bounds on the work one request may cause:
   for as long as it likes;
 - images: each one's pixels (from its header, before decoding), the pixels of one request, and the
   pixels being decoded and processed at once across requests (a request past that waits briefly, then
-  gets a 429), so eight 30-megapixel PNGs in 0.8 MB of body cannot take gigabytes per request.
+  gets a 429), so eight 30-megapixel PNGs in 0.8 MB of body cannot take gigabytes per request;
+- videos: a count per request, encoded bytes, duration and frame size from the header and the packets
+  before any frame is decoded (server/video.py), the frames the model's sampling rule picks (at most
+  max_video_frames), their decoded bytes; decoded in the pool under the input deadline.
 This module must not touch the model thread: it calls only the InputProcessor.
 """
 
@@ -25,8 +28,8 @@ from foveal.config import ServerConfig
 from foveal.engine.input_processor import InputProcessor
 from foveal.parsing.output import OutputPlan
 from foveal.parsing.reasoning import prompt_opens_thinking
-from foveal.request import EngineRequest, SamplingParams
-from foveal.server import media
+from foveal.request import EngineRequest, SamplingParams, VideoClip
+from foveal.server import media, video
 from foveal.server.chat_input import ChatInput
 from foveal.server.errors import APIError
 from foveal.server.inputs import InputWork, InputWorkTooSlow
@@ -35,6 +38,9 @@ from foveal.structured.constraint import OutputConstraint
 from foveal.structured.tool_grammar import tool_call_grammar
 
 log = logging.getLogger(__name__)
+
+# a video's sampled frames at the source's size, held while the family's processor resizes them
+_VIDEO_DECODED_BYTES = 1 << 30
 
 # apply_chat_template arguments a request may not set through chat_template_kwargs: they change what
 # the call returns, not what the template sees (the generation-prompt switches are top-level fields)
@@ -103,6 +109,14 @@ class Prompts:
             max_pixels=cfg.max_image_pixels,
         )
         self.pixels = PixelBudget(cfg.max_image_pixels_in_flight)
+        self.video_fetch = replace(self.limits, max_bytes=cfg.max_video_bytes)
+        self.video_limits = video.VideoLimits(
+            max_bytes=cfg.max_video_bytes,
+            max_duration_s=cfg.max_video_duration,
+            max_frames=cfg.max_video_frames,
+            max_decoded_bytes=_VIDEO_DECODED_BYTES,
+            deadline_s=cfg.input_timeout,
+        )
 
     async def _work(self, fn, *args, **kwargs):
         try:
@@ -230,23 +244,28 @@ class Prompts:
         self, req: ChatInput, params: SamplingParams, rid: str, cache_salt: str | None
     ) -> tuple[list[EngineRequest], OutputPlan]:
         """The request's sequences, and how their output is parsed (reasoning, tool calls)."""
-        for i, _ in req.images:
-            if req.messages[i]["role"] != "user":
-                raise APIError(
-                    400, f"messages[{i}]: image parts are only allowed in user messages", "messages"
-                )
+        for what, parts in (("image", req.images), ("video", req.videos)):
+            for i, _ in parts:
+                if req.messages[i]["role"] != "user":
+                    raise APIError(
+                        400, f"messages[{i}]: {what} parts are only allowed in user messages", "messages"
+                    )
         urls = req.image_urls
         info = self.processor.info
-        if urls and not info.is_multimodal:
-            raise APIError(
-                400, f"model '{info.model_name}' is text-only; it does not accept images", param="messages"
-            )
-        if len(urls) > self.cfg.limit_images_per_request:
-            raise APIError(
-                400,
-                f"{len(urls)} images in one request; this server allows {self.cfg.limit_images_per_request}",
-                param="messages",
-            )
+        for what, n, limit in (
+            ("images", len(urls), self.cfg.limit_images_per_request),
+            ("videos", len(req.videos), self.cfg.limit_videos_per_request),
+        ):
+            if n and not info.is_multimodal:
+                raise APIError(
+                    400,
+                    f"model '{info.model_name}' is text-only; it does not accept {what}",
+                    param="messages",
+                )
+            if n > limit:
+                raise APIError(
+                    400, f"{n} {what} in one request; this server allows {limit}", param="messages"
+                )
         kwargs = self._template_kwargs(req)
         grammar_source = req.grammar_source
         tools, params, tool_format, tool_syntax = self._tools(req, params)
@@ -257,6 +276,7 @@ class Prompts:
         if tools:
             kwargs["tools"] = tools
         messages = req.messages
+        clips = await self._fetch_videos([url for _, url in req.videos]) if req.videos else []
         opened = [await self._open_images(urls)] if urls else []
         total = sum(im.width * im.height for im in opened[0]) if urls else 0
         if total > self.cfg.max_request_image_pixels:
@@ -276,8 +296,9 @@ class Prompts:
                 headers={"Retry-After": "1"},
             )
         try:
+            videos = (clips, req.video_fps, req.video_frames)
             choices, opened_thinking = await self._render(
-                messages, opened[0] if urls else [], kwargs, rid, params, cache_salt, grammar_source
+                messages, opened[0] if urls else [], kwargs, rid, params, cache_salt, grammar_source, videos
             )
         finally:
             if total:
@@ -312,13 +333,52 @@ class Prompts:
 
         return await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls)))
 
+    async def _fetch_videos(self, urls: list[str]) -> list[bytes]:
+        """Every video's encoded bytes (decoding comes later, in the input pool): 400 naming the bad one."""
+
+        def one(i, url):
+            try:
+                return media.read_media_bytes(url, self.video_fetch, kind="video")
+            except media.MediaError as e:
+                raise APIError(400, f"video {i + 1}: {e}", param="messages", code="invalid_video") from None
+
+        return await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls)))
+
+    def _decode_videos(self, encoded: list[bytes], fps: float | None, frames: int | None) -> list[VideoClip]:
+        """Each video's frames, sampled by the model's rule as the request asks (runs in the pool)."""
+        proc, cap = self.processor, self.cfg.max_video_frames
+
+        def choose(meta):
+            return proc.frame_indices(meta.total_frames, meta.fps, fps=fps, num_frames=frames, max_frames=cap)
+
+        clips = []
+        for i, data in enumerate(encoded):
+            try:
+                v = video.decode_video(data, self.video_limits, choose)
+            except media.MediaError as e:
+                raise APIError(400, f"video {i + 1}: {e}", param="messages", code="invalid_video") from None
+            meta = v.metadata
+            sampled_fps = len(v.indices) / meta.total_frames * meta.fps if meta.fps > 0 else 1.0
+            clips.append(VideoClip(v.frames, sampled_fps, video.video_hash(v)))
+        return clips
+
     async def _render(
-        self, messages: list[dict], opened: list, kwargs: dict, rid: str, params, cache_salt, source=None
+        self,
+        messages: list[dict],
+        opened: list,
+        kwargs: dict,
+        rid: str,
+        params,
+        cache_salt,
+        source=None,
+        videos: tuple[list[bytes], float | None, int | None] = ((), None, None),
     ) -> tuple[list[EngineRequest], bool]:
-        """(the sequences, whether the rendered prompt opened the think block)."""
+        """(the sequences, whether the rendered prompt opened the think block). `videos`: the encoded
+        clips and the request's sampling (fps, frames), decoded here, in the pool."""
         proc = self.processor
 
         def work():
+            clips = self._decode_videos(*videos) if videos[0] else []
             images, hashes = [], []
             for i, im in enumerate(opened):
                 try:
@@ -329,7 +389,7 @@ class Prompts:
                     ) from None
                 images.append(img)
                 hashes.append(media.image_hash(img))
-            prompt = proc.render_chat(messages, images=images, pixel_hashes=hashes, **kwargs)
+            prompt = proc.render_chat(messages, images=images, videos=clips, pixel_hashes=hashes, **kwargs)
             if self.cfg.shared_prefix_cache:
                 prompt.shared_prefix_len = proc.system_prefix_len(messages, prompt.prompt_token_ids, **kwargs)
             thinking = kwargs.get("enable_thinking")

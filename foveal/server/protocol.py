@@ -76,6 +76,34 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+class VideoURL(BaseModel):
+    model_config = _STRICT
+    url: Annotated[str, Field(min_length=1)]
+
+
+class VideoPart(BaseModel):
+    """A video (vLLM's part): data:video/...;base64, http(s), or a local file under the allowed path."""
+
+    model_config = _STRICT
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+class VideoSampling(BaseModel):
+    """How a request's videos are sampled (vLLM's `mm_processor_kwargs`): `fps` frames a second of
+    the clip, or `num_frames` in all, within the server's frame cap."""
+
+    model_config = _STRICT
+    fps: Annotated[float, _shown(exclusiveMinimum=0.0, maximum=60.0)] | None = None
+    num_frames: Annotated[int, _shown(minimum=1), _INTEGRAL] | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if self.fps is not None and self.num_frames is not None:
+            raise ValueError("give fps or num_frames, not both")
+        return self
+
+
 class FunctionCall(BaseModel):
     model_config = _STRICT
     name: Annotated[str, Field(min_length=1)]
@@ -111,7 +139,9 @@ _CONTENT_RULE = {
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_CONTENT_RULE)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    content: str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]] | None = (
+        None
+    )
     name: str | None = None
     tool_calls: Annotated[list[ToolCallPart], Field(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: str | None = None  # tool: the call this answers
@@ -132,6 +162,12 @@ class ChatMessage(BaseModel):
             return []
         return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
+    @property
+    def video_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.video_url.url for p in self.content if isinstance(p, VideoPart)]
+
     def as_template_dict(self, multimodal: bool = False) -> dict:
         """A text model gets one string; a VLM's template gets parts, an image as {"type": "image"}.
         Tool calls go to the template with their arguments decoded (templates write them as JSON);
@@ -150,7 +186,11 @@ class ChatMessage(BaseModel):
                 [TextPart(type="text", text=self.content)] if isinstance(self.content, str) else self.content
             )
             out["content"] = [
-                {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                {"type": "image"}
+                if isinstance(p, ImagePart)
+                else {"type": "video"}
+                if isinstance(p, VideoPart)
+                else {"type": "text", "text": p.text}
                 for p in parts
             ]
         if self.name is not None:
@@ -402,14 +442,20 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool = True
     # passed to the chat template; "none" also turns thinking off (enable_thinking=false)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    mm_processor_kwargs: VideoSampling | None = None  # the videos' sampling (vLLM's field)
 
     def chat_input(self, multimodal: bool) -> ChatInput:
         """The protocol-neutral request (server/chat_input.py). `multimodal`: the model takes images
         (a text model's template gets each message's text as one string)."""
         images = [(i, url) for i, m in enumerate(self.messages) for url in m.image_urls]
+        videos = [(i, url) for i, m in enumerate(self.messages) for url in m.video_urls]
+        sampling = self.mm_processor_kwargs
         return ChatInput(
             messages=[m.as_template_dict(multimodal) for m in self.messages],
             images=images,
+            videos=videos,
+            video_fps=sampling.fps if sampling else None,
+            video_frames=sampling.num_frames if sampling else None,
             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
             tool_mode=self.tool_mode,
             parallel_tool_calls=self.parallel_tool_calls,

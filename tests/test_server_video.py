@@ -1,0 +1,157 @@
+"""Videos through the HTTP API: a real server on a tiny random Qwen2.5-VL, the official `openai` client
+sending `video_url` parts (vLLM's shape) as data: URLs of clips written here with PyAV. The served reply
+equals the offline engine's on the same decoded, sampled frames; bad and over-limit videos are 400s that
+name the problem, and the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+
+import openai
+import pytest
+
+from foveal.engine.llm import LLM
+from foveal.request import SamplingParams, VideoClip
+from foveal.server import video
+from tests.test_server import _serve
+from tests.test_video_decode import encode
+from tests.tiny_vlm import build, image, save_tiny_text_model
+
+
+def data_url(data: bytes, mime: str = "video/mp4") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def a_clip(n: int = 12, size=(84, 56), color=None) -> bytes:
+    """n frames at 10 fps, frame i a grey of level 8 * i (mjpeg in avi)."""
+    return encode("mjpeg", "avi", n, size=size, color=color)
+
+
+def _png(img) -> str:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def user(*parts) -> list[dict]:
+    return [
+        {"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]}
+    ]
+
+
+def vid(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build("qwen2_5_vl", str(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def srv(tiny):
+    s, th = _serve({"model": tiny.path}, {"limit_videos_per_request": 1, "max_video_duration": 5.0})
+    yield s
+    s.server.should_exit = True
+    th.join(15)
+
+
+def test_a_served_video_chat_equals_the_offline_engine(srv, tiny):
+    data = a_clip()
+    r = srv.client().chat.completions.create(
+        model=srv.model, messages=user("What happens?", vid(data_url(data))), max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "mm_processor_kwargs": {"fps": 4}},
+    )  # fmt: skip
+    assert r.usage.completion_tokens == 8
+    # offline: the same bytes decoded with the model's sampling at 4 fps (12 frames at 10 fps -> 4)
+    llm = LLM(tiny.path, dtype="float32", enable_prefix_caching=False)
+    proc = llm.processor
+    v = video.decode_video(
+        data, video.VideoLimits(), lambda m: proc.frame_indices(m.total_frames, m.fps, fps=4, max_frames=256)
+    )
+    assert len(v.indices) == 4
+    clip = VideoClip(v.frames, len(v.indices) / v.metadata.total_frames * v.metadata.fps)
+    want = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "What happens?"}, {"type": "video", "video": clip}],
+            }
+        ],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    )[0]
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    # streamed == whole
+    chunks = srv.client().chat.completions.create(
+        model=srv.model, messages=user("What happens?", vid(data_url(data))), max_tokens=8, temperature=0,
+        stream=True, extra_body={"ignore_eos": True, "mm_processor_kwargs": {"fps": 4}},
+    )  # fmt: skip
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    )
+
+
+def test_a_video_beside_an_image_and_sampling_by_frame_count(srv):
+    r = srv.client().chat.completions.create(
+        model=srv.model, max_tokens=4, temperature=0,
+        messages=user("Compare", {"type": "image_url", "image_url": {"url": _png(image(40, 30, 1))}},
+                      "with", vid(data_url(a_clip()))),
+        extra_body={"mm_processor_kwargs": {"num_frames": 6}},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+PNG = _png(image(20, 20, 1))
+BOTH = {"mm_processor_kwargs": {"fps": 1, "num_frames": 4}}
+
+
+@pytest.mark.parametrize(
+    "what, content, extra, expect",
+    [
+        ("not a video", [vid(data_url(b"hello world" * 10))], {}, "not a valid video"),
+        ("an image as video", [vid(PNG.replace("image/png", "video/mp4"))], {}, "not a valid video"),
+        ("a truncated mp4", [vid(data_url(encode()[:2000]))], {}, "video 1"),
+        ("too long", [vid(data_url(a_clip(70, color=100)))], {}, "duration limit of 5 s"),
+        ("two videos", [vid(data_url(a_clip())), vid(data_url(a_clip()))], {}, "allows 1"),
+        ("an image data URL", [vid(PNG)], {}, "not a video"),
+        ("fps and num_frames", [vid(data_url(a_clip()))], BOTH, "not both"),
+        ("a private URL", [vid("http://127.0.0.1:1/x.mp4")], {}, "private"),
+    ],
+)
+def test_bad_video_input_is_a_400(srv, what, content, extra, expect):
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client().chat.completions.create(
+            model=srv.model, messages=[{"role": "user", "content": content}], max_tokens=2, extra_body=extra
+        )
+    assert expect in str(e.value), what
+    ok = srv.client().chat.completions.create(model=srv.model, messages=user("still there?"), max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+    assert srv.engine.kv.num_used_blocks == 0
+
+
+def test_video_to_a_model_without_video_is_a_400(tmp_path):
+    path = save_tiny_text_model(str(tmp_path / "text"))
+    s, th = _serve({"model": path}, {})
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            s.client().chat.completions.create(
+                model=s.model, messages=user("hi", vid(data_url(a_clip()))), max_tokens=2
+            )
+        assert "text-only" in str(e.value) and "videos" in str(e.value)
+    finally:
+        s.server.should_exit = True
+        th.join(15)
+    llava = build("llava", str(tmp_path / "llava"))
+    s, th = _serve({"model": llava.path}, {})
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            s.client().chat.completions.create(
+                model=s.model, messages=user("hi", vid(data_url(a_clip()))), max_tokens=2
+            )
+        assert "does not accept video" in str(e.value)
+    finally:
+        s.server.should_exit = True
+        th.join(15)
