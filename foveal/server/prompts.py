@@ -1,7 +1,7 @@
 """Request bodies -> EngineRequests: chat templates, tokenizing, image and video fetch and decode,
-through the engine's InputProcessor (which also checks the prompt's limits, fills in max_tokens and expands n). All
-of it runs before admission, off the model thread and the event loop (server/inputs.py's pool, with a
-deadline), so every problem is a 4xx before a stream starts and one slow input fails alone.
+through the engine's InputProcessor (which also checks the prompt's limits, fills in max_tokens and
+expands n). All of it runs before admission, off the model thread and the event loop (server/inputs.py's
+pool, with a deadline), so every problem is a 4xx before a stream starts and one slow input fails alone.
 
 Bounds on the work one request may cause:
 - text: refused unhashed when too long to fit the context whatever it tokenizes to
