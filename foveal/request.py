@@ -227,10 +227,19 @@ class VideoClip:
     content_hash: str = ""  # over the frames and their sampling: same clip, same sampling -> same hash
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class AudioClip:
+    """A clip's samples, as an audio model's request side takes them."""
+
+    samples: Any  # numpy float32 [n], mono, in [-1, 1]
+    sampling_rate: int
+    content_hash: str = ""  # over the samples: the same sound hashes the same whatever its container
+
+
 @dataclass(slots=True, eq=False)
 class MultiModalItem:
-    """One image or video of a request: where its placeholder tokens sit in the prompt and what the
-    encoder needs.
+    """One image, video or audio clip of a request: where its placeholder tokens sit in the prompt and
+    what the encoder needs.
 
     The span [offset, offset + length) covers the image's placeholder run. Most families fill every
     position of it with an embedding; some (Idefics3) interleave text tokens (row/column markers), so
@@ -240,7 +249,7 @@ class MultiModalItem:
         idefics3:    t <fake> <row_1_col_1> <img> <img> <fake> ...   embed_index = [-1, -1, 0, 1, -1, ...]
     """
 
-    modality: str  # "image" | "video"
+    modality: str  # "image" | "video" | "audio"
     offset: int
     length: int
     num_embeds: int

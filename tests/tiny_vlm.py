@@ -19,12 +19,13 @@ import torch
 
 from foveal.loader import processors
 
-# a chat template in the common HF VLM style: image (and video) parts render as the processor's token
+# a chat template in the common HF VLM style: image (video, audio) parts render as the processor's token
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}{{ IMAGE }}"
-    "{% elif p['type'] == 'video' %}{{ VIDEO }}{% else %}{{ p['text'] }}{% endif %}"
+    "{% elif p['type'] == 'video' %}{{ VIDEO }}{% elif p['type'] == 'audio' %}{{ AUDIO }}"
+    "{% else %}{{ p['text'] }}{% endif %}"
     "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
@@ -37,7 +38,7 @@ class TinyVLM:
     image_text: str  # what one image looks like in a prompt before processing (e.g. "<image>")
 
 
-def byte_tokenizer(specials: list[str], image_token: str, video_token: str = ""):
+def byte_tokenizer(specials: list[str], image_token: str, video_token: str = "", audio_token: str = ""):
     """A byte-level BPE with no merges (256 tokens) plus special tokens: tiny, offline, lossless."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -51,7 +52,8 @@ def byte_tokenizer(specials: list[str], image_token: str, video_token: str = "")
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token=None
     )
     fast.add_special_tokens({"additional_special_tokens": list(specials)})
-    fast.chat_template = CHAT_TEMPLATE.replace("{{ IMAGE }}", image_token).replace("{{ VIDEO }}", video_token)
+    template = CHAT_TEMPLATE.replace("{{ IMAGE }}", image_token).replace("{{ VIDEO }}", video_token)
+    fast.chat_template = template.replace("{{ AUDIO }}", audio_token)
     return fast
 
 

@@ -233,15 +233,17 @@ class InputProcessor:
         *,
         images=(),
         videos=(),
+        audios=(),
         pixel_hashes: list[str] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         **template_kwargs,
     ) -> MultiModalPrompt:
-        """Chat messages (a VLM's may have {"type": "image"} parts, one per image in `images`, and
-        {"type": "video"} parts, one per `VideoClip` in `videos`, in order) -> token ids with expanded
-        placeholders and one item per image and video. `tools` (OpenAI function
-        definitions) go to a template that renders them, else into the generic tool prompt."""
+        """Chat messages (a VLM's may have {"type": "image"} parts, one per image in `images`,
+        {"type": "video"} parts, one per `VideoClip` in `videos`, and {"type": "audio"} parts, one per
+        `AudioClip` in `audios`, in order) -> token ids with expanded placeholders and one item each.
+        `tools` (OpenAI function definitions) go to a template that renders them, else into the generic
+        tool prompt."""
         if not messages:
             raise ValueError("messages must not be empty")
         if self.native_tools:
@@ -250,7 +252,7 @@ class InputProcessor:
         elif tools or has_tool_turns(messages):
             messages = with_tool_prompt(messages, tools or ())
         if self.mm_processor is None:
-            self._text_only(images, videos)
+            self._text_only(images, videos, audios)
             if not getattr(self.tokenizer, "chat_template", None) and "chat_template" not in template_kwargs:
                 raise ValueError("this model has no chat template; use a plain prompt")
             text = self.tokenizer.apply_chat_template(
@@ -262,19 +264,34 @@ class InputProcessor:
         )
         self.check_text_length(text)
         return self.mm_processor.process(
-            text, list(images), videos=list(videos), add_special_tokens=False, pixel_hashes=pixel_hashes
+            text,
+            list(images),
+            videos=list(videos),
+            audios=list(audios),
+            add_special_tokens=False,
+            pixel_hashes=pixel_hashes,
         )
 
     def render_prompt(
-        self, text: str, *, images=(), videos=(), pixel_hashes: list[str] | None = None
+        self, text: str, *, images=(), videos=(), audios=(), pixel_hashes: list[str] | None = None
     ) -> MultiModalPrompt:
-        """A plain prompt (a VLM's with its placeholder text, one per image and video) -> token ids and
-        items."""
+        """A plain prompt (a multimodal model's with its placeholder text, one per image, video and
+        audio clip) -> token ids and items."""
         if self.mm_processor is None:
-            self._text_only(images, videos)
+            self._text_only(images, videos, audios)
             return MultiModalPrompt(self.tokenize(text), [])
         self.check_text_length(text)
-        return self.mm_processor.process(text, list(images), videos=list(videos), pixel_hashes=pixel_hashes)
+        return self.mm_processor.process(
+            text, list(images), videos=list(videos), audios=list(audios), pixel_hashes=pixel_hashes
+        )
+
+    @property
+    def audio_sampling_rate(self) -> int | None:
+        """The rate this model's audio input takes (its feature extractor's), None without audio."""
+        mm = self.mm_processor
+        if mm is None or mm.adapter.audio_token_id is None:
+            return None
+        return int(mm.processor.feature_extractor.sampling_rate)
 
     def frame_indices(self, total_frames: int, video_fps: float, **sampling) -> list[int]:
         """Which frames of a clip of `total_frames` at `video_fps` this model's video input takes: the
@@ -291,10 +308,10 @@ class InputProcessor:
             messages, add_generation_prompt=add_generation_prompt, **template_kwargs
         ).prompt_token_ids
 
-    def _text_only(self, images, videos=()) -> None:
-        if images or videos:
-            what = "images" if images else "videos"
-            raise ValueError(f"{self.info.model_name} is a text-only model; it does not accept {what}")
+    def _text_only(self, images, videos=(), audios=()) -> None:
+        for what, given in (("images", images), ("videos", videos), ("audio", audios)):
+            if given:
+                raise ValueError(f"{self.info.model_name} is a text-only model; it does not accept {what}")
 
     def system_prefix_len(self, messages: list[dict], ids: list[int], **template_kwargs) -> int:
         """How many leading tokens of `ids` (these messages' rendered chat) are the leading system

@@ -5,7 +5,8 @@ no scheduling logic of its own.
 Images (vision-language models): chat message parts `{"type": "image", "image": <PIL.Image>}`, or a
 prompt made with `llm.processor.render_prompt(text, images=[...])`. Videos (Qwen2-VL, Qwen2.5-VL): parts
 `{"type": "video", "video": VideoClip(frames, fps)}` (foveal.request.VideoClip: uint8 [T, H, W, 3] frames
-already sampled, at `fps` frames a second).
+already sampled, at `fps` frames a second). Audio (Qwen2-Audio): `{"type": "audio", "audio":
+AudioClip(samples, sampling_rate)}` (mono float32 at the model's rate, `processor.audio_sampling_rate`).
 
 LoRA adapters: `LLM(model, enable_lora=True)`, then `generate(prompts, params,
 lora_request=LoRARequest("sql", "/path/to/adapter"))` (one for all prompts, or a list, one per prompt;
@@ -105,9 +106,9 @@ class LLM:
         return self._run(prompts, params, kw.get("enable_thinking"), lora_request)
 
     def _chat_prompt(self, messages: list[dict], kw: dict) -> MultiModalPrompt:
-        """Pull PIL images out of {"type": "image", "image": ...} parts and VideoClips out of
-        {"type": "video", "video": ...} parts, in order."""
-        media: dict[str, list] = {"image": [], "video": []}
+        """Pull PIL images out of {"type": "image", "image": ...} parts, VideoClips out of
+        {"type": "video", "video": ...} and AudioClips out of {"type": "audio", "audio": ...}, in order."""
+        media: dict[str, list] = {"image": [], "video": [], "audio": []}
         msgs = []
         for m in messages:
             content = m.get("content")
@@ -123,7 +124,9 @@ class LLM:
                         parts.append(p)
                 m = {**m, "content": parts}
             msgs.append(m)
-        return self.processor.render_chat(msgs, images=media["image"], videos=media["video"], **kw)
+        return self.processor.render_chat(
+            msgs, images=media["image"], videos=media["video"], audios=media["audio"], **kw
+        )
 
     def stream(
         self,

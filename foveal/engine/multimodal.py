@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from typing import Any
 
 import torch
@@ -61,27 +62,36 @@ class MultiModalProcessor:
         images: list,
         *,
         videos: list = (),
+        audios: list = (),
         add_special_tokens: bool = True,
         pixel_hashes: list[str] | None = None,
     ) -> MultiModalPrompt:
-        """`text` with one image placeholder per image and one video placeholder per `VideoClip`, in
-        order -> token ids with every placeholder expanded, and one item per image and video."""
-        if not videos:
-            ids, parts = self._processed(text, images, add_special_tokens)
-            clips = []
+        """`text` with one placeholder per image, per `VideoClip` and per `AudioClip`, in order -> token
+        ids with every placeholder expanded, and one item per image, video and audio clip."""
+        if images and self.image_token_id is None:
+            raise ValueError("this model does not accept images")
+        media = {
+            "video": (self.adapter.video_token_id, [self.adapter.video_inputs(v) for v in videos], videos),
+            "audio": (
+                self.adapter.audio_token_id,
+                [self.adapter.audio_inputs(a, self.processor) for a in audios],
+                audios,
+            ),
+        }
+        media = {k: m for k, m in media.items() if m[2]}
+        if media:
+            ids, parts = self._around_media(text, images, media, add_special_tokens)
         else:
-            ids, parts, clips = self._around_videos(text, images, list(videos), add_special_tokens)
-        if not images and not videos:
+            ids, parts = self._processed(text, images, add_special_tokens)
+        if not images and not media:
             return MultiModalPrompt(ids, [])
         items = []
         if images:
             if len(parts) != len(images):
                 raise ValueError(f"{len(images)} images gave {len(parts)} encoder inputs")
             items += _items("image", ids, self.image_token_id, parts, pixel_hashes or [""] * len(images))
-        if clips:
-            items += _items(
-                "video", ids, self.adapter.video_token_id, clips, [v.content_hash for v in videos]
-            )
+        for kind, (token_id, inputs, clips) in media.items():
+            items += _items(kind, ids, token_id, inputs, [c.content_hash for c in clips])
         items.sort(key=lambda it: it.offset)
         prompt = MultiModalPrompt(ids, items)
         prompt.rope = self.adapter.rope(ids, items)
@@ -99,22 +109,31 @@ class MultiModalProcessor:
             raise ValueError(f"the model's processor rejected the input: {e}") from e
         return out["input_ids"][0].tolist(), (self.adapter.split(out) if images else [])
 
-    def _around_videos(self, text: str, images: list, videos: list, add_special_tokens: bool):
-        """Videos are ours to process (transformers' video processors need torchvision): the text is cut
-        at each video placeholder (a special token: the tokenizer never merges across it, so the pieces
-        tokenize as the whole does), the processor takes each piece with its images, and each
-        placeholder becomes its video's run of tokens."""
+    def _around_media(self, text: str, images: list, media: dict, add_special_tokens: bool):
+        """Videos and audio are ours to expand (transformers' video processors need torchvision; its
+        audio processors expand on their own schedule): the text is cut at each of their placeholders (a
+        special token: the tokenizer never merges across it, so the pieces tokenize as the whole does),
+        the processor takes each piece with its images, and each placeholder becomes its clip's run."""
         tok = self.processor.tokenizer
-        token = tok.convert_ids_to_tokens(self.adapter.video_token_id)
-        pieces = text.split(token)
-        if len(pieces) - 1 != len(videos):
-            raise ValueError(f"the prompt has {len(pieces) - 1} video placeholders for {len(videos)} videos")
-        clips = [self.adapter.video_inputs(v) for v in videos]
+        marks = {tok.convert_ids_to_tokens(token_id): kind for kind, (token_id, _, _) in media.items()}
+        pieces = re.split("(" + "|".join(re.escape(m) for m in marks) + ")", text)
+        runs: list[tuple[int, int]] = []  # (token id, run length) per placeholder, in order
+        left_of = {kind: list(inputs) for kind, (_, inputs, _) in media.items()}
+        for mark in pieces[1::2]:
+            kind = marks[mark]
+            if not left_of[kind]:
+                raise ValueError(f"the prompt has more {kind} placeholders than {kind} inputs")
+            runs.append((media[kind][0], left_of[kind].pop(0)[1]))
+        for kind, rest in left_of.items():
+            if rest:
+                raise ValueError(
+                    f"{len(media[kind][2])} {kind} inputs for {len(media[kind][2]) - len(rest)} placeholders"
+                )
         image_text = getattr(self.processor, "image_token", None)
         ids: list[int] = []
         parts: list = []
         left = list(images)
-        for i, piece in enumerate(pieces):
+        for i, piece in enumerate(pieces[::2]):
             n = piece.count(image_text) if image_text else 0
             if n > len(left):
                 raise ValueError(f"the prompt has more image placeholders than the {len(images)} images")
@@ -122,11 +141,11 @@ class MultiModalProcessor:
             left = left[n:]
             ids += piece_ids
             parts += piece_parts
-            if i < len(clips):
-                ids += [self.adapter.video_token_id] * clips[i][1]
+            if i < len(runs):
+                ids += [runs[i][0]] * runs[i][1]
         if left:
             raise ValueError(f"{len(images)} images for {len(images) - len(left)} image placeholders")
-        return ids, parts, clips
+        return ids, parts
 
 
 def _items(modality: str, ids: list[int], token_id: int, parts, hashes: list[str]) -> list[MultiModalItem]:

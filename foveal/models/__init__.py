@@ -27,6 +27,7 @@ _MODELS = {
     "Qwen2_5_VLForConditionalGeneration": "foveal.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration": "foveal.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
 }
 
 

@@ -58,6 +58,7 @@ class ImageAdapter:
     M-RoPE families also compute the [3, L] prompt positions."""
 
     video_token_id: int | None = None  # set by the families that take video
+    audio_token_id: int | None = None  # ... and audio
 
     def __init__(self, hf_config, video_config: dict | None = None):
         tid = getattr(hf_config, "image_token_id", None)
@@ -91,6 +92,11 @@ class ImageAdapter:
     def video_inputs(self, clip) -> tuple[dict[str, Any], int]:
         """A `VideoClip` -> (its encoder tensors, its number of embeddings)."""
         raise ValueError(f"{type(self.config).__name__} does not take video inputs")
+
+    def audio_inputs(self, clip, processor) -> tuple[dict[str, Any], int]:
+        """An `AudioClip` (through the model's processor, whose feature extractor it uses) -> (its
+        encoder tensors, its number of embeddings)."""
+        raise ValueError(f"{type(self.config).__name__} does not take audio inputs")
 
     def rope(self, prompt_ids: list[int], items: list) -> Any:
         """The family's rotary positions for this prompt (`MultiModalPrompt.rope`), or None when they
