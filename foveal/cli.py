@@ -316,6 +316,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
             max_video_bytes=a.max_video_bytes,
             max_video_duration=a.max_video_duration,
             max_video_frames=a.max_video_frames,
+            limit_audios_per_request=a.limit_audios_per_request,
+            max_audio_bytes=a.max_audio_bytes,
+            max_audio_duration=a.max_audio_duration,
             allow_private_media_urls=a.allow_private_media_urls,
             allowed_local_media_path=a.allowed_local_media_path,
             media_fetch_timeout=a.media_fetch_timeout,
@@ -441,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--limit-images-per-request", type=int, default=8)
     s.add_argument("--limit-videos-per-request", type=int, default=2)
+    s.add_argument("--limit-audios-per-request", type=int, default=4)
+    s.add_argument("--max-audio-bytes", type=int, default=25 * 2**20, help="encoded bytes of one audio clip")
+    s.add_argument(
+        "--max-audio-duration",
+        type=float,
+        default=600.0,
+        help="seconds of one audio clip (refused before decoding)",
+    )
     s.add_argument("--max-video-bytes", type=int, default=64 * 2**20, help="encoded bytes of one video")
     s.add_argument(
         "--max-video-duration",

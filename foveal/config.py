@@ -161,6 +161,11 @@ class ServerConfig:
     max_video_bytes: int = 64 * 2**20
     max_video_duration: float = 600.0
     max_video_frames: int = 256
+    # audio (the models that hear): encoded bytes (OpenAI's upload limit), the clip's length before
+    # decoding (the model's own window applies too: 30 s for Qwen2-Audio)
+    limit_audios_per_request: int = 4
+    max_audio_bytes: int = 25 * 2**20
+    max_audio_duration: float = 600.0
 
     @classmethod
     def from_env(cls, api_key_file: str | None = None, **kwargs) -> ServerConfig:
@@ -173,8 +178,10 @@ class ServerConfig:
             raise ValueError("max_queued_requests must be >= 1")
         if cfg.request_timeout is not None and cfg.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
-        if cfg.limit_images_per_request < 0 or cfg.limit_videos_per_request < 0:
-            raise ValueError("limit_images_per_request and limit_videos_per_request must be >= 0")
+        if min(cfg.limit_images_per_request, cfg.limit_videos_per_request, cfg.limit_audios_per_request) < 0:
+            raise ValueError("limit_images/videos/audios_per_request must be >= 0")
+        if cfg.max_audio_duration <= 0 or cfg.max_audio_bytes < 1:
+            raise ValueError("max_audio_duration and max_audio_bytes must be positive")
         if cfg.max_video_duration <= 0 or cfg.max_video_frames < 1 or cfg.max_video_bytes < 1:
             raise ValueError("max_video_duration, max_video_frames and max_video_bytes must be positive")
         if cfg.media_fetch_timeout <= 0:

@@ -12,38 +12,17 @@ import torch
 
 from foveal.engine.llm import LLM
 from foveal.request import AudioClip
-from tests.tiny_vlm import byte_tokenizer, foveal_greedy, perturb, save, text_config_kwargs
+from tests.tiny_audio import AUDIO, build_qwen2_audio
+from tests.tiny_vlm import foveal_greedy
 
 TOL = 1e-4
 STEPS = 8
-AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 SR = 16000
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    import transformers as tf
-
-    path = str(tmp_path_factory.mktemp("qwen2_audio"))
-    specials = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
-    tok = byte_tokenizer(specials, "", audio_token=AUDIO)
-    text = text_config_kwargs(len(tok))
-    text.update(model_type="qwen2", bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    cfg = tf.Qwen2AudioConfig(
-        audio_config=dict(
-            d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=128,
-            max_source_positions=1500,
-        ),
-        text_config=text,
-        audio_token_id=tok.convert_tokens_to_ids("<|AUDIO|>"),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = tf.Qwen2AudioForConditionalGeneration(cfg).eval()
-    perturb(hf)
-    fe = tf.WhisperFeatureExtractor(feature_size=128)
-    proc = tf.Qwen2AudioProcessor(feature_extractor=fe, tokenizer=tok, chat_template=tok.chat_template)
-    save(hf, proc, path)
-    return path, hf, proc
+    return build_qwen2_audio(str(tmp_path_factory.mktemp("qwen2_audio")))
 
 
 def sound(seconds: float, seed: int) -> np.ndarray:

@@ -42,7 +42,8 @@ class Qwen2AudioAdapter(ImageAdapter):
             padding="max_length", return_tensors="pt",
         )  # fmt: skip
         mask = out["attention_mask"]
-        data = {"input_features": out["input_features"], "feature_attention_mask": mask}
+        seconds = len(clip.samples) / clip.sampling_rate
+        data = {"input_features": out["input_features"], "feature_attention_mask": mask, "seconds": seconds}
         return data, audio_tokens(int(mask.sum()))
 
 

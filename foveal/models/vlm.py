@@ -95,7 +95,7 @@ class ImageAdapter:
 
     def audio_inputs(self, clip, processor) -> tuple[dict[str, Any], int]:
         """An `AudioClip` (through the model's processor, whose feature extractor it uses) -> (its
-        encoder tensors, its number of embeddings)."""
+        encoder tensors plus "seconds", the clip's length, and its number of embeddings)."""
         raise ValueError(f"{type(self.config).__name__} does not take audio inputs")
 
     def rope(self, prompt_ids: list[int], items: list) -> Any:

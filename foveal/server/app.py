@@ -40,7 +40,7 @@ from foveal.server.protocol import (
     LoadLoraRequest,
     UnloadLoraRequest,
 )
-from foveal.server.protocols import anthropic, embeddings, openai, responses
+from foveal.server.protocols import anthropic, embeddings, openai, responses, transcriptions
 
 log = logging.getLogger(__name__)
 UI = Path(__file__).with_name("ui")  # index.html, ui.js, ui.css
@@ -201,6 +201,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
     app.include_router(openai.router(loop, processor, cfg, names, model_name, prompts))
     app.include_router(embeddings.router(loop, processor, cfg, names, model_name, prompts))
     app.include_router(anthropic.router(loop, processor, cfg, names, model_name, prompts))
+    app.include_router(transcriptions.router(loop, processor, cfg, names, model_name, prompts))
     app.state.responses = stored = responses.ResponseStore()
     app.include_router(responses.router(loop, processor, cfg, names, model_name, prompts, stored))
 

@@ -1,7 +1,7 @@
-"""Reading a request's JSON body safely: one deadline for the whole body (a client that trickles bytes is
-cut off, not kept alive by each byte), a size cap, a nesting-depth cap, and a clean signal when the
-client leaves mid-body. Owns no routes and knows nothing of the engine; turning `ClientLeft` into one
-INFO log line is the app's job."""
+"""Reading a request's body (JSON, or a multipart form) safely: one deadline for the whole body (a
+client that trickles bytes is cut off, not kept alive by each byte), a size cap, a nesting-depth cap,
+and a clean signal when the client leaves mid-body. Owns no routes and knows nothing of the engine;
+turning `ClientLeft` into one INFO log line is the app's job."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import json
 from contextlib import aclosing
 from itertools import chain, compress
 
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 
 from foveal.server.errors import APIError
@@ -28,12 +30,10 @@ class ClientLeft(APIError):
         self.received = received
 
 
-async def read_json(request: Request, max_bytes: int, timeout: float, max_depth: int = MAX_DEPTH):
-    """The parsed JSON body of `request` (any JSON value; the caller checks its shape).
-
-    Raises APIError 413 `body_too_large` (Content-Length or streamed size over max_bytes), 408
-    `body_timeout` (the whole body not in within `timeout` seconds), 400 `invalid_json` (not JSON, or
-    nested deeper than max_depth), and ClientLeft when the client disconnects mid-body."""
+async def read_bytes(request: Request, max_bytes: int, timeout: float) -> bytes:
+    """The raw body of `request`. Raises APIError 413 `body_too_large` (Content-Length or streamed size
+    over max_bytes), 408 `body_timeout` (the whole body not in within `timeout` seconds), and
+    ClientLeft when the client disconnects mid-body."""
     # No `Connection: close` on 413: after an early answer uvicorn reads and drops the rest of the body,
     # for at most the header timeout (foveal.server.transport), so a fast uploader surely reads the 413
     # (closing on unread bytes would send a TCP reset that can destroy it).
@@ -59,7 +59,36 @@ async def read_json(request: Request, max_bytes: int, timeout: float, max_depth:
         ) from None
     except ClientDisconnect:
         raise ClientLeft(size) from None
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def read_form(request: Request, max_bytes: int, timeout: float, max_fields: int = 32) -> FormData:
+    """A multipart/form-data body (one file at most), read whole under the same cap and deadline as a
+    JSON body, then parsed by Starlette's parser: 400 `invalid_form` when it is not such a form."""
+    kind = request.headers.get("content-type", "")
+    if not kind.lower().startswith("multipart/form-data"):
+        raise APIError(
+            400,
+            f"expected a multipart/form-data body, got {kind or 'no content type'!r}",
+            code="invalid_form",
+        )
+    raw = await read_bytes(request, max_bytes, timeout)
+
+    async def once():
+        yield raw
+        yield b""
+
+    try:
+        return await MultiPartParser(request.headers, once(), max_files=1, max_fields=max_fields).parse()
+    except MultiPartException as e:
+        raise APIError(400, f"malformed form body: {e.message}", code="invalid_form") from None
+
+
+async def read_json(request: Request, max_bytes: int, timeout: float, max_depth: int = MAX_DEPTH):
+    """The parsed JSON body of `request` (any JSON value; the caller checks its shape).
+
+    Raises what read_bytes raises, and 400 `invalid_json` (not JSON, or nested deeper than max_depth)."""
+    raw = await read_bytes(request, max_bytes, timeout)
     try:
         data = json.loads(raw)
     except RecursionError:  # the C decoder recurses once per level: ~1000 levels hit the interpreter limit

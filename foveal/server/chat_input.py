@@ -2,11 +2,13 @@
 Anthropic Messages or any other chat protocol, which each build one (`Prompts.chat` takes it).
 
     messages       the chat template's own shape: {"role", "content": str | [{"type": "text", "text"},
-                   {"type": "image"}, {"type": "video"}], "tool_calls": [{"id", "type": "function",
-                   "function": {"name", "arguments": dict}}], "tool_call_id", "reasoning_content"};
+                   {"type": "image"}, {"type": "video"}, {"type": "audio"}], "tool_calls": [{"id",
+                   "type": "function", "function": {"name", "arguments": dict}}], "tool_call_id",
+                   "reasoning_content"};
                    roles system, user, assistant, tool
     images         per image part, in order: (the index of its message, its URL or data: URL)
     videos         the same per video part; video_fps / video_frames: how they are sampled
+    audios         the same per audio part (audio in the body comes as a data: URL)
     tools          OpenAI-shaped function tools ({"type": "function", "function": {name, description,
                    parameters}}), and tool_mode none | auto | required | {"type": "function",
                    "function": {"name": ...}}
@@ -26,6 +28,8 @@ class ChatInput:
     videos: list[tuple[int, str]] = field(default_factory=list)  # as images: (message index, URL)
     video_fps: float | None = None  # the videos' sampling, as the request asks (None: the model's)
     video_frames: int | None = None  # ... or this many frames in all
+    # as images (input_audio as a data: URL), or the bytes themselves (a form's file)
+    audios: list[tuple[int, str | bytes]] = field(default_factory=list)
     tools: list[dict] | None = None
     tool_mode: str | dict = "none"
     parallel_tool_calls: bool = True

@@ -12,6 +12,8 @@ Bounds on the work one request may cause:
 - images: each one's pixels (from its header, before decoding), the pixels of one request, and the
   pixels being decoded and processed at once across requests (a request past that waits briefly, then
   gets a 429), so eight 30-megapixel PNGs in 0.8 MB of body cannot take gigabytes per request;
+- audio: a count per request, encoded bytes, the clip's length before decoding (server/audio.py) and
+  the model's own window;
 - videos: a count per request, encoded bytes, duration and frame size from the header and the packets
   before any frame is decoded (server/video.py), the frames the model's sampling rule picks (at most
   max_video_frames), their decoded bytes; decoded in the pool under the input deadline.
@@ -22,14 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from foveal.config import ServerConfig
 from foveal.engine.input_processor import InputProcessor
 from foveal.parsing.output import OutputPlan
 from foveal.parsing.reasoning import prompt_opens_thinking
-from foveal.request import EngineRequest, SamplingParams, VideoClip
-from foveal.server import media, video
+from foveal.request import AudioClip, EngineRequest, SamplingParams, VideoClip
+from foveal.server import audio, media, video
 from foveal.server.chat_input import ChatInput
 from foveal.server.errors import APIError
 from foveal.server.inputs import InputWork, InputWorkTooSlow
@@ -63,6 +65,16 @@ _RESERVED_KWARGS = frozenset(
         "documents",
     }
 )
+
+
+@dataclass(slots=True)
+class _Encoded:
+    """A request's videos and audio clips as fetched (decoded in the pool), and the videos' sampling."""
+
+    videos: list[bytes] = field(default_factory=list)
+    fps: float | None = None
+    frames: int | None = None
+    audios: list[bytes] = field(default_factory=list)
 
 
 class PixelBudget:
@@ -110,6 +122,10 @@ class Prompts:
         )
         self.pixels = PixelBudget(cfg.max_image_pixels_in_flight)
         self.video_fetch = replace(self.limits, max_bytes=cfg.max_video_bytes)
+        self.audio_fetch = replace(self.limits, max_bytes=cfg.max_audio_bytes)
+        self.audio_limits = audio.AudioLimits(
+            max_bytes=cfg.max_audio_bytes, max_duration_s=cfg.max_audio_duration, deadline_s=cfg.input_timeout
+        )
         self.video_limits = video.VideoLimits(
             max_bytes=cfg.max_video_bytes,
             max_duration_s=cfg.max_video_duration,
@@ -244,7 +260,7 @@ class Prompts:
         self, req: ChatInput, params: SamplingParams, rid: str, cache_salt: str | None
     ) -> tuple[list[EngineRequest], OutputPlan]:
         """The request's sequences, and how their output is parsed (reasoning, tool calls)."""
-        for what, parts in (("image", req.images), ("video", req.videos)):
+        for what, parts in (("image", req.images), ("video", req.videos), ("audio", req.audios)):
             for i, _ in parts:
                 if req.messages[i]["role"] != "user":
                     raise APIError(
@@ -255,6 +271,7 @@ class Prompts:
         for what, n, limit in (
             ("images", len(urls), self.cfg.limit_images_per_request),
             ("videos", len(req.videos), self.cfg.limit_videos_per_request),
+            ("audio clips", len(req.audios), self.cfg.limit_audios_per_request),
         ):
             if n and not info.is_multimodal:
                 raise APIError(
@@ -276,7 +293,8 @@ class Prompts:
         if tools:
             kwargs["tools"] = tools
         messages = req.messages
-        clips = await self._fetch_videos([url for _, url in req.videos]) if req.videos else []
+        clips = await self._fetch("video", [url for _, url in req.videos], self.video_fetch)
+        sounds = await self._fetch("audio", [url for _, url in req.audios], self.audio_fetch)
         opened = [await self._open_images(urls)] if urls else []
         total = sum(im.width * im.height for im in opened[0]) if urls else 0
         if total > self.cfg.max_request_image_pixels:
@@ -296,9 +314,9 @@ class Prompts:
                 headers={"Retry-After": "1"},
             )
         try:
-            videos = (clips, req.video_fps, req.video_frames)
+            media = _Encoded(clips, req.video_fps, req.video_frames, sounds)
             choices, opened_thinking = await self._render(
-                messages, opened[0] if urls else [], kwargs, rid, params, cache_salt, grammar_source, videos
+                messages, opened[0] if urls else [], kwargs, rid, params, cache_salt, grammar_source, media
             )
         finally:
             if total:
@@ -333,16 +351,39 @@ class Prompts:
 
         return await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls)))
 
-    async def _fetch_videos(self, urls: list[str]) -> list[bytes]:
-        """Every video's encoded bytes (decoding comes later, in the input pool): 400 naming the bad one."""
+    async def _fetch(self, kind: str, urls: list[str | bytes], limits: media.MediaLimits) -> list[bytes]:
+        """Every video's or audio clip's encoded bytes (decoding comes later, in the input pool): 400
+        naming the bad one."""
 
         def one(i, url):
+            if isinstance(url, bytes):  # already in hand (a form's file): only the size to check
+                if len(url) > limits.max_bytes:
+                    raise APIError(
+                        413, f"{kind} is over the {limits.max_bytes} byte limit", code=f"{kind}_too_large"
+                    )
+                return url
             try:
-                return media.read_media_bytes(url, self.video_fetch, kind="video")
+                return media.read_media_bytes(url, limits, kind=kind)
             except media.MediaError as e:
-                raise APIError(400, f"video {i + 1}: {e}", param="messages", code="invalid_video") from None
+                raise APIError(
+                    400, f"{kind} {i + 1}: {e}", param="messages", code=f"invalid_{kind}"
+                ) from None
 
-        return await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls)))
+        return list(await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls))))
+
+    def _decode_audio(self, encoded: list[bytes]) -> list[AudioClip]:
+        """Each clip's samples at the model's rate, mono (runs in the pool)."""
+        rate = self.processor.audio_sampling_rate
+        if encoded and rate is None:
+            raise ValueError(f"{self.processor.info.model_name} does not accept audio inputs")
+        clips = []
+        for i, data in enumerate(encoded):
+            try:
+                samples = audio.decode_audio(data, self.audio_limits, rate)
+            except media.MediaError as e:
+                raise APIError(400, f"audio {i + 1}: {e}", param="messages", code="invalid_audio") from None
+            clips.append(AudioClip(samples, rate, audio.audio_hash(samples, rate)))
+        return clips
 
     def _decode_videos(self, encoded: list[bytes], fps: float | None, frames: int | None) -> list[VideoClip]:
         """Each video's frames, sampled by the model's rule as the request asks (runs in the pool)."""
@@ -371,14 +412,16 @@ class Prompts:
         params,
         cache_salt,
         source=None,
-        videos: tuple[list[bytes], float | None, int | None] = ((), None, None),
+        encoded: _Encoded | None = None,
     ) -> tuple[list[EngineRequest], bool]:
-        """(the sequences, whether the rendered prompt opened the think block). `videos`: the encoded
-        clips and the request's sampling (fps, frames), decoded here, in the pool."""
+        """(the sequences, whether the rendered prompt opened the think block). `encoded`: the videos
+        and audio clips as fetched, decoded here, in the pool."""
         proc = self.processor
+        encoded = encoded or _Encoded()
 
         def work():
-            clips = self._decode_videos(*videos) if videos[0] else []
+            clips = self._decode_videos(encoded.videos, encoded.fps, encoded.frames) if encoded.videos else []
+            sounds = self._decode_audio(encoded.audios)
             images, hashes = [], []
             for i, im in enumerate(opened):
                 try:
@@ -389,7 +432,9 @@ class Prompts:
                     ) from None
                 images.append(img)
                 hashes.append(media.image_hash(img))
-            prompt = proc.render_chat(messages, images=images, videos=clips, pixel_hashes=hashes, **kwargs)
+            prompt = proc.render_chat(
+                messages, images=images, videos=clips, audios=sounds, pixel_hashes=hashes, **kwargs
+            )
             if self.cfg.shared_prefix_cache:
                 prompt.shared_prefix_len = proc.system_prefix_len(messages, prompt.prompt_token_ids, **kwargs)
             thinking = kwargs.get("enable_thinking")

@@ -89,6 +89,46 @@ class VideoPart(BaseModel):
     video_url: VideoURL
 
 
+class InputAudio(BaseModel):
+    model_config = _STRICT
+    data: Annotated[str, Field(min_length=1)]  # base64
+    format: Literal["wav", "mp3", "flac", "ogg", "opus", "m4a", "mp4", "webm", "aac", "aiff"]
+
+
+class InputAudioPart(BaseModel):
+    """Audio in the body (OpenAI's part): base64 data and its format."""
+
+    model_config = _STRICT
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+    @property
+    def url(self) -> str:
+        return f"data:audio/{self.input_audio.format};base64,{self.input_audio.data}"
+
+
+class AudioURL(BaseModel):
+    model_config = _STRICT
+    url: Annotated[str, Field(min_length=1)]
+
+
+class AudioURLPart(BaseModel):
+    """Audio by URL (vLLM's part): data:audio/...;base64, http(s), or a local file under the allowed path."""
+
+    model_config = _STRICT
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+    @property
+    def url(self) -> str:
+        return self.audio_url.url
+
+
+ContentPart = Annotated[
+    TextPart | ImagePart | VideoPart | InputAudioPart | AudioURLPart, Field(discriminator="type")
+]
+
+
 class VideoSampling(BaseModel):
     """How a request's videos are sampled (vLLM's `mm_processor_kwargs`): `fps` frames a second of
     the clip, or `num_frames` in all, within the server's frame cap."""
@@ -139,9 +179,7 @@ _CONTENT_RULE = {
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_CONTENT_RULE)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]] | None = (
-        None
-    )
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: Annotated[list[ToolCallPart], Field(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: str | None = None  # tool: the call this answers
@@ -168,6 +206,12 @@ class ChatMessage(BaseModel):
             return []
         return [p.video_url.url for p in self.content if isinstance(p, VideoPart)]
 
+    @property
+    def audio_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.url for p in self.content if isinstance(p, InputAudioPart | AudioURLPart)]
+
     def as_template_dict(self, multimodal: bool = False) -> dict:
         """A text model gets one string; a VLM's template gets parts, an image as {"type": "image"}.
         Tool calls go to the template with their arguments decoded (templates write them as JSON);
@@ -186,10 +230,8 @@ class ChatMessage(BaseModel):
                 [TextPart(type="text", text=self.content)] if isinstance(self.content, str) else self.content
             )
             out["content"] = [
-                {"type": "image"}
-                if isinstance(p, ImagePart)
-                else {"type": "video"}
-                if isinstance(p, VideoPart)
+                {"type": _MEDIA_PARTS[type(p)]}
+                if type(p) in _MEDIA_PARTS
                 else {"type": "text", "text": p.text}
                 for p in parts
             ]
@@ -210,6 +252,9 @@ class ChatMessage(BaseModel):
         if thought is not None:
             out["reasoning_content"] = thought
         return out
+
+
+_MEDIA_PARTS = {ImagePart: "image", VideoPart: "video", InputAudioPart: "audio", AudioURLPart: "audio"}
 
 
 def _field(name: str, build, value):
@@ -449,11 +494,13 @@ class ChatCompletionRequest(_Common):
         (a text model's template gets each message's text as one string)."""
         images = [(i, url) for i, m in enumerate(self.messages) for url in m.image_urls]
         videos = [(i, url) for i, m in enumerate(self.messages) for url in m.video_urls]
+        audios = [(i, url) for i, m in enumerate(self.messages) for url in m.audio_urls]
         sampling = self.mm_processor_kwargs
         return ChatInput(
             messages=[m.as_template_dict(multimodal) for m in self.messages],
             images=images,
             videos=videos,
+            audios=audios,
             video_fps=sampling.fps if sampling else None,
             video_frames=sampling.num_frames if sampling else None,
             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,

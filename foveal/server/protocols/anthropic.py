@@ -37,6 +37,7 @@ from foveal.request import FinishReason, SamplingParams, new_request_id
 from foveal.server.body import read_model
 from foveal.server.chat_input import ChatInput
 from foveal.server.errors import APIError, from_stream_error
+from foveal.server.protocols.whole import run_whole
 from foveal.structured.constraint import OutputConstraint
 
 log = logging.getLogger(__name__)
@@ -399,20 +400,7 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts) -> A
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        final = None
-        try:
-            async for _, d in stream.deltas():
-                out.feed(d.text)
-                if d.finished:
-                    final = d
-                    out.finish(truncated=d.finish_reason is FinishReason.LENGTH)
-        except StreamFailed as e:
-            raise from_stream_error(e.error) from None
-        finally:
-            if not stream.finished:
-                loop.abort(rid)
-        if final.error:
-            raise APIError(400 if final.error_type == "invalid_request_error" else 500, final.error)
+        final = await run_whole(loop, stream, out)
         reason, seq = stop_reason(out, final)
         usage = {"input_tokens": final.num_prompt_tokens, "output_tokens": final.num_output_tokens}
         body = {**head, "content": blocks_of(out), "stop_reason": reason, "stop_sequence": seq}
