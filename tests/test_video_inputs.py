@@ -197,3 +197,41 @@ def test_patches_equal_transformers_video_processor():
     patches, grid = video_patches(QwenVideoConfig.from_dict({"size": size}), torch.from_numpy(frames))
     assert list(grid) == ref["video_grid_thw"][0].tolist()
     assert (patches - ref["pixel_values_videos"]).abs().max().item() < 0.05  # uint8 resize rounding
+
+
+def test_video_composes_with_speculation_and_structured_outputs(tiny):
+    """n-gram speculation on a video prompt gives plain greedy's tokens; a regex-constrained answer to
+    a video prompt matches its pattern (each request alone and batched with a text request)."""
+    import re
+
+    from foveal.request import SamplingParams
+    from foveal.structured import OutputConstraint
+
+    text, video = cases()[0]
+    plain = engine_for(tiny)
+    spec = engine_for(
+        tiny,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = (
+        plain.generate([plain.processor.render_prompt(text, videos=[video])], greedy)[0].outputs[0].token_ids
+    )
+    got = spec.generate([spec.processor.render_prompt(text, videos=[video])], greedy)[0].outputs[0].token_ids
+    assert got == want
+    stats = spec.engine.speculation.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, "no draft was verified"
+    pattern = r"[a-c]{3}-\d{2}"
+    shaped = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=12, structured=OutputConstraint.regex(pattern)
+    )
+    outs = plain.generate(
+        [plain.processor.render_prompt(text, videos=[video]), plain.processor.render_prompt("<|user|>hi\n")],
+        shaped,
+    )
+    assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outs)
