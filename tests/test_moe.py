@@ -260,7 +260,7 @@ def test_quantized_gguf_experts_run_packed(tmp_path):
     if quant.kernel() is None:
         pytest.skip("no quantized-linear kernel on this machine")
     _, path = _gguf_moe(tmp_path, {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q8_0"})
-    kw = dict(dtype="float32", block_size=4, num_blocks=128)
+    kw = dict(dtype="float32", block_size=4, num_blocks=128, device="cpu")  # packed GGUF weights: CPU only
     q, d = LLM(path, quantization="gguf", **kw), LLM(path, quantization="none", **kw)
     dense = dict(d.engine.model.named_parameters())
     packed = {n: p._foveal_quant for n, p in q.engine.model.named_parameters() if hasattr(p, "_foveal_quant")}

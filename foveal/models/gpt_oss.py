@@ -52,7 +52,10 @@ class GptOssMoe(nn.Module):
         self.top_k = config.num_experts_per_tok
         hidden, experts = config.hidden_size, config.num_local_experts
         self.router = Linear(hidden, experts, bias=True)
-        glu = ClampedSwiGLU(float(config.swiglu_alpha), float(config.swiglu_limit))
+        # transformers before 5.18 keeps these two as constants of its module (1.702, 7.0), not on the config
+        glu = ClampedSwiGLU(
+            float(getattr(config, "swiglu_alpha", 1.702)), float(getattr(config, "swiglu_limit", 7.0))
+        )
         self.experts = FusedMoE(experts, hidden, config.intermediate_size, glu=glu, bias=True)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:

@@ -138,8 +138,9 @@ async function reply() {
       method: "POST", headers: headers(), body: JSON.stringify(request), signal: state.controller.signal,
     });
     if (!r.ok) {
-      let msg = r.status + "";
-      try { msg = (await r.json()).error.message; } catch (e) { /* not JSON */ }
+      const raw = await r.text();
+      let msg = `${r.status} ${raw.slice(0, 300)}`;
+      try { msg = JSON.parse(raw).error.message; } catch (e) { /* not our JSON error: shown as sent */ }
       throw new Error(msg);
     }
     const reader = r.body.getReader();
