@@ -316,6 +316,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             max_video_bytes=a.max_video_bytes,
             max_video_duration=a.max_video_duration,
             max_video_frames=a.max_video_frames,
+            max_video_bytes_in_flight=a.max_video_bytes_in_flight,
             limit_audios_per_request=a.limit_audios_per_request,
             max_audio_bytes=a.max_audio_bytes,
             max_audio_duration=a.max_audio_duration,
@@ -444,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--limit-images-per-request", type=int, default=8)
     s.add_argument("--limit-videos-per-request", type=int, default=2)
+    s.add_argument(
+        "--max-video-bytes-in-flight",
+        type=int,
+        default=2 * 2**30,
+        help="decoded video frames held at once across requests: over it a request waits, then gets a 429",
+    )
     s.add_argument("--limit-audios-per-request", type=int, default=4)
     s.add_argument("--max-audio-bytes", type=int, default=25 * 2**20, help="encoded bytes of one audio clip")
     s.add_argument(

@@ -161,6 +161,9 @@ class ServerConfig:
     max_video_bytes: int = 64 * 2**20
     max_video_duration: float = 600.0
     max_video_frames: int = 256
+    # decoded video frames held at once across requests (at the source's size, before resizing): a
+    # request past it waits up to image_queue_timeout s, then gets a 429; one video past it all, a 413
+    max_video_bytes_in_flight: int = 2 * 2**30
     # audio (the models that hear): encoded bytes (OpenAI's upload limit), the clip's length before
     # decoding (the model's own window applies too: 30 s for Qwen2-Audio)
     limit_audios_per_request: int = 4

@@ -155,3 +155,33 @@ def test_video_to_a_model_without_video_is_a_400(tmp_path):
     finally:
         s.server.should_exit = True
         th.join(15)
+
+
+def test_decoded_video_bytes_are_bounded_across_requests(tiny):
+    """One video whose sampled frames would pass the whole in-flight budget is a 400 naming it; a budget
+    held by other requests makes a request wait, then a 429; every request gives its bytes back."""
+    # 4 frames of 84x56 RGB = 56,448 bytes decoded
+    s, th = _serve({"model": tiny.path}, {"max_video_bytes_in_flight": 50_000, "image_queue_timeout": 0.2})
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            s.client().chat.completions.create(
+                model=s.model, messages=user("hi", vid(data_url(a_clip()))), max_tokens=2,
+                extra_body={"mm_processor_kwargs": {"num_frames": 4}},
+            )  # fmt: skip
+        assert "need 56448 bytes decoded, over the limit of 50000 bytes" in str(e.value)
+        budget = s.app.state.prompts.video_bytes
+        assert budget.in_use == 0
+        small = {"mm_processor_kwargs": {"num_frames": 2}}  # 28,224 bytes: fits
+        assert budget.acquire(30_000, 1.0)  # another request holds most of it
+        with pytest.raises(openai.RateLimitError):
+            s.client().chat.completions.create(
+                model=s.model, messages=user("hi", vid(data_url(a_clip()))), max_tokens=2, extra_body=small
+            )
+        budget.release(30_000)
+        ok = s.client().chat.completions.create(
+            model=s.model, messages=user("hi", vid(data_url(a_clip()))), max_tokens=2, extra_body=small
+        )
+        assert ok.usage.completion_tokens == 2 and budget.in_use == 0
+    finally:
+        s.server.should_exit = True
+        th.join(15)

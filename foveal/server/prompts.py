@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass, field, replace
 
 from foveal.config import ServerConfig
@@ -77,6 +78,28 @@ class _Encoded:
     audios: list[bytes] = field(default_factory=list)
 
 
+class ByteBudget:
+    """Decoded video bytes held at once across requests, taken on the input pool's threads (a lock and
+    a condition): a taker waits up to its timeout for room, then is refused."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.in_use = 0
+        self._changed = threading.Condition()
+
+    def acquire(self, n: int, timeout: float) -> bool:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.in_use + n <= self.capacity, timeout):
+                return False
+            self.in_use += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._changed:
+            self.in_use -= n
+            self._changed.notify_all()
+
+
 class PixelBudget:
     """Decoded pixels in flight across requests (event-loop side only: no lock needed)."""
 
@@ -122,6 +145,7 @@ class Prompts:
         )
         self.pixels = PixelBudget(cfg.max_image_pixels_in_flight)
         self.video_fetch = replace(self.limits, max_bytes=cfg.max_video_bytes)
+        self.video_bytes = ByteBudget(cfg.max_video_bytes_in_flight)
         self.audio_fetch = replace(self.limits, max_bytes=cfg.max_audio_bytes)
         self.audio_limits = audio.AudioLimits(
             max_bytes=cfg.max_audio_bytes, max_duration_s=cfg.max_audio_duration, deadline_s=cfg.input_timeout
@@ -130,7 +154,7 @@ class Prompts:
             max_bytes=cfg.max_video_bytes,
             max_duration_s=cfg.max_video_duration,
             max_frames=cfg.max_video_frames,
-            max_decoded_bytes=_VIDEO_DECODED_BYTES,
+            max_decoded_bytes=min(_VIDEO_DECODED_BYTES, cfg.max_video_bytes_in_flight),
             deadline_s=cfg.input_timeout,
         )
 
@@ -385,17 +409,32 @@ class Prompts:
             clips.append(AudioClip(samples, rate, audio.audio_hash(samples, rate)))
         return clips
 
-    def _decode_videos(self, encoded: list[bytes], fps: float | None, frames: int | None) -> list[VideoClip]:
-        """Each video's frames, sampled by the model's rule as the request asks (runs in the pool)."""
-        proc, cap = self.processor, self.cfg.max_video_frames
+    def _decode_videos(self, encoded: _Encoded, held: list[int]) -> list[VideoClip]:
+        """Each video's frames, sampled by the model's rule as the request asks (runs in the pool), its
+        decoded bytes taken from the budget shared across requests (recorded in `held`, which the caller
+        gives back): a budget full for image_queue_timeout s is a 429 (one video past the whole budget
+        is refused by the decoder's own limit, which is never larger)."""
+        proc, cap, budget = self.processor, self.cfg.max_video_frames, self.video_bytes
 
         def choose(meta):
-            return proc.frame_indices(meta.total_frames, meta.fps, fps=fps, num_frames=frames, max_frames=cap)
+            n = encoded.frames
+            return proc.frame_indices(
+                meta.total_frames, meta.fps, fps=encoded.fps, num_frames=n, max_frames=cap
+            )
+
+        def reserve(nbytes: int) -> None:
+            if not budget.acquire(nbytes, self.cfg.image_queue_timeout):
+                log.info("refused: %d decoded video bytes would pass the in-flight budget", nbytes)
+                raise APIError(
+                    429, "too many video frames are being decoded; retry later", "rate_limit",
+                    headers={"Retry-After": "1"},
+                )  # fmt: skip
+            held.append(nbytes)
 
         clips = []
-        for i, data in enumerate(encoded):
+        for i, data in enumerate(encoded.videos):
             try:
-                v = video.decode_video(data, self.video_limits, choose)
+                v = video.decode_video(data, self.video_limits, choose, reserve)
             except media.MediaError as e:
                 raise APIError(400, f"video {i + 1}: {e}", param="messages", code="invalid_video") from None
             meta = v.metadata
@@ -420,7 +459,15 @@ class Prompts:
         encoded = encoded or _Encoded()
 
         def work():
-            clips = self._decode_videos(encoded.videos, encoded.fps, encoded.frames) if encoded.videos else []
+            held: list[int] = []  # the decoded video bytes this request holds in the shared budget
+            try:
+                return render(held)
+            finally:
+                for n in held:
+                    self.video_bytes.release(n)
+
+        def render(held: list[int]):
+            clips = self._decode_videos(encoded, held) if encoded.videos else []
             sounds = self._decode_audio(encoded.audios)
             images, hashes = [], []
             for i, im in enumerate(opened):

@@ -86,10 +86,15 @@ def uniform_indices(
 
 
 def decode_video(
-    data: bytes, limits: VideoLimits, choose: Callable[[VideoMetadata], list[int]] | None = None
+    data: bytes,
+    limits: VideoLimits,
+    choose: Callable[[VideoMetadata], list[int]] | None = None,
+    reserve: Callable[[int], None] | None = None,
 ) -> Video:
     """Decode the frames `choose(metadata)` picks (default: `DEFAULT_SAMPLE_FPS` frames a second, at most
-    `limits.max_frames`) from the first video stream of `data`.
+    `limits.max_frames`) from the first video stream of `data`. `reserve(nbytes)`, when given, is
+    called with the decoded frames' size once it is known and before any frame is decoded (a budget
+    shared across requests: it may wait, or raise to refuse).
 
     An exception `choose` raises is passed on as it is (a sampler bug is not the user's 400); the indices
     it returns are checked: increasing, distinct, in range, within max_frames and max_decoded_bytes."""
@@ -105,6 +110,8 @@ def decode_video(
     else:
         chosen = choose(meta)
     indices = _checked_indices(chosen, meta, limits)
+    if reserve is not None:
+        reserve(len(indices) * meta.width * meta.height * 3)
     # a second open instead of a seek back: seeking lands where a (possibly hostile) index says
     with _opened(data, limits, deadline) as (container, stream):
         frames = _decode_chosen(container, stream, indices, ticks, meta, limits, deadline)
