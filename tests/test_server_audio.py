@@ -94,7 +94,7 @@ def test_transcriptions_through_the_official_client(srv, offline):
     chat = c.chat.completions.create(
         model=srv.model, messages=user(input_audio(data), instruction("en", "Ada")), temperature=0
     )
-    assert got.text == chat.choices[0].message.content.strip()
+    assert got.text == chat.choices[0].message.content
     assert got.usage.input_tokens == chat.usage.prompt_tokens
     assert got.usage.output_tokens == chat.usage.completion_tokens == MAX_TOKENS
     samples = audio.decode_audio(data, audio.AudioLimits(), SR)
@@ -106,7 +106,16 @@ def test_transcriptions_through_the_official_client(srv, offline):
     text = c.audio.transcriptions.create(
         model=srv.model, file=("clip.wav", data), language="en", prompt="Ada", response_format="text"
     )
-    assert text.strip() == got.text
+    assert text == got.text
+    events = list(
+        c.audio.transcriptions.create(
+            model=srv.model, file=("clip.wav", data), language="en", prompt="Ada", stream=True
+        )
+    )  # the SDK's own event types
+    assert [type(e).__name__ for e in events[-1:]] == ["TranscriptionTextDoneEvent"]
+    deltas = [e for e in events[:-1] if type(e).__name__ == "TranscriptionTextDeltaEvent"]
+    assert len(deltas) == len(events) - 1 and "".join(e.delta for e in deltas) == got.text == events[-1].text
+    assert events[-1].usage.output_tokens == MAX_TOKENS
     verbose = c.audio.transcriptions.create(
         model=srv.model, file=("clip.wav", data), response_format="verbose_json", language="en"
     )

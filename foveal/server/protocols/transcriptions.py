@@ -3,8 +3,9 @@ with the audio `file`, decoded and resampled like a chat's audio part, then aske
 through the model's own chat template (one user turn: the clip, then the instruction; `language` and
 `prompt` join the instruction). Greedy unless `temperature`. `response_format`: json ({"text"}), text
 (the transcript alone), verbose_json (task, language, duration, text, and one segment spanning the
-clip: these models give no timestamps). The request is an ordinary engine request: batched with the
-rest, cancelled when the client leaves, metered like a chat.
+clip: these models give no timestamps). `stream=true`: OpenAI's events, `transcript.text.delta` as
+the text comes, then `transcript.text.done` with the whole text and the usage. The request is an
+ordinary engine request: batched with the rest, cancelled when the client leaves, metered like a chat.
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ from __future__ import annotations
 import logging
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from foveal.engine.loop import StreamFailed
 from foveal.parsing.output import ChoiceOutput
-from foveal.request import SamplingParams, new_request_id
+from foveal.parsing.tools import ContentDelta
+from foveal.request import FinishReason, SamplingParams, new_request_id
 from foveal.server.body import read_form
 from foveal.server.chat_input import ChatInput
 from foveal.server.errors import APIError, from_stream_error
 from foveal.server.protocols.whole import run_whole
+from foveal.server.sse import sse
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +93,10 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts) -> A
             raise APIError(
                 400, f"response_format must be one of {allowed}, not {fmt!r}", param="response_format"
             )
-        if (_text_field(form, "stream", 8) or "false").lower() not in ("false", "0"):
-            raise APIError(400, "stream is not supported for transcriptions here", param="stream")
+        streaming = (_text_field(form, "stream", 8) or "false").lower()
+        if streaming not in ("true", "1", "false", "0"):
+            raise APIError(400, f"stream must be true or false, not {streaming!r}", param="stream")
+        streaming = streaming in ("true", "1")
         language = _text_field(form, "language", 32)
         text = instruction(language, _text_field(form, "prompt", _MAX_PROMPT_CHARS))
         chat = ChatInput(
@@ -105,21 +110,21 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts) -> A
         )
         salt = request.state.tenant
         choices, plan = await prompts.chat(chat, params, rid, None if salt is None else f"{salt}\x00")
-        stream = loop.submit(rid, choices, streaming=False, timeout=cfg.request_timeout, tenant=salt)
+        stream = loop.submit(rid, choices, streaming=streaming, timeout=cfg.request_timeout, tenant=salt)
         try:
             await stream.admitted()
         except StreamFailed as e:
             raise from_stream_error(e.error) from None
         out = ChoiceOutput(plan)
+        if streaming:
+            return StreamingResponse(
+                _events(loop, stream, out),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         final = await run_whole(loop, stream, out)
-        transcript = (out.message().get("content") or "").strip()
-        used = (final.num_prompt_tokens, final.num_output_tokens)
-        usage = {
-            "type": "tokens",
-            "input_tokens": used[0],
-            "output_tokens": used[1],
-            "total_tokens": sum(used),
-        }
+        transcript = out.message().get("content") or ""
+        usage = _usage(final)
         if fmt == "text":
             return PlainTextResponse(transcript)
         if fmt == "json":
@@ -130,6 +135,36 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts) -> A
         return JSONResponse({**body, "segments": [segment], "usage": usage})
 
     return r
+
+
+def _usage(final) -> dict:
+    used = (final.num_prompt_tokens, final.num_output_tokens)
+    return {"type": "tokens", "input_tokens": used[0], "output_tokens": used[1], "total_tokens": sum(used)}
+
+
+async def _events(loop, stream, out: ChoiceOutput):
+    """OpenAI's transcription events: a delta per piece of text, then the whole text and the usage (an
+    `error` event if the request fails mid-way)."""
+    try:
+        async for _, d in stream.deltas():
+            events = out.feed(d.text)
+            if d.finished:
+                events += out.finish(truncated=d.finish_reason is FinishReason.LENGTH)
+            for e in events:
+                if isinstance(e, ContentDelta) and e.text:
+                    yield sse({"type": "transcript.text.delta", "delta": e.text})
+            if d.finished:
+                if d.error:
+                    yield sse({"type": "error", "error": {"message": d.error, "type": "server_error"}})
+                    return
+                text = out.message().get("content") or ""
+                yield sse({"type": "transcript.text.done", "text": text, "usage": _usage(d)})
+    except StreamFailed as e:
+        err = from_stream_error(e.error)
+        yield sse({"type": "error", "error": {"message": err.message, "type": err.type}})
+    finally:
+        if not stream.finished:
+            loop.abort(stream.request_id)
 
 
 def _duration(req) -> float:
