@@ -37,7 +37,7 @@ from foveal.request import FinishReason, SamplingParams, new_request_id
 from foveal.server.body import read_model
 from foveal.server.chat_input import ChatInput
 from foveal.server.errors import APIError, from_stream_error
-from foveal.server.protocols.whole import run_whole
+from foveal.server.protocols.whole import events_of, run_whole
 from foveal.structured.constraint import OutputConstraint
 
 log = logging.getLogger(__name__)
@@ -414,10 +414,7 @@ def router(loop, processor, cfg, names: set[str], model_name: str, prompts) -> A
         blocks = _Blocks()
         try:
             async for _, d in stream.deltas():
-                events = out.feed(d.text)
-                if d.finished:
-                    events += out.finish(truncated=d.finish_reason is FinishReason.LENGTH)
-                for e in events:
+                for e in events_of(out, d):
                     if isinstance(e, ContentDelta | ReasoningDelta | ToolCallDelta):
                         for chunk in blocks.feed(e):
                             yield chunk

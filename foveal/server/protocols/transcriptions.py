@@ -19,11 +19,11 @@ from starlette.datastructures import UploadFile
 from foveal.engine.loop import StreamFailed
 from foveal.parsing.output import ChoiceOutput
 from foveal.parsing.tools import ContentDelta
-from foveal.request import FinishReason, SamplingParams, new_request_id
+from foveal.request import SamplingParams, new_request_id
 from foveal.server.body import read_form
 from foveal.server.chat_input import ChatInput
 from foveal.server.errors import APIError, from_stream_error
-from foveal.server.protocols.whole import run_whole
+from foveal.server.protocols.whole import events_of, run_whole
 from foveal.server.sse import sse
 
 log = logging.getLogger(__name__)
@@ -147,10 +147,7 @@ async def _events(loop, stream, out: ChoiceOutput):
     `error` event if the request fails mid-way)."""
     try:
         async for _, d in stream.deltas():
-            events = out.feed(d.text)
-            if d.finished:
-                events += out.finish(truncated=d.finish_reason is FinishReason.LENGTH)
-            for e in events:
+            for e in events_of(out, d):
                 if isinstance(e, ContentDelta) and e.text:
                     yield sse({"type": "transcript.text.delta", "delta": e.text})
             if d.finished:

@@ -1,6 +1,6 @@
-"""One choice run to its end for a reply that is not streamed (Anthropic's messages, transcriptions):
-every delta fed to the choice's output parser, the request aborted if the caller leaves early, a
-failure as the APIError it maps to."""
+"""A choice's deltas through its output parser: one at a time (`events_of`, for the streamed replies of
+Anthropic's messages and transcriptions), or run to the end for a reply that is not streamed
+(`run_whole`: the request aborted if the caller leaves early, a failure as the APIError it maps to)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,22 @@ from foveal.request import FinishReason, TokenDelta
 from foveal.server.errors import APIError, from_stream_error
 
 
+def events_of(out: ChoiceOutput, d: TokenDelta) -> list:
+    """A delta's output events (its text fed to the parser; the parser finished on the last delta)."""
+    events = out.feed(d.text)
+    if d.finished:
+        events += out.finish(truncated=d.finish_reason is FinishReason.LENGTH)
+    return events
+
+
 async def run_whole(loop, stream, out: ChoiceOutput) -> TokenDelta:
     """The final delta of `stream` (one choice), every text fed to `out` and `out` finished."""
     final = None
     try:
         async for _, d in stream.deltas():
-            out.feed(d.text)
+            events_of(out, d)
             if d.finished:
                 final = d
-                out.finish(truncated=d.finish_reason is FinishReason.LENGTH)
     except StreamFailed as e:
         raise from_stream_error(e.error) from None
     finally:
