@@ -225,6 +225,8 @@ class VideoClip:
     frames: Any  # numpy uint8 [T, H, W, 3], RGB
     fps: float  # frames per second of these frames (the sampled rate, not the source's)
     content_hash: str = ""  # over the frames and their sampling: same clip, same sampling -> same hash
+    # each frame's time in the source, seconds (its index / the source's rate); None: j / fps
+    timestamps: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -235,3 +235,44 @@ def test_video_composes_with_speculation_and_structured_outputs(tiny):
         shaped,
     )
     assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outs)
+
+
+# -- Qwen3-VL: timestamps between the frames -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny3(tmp_path_factory):
+    return build("qwen3_vl", str(tmp_path_factory.mktemp("qwen3_vl")))
+
+
+def test_qwen3_vl_video_matches_transformers(tiny3):
+    """Each temporal patch is `<t seconds><|vision_start|>` + its cells + `<|vision_end|>` (the times as
+    transformers' processor computes them), positioned frame by frame; logits and greedy tokens equal
+    transformers' given the same ids and patches, alone, batched and chunked inside the span."""
+    from transformers import Qwen3VLProcessor
+
+    # 6 frames of 64x96 at 4 fps from a 12 fps source (indices 0, 3, 6, ...): 3 temporal patches
+    clip3 = VideoClip(clip(6, 64, 96, 5).frames, 4.0, "q3", tuple(i / 12 for i in range(0, 18, 3)))
+    text = f"<|user|>{VIDEO}What happens?\n<|assistant|>"
+    for llm in (engine_for(tiny3), engine_for(tiny3, max_num_batched_tokens=7)):
+        p = llm.processor.render_prompt(text, videos=[clip3])
+        (it,) = p.items
+        t, h, w = it.data["video_grid_thw"][0].tolist()
+        times = Qwen3VLProcessor._calculate_timestamps(None, list(range(0, 18, 3)), 12.0, 2)
+        shown = llm.processor.tokenizer.decode(p.prompt_token_ids[it.offset - 16 : it.end + 1])
+        assert all(f"<{s:.1f} seconds>" in shown for s in times) and t == len(times) == 3
+        assert it.embed_index is not None and int((it.embed_index >= 0).sum()) == t * h * w // 4
+        ids = torch.tensor([p.prompt_token_ids])
+        inputs = {
+            "pixel_values_videos": it.data["pixel_values_videos"],
+            "video_grid_thw": it.data["video_grid_thw"],
+            "mm_token_type_ids": (ids == tiny3.hf.config.video_token_id).long() * 2,
+        }
+        toks, want = [], None
+        with torch.no_grad():
+            for _ in range(STEPS):
+                logits = tiny3.hf(input_ids=ids, **inputs).logits[0]
+                want = logits if want is None else want
+                toks.append(int(logits[-1].argmax()))
+                ids = torch.cat([ids, torch.tensor([[toks[-1]]])], dim=1)
+        text_only = llm.processor.render_prompt("<|user|>hi\n<|assistant|>")
+        (got, _) = foveal_greedy(llm, [p, text_only], STEPS)
+        assert (got[0] - want).abs().max().item() < TOL and got[1] == toks

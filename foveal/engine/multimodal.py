@@ -71,7 +71,11 @@ class MultiModalProcessor:
         if images and self.image_token_id is None:
             raise ValueError("this model does not accept images")
         media = {
-            "video": (self.adapter.video_token_id, [self.adapter.video_inputs(v) for v in videos], videos),
+            "video": (
+                self.adapter.video_token_id,
+                [self.adapter.video_inputs(v, self.processor) for v in videos],
+                videos,
+            ),
             "audio": (
                 self.adapter.audio_token_id,
                 [self.adapter.audio_inputs(a, self.processor) for a in audios],
@@ -116,14 +120,25 @@ class MultiModalProcessor:
         the processor takes each piece with its images, and each placeholder becomes its clip's run."""
         tok = self.processor.tokenizer
         marks = {tok.convert_ids_to_tokens(token_id): kind for kind, (token_id, _, _) in media.items()}
+        wrapper = self.adapter.video_wrapper
+        if (
+            wrapper is not None and "video" in media
+        ):  # the frames bring their own markers: drop the template's
+            start, end = (tok.convert_ids_to_tokens(i) for i in wrapper)
+            bare = tok.convert_ids_to_tokens(self.adapter.video_token_id)
+            text = text.replace(start + bare + end, bare)
         pieces = re.split("(" + "|".join(re.escape(m) for m in marks) + ")", text)
-        runs: list[tuple[int, int]] = []  # (token id, run length) per placeholder, in order
+        runs: list[list[int]] = []  # each placeholder's token ids, in order
         left_of = {kind: list(inputs) for kind, (_, inputs, _) in media.items()}
         for mark in pieces[1::2]:
             kind = marks[mark]
             if not left_of[kind]:
                 raise ValueError(f"the prompt has more {kind} placeholders than {kind} inputs")
-            runs.append((media[kind][0], left_of[kind].pop(0)[1]))
+            data, n, replaced = left_of[kind].pop(0)
+            if replaced is None:
+                runs.append([media[kind][0]] * n)
+            else:  # text interleaved with the clip's placeholders (Qwen3-VL's timestamps)
+                runs.append(tok(replaced, add_special_tokens=False)["input_ids"])
         for kind, rest in left_of.items():
             if rest:
                 raise ValueError(
@@ -142,22 +157,22 @@ class MultiModalProcessor:
             ids += piece_ids
             parts += piece_parts
             if i < len(runs):
-                ids += [runs[i][0]] * runs[i][1]
+                ids += runs[i]
         if left:
             raise ValueError(f"{len(images)} images for {len(images) - len(left)} image placeholders")
         return ids, parts
 
 
 def _items(modality: str, ids: list[int], token_id: int, parts, hashes: list[str]) -> list[MultiModalItem]:
-    """One item per (tensors, number of embeddings) in `parts`, over the runs of `token_id` in `ids`,
+    """One item per (tensors, number of embeddings, ...) in `parts`, over the runs of `token_id` in `ids`,
     in order. The content hash covers the decoded media's own hash (pixels or frames) and the tensors."""
     slots = [i for i, t in enumerate(ids) if t == token_id]
-    need = sum(n for _, n in parts)
+    need = sum(p[1] for p in parts)
     if len(slots) != need:
         have = f"the prompt has {len(slots)} {modality} placeholder tokens"
         raise ValueError(f"{have} but {len(parts)} {modality}s need {need}")
     items, k = [], 0
-    for (data, n), media_hash in zip(parts, hashes):
+    for (data, n, *_), media_hash in zip(parts, hashes):
         pos = slots[k : k + n]
         k += n
         first, last = pos[0], pos[-1]

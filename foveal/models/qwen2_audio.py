@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from foveal.models.vlm import ImageAdapter, VisionLanguageModel, hf_module
+from foveal.models.vlm import ImageAdapter, MediaInput, VisionLanguageModel, hf_module
 
 
 def audio_tokens(mel_frames: int) -> int:
@@ -28,7 +28,7 @@ class Qwen2AudioAdapter(ImageAdapter):
         self.image_token_id = None
         self.audio_token_id = int(hf_config.audio_token_id)
 
-    def audio_inputs(self, clip, processor) -> tuple[dict[str, Any], int]:
+    def audio_inputs(self, clip, processor) -> MediaInput:
         fe = processor.feature_extractor
         if clip.sampling_rate != fe.sampling_rate:
             raise ValueError(f"audio must be sampled at {fe.sampling_rate} Hz, got {clip.sampling_rate}")
@@ -44,7 +44,7 @@ class Qwen2AudioAdapter(ImageAdapter):
         mask = out["attention_mask"]
         seconds = len(clip.samples) / clip.sampling_rate
         data = {"input_features": out["input_features"], "feature_attention_mask": mask, "seconds": seconds}
-        return data, audio_tokens(int(mask.sum()))
+        return MediaInput(data, audio_tokens(int(mask.sum())))
 
 
 class Qwen2AudioForConditionalGeneration(VisionLanguageModel):

@@ -24,7 +24,7 @@ from torch import nn
 from foveal.layers.rotary import MRotaryEmbedding
 from foveal.models.llama import Qwen2ForCausalLM
 from foveal.models.qwen_video import QwenVideoConfig, frame_indices, video_patches
-from foveal.models.vlm import ImageAdapter, VisionLanguageModel, hf_module
+from foveal.models.vlm import ImageAdapter, MediaInput, VisionLanguageModel, hf_module
 
 
 class MRopeQwen2ForCausalLM(Qwen2ForCausalLM):
@@ -155,7 +155,7 @@ class QwenVideoAdapter(Qwen2VLAdapter):
     def frame_indices(self, total_frames, video_fps, **sampling):
         return frame_indices(self.video, total_frames, video_fps, **sampling)
 
-    def video_inputs(self, clip) -> tuple[dict[str, Any], int]:
+    def video_inputs(self, clip, processor=None) -> MediaInput:
         if not clip.fps > 0:
             raise ValueError(f"a video's frame rate must be positive, got {clip.fps}")
         frames = torch.from_numpy(clip.frames) if not isinstance(clip.frames, torch.Tensor) else clip.frames
@@ -167,7 +167,7 @@ class QwenVideoAdapter(Qwen2VLAdapter):
                 [self.video.temporal_patch_size / clip.fps], dtype=torch.float64
             ),
         }
-        return data, t * h * w // self.merge**2
+        return MediaInput(data, t * h * w // self.merge**2)
 
     def _temporal_step(self, it) -> float:
         if self.tokens_per_second is None:  # Qwen2-VL: one position per temporal patch

@@ -13,7 +13,8 @@ Qwen3-VL-MoE: the same tower and positions, with Qwen3-MoE's sparse layers in th
 sparse by default, the top k always renormalized; its published expert stacks are [E, H, 2I] and
 [E, I, H]: foveal/models/llama_moe.py).
 
-Only images: videos (timestamped frames) are not produced by our processor calls.
+Videos: each temporal patch stands in the prompt as a timestamp and an image-like run of placeholders
+(`Qwen3VLAdapter`); the tower takes the clip's patches in one pass.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from foveal.layers.rotary import MRotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.models.llama import Qwen3ForCausalLM
 from foveal.models.llama_moe import Qwen3Moe
-from foveal.models.qwen2_vl import MRopePositions, Qwen2VLAdapter
-from foveal.models.vlm import VisionLanguageModel, hf_module
+from foveal.models.qwen2_vl import MRope, MRopePositions, Qwen2VLAdapter, mrope_prompt_positions
+from foveal.models.qwen_video import QwenVideoConfig, frame_indices, video_patches
+from foveal.models.vlm import MediaInput, VisionLanguageModel, hf_module
 
 
 class MRopeQwen3ForCausalLM(Qwen3ForCausalLM):
@@ -54,9 +56,68 @@ class MRopeQwen3ForCausalLM(Qwen3ForCausalLM):
         self.rotary = self._rotary(self.rotary.cos.shape[0]).to(device)
 
 
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """Images as Qwen2-VL's; a video's temporal patches each stand in the prompt as
+    `<{t:.1f} seconds><|vision_start|>` + one placeholder per merged cell + `<|vision_end|>` (t: the
+    mean time of the patch's frames in the source), and each is positioned like an image of one frame,
+    the timestamp text between them advancing like text (transformers' Qwen3VLProcessor and
+    get_rope_index)."""
+
+    def __init__(self, hf_config, video_config: dict | None = None):
+        super().__init__(hf_config)
+        self.video_token_id = int(hf_config.video_token_id)
+        self.video_wrapper = (int(hf_config.vision_start_token_id), int(hf_config.vision_end_token_id))
+        self.video = QwenVideoConfig.from_dict(video_config, family="qwen3")
+
+    def frame_indices(self, total_frames, video_fps, **sampling):
+        return frame_indices(self.video, total_frames, video_fps, **sampling)
+
+    def video_inputs(self, clip, processor) -> MediaInput:
+        if not clip.fps > 0:
+            raise ValueError(f"a video's frame rate must be positive, got {clip.fps}")
+        frames = torch.from_numpy(clip.frames) if not isinstance(clip.frames, torch.Tensor) else clip.frames
+        patches, (t, h, w) = video_patches(self.video, frames)
+        cells = h * w // self.merge**2
+        tok = processor.tokenizer
+        start, end, pad = tok.convert_ids_to_tokens([*self.video_wrapper, self.video_token_id])
+        text = "".join(
+            f"<{s:.1f} seconds>{start}{pad * cells}{end}" for s in self._patch_times(clip, frames.shape[0])
+        )
+        data = {"pixel_values_videos": patches, "video_grid_thw": torch.tensor([[t, h, w]])}
+        return MediaInput(data, t * cells, text)
+
+    def _patch_times(self, clip, n: int) -> list[float]:
+        """Each temporal patch's time: the mean of its first and last frame's (the last frame repeats to
+        fill the last patch)."""
+        times = list(clip.timestamps) if clip.timestamps is not None else [j / clip.fps for j in range(n)]
+        tps = self.video.temporal_patch_size
+        times += [times[-1]] * (-len(times) % tps)
+        return [(times[i] + times[i + tps - 1]) / 2 for i in range(0, len(times), tps)]
+
+    def rope(self, prompt_ids: list[int], items: list) -> MRope:
+        spans = []
+        for it in sorted(items, key=lambda it: it.offset):
+            if it.modality != "video":
+                t, h, w = (int(x) for x in it.data["image_grid_thw"][0])
+                spans.append((it.offset, (t, h, w), 1.0))
+                continue
+            t, h, w = (int(x) for x in it.data["video_grid_thw"][0])
+            cells = h * w // self.merge**2
+            rows = (
+                [it.offset + i for i, e in enumerate(it.embed_index) if e >= 0]
+                if it.embed_index is not None
+                else [it.offset + i for i in range(it.length)]
+            )
+            if len(rows) != t * cells:
+                raise ValueError(f"video span of {len(rows)} embeddings does not match its grid {t}x{h}x{w}")
+            # each temporal patch is positioned as an image of one frame
+            spans += [(rows[k * cells], (1, h, w), 1.0) for k in range(t)]
+        return mrope_prompt_positions(len(prompt_ids), spans, self.merge)
+
+
 class Qwen3VLForConditionalGeneration(MRopePositions, VisionLanguageModel):
     # same processor layout (flattened patches + [N, 3] grid) and image positions as Qwen2-VL
-    mm_adapter = Qwen2VLAdapter
+    mm_adapter = Qwen3VLAdapter
     # Qwen3-VL was released with transformers' nested layout; transformers maps no older names for it
     PREFIXES = (
         (("model.language_model.",), "text"),
@@ -95,8 +156,9 @@ class Qwen3VLForConditionalGeneration(MRopePositions, VisionLanguageModel):
         """One tower pass over all images (attention stays within each image's grid). Per image
         [num_embeds, hidden * (1 + k)]: the merged embeddings, then the k DeepStack features."""
         w = self.visual.patch_embed.proj.weight
-        pixels = torch.cat([it["pixel_values"] for it in items]).to(device=w.device, dtype=w.dtype)
-        grid = torch.cat([it["image_grid_thw"] for it in items]).to(w.device)
+        pixels = torch.cat([it.get("pixel_values", it.get("pixel_values_videos")) for it in items])
+        pixels = pixels.to(device=w.device, dtype=w.dtype)
+        grid = torch.cat([it.get("image_grid_thw", it.get("video_grid_thw")) for it in items]).to(w.device)
         out = self.visual(pixels, grid_thw=grid)
         if isinstance(out, tuple):  # transformers 4.x: (merged, deepstack features)
             merged, deep = out[0], out[1]

@@ -1,7 +1,9 @@
-"""Video inputs of the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL): which frames of a clip to decode, and the
-sampled frames -> the vision tower's flattened patches, as transformers' `Qwen2VLVideoProcessor` makes
-them (its rules, written here with torch alone: transformers' video processors need torchvision, which a
-CPU-only install lacks; tests/test_video_inputs.py checks both against it where it loads).
+"""Video inputs of the Qwen-VL families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): which frames of a clip to
+decode, and the sampled frames -> the vision tower's flattened patches, as transformers'
+`Qwen2VLVideoProcessor` / `Qwen3VLVideoProcessor` make them (their rules, written here with torch alone:
+transformers' video processors need torchvision, which a CPU-only install lacks;
+tests/test_video_inputs.py checks both against it where it loads). Qwen3-VL samples with a rounded
+linspace and sizes frames by a pixel budget for the whole clip; Qwen2-VL by a budget per frame.
 
     frames [T, H, W, 3] uint8 -> resize every frame to (h, w): multiples of patch * merge, the pixels
     within [shortest_edge, a per-frame share of the clip's budget] (qwen-vl-utils' cap) -> rescale and
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +35,16 @@ _DEFAULTS = {
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
     "rescale_factor": 1 / 255,
+}
+
+
+_QWEN3 = {
+    **_DEFAULTS,
+    "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768},
+    "patch_size": 16,
+    "max_video_tokens": 768,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
 }
 
 
@@ -53,8 +66,35 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+def smart_resize_clip(
+    frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen3-VL's rule: (h, w) multiples of `factor` whose pixels over the whole clip (frames rounded to
+    the temporal patch) stay within [min_pixels, max_pixels]."""
+    if frames < temporal:
+        raise ValueError(f"a video needs at least {temporal} frames here, got {frames}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"a video frame's aspect ratio must be under 200, got {width}x{height}")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    t = round(frames / temporal) * temporal
+    if t * h * w > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
 @dataclass(frozen=True, slots=True)
 class QwenVideoConfig:
+    family: str  # "qwen2" (Qwen2-VL, Qwen2.5-VL) or "qwen3"
     min_pixels: int
     max_pixels: int
     patch_size: int
@@ -69,15 +109,19 @@ class QwenVideoConfig:
     rescale: float
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> QwenVideoConfig:
+    def from_dict(cls, d: dict | None, family: str = "qwen2") -> QwenVideoConfig:
         """From a video_preprocessor_config.json's values (transformers' defaults for what it omits)."""
-        c = {**_DEFAULTS, **{k: v for k, v in (d or {}).items() if v is not None}}
+        c = {
+            **(_QWEN3 if family == "qwen3" else _DEFAULTS),
+            **{k: v for k, v in (d or {}).items() if v is not None},
+        }
         size = dict(c["size"])
         if "min_pixels" in c:
             size["shortest_edge"] = c["min_pixels"]
         if "max_pixels" in c:
             size["longest_edge"] = c["max_pixels"]
         return cls(
+            family=family,
             min_pixels=int(size["shortest_edge"]),
             max_pixels=int(size["longest_edge"]),
             patch_size=int(c["patch_size"]),
@@ -109,6 +153,13 @@ def frame_indices(
     cap = min(cfg.max_frames, max_frames or cfg.max_frames)
     if total_frames < 1:
         raise ValueError("the video has no frames")
+    if cfg.family == "qwen3":  # Qwen3VLVideoProcessor.sample_frames: a rounded linspace, no patch rounding
+        if num_frames is None:
+            n = int(total_frames / video_fps * (cfg.fps if fps is None else fps))
+            n = min(max(n, cfg.min_frames), cap, total_frames)
+        else:
+            n = min(num_frames, cap, total_frames)
+        return sorted({int(round(x)) for x in np.linspace(0, total_frames - 1, max(n, 1))})
     if num_frames is not None:
         n = round(num_frames / tps) * tps
     else:
@@ -133,10 +184,12 @@ def video_patches(cfg: QwenVideoConfig, frames: torch.Tensor) -> tuple[torch.Ten
     T, H, W, _ = frames.shape
     p, m, tps = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     factor = p * m
-    # the clip's pixel budget shared by its frames, floored a little above the smallest frame
-    total = int(cfg.max_video_tokens * factor * factor * 0.9)
-    max_pixels = max(min(cfg.max_pixels, total * tps // T), int(cfg.min_pixels * 1.05))
-    h, w = smart_resize(H, W, factor, cfg.min_pixels, max_pixels)
+    if cfg.family == "qwen3":  # a pixel budget for the whole clip
+        h, w = smart_resize_clip(T, H, W, tps, factor, cfg.min_pixels, cfg.max_pixels)
+    else:  # the clip's pixel budget shared by its frames, floored a little above the smallest frame
+        total = int(cfg.max_video_tokens * factor * factor * 0.9)
+        max_pixels = max(min(cfg.max_pixels, total * tps // T), int(cfg.min_pixels * 1.05))
+        h, w = smart_resize(H, W, factor, cfg.min_pixels, max_pixels)
     x = frames.permute(0, 3, 1, 2).float()
     if (h, w) != (H, W):
         x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)

@@ -13,7 +13,7 @@ files (`model.language_model.layers...`); `PREFIXES` maps both to our modules.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -52,12 +52,24 @@ def hf_module(factory, device: torch.device, dtype: torch.dtype) -> nn.Module:
     return module.to(dtype).eval()
 
 
+class MediaInput(NamedTuple):
+    """One video's or audio clip's encoder inputs, its number of embeddings, and (None: a run of
+    placeholder tokens) the text that replaces its placeholder, the placeholders inside it."""
+
+    data: dict[str, Any]
+    num_embeds: int
+    text: str | None = None
+
+
 class ImageAdapter:
     """Request-side knowledge of a family (no weights; runs in the server's thread pool): how the HF
     processor's batched output splits into one item per image, and how many embeddings each image takes.
     M-RoPE families also compute the [3, L] prompt positions."""
 
     video_token_id: int | None = None  # set by the families that take video
+    # (start, end) marker ids a video brings around each of its frames itself, so the chat template's
+    # wrapper around its placeholder is dropped (Qwen3-VL); None: the template's wrapper stays
+    video_wrapper: tuple[int, int] | None = None
     audio_token_id: int | None = None  # ... and audio
 
     def __init__(self, hf_config, video_config: dict | None = None):
@@ -89,11 +101,12 @@ class ImageAdapter:
         """Which of a clip's frames to decode (the family's sampling rule)."""
         raise ValueError(f"{type(self.config).__name__} does not take video inputs")
 
-    def video_inputs(self, clip) -> tuple[dict[str, Any], int]:
-        """A `VideoClip` -> (its encoder tensors, its number of embeddings)."""
+    def video_inputs(self, clip, processor) -> MediaInput:
+        """A `VideoClip` -> its encoder tensors, its number of embeddings, and the text that stands for
+        it in the prompt where the family interleaves text with the frames (Qwen3-VL's timestamps)."""
         raise ValueError(f"{type(self.config).__name__} does not take video inputs")
 
-    def audio_inputs(self, clip, processor) -> tuple[dict[str, Any], int]:
+    def audio_inputs(self, clip, processor) -> MediaInput:
         """An `AudioClip` (through the model's processor, whose feature extractor it uses) -> (its
         encoder tensors plus "seconds", the clip's length, and its number of embeddings)."""
         raise ValueError(f"{type(self.config).__name__} does not take audio inputs")

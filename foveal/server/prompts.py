@@ -439,7 +439,10 @@ class Prompts:
                 raise APIError(400, f"video {i + 1}: {e}", param="messages", code="invalid_video") from None
             meta = v.metadata
             sampled_fps = len(v.indices) / meta.total_frames * meta.fps if meta.fps > 0 else 1.0
-            clips.append(VideoClip(v.frames, sampled_fps, video.video_hash(v)))
+            times = (
+                tuple(i / meta.fps for i in v.indices) if meta.fps > 0 else None
+            )  # index / rate, as transformers
+            clips.append(VideoClip(v.frames, sampled_fps, video.video_hash(v), times))
         return clips
 
     async def _render(
