@@ -622,7 +622,9 @@ def heads_bench(a) -> dict:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             if a.profile:  # a timed and a traced run of each: where a step's time goes
-                from benchmarks.step_profile import HostTimes, StepProfile
+                from benchmarks.step_profile import HostProfile, HostTimes, StepProfile
+
+                os.makedirs(a.profile, exist_ok=True)
 
                 for name, llm in (("spec", specd), ("plain", plain)):
                     graphs = {"target": llm.engine.runner.graphs}
@@ -634,6 +636,10 @@ def heads_bench(a) -> dict:
                         else:
                             run_requests(plain, prompts, params, at_once=True)
                     print(json.dumps({"host_ms": name, "method": method, "batch": b, **ht.per_step()}))
+                steps0 = specd.engine.step_seconds["steps"]
+                with HostProfile() as hp:  # which host functions a speculative step spends its time in
+                    oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, 0, True, wrap)
+                print(hp.table(steps=specd.engine.step_seconds["steps"] - steps0))
 
                 few = SamplingParams(
                     temperature=0, max_tokens=min(12 * (k + 1), a.max_tokens), ignore_eos=True

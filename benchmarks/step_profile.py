@@ -22,7 +22,40 @@ from collections import defaultdict
 
 import torch
 
-PHASES = {"scheduler": ("schedule",), "runner": ("launch", "collect")}
+
+def _phases(eng) -> list[tuple[object, str, str]]:
+    """The engine's phases worth timing, in this tree (a method a tree lacks is skipped)."""
+    out = [(eng, "_resolve", "engine.resolve"), (eng, "_propose", "engine.propose")]
+    spec = getattr(eng, "speculation", None)
+    if spec is not None:
+        out += [(spec, n, f"speculation.{n}") for n in ("begin_step", "propose", "observe", "step_done")]
+    out += [(eng.scheduler, n, f"scheduler.{n}") for n in ("schedule", "advance")]
+    out += [(eng.runner, n, f"runner.{n}") for n in ("launch", "sample", "collect")]
+    return out
+
+
+class HostProfile:
+    """cProfile of the host while the block runs; `table()` lists the functions by own time."""
+
+    def __enter__(self):
+        import cProfile
+
+        self.prof = cProfile.Profile()
+        self.prof.enable()
+        return self
+
+    def __exit__(self, *exc):
+        self.prof.disable()
+        return False
+
+    def table(self, top: int = 30, steps: int = 1) -> str:
+        import io
+        import pstats
+
+        out = io.StringIO()
+        out.write(f"(cProfile over {steps} engine steps)\n")
+        pstats.Stats(self.prof, stream=out).sort_stats("tottime").print_stats(top)
+        return out.getvalue()
 
 
 class _GraphTimer:
@@ -48,7 +81,9 @@ class HostTimes:
         self._swapped: list[tuple[dict, int, object]] = []
 
     def _time(self, obj, name: str, label: str) -> None:
-        fn, totals = getattr(obj, name), self.totals
+        fn, totals = getattr(obj, name, None), self.totals
+        if fn is None:  # a method this tree does not have (the trees compared differ)
+            return
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -63,13 +98,7 @@ class HostTimes:
     def __enter__(self):
         eng = self.engine
         self.steps0 = eng.step_seconds["steps"]
-        for obj, name, label in (
-            (eng, "_propose", "engine.propose"),
-            (eng, "_resolve", "engine.resolve"),
-            (eng.scheduler, "schedule", "scheduler.schedule"),
-            (eng.runner, "launch", "runner.launch"),
-            (eng.runner, "collect", "runner.collect"),
-        ):
+        for obj, name, label in _phases(eng):
             self._time(obj, name, label)
         for label, g in self.graphs.items():  # DecodeGraphs-like: .graphs {bucket: CUDAGraph}
             for b, graph in list(g.graphs.items()):
@@ -96,7 +125,9 @@ class StepProfile:
         self._restore: list[tuple[object, str]] = []
 
     def _mark(self, obj, name: str, label: str) -> None:
-        fn = getattr(obj, name)
+        fn = getattr(obj, name, None)
+        if fn is None:
+            return
 
         def marked(*args, **kwargs):
             with torch.profiler.record_function(label):
@@ -107,13 +138,9 @@ class StepProfile:
 
     def __enter__(self):
         eng = self.engine
-        self._mark(eng, "_resolve", "engine.resolve")
-        self._mark(eng, "_propose", "engine.propose")
         self._mark(eng, "step", "engine.step")
-        for attr, names in PHASES.items():
-            obj = getattr(eng, attr, None)
-            for n in names if obj is not None else ():
-                self._mark(obj, n, f"{attr}.{n}")
+        for obj, name, label in _phases(eng):
+            self._mark(obj, name, label)
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)

@@ -1,0 +1,135 @@
+"""Issue 36's GPU workloads on dummy Llama-3.1-8B, in one process:
+
+    python3 benchmarks/sampling.py [--workloads mixed,prefix] [--reps 2] [--profile DIR] [--smoke]
+
+mixed   256 requests x (512 in / 256 out), greedy and mixed sampling alternating (--reps each): every
+        row of the mixed runs has its own temperature (0 to 1.3), top_p (1, 0.9, 0.5), top_k (0, 20, 50),
+        min_p (0, 0.05), repetition / presence / frequency penalties, a seed on half of the rows and
+        logprobs=5 on a quarter. Reports both tok/s and mixed / greedy (the target: >= 0.97).
+prefix  256 requests sharing a 3,584-token prefix, each with 512 tokens of its own, 128 out, greedy,
+        prefix caching on (the shared blocks are computed once): output tok/s.
+
+Every run goes through the engine's step loop (gpu_workloads.run: all requests at t0) and prints the
+host's time per step phase. --profile writes a torch.profiler trace of a few mixed steps (and its
+summary: GPU time per phase, top kernels). --smoke runs it on the CPU with a tiny config (checks the
+script, not the speed). Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import benchmarks.gpu_workloads as gw  # noqa: E402
+from foveal import SamplingParams  # noqa: E402
+
+TEMPS = (0.0, 0.3, 0.7, 1.0, 1.3)
+TOP_P = (1.0, 0.9, 0.5)
+TOP_K = (0, 20, 50)
+MIN_P = (0.0, 0.05)
+
+
+def mixed_params(n: int, max_tokens: int) -> list[SamplingParams]:
+    """Row i's mix: the lists above cycled with co-prime strides, so the combinations spread."""
+    out = []
+    for i in range(n):
+        out.append(
+            SamplingParams(
+                temperature=TEMPS[i % 5],
+                top_p=TOP_P[i % 3],
+                top_k=TOP_K[(i // 3) % 3],
+                min_p=MIN_P[(i // 2) % 2],
+                repetition_penalty=(1.0, 1.1)[(i // 4) % 2],
+                presence_penalty=(0.0, 0.5)[(i // 7) % 2],
+                frequency_penalty=(0.0, 0.3)[(i // 5) % 2],
+                seed=i if i % 2 else None,
+                logprobs=5 if i % 4 == 1 else None,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+            )
+        )
+    return out
+
+
+def mixed(a) -> dict:
+    llm = gw.engine("llama-3.1-8b.json", a, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192)
+    V = llm.processor.info.vocab_size
+    n, out_len = gw.N(256), gw.L(256)
+    gw.run(llm, gw.random_prompts(8, gw.L(512), V, 99), mixed_params(8, 8))  # warm: both paths' shapes
+    gw.run(llm, gw.random_prompts(8, gw.L(512), V, 98), [gw.greedy(8)] * 8)
+    prompts = gw.random_prompts(n, gw.L(512), V, 1)
+    res: dict = {"greedy": [], "mixed": []}
+    for rep in range(a.reps):
+        for mode in ("greedy", "mixed"):
+            params = [gw.greedy(out_len)] * n if mode == "greedy" else mixed_params(n, out_len)
+            r = gw.run(llm, prompts, params)
+            gw.report(f"{mode} {rep}", r)
+            res[mode].append(r)
+    best = {m: max(r["output_tok_s"] for r in rs) for m, rs in res.items()}
+    res["best_tok_s"] = best
+    res["mixed_over_greedy"] = best["mixed"] / best["greedy"]
+    gw.log(f"mixed / greedy (best of {a.reps}): {best['mixed']:.1f} / {best['greedy']:.1f} = "
+           f"{res['mixed_over_greedy']:.3f}")  # fmt: skip
+    if a.profile:
+        from benchmarks.step_profile import StepProfile
+
+        os.makedirs(a.profile, exist_ok=True)
+        few = mixed_params(n, 6)
+        with StepProfile(llm.engine, os.path.join(a.profile, "mixed.json")) as prof:
+            gw.run(llm, prompts, few)
+        res["profile"] = prof.summary()
+        print(json.dumps({"profile": "mixed", **res["profile"]}))
+    del llm
+    return res
+
+
+def prefix(a) -> dict:
+    llm = gw.engine("llama-3.1-8b.json", a, max_model_len=4096 + 256, max_num_seqs=256,
+                    max_num_batched_tokens=8192, enable_prefix_caching=True)  # fmt: skip
+    V = llm.processor.info.vocab_size
+    n = gw.N(256)
+    shared = gw.random_prompts(1, gw.L(3584), V, 7)[0]
+    own = gw.random_prompts(n, gw.L(512), V, 8)
+    gw.run(llm, [shared[:64] + o[:16] for o in own[:4]], [gw.greedy(4)] * 4)  # warm
+    res = []
+    for rep in range(a.reps):
+        r = gw.run(llm, [shared + o for o in own], [gw.greedy(gw.L(128))] * n)
+        gw.report(f"prefix {rep}", r)
+        res.append(r)
+        llm.engine.reset_prefix_cache()
+    del llm
+    return {"runs": res, "best_tok_s": max(r["output_tok_s"] for r in res)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="mixed,prefix")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--profile", default=None, help="a folder for a trace of a few mixed steps")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs: check the script only")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    a = ap.parse_args()
+    if a.smoke:
+        gw.SMOKE, gw.CONFIGS = True, gw.smoke_configs()
+    elif not torch.cuda.is_available():
+        raise SystemExit("sampling.py needs CUDA (or --smoke)")
+    out: dict = {"benchmark": "sampling", "commit": os.environ.get("FOVEAL_COMMIT", "?")}
+    for name, fn in (("mixed", mixed), ("prefix", prefix)):
+        if name in a.workloads.split(","):
+            out[name] = fn(a)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    print(json.dumps(out, default=lambda x: round(x, 4) if isinstance(x, float) else str(x)))
+
+
+if __name__ == "__main__":
+    main()
