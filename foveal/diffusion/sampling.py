@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from foveal.sample.sampler import draw_seed
+from foveal.sample.noise import draw_seed
 
 _generators: dict[torch.device, torch.Generator] = {}
 

@@ -6,8 +6,11 @@ constrained rows (a packed bitmask, foveal/structured/bitmask.py; where min_toke
 row nothing, the grammar wins), temperature (0 = greedy), then min_p -> top_k -> top_p, then the draw;
 plus logprobs taken from the raw logits (before the mask too). Every row uses its
 own SamplingParams, packed into per-row tensors once per call: nothing is inherited from another row.
-Seeded rows draw from a generator seeded only by (seed, draw index), so their tokens do not depend on
-the batch they happen to share. Columns past vocab_size (padding of the LM head) are never sampled.
+The draw's randomness is counter-based noise keyed per row (sample/noise.py): a seeded row's key comes
+only from (seed, draw index), so its tokens do not depend on the batch it happens to share. On CUDA
+temperature, the filters and the draw are one Triton kernel with no sort (sample/triton_sample.py); on
+the CPU they are torch ops (the filters sort). Columns past vocab_size (padding of the LM head) are
+never sampled.
 
 It must not know about requests, schedulers or models: callers hand it SamplingRow values and logits.
 """
@@ -21,13 +24,12 @@ import torch
 
 from foveal.device import to_device
 from foveal.request import Logprob, SamplingParams, TokenLogprobs
+from foveal.sample import noise
 from foveal.structured.bitmask import apply_bitmask
 
 # the grammar masks of a step's constrained rows: (bitmask int32 [n, words], logits row of each) on the
 # logits' device; None when no row is constrained
 Masks = tuple[torch.Tensor, torch.Tensor] | None
-
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -51,14 +53,6 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # one per row; None where params.logprobs is None
 
 
-def draw_seed(seed: int, index: int) -> int:
-    """A 63-bit generator seed that depends only on (request seed, draw index): splitmix64 of both."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
-
-
 def _min_tokens_active(row: SamplingRow) -> bool:
     return row.draw_index < row.params.min_tokens
 
@@ -75,11 +69,10 @@ def _plain_greedy(row: SamplingRow) -> bool:
 
 
 class Sampler:
-    """Stateless apart from a cached torch.Generator per device (reseeded for every seeded row)."""
+    """Stateless: every draw's randomness is a function of its row's key (sample/noise.py)."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         tokens, logprobs = self.sample(logits, rows)
@@ -104,6 +97,9 @@ class Sampler:
             return raw.argmax(-1), [None] * len(rows)
 
         x = self.process_logits(logits, rows, masks)
+        if x.is_cuda:  # one kernel: every row's filters and draw (greedy rows: argmax), no sort
+            tokens = self._draw_kernel(x, rows)
+            return tokens, self.logprobs(raw, rows, tokens)
         ng = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(ng) == len(rows):
             tokens = self._draw(self.filter(x, [r.params for r in rows]).softmax(-1), rows)
@@ -260,24 +256,31 @@ class Sampler:
     # ---- step 7: the draw ----------------------------------------------------------------------------
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """argmax(p / E) with E ~ Exp(1) picks token i with probability p_i (the exponential race)."""
-        q = torch.empty_like(probs)
-        seeded = [j for j, r in enumerate(rows) if r.params.seed is not None]
-        if len(seeded) < len(rows):
-            q.exponential_()  # unseeded rows: the global RNG, one call for the batch
-        if seeded:
-            gen = self._generator(probs.device)
-            for j in seeded:
-                r = rows[j]
-                gen.manual_seed(draw_seed(r.params.seed, r.draw_index))
-                q[j].exponential_(generator=gen)
-        return probs.div_(q.clamp_min_(1e-20)).argmax(-1)
+        """argmax(p / E) with E ~ Exp(1) picks token i with probability p_i (the exponential race); E
+        is the rows' counter-based noise (sample/noise.py)."""
+        keys = noise.row_keys([r.params.seed for r in rows], [r.draw_index for r in rows])
+        e = noise.exponentials(noise.key_halves(keys, probs.device), probs.shape[1])
+        return probs.div_(e).argmax(-1)
 
-    def _generator(self, dev: torch.device) -> torch.Generator:
-        gen = self._generators.get(dev)
-        if gen is None:
-            gen = self._generators[dev] = torch.Generator(device=dev)
-        return gen
+    def _draw_kernel(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """CUDA: sample/triton_sample.py's kernel over processed logits x; the same kept sets as
+        filter() (ties at a boundary aside) and the same noise as _draw."""
+        from foveal.sample.triton_sample import sample_rows
+
+        V = self.vocab_size
+        cols = torch.tensor(
+            [
+                [p.temperature if not p.greedy else 0.0 for p in (r.params for r in rows)],
+                [r.params.min_p for r in rows],
+                [r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows],
+                [r.params.top_p if r.params.top_p < 1 else 1.0 for r in rows],
+            ],
+            dtype=torch.float32,
+        )
+        keys = noise.row_keys([r.params.seed for r in rows], [r.draw_index for r in rows])
+        cols, halves = to_device(cols, x.device), noise.key_halves(keys, x.device)
+        tokens, _ = sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)
+        return tokens
 
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
 

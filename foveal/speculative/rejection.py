@@ -23,11 +23,12 @@ drawn from p_k. Each output token is then distributed exactly as a draw from the
 has (numerically) no mass, i.e. p_j == q_j, row j draws from p_j instead: the rejection itself then has
 probability below that mass, so the substitution moves the output distribution by less than _MIN_RESIDUAL.
 
-Randomness: a seeded item's draws depend only on (seed, output index, purpose): the token draw of the row
-with output index m uses a generator seeded with draw_seed(seed, m), exactly like the plain sampler (so an
-item with no drafts draws what Sampler would), and its acceptance uniform one seeded with
-draw_seed(seed ^ _ACCEPT_SALT, m), an independent stream. Unseeded items share one batched call to the
-global RNG. Token draws are exponential races, argmax(p / E) with E ~ Exp(1) (foveal.sample.sampler).
+Randomness (sample/noise.py, the plain sampler's contract): a seeded item's draws depend only on (seed,
+output index, purpose): the token draw of the row with output index m uses the noise keyed by
+draw_seed(seed, m), exactly like the plain sampler (so an item with no drafts draws what Sampler would),
+and its acceptance uniform the noise keyed by draw_seed(seed ^ _ACCEPT_SALT, m), an independent stream.
+Unseeded rows get keys from the global generator. Token draws are exponential races, argmax(p / E) with
+E ~ Exp(1).
 
 It must not know about requests, proposers or models: callers hand it logits, drafts and per-item lists.
 Everything stays on the logits' device; the only host->device copies are the small per-item lists.
@@ -38,12 +39,10 @@ from __future__ import annotations
 import torch
 
 from foveal.device import to_device
-from foveal.sample.sampler import draw_seed
+from foveal.sample import noise
 
 _ACCEPT_SALT = 0x5EC0_ACCE_97ED_0001  # mixed into a request's seed for its acceptance uniforms
 _MIN_RESIDUAL = 1e-6  # residual mass below this counts as none (p == q up to rounding)
-
-_generators: dict[torch.device, torch.Generator] = {}  # reseeded for every seeded row
 
 
 def probs_of(logits: torch.Tensor) -> torch.Tensor:
@@ -95,7 +94,7 @@ def verify(
     recovered = target_max
     if not all(greedy):
         p = probs_of(logits)
-        u, e = _randoms(R, logits.shape[1], dev, num_drafts, greedy, seeds, draw_index)
+        u, e = _randoms(logits.shape[1], dev, num_drafts, greedy, seeds, draw_index)
         p_d = p.gather(1, draft[:, None]).squeeze(1)
         q_d = 1.0 if draft_probs is None else draft_probs.gather(1, draft[:, None]).squeeze(1).float()
         # u in [0, 1): always accepts where p(d) >= q(d) > 0, never where p(d) == 0
@@ -137,7 +136,6 @@ def _race(weights: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 
 def _randoms(
-    R: int,
     V: int,
     dev: torch.device,
     num_drafts: list[int],
@@ -145,40 +143,18 @@ def _randoms(
     seeds: list[int | None],
     draw_index: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row an acceptance uniform [R] and the exponentials of its token draw [R, V]. Greedy items'
-    rows are filled but unused."""
-    unseeded = any(s is None and not g for s, g in zip(seeds, greedy))
-    if unseeded:
-        u = torch.rand(R, device=dev)  # the global RNG, one call for the batch
-        e = torch.empty(R, V, device=dev).exponential_()
-    else:
-        u = torch.zeros(R, device=dev)
-        e = torch.ones(R, V, device=dev)
-    row0 = 0
+    """Per row an acceptance uniform [R] and the exponentials of its token draw [R, V], from the rows'
+    noise keys (sample/noise.py): row j of a seeded item from (seed, m + j), its acceptance from
+    (seed ^ _ACCEPT_SALT, m + j). Greedy items' rows are filled but unused."""
+    row_seeds: list[int | None] = []
+    row_index: list[int] = []
     for k, g, seed, m in zip(num_drafts, greedy, seeds, draw_index):
-        if seed is not None and not g:
-            _seeded_draws(u, e, row0, k, seed, m)
-        row0 += k + 1
-    return u, e
-
-
-def _seeded_draws(u: torch.Tensor, e: torch.Tensor, row0: int, k: int, seed: int, m: int) -> None:
-    """Overwrite one seeded item's rows: row j's draws come only from (seed, output index m + j)."""
-    gen = _generator(u.device)
-    for j in range(k + 1):
-        row = row0 + j
-        if j < k:  # the bonus row judges nothing
-            gen.manual_seed(draw_seed(seed ^ _ACCEPT_SALT, m + j))
-            u[row : row + 1].uniform_(generator=gen)
-        gen.manual_seed(draw_seed(seed, m + j))
-        e[row].exponential_(generator=gen)
-
-
-def _generator(dev: torch.device) -> torch.Generator:
-    gen = _generators.get(dev)
-    if gen is None:
-        gen = _generators[dev] = torch.Generator(device=dev)
-    return gen
+        row_seeds += [None if g else seed] * (k + 1)
+        row_index += range(m, m + k + 1)
+    draws = noise.key_halves(noise.row_keys(row_seeds, row_index), dev)
+    accepts = noise.key_halves(noise.row_keys(row_seeds, row_index, salt=_ACCEPT_SALT), dev)
+    u = noise.uniforms(accepts, torch.zeros(1, dtype=torch.long, device=dev))[:, 0]
+    return u, noise.exponentials(draws, V)
 
 
 def _check(

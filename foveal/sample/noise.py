@@ -1,0 +1,103 @@
+"""The randomness of every draw: counter-based noise, a pure function of (row key, vocabulary column).
+
+A row's key is a 64-bit integer: for a seeded request `draw_seed(seed, draw index)` (so its draws
+depend on nothing but its own seed and position, whatever batch it shares), for an unseeded one a
+number drawn from torch's global CPU generator (so `torch.manual_seed` still fixes a run). The uniform
+of column j is a hash of (key, j): two keyed rounds of a 32-bit integer mixer (the "lowbias32"
+finalizer, a bijection with low bias), its top 23 bits n as (n + 0.5) / 2^23, a float32 in (0, 1) that
+is exact (so -log U is never 0). Every token draw is then
+an exponential race, argmax(p / E) with E = -log U (token t wins with probability p_t / sum p).
+
+The same hash runs as torch integer ops (here; any device) and inside the Triton sampling kernel
+(sample/triton_sample.py): the two give bit-identical uniforms, so a row draws the same token on the
+CPU, on CUDA, alone or in any batch. The plain sampler, speculation's rejection sampler (token draws
+and, under a salted key, acceptance uniforms) and their tests share this one contract.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from foveal.device import to_device
+
+_MASK64 = (1 << 64) - 1
+M32 = 0xFFFFFFFF
+MIX1, MIX2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+INV_2_23 = 1.0 / (1 << 23)
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """A 63-bit key that depends only on (request seed, draw index): splitmix64 of both."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def row_keys(seeds: list[int | None], indices: list[int], salt: int = 0) -> list[int]:
+    """One key per row: seeded rows from (seed ^ salt, index); unseeded rows from the global generator
+    (one call for all of them)."""
+    free = sum(s is None for s in seeds)
+    drawn = torch.randint(0, 1 << 62, (free,)).tolist() if free else []
+    out, it = [], iter(drawn)
+    for s, i in zip(seeds, indices):
+        out.append(next(it) if s is None else draw_seed(s ^ salt, i))
+    return out
+
+
+def key_halves(keys: list[int], device) -> torch.Tensor:
+    """int64 [n, 2]: each key's low and high 32 bits (what the hash takes)."""
+    rows = [[k & M32, (k >> 32) & M32] for k in keys]
+    return to_device(torch.tensor(rows, dtype=torch.long).reshape(len(keys), 2), device)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) in int64 without overflow: c split into 16-bit halves."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + ((x * hi) & 0xFFFF) * 65536) & M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, MIX2)
+    return x ^ (x >> 16)
+
+
+def uniforms(halves: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1): row r's at columns `cols` ([V] shared by all rows, or [n, K])."""
+    k0, k1 = halves[:, 0:1], halves[:, 1:2]
+    c = cols.long() if cols.dim() == 2 else cols.long()[None, :]
+    h = _mix32(_mix32(c ^ k0) ^ k1)
+    return ((h >> 9).to(torch.float32) + 0.5) * INV_2_23
+
+
+def exponentials(halves: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [n, vocab] Exp(1) draws: E = -log U (on the CPU by cpu_noise.c where it builds: the torch
+    ops below take ~5x as long as torch's own exponential_)."""
+    fill = _cpu_kernel() if halves.device.type == "cpu" else None
+    if fill is not None:
+        halves = halves.contiguous()
+        out = torch.empty(halves.shape[0], vocab, dtype=torch.float32)
+        fill(halves.data_ptr(), halves.shape[0], vocab, out.data_ptr())
+        return out
+    cols = torch.arange(vocab, device=halves.device)
+    return -torch.log(uniforms(halves, cols))
+
+
+@functools.cache
+def _cpu_kernel():
+    """foveal_noise_exponentials (cpu_noise.c), or None where no compiler built it."""
+    import ctypes
+    from pathlib import Path
+
+    from foveal import native
+
+    lib = native.load(Path(__file__).with_name("cpu_noise.c"), "CPU sampling-noise kernel")
+    if lib is None:
+        return None
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    return native.Entry(lib.foveal_noise_exponentials, [P, I64, I64, P])

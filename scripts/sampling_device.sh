@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 36 (and 34's TPOT re-run) on the GPU machine (device tool; carry [".whl", ".vocab", "base36",
+# "before34", "before"]): parts, each fitting one call.
+#   tests       the sampler's CUDA tests (the Triton sampling kernel, the Sampler end to end, the
+#               rejection sampler on CUDA) and the engine tests that sample on CUDA
+#   mixed       benchmarks/sampling.py --workloads mixed in base36/ (`git archive <base> foveal benchmarks`)
+#               and in this checkout, alternating, one process per tree
+#   prefix      the shared-prefix workload, this checkout only
+#   structured  benchmarks/structured.py (JSON schema vs free TPOT, batch 1 and 64) here and in before34/
+#   eagle       benchmarks/speculative.py --heads eagle3 batch 1 with --profile, here and in before/
+# Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/sampling_device.sh tests mixed
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/device_env.sh
+R=$PWD
+OUT=${OUT:-/tmp/out}
+quiet() { grep -v " INFO \|^\[transformers\]\|USDT\|^$"; }
+in_tree() {  # in_tree DIR COMMIT CMD...: run CMD from DIR with that tree's foveal on the path
+  local d=$1 c=$2; shift 2
+  (cd "$d" && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=$c "$@")
+}
+for part in "$@"; do
+  echo "=== $part $(date -u +%H:%M:%S)"
+  case $part in
+    tests)
+      timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider tests/test_sample_kernel.py \
+        tests/test_sampler.py tests/test_spec_verify.py tests/test_engine.py tests/test_async_scheduling.py \
+        tests/test_cuda_graphs.py -k "not real_model" 2>&1 | tail -8
+      ;;
+    mixed)
+      for i in 1 2; do
+        for t in base after; do
+          d=$R; c=$FOVEAL_COMMIT; [ $t = base ] && d=$R/base36 && c=base36
+          echo "-- $t $i"
+          in_tree "$d" "$c" timeout ${T_MIXED:-150} python3 benchmarks/sampling.py --workloads mixed --reps 1 \
+            2>&1 | quiet | grep -v '^{' | tail -3
+        done
+      done
+      ;;
+    prefix)
+      timeout ${T_PREFIX:-200} python3 benchmarks/sampling.py --workloads prefix --reps 2 2>&1 | quiet | tail -3
+      ;;
+    structured)
+      for t in after before; do
+        d=$R; c=$FOVEAL_COMMIT; [ $t = before ] && d=$R/before34 && c=24c58ca
+        echo "-- $t"
+        in_tree "$d" "$c" timeout ${T_STRUCT:-250} python3 benchmarks/structured.py --schemas $R/.vocab/heldout \
+          --model benchmarks/configs/llama-3.1-8b.json --load-format dummy --tokenizer $R/.vocab/llama3 \
+          --batches 1,64 --max-tokens 256 --repeats 1 2>&1 | quiet | tail -4
+      done
+      ;;
+    eagle)
+      for t in after before; do
+        d=$R; c=$FOVEAL_COMMIT; [ $t = before ] && d=$R/before && c=8a3854b
+        echo "-- $t"
+        in_tree "$d" "$c" timeout ${T_EAGLE:-230} python3 benchmarks/speculative.py --heads --methods eagle3 \
+          --batches 1 --reps 3 --kv-memory-gib 6 --profile $OUT/prof_$t > $OUT/eagle_$t.txt 2>&1
+        quiet < $OUT/eagle_$t.txt | grep '^{' | cut -c1-700
+      done
+      ;;
+  esac
+done

@@ -1,0 +1,157 @@
+"""The CUDA sampling kernel (foveal/sample/triton_sample.py) against the sampler's torch path.
+
+Run on CPU tensors under Triton's interpreter (conftest sets TRITON_INTERPRET=1), and on CUDA where
+there is one (the same assertions plus the Sampler end to end). The torch path sorts; the kernel
+bisects on thresholds: the kept sets must be the same sets (logits here have no ties) and the tokens
+the same tokens (both draw with the same counter-based noise, sample/noise.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from foveal.request import SamplingParams
+from foveal.sample import noise
+from foveal.sample.sampler import Sampler, SamplingRow
+from foveal.sample.triton_sample import sample_rows
+
+# (temperature, min_p, top_k, top_p): every filter alone, together, and at their edges
+MIXES = [
+    (0.0, 0.0, 0, 1.0),
+    (1.0, 0.0, 0, 1.0),
+    (0.7, 0.0, 20, 1.0),
+    (1.0, 0.0, 0, 0.9),
+    (1.3, 0.05, 0, 1.0),
+    (1.0, 0.0, 50, 0.5),
+    (0.5, 0.05, 20, 0.9),
+    (2.0, 0.0, 0, 0.5),
+    (1.0, 0.0, 1, 1.0),
+    (1.0, 0.0, 0, 0.01),
+    (1.0, 0.5, 0, 1.0),
+    (1.0, 0.0, 299, 0.99),
+    (0.3, 0.0, 0, 0.999),
+]
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or Triton's interpreter")
+    return "cpu"
+
+
+def _params(mix) -> SamplingParams:
+    t, mp, k, p = mix
+    return SamplingParams(temperature=t, min_p=mp, top_k=k, top_p=p)
+
+
+def _run(x: torch.Tensor, mixes, seeds, vocab: int):
+    dev = x.device
+    cols = torch.tensor([[m[i] for m in mixes] for i in range(4)], dtype=torch.float32, device=dev)
+    keys = noise.key_halves(noise.row_keys(seeds, [0] * len(mixes)), dev)
+    return sample_rows(x, cols[0], cols[1], cols[2], cols[3], keys, vocab)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_kept_sets_and_tokens_equal_the_torch_path(scale):
+    dev = _device()
+    V = 300
+    g = torch.Generator().manual_seed(int(scale * 10))
+    x = torch.randn(len(MIXES), V, generator=g) * scale
+    seeds = list(range(100, 100 + len(MIXES)))
+    tokens, tau = _run(x.to(dev), MIXES, seeds, V)
+    s = Sampler(V)
+    for i, mix in enumerate(MIXES):
+        if mix[0] == 0:
+            assert tokens[i].item() == x[i].argmax().item()
+            continue
+        want = s.filter(x[i : i + 1].clone(), [_params(mix)])[0]
+        kept = torch.isfinite(want)
+        mine = (x[i] / mix[0]) >= tau[i].cpu()
+        assert torch.equal(kept, mine), (mix, kept.sum().item(), mine.sum().item())
+        row = SamplingRow(SamplingParams(temperature=mix[0], seed=seeds[i]), [], [], frozenset())
+        drawn = s._draw(want[None].softmax(-1), [row])
+        assert tokens[i].item() == drawn.item(), mix
+
+
+def test_bf16_logits_padded_columns_and_masked_rows():
+    """bf16 rows wider than the vocabulary (an LM head's padding is never drawn), a row with all but
+    three tokens at -inf (a grammar's mask) whose top_k is larger than what is left, ties at the top."""
+    dev = _device()
+    V, W = 200, 256
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(4, W, generator=g) * 2).to(torch.bfloat16)
+    x[:, V:] = 50.0  # padding columns: would win every draw if read
+    x[1, :V] = float("-inf")
+    x[1, [7, 70, 170]] = torch.tensor([1.0, 0.5, 0.25], dtype=torch.bfloat16)
+    x[2, :V] = 0.0  # all tied: top_k keeps them all, every token possible
+    mixes = [(1.0, 0.0, 0, 0.9), (1.0, 0.0, 40, 1.0), (1.0, 0.0, 10, 0.5), (0.0, 0.0, 0, 1.0)]
+    tokens, _ = _run(x.to(dev), mixes, [1, 2, 3, 4], V)
+    tokens = tokens.tolist()
+    assert all(t < V for t in tokens)
+    assert tokens[1] in (7, 70, 170)
+    assert tokens[3] == x[3, :V].float().argmax().item()
+
+
+def test_draws_follow_the_filtered_distribution():
+    """Many unseeded rows of one distribution: the frequencies of the kernel's tokens against the
+    filtered softmax (chi-square, df = kept - 1)."""
+    dev = _device()
+    torch.manual_seed(11)
+    V, n = 12, 300  # the interpreter runs ~40 programs a second
+    logits = torch.linspace(-1.0, 1.5, V)
+    mix = (1.2, 0.0, 8, 0.95)
+    tokens, _ = _run(logits.repeat(n, 1).to(dev), [mix] * n, [None] * n, V)
+    probs = Sampler(V).filter(logits[None].clone(), [_params(mix)]).softmax(-1)[0]
+    counts = torch.bincount(tokens.cpu(), minlength=V).tolist()
+    kept = [t for t in range(V) if probs[t] > 0]
+    assert all(counts[t] == 0 for t in range(V) if t not in kept)
+    chi = sum((counts[t] - n * probs[t].item()) ** 2 / (n * probs[t].item()) for t in kept)
+    assert chi < 30, chi  # df = 7: P(chi2 > 30) ~ 1e-4; the keys are fixed by the seed above
+
+
+def test_seeded_rows_draw_the_same_token_in_any_batch():
+    dev = _device()
+    V = 100
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, V, generator=g)
+    mixes = [(1.0, 0.0, 0, 0.9)] * 6
+    seeds = [7, None, 8, None, 9, 10]
+    full, _ = _run(x.to(dev), mixes, seeds, V)
+    for i in (0, 2, 4, 5):
+        alone, _ = _run(x[i : i + 1].to(dev), mixes[:1], seeds[i : i + 1], V)
+        assert alone.item() == full[i].item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sampler_draws_what_the_cpu_sampler_draws():
+    """The Sampler end to end: processing (penalties, bias) then the kernel on CUDA, the sort-based
+    filters on the CPU: seeded rows give the same tokens (near-ties of float rounding aside: none here)."""
+    V = 500
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(len(MIXES), V, generator=g) * 2
+    rows = [
+        SamplingRow(
+            SamplingParams(
+                temperature=t,
+                min_p=mp,
+                top_k=k,
+                top_p=p,
+                seed=i,
+                repetition_penalty=1.2,
+                presence_penalty=0.3,
+            ),  # fmt: skip
+            [1, 2, 3],
+            [4, 5, 5],
+            frozenset(),
+        )
+        for i, (t, mp, k, p) in enumerate(MIXES)
+    ]
+    s = Sampler(V)
+    cpu, _ = s.sample(x, rows)
+    gpu, _ = s.sample(x.cuda(), rows)
+    assert gpu.cpu().tolist() == cpu.tolist()
