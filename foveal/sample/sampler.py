@@ -18,7 +18,7 @@ It must not know about requests, schedulers or models: callers hand it SamplingR
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,13 +76,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         tokens, logprobs = self.sample(logits, rows)
-        return SamplerOutput(tokens.tolist(), logprobs)
+        return SamplerOutput(tokens.tolist(), logprobs.values())
 
     def sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], masks: Masks = None
-    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
-        """The drawn tokens as a device tensor [B] (no host sync unless a row asks for logprobs), and
-        each row's logprobs."""
+    ) -> tuple[torch.Tensor, PendingLogprobs]:
+        """The drawn tokens as a device tensor [B] and the rows' logprobs on their way to the host: no
+        host sync (seeded or not, logprobs or not)."""
         V = self.vocab_size
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < V:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows x vocab {V}")
@@ -91,10 +91,10 @@ class Sampler:
             if masks is not None:  # the greedy fast path, masked (a copy: logprobs read the raw logits)
                 pick = raw.to(torch.float32, copy=True)
                 apply_bitmask(pick, *masks)
-                return pick.argmax(-1), [None] * len(rows)
+                return pick.argmax(-1), PendingLogprobs(len(rows))
             if raw.device.type == "cpu" and raw.dtype != torch.float32:
                 raw = raw.float()  # same maximum, same first index; bf16 argmax ran 2x slower here
-            return raw.argmax(-1), [None] * len(rows)
+            return raw.argmax(-1), PendingLogprobs(len(rows))
 
         x = self.process_logits(logits, rows, masks)
         if x.is_cuda:  # one kernel: every row's filters and draw (greedy rows: argmax), no sort
@@ -284,24 +284,45 @@ class Sampler:
 
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
 
-    def logprobs(
-        self, raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor
-    ) -> list[TokenLogprobs | None]:
-        out: list[TokenLogprobs | None] = [None] * len(rows)
+    def logprobs(self, raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> PendingLogprobs:
+        """The rows' logprobs, computed on the device and on their way to the host (no wait here:
+        `PendingLogprobs.values()` reads them once the step's tokens are in)."""
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
-            return out
+            return PendingLogprobs(len(rows))
         idx = _long(want, raw.device)
-        token_ids = dict(zip(want, tokens[idx].tolist()))
+        picked = tokens[idx]
         lp = torch.log_softmax(raw[idx].to(torch.float32), dim=-1)
-        chosen = lp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+        chosen = lp.gather(1, picked.unsqueeze(1))
         kmax = max(rows[i].params.logprobs for i in want)
         top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(want):
-            k = rows[i].params.logprobs
-            top = [Logprob(t, v) for t, v in zip(top_i[j][:k], top_v[j][:k])]
-            out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+        # one float64 matrix (ids are exact in float64), one copy: [token, logprob, top values, top ids]
+        pack = torch.cat([picked.unsqueeze(1).double(), chosen.double(), top_v.double(), top_i.double()], 1)
+        if pack.is_cuda:
+            host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
+            host.copy_(pack, non_blocking=True)  # ordered before the step's event (ModelRunner)
+            pack = host
+        return PendingLogprobs(len(rows), want, [rows[i].params.logprobs for i in want], pack)
+
+
+@dataclass(slots=True)
+class PendingLogprobs:
+    """A step's logprobs on their way to the host: `values()` once the step's copy is done."""
+
+    num_rows: int
+    want: list[int] = field(default_factory=list)  # the rows that asked
+    ks: list[int] = field(default_factory=list)  # their top-k
+    pack: torch.Tensor | None = None  # [len(want), 2 + 2 * kmax] float64 on the host
+
+    def values(self) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * self.num_rows
+        if not self.want:
+            return out
+        rows = self.pack.tolist()
+        kmax = (self.pack.shape[1] - 2) // 2
+        for i, k, r in zip(self.want, self.ks, rows):
+            top = [Logprob(int(t), v) for v, t in zip(r[2 : 2 + k], r[2 + kmax : 2 + kmax + k])]
+            out[i] = TokenLogprobs(int(r[0]), r[1], top)
         return out
 
 

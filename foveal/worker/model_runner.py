@@ -30,7 +30,7 @@ from foveal.attention.base import AttentionBatch
 from foveal.device import to_device
 from foveal.models.base import StepContext
 from foveal.request import TokenLogprobs
-from foveal.sample.sampler import Sampler, SamplingRow
+from foveal.sample.sampler import PendingLogprobs, Sampler, SamplingRow
 from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, ScheduledItem
 from foveal.speculative.rejection import verify
 from foveal.worker.rows import StepRows, build_rows, staged_drafts
@@ -74,7 +74,7 @@ class Launched:
     accepted: torch.Tensor | None = None  # [len(rows)]: drafts accepted per item (verify steps)
     host: torch.Tensor | None = None  # tokens (then accepted) on the host, valid once `event` is done
     event: object = None  # torch.cuda.Event, or None (CPU: already done)
-    logprobs: list = field(default_factory=list)  # per logits row
+    logprobs: PendingLogprobs | None = None  # the logits rows' logprobs (sampler.py)
     encoder_time_s: dict[str, float] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # until sampled: the forward pass's logits rows
     tapped: torch.Tensor | None = None  # [T, H]: every fed token's state for a hidden-state drafter
@@ -535,12 +535,13 @@ class ModelRunner:
             return out
         host = launched.host.tolist()
         num_rows = launched.tokens.shape[0]
+        logprobs = launched.logprobs.values() if launched.logprobs is not None else []
         kept: dict[str, int] = {}
         for i, (rid, first, _) in enumerate(launched.rows):
             keep = kept[rid] = 1 if launched.accepted is None else host[num_rows + i] + 1
             toks = host[first : first + keep]
             out.tokens[rid] = toks
-            lps = launched.logprobs[first : first + keep]
+            lps = logprobs[first : first + keep]
             if lps and lps[0] is not None:
                 out.logprobs[rid] = lps
             held = self._held.get(rid)
