@@ -387,9 +387,10 @@ class Request:
 
     @property
     def reads_history(self) -> bool:
-        """Whether sampling reads this request's earlier tokens' values on the host: a grammar or
-        think-block guide (its mask follows them) or repetition/frequency/presence penalties (they
-        count them). Such rows wait for tokens in flight; drafts left on the device are read back."""
+        """Whether sampling may read this request's earlier tokens' values on the host: a grammar or
+        think-block guide (its mask follows them) or repetition/frequency/presence penalties on a verify
+        run (its rows count the drafts; one-row steps count on the device, sample/history.py). Such rows
+        wait for tokens in flight; drafts left on the device are read back."""
         return self.guide is not None or self.params.needs_penalties
 
     def append_token(self, token_id: int) -> None:

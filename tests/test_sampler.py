@@ -111,6 +111,30 @@ def test_processed_logits_match_reference():
     assert not torch.allclose(got[1:4], logits[1:4])
 
 
+def test_device_history_counts_what_the_lists_count():
+    """Penalty rows with a history slot (started once from the lists, then counting each drawn token
+    on the device) process their logits exactly as rows that count the host lists, step after step,
+    slots reused by a new request included."""
+    s = Sampler(V, "cpu")
+    rows = [r for r in mixed_rows() if r.params.needs_penalties]
+    assert len(rows) >= 3
+    for i, r in enumerate(rows):
+        s.history.start(i + 3, r.prompt_token_ids, r.output_token_ids, r.params.repetition_penalty != 1.0)
+    for step in range(6):
+        logits = rand_logits(len(rows), seed=10 + step)
+        listed = Sampler(V).process_logits(logits, rows)
+        slotted = [SamplingRow(r.params, [], [], r.eos_token_ids, len(r.output_token_ids), i + 3)
+                   for i, r in enumerate(rows)]  # fmt: skip
+        assert torch.equal(s.process_logits(logits, slotted), listed), step
+        tokens, _ = s.sample(logits, slotted)
+        s.count(slotted, tokens)
+        for r, t in zip(rows, tokens.tolist()):
+            r.output_token_ids.append(t)
+    # slot 3 taken by a new request: its counts start over
+    s.history.start(3, [9], [], True)
+    assert s.history.counts[3].sum() == 0 and s.history.prompt[3].nonzero().flatten().tolist() == [9]
+
+
 def test_filtered_distributions_match_reference():
     rows = mixed_rows()
     logits = rand_logits(len(rows), seed=1)

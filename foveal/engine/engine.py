@@ -246,11 +246,12 @@ class Engine:
         return (spec is None or spec.overlaps()) and self.info.diffusion is None
 
     def _reads_host_tokens(self, batch) -> bool:
-        """Whether a row of the batch samples from its earlier tokens' values (`reads_history`); only
-        looked for while some tracked request does (`_num_host_readers`)."""
+        """Whether a row of the batch samples from its earlier tokens' values on the host: a guide's
+        mask, or penalties on a verify run (one-row steps count on the device: sample/history.py);
+        only looked for while some tracked request may (`reads_history`, `_num_host_readers`)."""
         for s in batch.items:
             t = self._tracked.get(s.request_id) if s.num_logits else None
-            if t is not None and t.req.reads_history:
+            if t is not None and (t.req.guide is not None or (s.num_drafts and t.req.params.needs_penalties)):
                 return True
         return False
 

@@ -17,7 +17,6 @@ It must not know about requests, schedulers or models: callers hand it SamplingR
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from foveal.device import to_device
 from foveal.request import Logprob, SamplingParams, TokenLogprobs
 from foveal.sample import noise
+from foveal.sample.history import TokenHistory, occurrence_counts
 from foveal.structured.bitmask import apply_bitmask
 
 # the grammar masks of a step's constrained rows: (bitmask int32 [n, words], logits row of each) on the
@@ -41,6 +41,9 @@ class SamplingRow:
     output_token_ids: list[int]  # generated so far (the penalties count them)
     eos_token_ids: frozenset[int]
     index: int | None = None  # the output index of the token being drawn; None: len(output_token_ids)
+    # the row's slot in the sampler's TokenHistory (its penalties read the device counts there, and its
+    # token is added to them), or None: the penalties count the lists above
+    slot: int | None = None
 
     @property
     def draw_index(self) -> int:
@@ -71,8 +74,10 @@ def _plain_greedy(row: SamplingRow) -> bool:
 class Sampler:
     """Stateless: every draw's randomness is a function of its row's key (sample/noise.py)."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, device=None):
         self.vocab_size = vocab_size
+        # the penalties' device counts per request slot (the runner starts a slot's): with a device only
+        self.history = TokenHistory(vocab_size, device) if device is not None else None
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         tokens, logprobs = self.sample(logits, rows)
@@ -99,17 +104,25 @@ class Sampler:
         x = self.process_logits(logits, rows, masks)
         if x.is_cuda:  # one kernel: every row's filters and draw (greedy rows: argmax), no sort
             tokens = self._draw_kernel(x, rows)
-            return tokens, self.logprobs(raw, rows, tokens)
-        ng = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if len(ng) == len(rows):
-            tokens = self._draw(self.filter(x, [r.params for r in rows]).softmax(-1), rows)
         else:
-            tokens = x.argmax(-1)
-            if ng:
-                idx = torch.tensor(ng, dtype=torch.long, device=x.device)
-                sub = [rows[i] for i in ng]
-                tokens[idx] = self._draw(self.filter(x[idx], [r.params for r in sub]).softmax(-1), sub)
+            ng = [i for i, r in enumerate(rows) if not r.params.greedy]
+            if len(ng) == len(rows):
+                tokens = self._draw(self.filter(x, [r.params for r in rows]).softmax(-1), rows)
+            else:
+                tokens = x.argmax(-1)
+                if ng:
+                    idx = torch.tensor(ng, dtype=torch.long, device=x.device)
+                    sub = [rows[i] for i in ng]
+                    tokens[idx] = self._draw(self.filter(x[idx], [r.params for r in sub]).softmax(-1), sub)
         return tokens, self.logprobs(raw, rows, tokens)
+
+    def count(self, rows: list[SamplingRow], tokens: torch.Tensor) -> None:
+        """The drawn tokens of rows with a history slot join their requests' device counts (rows of one
+        token each; the caller's, after sample() or a verify run)."""
+        counted = [i for i, r in enumerate(rows) if r.slot is not None]
+        if counted:
+            slots = [rows[i].slot for i in counted]
+            self.history.add(_long(slots, tokens.device), tokens[_long(counted, tokens.device)])
 
     # ---- steps 1-4: masking, bias, penalties -------------------------------------------------------
 
@@ -157,7 +170,7 @@ class Sampler:
         return x
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow], pen: list[int]) -> None:
-        dev = x.device
+        dev, V = x.device, self.vocab_size
         sub = [rows[i] for i in pen]
         ps = [r.params for r in sub]
         vals = torch.tensor(
@@ -167,33 +180,22 @@ class Sampler:
         )
         idx = _long(pen, dev)
         sel = x[idx]
-        out_counts = self._counts([r.output_token_ids for r in sub], dev)
+        slots = [r.slot for r in sub]
+        prompt_seen = None
+        if all(s is not None for s in slots):  # the device history: no host lists
+            out_counts, prompt_seen = self.history.read(_long(slots, dev))
+        else:
+            out_counts = occurrence_counts([r.output_token_ids for r in sub], V, dev)
         if any(p.repetition_penalty != 1.0 for p in ps):
-            # only rows with a repetition penalty pay for scanning their prompt
-            prompts = [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(sub, ps)]
-            seen = (self._counts(prompts, dev) > 0) | (out_counts > 0)
+            if prompt_seen is None:  # only rows with a repetition penalty pay for scanning their prompt
+                prompts = [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(sub, ps)]
+                prompt_seen = occurrence_counts(prompts, V, dev) > 0
+            seen = prompt_seen | (out_counts > 0)
             rep = vals[:, 0:1]
             sel = torch.where(seen, torch.where(sel > 0, sel / rep, sel * rep), sel)
         cnt = out_counts.to(torch.float32)
         sel = sel - (vals[:, 1:2] * cnt + vals[:, 2:3] * (cnt > 0))
         x[idx] = sel
-
-    def _counts(self, token_lists: list[list[int]], dev: torch.device) -> torch.Tensor:
-        """int32 [n, vocab_size] occurrence counts, one scatter for all rows."""
-        V, n = self.vocab_size, len(token_lists)
-        counts = torch.zeros(n, V + 1, dtype=torch.int32, device=dev)
-        total = sum(len(t) for t in token_lists)
-        if total:
-            buf = array.array("q")  # ~4x faster than torch.tensor(list) on long prompts
-            for t in token_lists:
-                buf.fromlist(t) if isinstance(t, list) else buf.extend(t)
-            flat = to_device(torch.frombuffer(buf, dtype=torch.long), dev)
-            lens = to_device(torch.tensor([len(t) for t in token_lists], dtype=torch.long), dev)
-            row = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=total)
-            # ids outside the vocab (e.g. image placeholders) land in the spare last column
-            key = row * (V + 1) + flat.clamp(0, V)
-            counts.view(-1).index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-        return counts[:, :V]
 
     # ---- steps 5-6: temperature and min_p / top_k / top_p -----------------------------------------
 

@@ -62,6 +62,7 @@ class _Held:
     output_token_ids: list[int] = field(default_factory=list)  # produced and seen by collect()
     mm_embeds: dict[int, Any] = field(default_factory=dict)  # image index -> embeddings, until passed
     pool_sum: torch.Tensor | None = None  # an embedding request's (mean pooling) hidden-state sum so far
+    counted: bool = False  # its penalties' device history (sampler.history) is started and current
 
 
 @dataclass(slots=True)
@@ -105,7 +106,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
-        self.sampler = Sampler(vocab_size)
+        self.sampler = Sampler(vocab_size, self.device)
         self.diffusion = diffusion  # a diffusion model's rows and passes (diffusion/passes.py), or None
         self.graphs = graphs  # decode-step graphs (worker/cuda_graphs.py, cpu_graphs.py), or None: eager
         self.lora = lora  # foveal.lora.slots.LoRASlots when adapters are enabled
@@ -404,10 +405,18 @@ class ModelRunner:
         req = held.req
         first = s.start + s.num_tokens - s.num_logits + 1 - len(req.prompt_token_ids)  # its output index
         out = held.output_token_ids
-        if not s.num_drafts:
-            return [SamplingRow(req.params, req.prompt_token_ids, out, req.eos_token_ids, first)]
-        drafts = list(s.drafts)
         penalties = req.params.needs_penalties
+        if not s.num_drafts:
+            if penalties and not held.counted:  # the output list is current here (see below)
+                rep = req.params.repetition_penalty != 1.0
+                self.sampler.history.start(held.slot, req.prompt_token_ids, out, rep)
+                held.counted = True
+            slot = held.slot if penalties else None
+            return [SamplingRow(req.params, req.prompt_token_ids, out, req.eos_token_ids, first, slot)]
+        # a verify run counts its drafts from the host lists (current: speculation does not overlap
+        # steps), and the device history is started again at the next one-row step
+        held.counted = False
+        drafts = list(s.drafts)
         if penalties and drafts[0] == DEVICE_DRAFT:
             raise RuntimeError(f"{s.request_id}: penalties count the drafts; they were left on the device")
         return [
@@ -482,6 +491,7 @@ class ModelRunner:
                 0, to_device(torch.tensor(flat, dtype=torch.long), self.device), tokens
             )
         launched.tokens = tokens
+        self.sampler.count(rows, tokens)  # one-row items with penalties: their device history
         if verifying:
             launched.logprobs = self.sampler.logprobs(logits[:, : self.sampler.vocab_size], rows, tokens)
         accepted = launched.accepted
