@@ -6,6 +6,9 @@ mixed   256 requests x (512 in / 256 out), greedy and mixed sampling alternating
         row of the mixed runs has its own temperature (0 to 1.3), top_p (1, 0.9, 0.5), top_k (0, 20, 50),
         min_p (0, 0.05), repetition / presence / frequency penalties, a seed on half of the rows and
         logprobs=5 on a quarter. Reports both tok/s and mixed / greedy (the target: >= 0.97).
+kernel  the sampler alone on [256, 128256] random logits with the mixed rows' parameters (no penalties,
+        no logprobs): the Triton kernel (CUDA's path) against the torch path (sort-based filters, the
+        noise as torch ops), CUDA events, median of 20 after 3 warm-ups, at two logit scales.
 prefix  256 requests sharing a 3,584-token prefix, each with 512 tokens of its own, 128 out, greedy,
         prefix caching on (the shared blocks are computed once): output tok/s.
 
@@ -90,6 +93,60 @@ def mixed(a) -> dict:
     return res
 
 
+def kernel(a) -> dict:
+    from foveal.sample.sampler import Sampler, SamplingRow
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    V, n = (128256, 256) if dev == "cuda" else (4096, 16)
+    params = [
+        SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed)
+        for p in mixed_params(n, 1)
+    ]
+    rows = [SamplingRow(p, [], [], frozenset()) for p in params]
+    s = Sampler(V)
+    ng = [i for i, p in enumerate(params) if not p.greedy]
+
+    def torch_path(x):
+        y = s.process_logits(x, rows)
+        tokens = y.argmax(-1)
+        idx = torch.tensor(ng, device=y.device)
+        sub = [rows[i] for i in ng]
+        tokens[idx] = s._draw(s.filter(y[idx], [r.params for r in sub]).softmax(-1), sub)
+        return tokens
+
+    def timed(fn, x) -> float:
+        for _ in range(3):
+            fn(x)
+        out = []
+        for _ in range(20):
+            if dev == "cuda":
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                fn(x)
+                t1.record()
+                t1.synchronize()
+                out.append(t0.elapsed_time(t1))
+            else:
+                import time
+
+                t = time.perf_counter()
+                fn(x)
+                out.append((time.perf_counter() - t) * 1e3)
+        return sorted(out)[len(out) // 2]
+
+    res = {}
+    for scale in (1.0, 4.0):
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(n, V, generator=g) * scale).to(dev)
+        res[f"scale_{scale}"] = {
+            "kernel_ms": timed(lambda x: s.sample(x, rows)[0], x),
+            "torch_ms": timed(torch_path, x),
+            "greedy_ms": timed(lambda x: x.argmax(-1), x),
+        }
+        gw.log(f"sampler alone, scale {scale}: {res[f'scale_{scale}']}")
+    return res
+
+
 def prefix(a) -> dict:
     llm = gw.engine("llama-3.1-8b.json", a, max_model_len=4096 + 256, max_num_seqs=256,
                     max_num_batched_tokens=8192, enable_prefix_caching=True)  # fmt: skip
@@ -123,7 +180,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         raise SystemExit("sampling.py needs CUDA (or --smoke)")
     out: dict = {"benchmark": "sampling", "commit": os.environ.get("FOVEAL_COMMIT", "?")}
-    for name, fn in (("mixed", mixed), ("prefix", prefix)):
+    for name, fn in (("kernel", kernel), ("mixed", mixed), ("prefix", prefix)):
         if name in a.workloads.split(","):
             out[name] = fn(a)
             if torch.cuda.is_available():

@@ -5,6 +5,7 @@
 #               rejection sampler on CUDA) and the engine tests that sample on CUDA
 #   mixed       benchmarks/sampling.py --workloads mixed in base36/ (`git archive <base> foveal benchmarks`)
 #               and in this checkout, alternating, one process per tree
+#   kernel      the sampler alone: the Triton kernel against the torch path on [256, 128256] logits
 #   prefix      the shared-prefix workload, this checkout only
 #   structured  benchmarks/structured.py (JSON schema vs free TPOT, batch 1 and 64) here and in before34/
 #   eagle       benchmarks/speculative.py --heads eagle3 batch 1 with --profile, here and in before/
@@ -36,6 +37,9 @@ for part in "$@"; do
             2>&1 | quiet | grep -v '^{' | tail -3
         done
       done
+      ;;
+    kernel)
+      timeout ${T_KERNEL:-150} python3 benchmarks/sampling.py --workloads kernel 2>&1 | quiet | grep -v '^{' | tail -3
       ;;
     prefix)
       timeout ${T_PREFIX:-200} python3 benchmarks/sampling.py --workloads prefix --reps 2 2>&1 | quiet | tail -3
