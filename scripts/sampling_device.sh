@@ -29,7 +29,7 @@ for part in "$@"; do
         tests/test_cuda_graphs.py -k "not real_model" 2>&1 | tail -8
       ;;
     mixed)
-      for i in 1 2; do
+      for i in $(seq ${N_MIXED:-2}); do
         for t in base after; do
           d=$R; c=$FOVEAL_COMMIT; [ $t = base ] && d=$R/base36 && c=base36
           echo "-- $t $i"
