@@ -155,3 +155,20 @@ def test_cuda_sampler_draws_what_the_cpu_sampler_draws():
     cpu, _ = s.sample(x, rows)
     gpu, _ = s.sample(x.cuda(), rows)
     assert gpu.cpu().tolist() == cpu.tolist()
+
+
+def test_noise_is_the_same_bits_by_every_implementation():
+    """The C fill (the CPU's) and the torch integer ops (CUDA's rejection sampler, any device without
+    a compiler) give bit-identical uniforms; their exponentials agree to float rounding; a row's noise
+    depends on its key alone."""
+    from foveal.sample.noise import _cpu_kernel, key_halves, row_keys, uniforms
+
+    if _cpu_kernel() is None:
+        pytest.skip("no C compiler here")
+    keys = key_halves(row_keys([1, 2, None, 2**40], [0, 7, 0, 3]), "cpu")
+    V = 5000
+    by_torch = uniforms(keys, torch.arange(V))
+    assert torch.equal(noise.uniform_matrix(keys, V), by_torch)
+    torch.testing.assert_close(noise.exponentials(keys, V), -torch.log(by_torch), rtol=1e-6, atol=0)
+    assert torch.equal(noise.uniform_matrix(keys[1:2], V)[0], by_torch[1])
+    assert 0 < by_torch.min() and by_torch.max() < 1 and abs(by_torch.mean().item() - 0.5) < 0.01

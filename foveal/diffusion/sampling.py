@@ -8,9 +8,9 @@ probability (the confidence that decides which masked positions take their token
                      draw from softmax(logits / T); LLaDA's generate() writes it exp(l) / (-log U)^T)
     confidence       softmax(logits)[x0] in float32 (of the untempered logits, as LLaDA)
 
-U of a seeded request comes from a generator seeded with draw_seed(seed, pass index) drawing a
-[window rows, vocab] tensor (masked models: the whole canvas's rows, of which the pass uses those
-from its active block on), so a request's draws do not depend on its batch.
+U of a seeded request is the counter-based noise of sample/noise.py keyed per row by (draw_seed(seed,
+pass index), row): a [window rows, vocab] tensor (masked models: the whole canvas's rows, of which the
+pass uses those from its active block on), so a request's draws do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -19,21 +19,15 @@ from dataclasses import replace
 
 import torch
 
-from foveal.sample.noise import draw_seed
-
-_generators: dict[torch.device, torch.Generator] = {}
+from foveal.sample import noise
 
 
 def uniforms(seed: int | None, index: int, rows: int, vocab: int, device) -> torch.Tensor:
-    """The pass's U [rows, vocab] float64 (seed None: the global generator)."""
-    device = torch.device(device)
-    if seed is None:
-        return torch.rand(rows, vocab, dtype=torch.float64, device=device)
-    g = _generators.get(device)
-    if g is None:
-        g = _generators[device] = torch.Generator(device)
-    g.manual_seed(draw_seed(seed, index))
-    return torch.rand(rows, vocab, dtype=torch.float64, device=device, generator=g)
+    """The pass's U [rows, vocab] float64: row r's from the noise keyed by (draw_seed(seed, index), r)
+    (sample/noise.py; seed None: a random key per row)."""
+    base = None if seed is None else noise.draw_seed(seed, index)
+    keys = noise.row_keys([base] * rows, list(range(rows)))
+    return noise.uniform_matrix(noise.key_halves(keys, device), vocab).double()
 
 
 def choose(

@@ -13,15 +13,17 @@ static inline uint32_t mix32(uint32_t x) {
     return x;
 }
 
-/* keys: int64 [rows, 2] (low and high 32 bits of each row's key); out: float32 [rows, vocab] */
-void foveal_noise_exponentials(const int64_t *keys, int64_t rows, int64_t vocab, float *out) {
+/* keys: int64 [rows, 2] (low and high 32 bits of each row's key); out: float32 [rows, vocab], the
+ * exponentials E (uniform == 0) or the uniforms U themselves (uniform == 1) */
+void foveal_noise_fill(const int64_t *keys, int64_t rows, int64_t vocab, int uniform, float *out) {
 #pragma omp parallel for schedule(static) if (rows * vocab >= 1 << 16)
     for (int64_t r = 0; r < rows; r++) {
         const uint32_t k0 = (uint32_t)keys[2 * r], k1 = (uint32_t)keys[2 * r + 1];
         float *o = out + r * vocab;
         for (int64_t j = 0; j < vocab; j++) {
             const uint32_t h = mix32(mix32((uint32_t)j ^ k0) ^ k1);
-            o[j] = -logf(((float)(h >> 9) + 0.5f) * (1.0f / 8388608.0f));
+            const float u = ((float)(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
+            o[j] = uniform ? u : -logf(u);
         }
     }
 }

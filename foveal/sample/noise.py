@@ -11,7 +11,8 @@ an exponential race, argmax(p / E) with E = -log U (token t wins with probabilit
 The same hash runs as torch integer ops (here; any device) and inside the Triton sampling kernel
 (sample/triton_sample.py): the two give bit-identical uniforms, so a row draws the same token on the
 CPU, on CUDA, alone or in any batch. The plain sampler, speculation's rejection sampler (token draws
-and, under a salted key, acceptance uniforms) and their tests share this one contract.
+and, under a salted key, acceptance uniforms), the diffusion sampler (diffusion/sampling.py: Gumbel
+noise from U per canvas row) and their tests share this one contract.
 """
 
 from __future__ import annotations
@@ -78,19 +79,28 @@ def uniforms(halves: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
 def exponentials(halves: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 [n, vocab] Exp(1) draws: E = -log U (on the CPU by cpu_noise.c where it builds: the torch
     ops below take ~5x as long as torch's own exponential_)."""
+    return _fill(halves, vocab, uniform=False)
+
+
+def uniform_matrix(halves: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [n, vocab]: every column's U."""
+    return _fill(halves, vocab, uniform=True)
+
+
+def _fill(halves: torch.Tensor, vocab: int, uniform: bool) -> torch.Tensor:
     fill = _cpu_kernel() if halves.device.type == "cpu" else None
     if fill is not None:
         halves = halves.contiguous()
         out = torch.empty(halves.shape[0], vocab, dtype=torch.float32)
-        fill(halves.data_ptr(), halves.shape[0], vocab, out.data_ptr())
+        fill(halves.data_ptr(), halves.shape[0], vocab, int(uniform), out.data_ptr())
         return out
-    cols = torch.arange(vocab, device=halves.device)
-    return -torch.log(uniforms(halves, cols))
+    u = uniforms(halves, torch.arange(vocab, device=halves.device))
+    return u if uniform else -torch.log(u)
 
 
 @functools.cache
 def _cpu_kernel():
-    """foveal_noise_exponentials (cpu_noise.c), or None where no compiler built it."""
+    """foveal_noise_fill (cpu_noise.c), or None where no compiler built it."""
     import ctypes
     from pathlib import Path
 
@@ -100,4 +110,4 @@ def _cpu_kernel():
     if lib is None:
         return None
     P, I64 = ctypes.c_void_p, ctypes.c_int64
-    return native.Entry(lib.foveal_noise_exponentials, [P, I64, I64, P])
+    return native.Entry(lib.foveal_noise_fill, [P, I64, I64, ctypes.c_int, P])
