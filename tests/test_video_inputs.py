@@ -276,3 +276,26 @@ def test_qwen3_vl_video_matches_transformers(tiny3):
         text_only = llm.processor.render_prompt("<|user|>hi\n<|assistant|>")
         (got, _) = foveal_greedy(llm, [p, text_only], STEPS)
         assert (got[0] - want).abs().max().item() < TOL and got[1] == toks
+
+
+def test_a_lora_adapter_on_a_video_prompt_equals_peft(tmp_path):
+    """LoRA composes with video: an adapter on Qwen2-VL's language model, a video prompt, greedy tokens
+    equal to PEFT's model on the same ids and patches (and different from the base model's)."""
+    from foveal import LoRARequest
+    from foveal.request import SamplingParams
+    from tests.lora_models import save_adapter
+
+    tiny = build("qwen2_vl", str(tmp_path / "vlm"))
+    target = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    text, video = cases()[0]
+    base = engine_for(tiny)
+    _, base_toks = hf_video_greedy(tiny, base, text, video, STEPS)
+    pm = save_adapter(tmp_path / "adapter", tiny.hf.model, 8, seed=3, target_modules=target)
+    llm = engine_for(tiny, enable_lora=True, max_lora_rank=8)
+    prompt = llm.processor.render_prompt(text, videos=[video])
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    got = llm.generate([prompt], params, lora_request=LoRARequest("v", str(tmp_path / "adapter")))
+    tiny.hf = type(tiny.hf)(pm)  # the reference: the same ids and patches through PEFT's model
+    _, want = hf_video_greedy(tiny, llm, text, video, STEPS)
+    assert list(got[0].outputs[0].token_ids) == want
+    assert want != base_toks  # the adapter matters on this prompt
