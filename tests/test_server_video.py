@@ -105,6 +105,40 @@ def test_a_video_beside_an_image_and_sampling_by_frame_count(srv):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_video_as_a_list_of_frames_equals_the_offline_clip(srv, tiny):
+    """{"type": "video", "video": [image URLs], "fps": ...}: the images are the clip's frames as given
+    (a frame of another size is resized to the first's); the reply equals the offline engine's on the
+    same frames; too many frames and a bad frame are 400s naming them."""
+    import numpy as np
+
+    frames = [image(56, 84, k) for k in range(4)]
+    body = {"type": "video", "video": [_png(f) for f in frames], "fps": 1.0}
+    r = srv.client().chat.completions.create(
+        model=srv.model, messages=user("What happens?", body), max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    llm = LLM(tiny.path, dtype="float32", enable_prefix_caching=False)
+    clip = VideoClip(np.stack([np.asarray(f.convert("RGB")) for f in frames]), 1.0)
+    want = llm.chat(
+        user("What happens?", {"type": "video", "video": clip}),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )[0]
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    odd = {**body, "video": body["video"][:3] + [_png(image(30, 20, 9))]}  # resized, not refused
+    ok = srv.client().chat.completions.create(model=srv.model, messages=user(odd), max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+    for bad, expect in (
+        ({**body, "video": [_png(image(4, 4, 0))] * 300}, "300 frames; this server allows"),
+        ({**body, "video": [_png(frames[0]), "data:image/png;base64,AAAA"]}, "video 1, frame 2"),
+        ({**body, "fps": 0}, "fps"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            srv.client().chat.completions.create(model=srv.model, messages=user(bad), max_tokens=2)
+        assert expect in str(e.value)
+    assert srv.engine.kv.num_used_blocks == 0
+
+
 PNG = _png(image(20, 20, 1))
 BOTH = {"mm_processor_kwargs": {"fps": 1, "num_frames": 4}}
 

@@ -7,7 +7,8 @@ Anthropic Messages or any other chat protocol, which each build one (`Prompts.ch
                    "reasoning_content"};
                    roles system, user, assistant, tool
     images         per image part, in order: (the index of its message, its URL or data: URL)
-    videos         the same per video part; video_fps / video_frames: how they are sampled
+    videos         the same per video part (a URL, or VideoFrames: a list of images taken as the
+                   clip's frames); video_fps / video_frames: how URL clips are sampled
     audios         the same per audio part (audio in the body comes as a data: URL)
     tools          OpenAI-shaped function tools ({"type": "function", "function": {name, description,
                    parameters}}), and tool_mode none | auto | required | {"type": "function",
@@ -21,11 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True, slots=True)
+class VideoFrames:
+    """A video given as its frames, each an image URL (the frames are used as they are, not sampled)."""
+
+    urls: tuple[str, ...]
+    fps: float  # the frames' rate: frame j is at j / fps seconds
+
+
 @dataclass(slots=True)
 class ChatInput:
     messages: list[dict]
     images: list[tuple[int, str]] = field(default_factory=list)
-    videos: list[tuple[int, str]] = field(default_factory=list)  # as images: (message index, URL)
+    videos: list[tuple[int, str | VideoFrames]] = field(default_factory=list)  # (message index, source)
     video_fps: float | None = None  # the videos' sampling, as the request asks (None: the model's)
     video_frames: int | None = None  # ... or this many frames in all
     # as images (input_audio as a data: URL), or the bytes themselves (a form's file)

@@ -23,6 +23,7 @@ This module must not touch the model thread: it calls only the InputProcessor.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field, replace
@@ -33,7 +34,7 @@ from foveal.parsing.output import OutputPlan
 from foveal.parsing.reasoning import prompt_opens_thinking
 from foveal.request import AudioClip, EngineRequest, SamplingParams, VideoClip
 from foveal.server import audio, media, video
-from foveal.server.chat_input import ChatInput
+from foveal.server.chat_input import ChatInput, VideoFrames
 from foveal.server.errors import APIError
 from foveal.server.inputs import InputWork, InputWorkTooSlow
 from foveal.server.protocol import CompletionRequest
@@ -72,7 +73,7 @@ _RESERVED_KWARGS = frozenset(
 class _Encoded:
     """A request's videos and audio clips as fetched (decoded in the pool), and the videos' sampling."""
 
-    videos: list[bytes] = field(default_factory=list)
+    videos: list[bytes | tuple[list[bytes], float]] = field(default_factory=list)  # or (frames, fps)
     fps: float | None = None
     frames: int | None = None
     audios: list[bytes] = field(default_factory=list)
@@ -317,7 +318,7 @@ class Prompts:
         if tools:
             kwargs["tools"] = tools
         messages = req.messages
-        clips = await self._fetch("video", [url for _, url in req.videos], self.video_fetch)
+        clips = await self._fetch_videos([src for _, src in req.videos])
         sounds = await self._fetch("audio", [url for _, url in req.audios], self.audio_fetch)
         opened = [await self._open_images(urls)] if urls else []
         total = sum(im.width * im.height for im in opened[0]) if urls else 0
@@ -374,6 +375,34 @@ class Prompts:
                 ) from None
 
         return await asyncio.gather(*(asyncio.to_thread(one, i, u) for i, u in enumerate(urls)))
+
+    async def _fetch_videos(self, sources: list[str | VideoFrames]) -> list:
+        """Each video's encoded bytes, or a frame list's (images' bytes, rate): 400 naming the bad one."""
+        urls = [s for s in sources if isinstance(s, str)]
+        fetched = iter(await self._fetch("video", urls, self.video_fetch))
+        cap = self.cfg.max_video_frames
+
+        def frame(i: int, j: int, url: str) -> bytes:
+            try:
+                return media.read_media_bytes(url, self.limits)
+            except media.MediaError as e:
+                raise APIError(
+                    400, f"video {i + 1}, frame {j + 1}: {e}", param="messages", code="invalid_video"
+                ) from None
+
+        out: list[bytes | tuple[list[bytes], float]] = []
+        for i, src in enumerate(sources):
+            if isinstance(src, str):
+                out.append(next(fetched))
+                continue
+            if len(src.urls) > cap:
+                raise APIError(
+                    400, f"video {i + 1}: {len(src.urls)} frames; this server allows {cap}",
+                    param="messages", code="invalid_video",
+                )  # fmt: skip
+            jobs = (asyncio.to_thread(frame, i, j, u) for j, u in enumerate(src.urls))
+            out.append((list(await asyncio.gather(*jobs)), src.fps))
+        return out
 
     async def _fetch(self, kind: str, urls: list[str | bytes], limits: media.MediaLimits) -> list[bytes]:
         """Every video's or audio clip's encoded bytes (decoding comes later, in the input pool): 400
@@ -433,6 +462,9 @@ class Prompts:
 
         clips = []
         for i, data in enumerate(encoded.videos):
+            if isinstance(data, tuple):
+                clips.append(self._frame_list(i, *data, reserve))
+                continue
             try:
                 v = video.decode_video(data, self.video_limits, choose, reserve)
             except media.MediaError as e:
@@ -444,6 +476,38 @@ class Prompts:
             )  # index / rate, as transformers
             clips.append(VideoClip(v.frames, sampled_fps, video.video_hash(v), times))
         return clips
+
+    def _frame_list(self, i: int, frames: list[bytes], fps: float, reserve) -> VideoClip:
+        """A video given as images: each decoded under the image limits, resized to the first frame's
+        size where it differs, their decoded bytes taken from the shared budget first (runs in the pool)."""
+        import numpy as np
+        from PIL import Image
+
+        def bad(j: int, e: Exception) -> APIError:
+            return APIError(400, f"video {i + 1}, frame {j + 1}: {e}", param="messages", code="invalid_video")
+
+        opened = []
+        for j, data in enumerate(frames):
+            try:
+                opened.append(media.open_image(data, self.limits))
+            except media.MediaError as e:
+                raise bad(j, e) from None
+        w, h = opened[0].size
+        reserve(len(opened) * w * h * 3)
+        arrays = []
+        for j, im in enumerate(opened):
+            try:
+                img = media.decode_opened(im)
+            except media.MediaError as e:
+                raise bad(j, e) from None
+            if img.size != (w, h):
+                img = img.resize((w, h), Image.Resampling.BICUBIC)
+            arrays.append(np.asarray(img, dtype=np.uint8))
+        stacked = np.stack(arrays)
+        digest = hashlib.sha256(f"frames|{stacked.shape}|{fps}|".encode())
+        digest.update(memoryview(np.ascontiguousarray(stacked)).cast("B"))
+        times = tuple(j / fps for j in range(len(arrays)))
+        return VideoClip(stacked, fps, digest.hexdigest(), times)
 
     async def _render(
         self,

@@ -26,7 +26,7 @@ from foveal.request import (
     InvalidParameter,
     SamplingParams,
 )
-from foveal.server.chat_input import ChatInput
+from foveal.server.chat_input import ChatInput, VideoFrames
 from foveal.structured.constraint import OutputConstraint
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -89,6 +89,16 @@ class VideoPart(BaseModel):
     video_url: VideoURL
 
 
+class VideoFramesPart(BaseModel):
+    """A video as a list of frames, each an image URL (data:image/..., http(s), a local file), at `fps`
+    frames a second (default 2): the frames are the clip, used as given (qwen-vl-utils' shape)."""
+
+    model_config = _STRICT
+    type: Literal["video"]
+    video: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    fps: Annotated[float, Field(gt=0, le=60)] = 2.0
+
+
 class InputAudio(BaseModel):
     model_config = _STRICT
     data: Annotated[str, Field(min_length=1)]  # base64
@@ -125,7 +135,8 @@ class AudioURLPart(BaseModel):
 
 
 ContentPart = Annotated[
-    TextPart | ImagePart | VideoPart | InputAudioPart | AudioURLPart, Field(discriminator="type")
+    TextPart | ImagePart | VideoPart | VideoFramesPart | InputAudioPart | AudioURLPart,
+    Field(discriminator="type"),
 ]
 
 
@@ -201,10 +212,14 @@ class ChatMessage(BaseModel):
         return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
     @property
-    def video_urls(self) -> list[str]:
+    def video_sources(self) -> list[str | VideoFrames]:
         if not isinstance(self.content, list):
             return []
-        return [p.video_url.url for p in self.content if isinstance(p, VideoPart)]
+        return [
+            p.video_url.url if isinstance(p, VideoPart) else VideoFrames(tuple(p.video), p.fps)
+            for p in self.content
+            if isinstance(p, VideoPart | VideoFramesPart)
+        ]
 
     @property
     def audio_urls(self) -> list[str]:
@@ -254,7 +269,13 @@ class ChatMessage(BaseModel):
         return out
 
 
-_MEDIA_PARTS = {ImagePart: "image", VideoPart: "video", InputAudioPart: "audio", AudioURLPart: "audio"}
+_MEDIA_PARTS = {
+    ImagePart: "image",
+    VideoPart: "video",
+    VideoFramesPart: "video",
+    InputAudioPart: "audio",
+    AudioURLPart: "audio",
+}
 
 
 def _field(name: str, build, value):
@@ -493,7 +514,7 @@ class ChatCompletionRequest(_Common):
         """The protocol-neutral request (server/chat_input.py). `multimodal`: the model takes images
         (a text model's template gets each message's text as one string)."""
         images = [(i, url) for i, m in enumerate(self.messages) for url in m.image_urls]
-        videos = [(i, url) for i, m in enumerate(self.messages) for url in m.video_urls]
+        videos = [(i, src) for i, m in enumerate(self.messages) for src in m.video_sources]
         audios = [(i, url) for i, m in enumerate(self.messages) for url in m.audio_urls]
         sampling = self.mm_processor_kwargs
         return ChatInput(
