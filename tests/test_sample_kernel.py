@@ -154,6 +154,9 @@ def test_cuda_sampler_draws_what_the_cpu_sampler_draws():
     s = Sampler(V)
     cpu, _ = s.sample(x, rows)
     gpu, _ = s.sample(x.cuda(), rows)
+    from foveal.sample import sampler
+
+    assert sampler._kernel_ok is True  # the kernel drew them, not the torch ops' fallback
     assert gpu.cpu().tolist() == cpu.tolist()
 
 

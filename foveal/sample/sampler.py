@@ -17,6 +17,7 @@ It must not know about requests, schedulers or models: callers hand it SamplingR
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,9 @@ from foveal.request import Logprob, SamplingParams, TokenLogprobs
 from foveal.sample import noise
 from foveal.sample.history import TokenHistory, occurrence_counts
 from foveal.structured.bitmask import apply_bitmask
+
+log = logging.getLogger(__name__)
+_kernel_ok: bool | None = None  # whether the CUDA sampling kernel built here (None: not tried yet)
 
 # the grammar masks of a step's constrained rows: (bitmask int32 [n, words], logits row of each) on the
 # logits' device; None when no row is constrained
@@ -102,9 +106,8 @@ class Sampler:
             return raw.argmax(-1), PendingLogprobs(len(rows))
 
         x = self.process_logits(logits, rows, masks)
-        if x.is_cuda:  # one kernel: every row's filters and draw (greedy rows: argmax), no sort
-            tokens = self._draw_kernel(x, rows)
-        else:
+        tokens = self._draw_kernel(x, rows) if x.is_cuda else None
+        if tokens is None:
             ng = [i for i, r in enumerate(rows) if not r.params.greedy]
             if len(ng) == len(rows):
                 tokens = self._draw(self.filter(x, [r.params for r in rows]).softmax(-1), rows)
@@ -264,9 +267,13 @@ class Sampler:
         e = noise.exponentials(noise.key_halves(keys, probs.device), probs.shape[1])
         return probs.div_(e).argmax(-1)
 
-    def _draw_kernel(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _draw_kernel(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
         """CUDA: sample/triton_sample.py's kernel over processed logits x; the same kept sets as
-        filter() (ties at a boundary aside) and the same noise as _draw."""
+        filter() (ties at a boundary aside) and the same noise as _draw. None where the kernel failed
+        to build on this machine (logged once; the torch ops sample instead)."""
+        global _kernel_ok
+        if _kernel_ok is False:
+            return None
         from foveal.sample.triton_sample import sample_rows
 
         V = self.vocab_size
@@ -281,7 +288,15 @@ class Sampler:
         )
         keys = noise.row_keys([r.params.seed for r in rows], [r.draw_index for r in rows])
         cols, halves = to_device(cols, x.device), noise.key_halves(keys, x.device)
-        tokens, _ = sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)
+        if _kernel_ok:
+            return sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)[0]
+        try:  # the first call compiles it
+            tokens = sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)[0]
+        except Exception:
+            log.exception("the Triton sampling kernel failed; sampling with torch ops from now on")
+            _kernel_ok = False
+            return None
+        _kernel_ok = True
         return tokens
 
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
