@@ -175,3 +175,19 @@ def test_noise_is_the_same_bits_by_every_implementation():
     torch.testing.assert_close(noise.exponentials(keys, V), -torch.log(by_torch), rtol=1e-6, atol=0)
     assert torch.equal(noise.uniform_matrix(keys[1:2], V)[0], by_torch[1])
     assert 0 < by_torch.min() and by_torch.max() < 1 and abs(by_torch.mean().item() - 0.5) < 0.01
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_filter_keeps_what_the_sort_keeps():
+    """filter() on CUDA (the kernel's thresholds) against the CPU's sort: the same kept sets, the same
+    tempered values on them (speculation's verify and the diffusion sampler read these)."""
+    V = 700
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(len(MIXES) - 1, V, generator=g) * 2
+    params = [_params(m) for m in MIXES[1:]]  # filter() takes sampled rows only
+    s = Sampler(V)
+    cpu = s.filter(x.clone(), params)
+    gpu = s.filter(x.cuda(), params).cpu()
+    assert torch.equal(torch.isfinite(cpu), torch.isfinite(gpu))
+    kept = torch.isfinite(cpu)
+    torch.testing.assert_close(gpu[kept], cpu[kept], rtol=1e-6, atol=1e-6)

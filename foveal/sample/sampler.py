@@ -215,9 +215,18 @@ class Sampler:
         return x
 
     def filter(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Rows of logits temperature-scaled, then min_p, top_k and top_p (dropped tokens -inf)."""
+        """Rows of logits temperature-scaled, then min_p, top_k and top_p (dropped tokens -inf). On
+        CUDA the kernel's thresholds (no sort): a token stays when its tempered logit reaches its row's."""
         V = self.vocab_size
         neg_inf = float("-inf")
+        if x.is_cuda and x.shape[0]:
+            out = self._kernel(x.float().contiguous(), params, [0] * len(params))
+            if out is not None:
+                # tempered as the kernel tempers (times the float32 reciprocal): the same values it
+                # compared with its thresholds, so the boundary tokens stay
+                inv = 1.0 / torch.tensor([p.temperature for p in params], dtype=torch.float32)
+                y = x.float() * to_device(inv, x.device)[:, None]
+                return y.masked_fill(y < out[1][:, None], neg_inf)
         # one host->device copy for every per-row scalar; off switches get values that keep everything
         cols = to_device(
             torch.tensor(
@@ -271,6 +280,12 @@ class Sampler:
         """CUDA: sample/triton_sample.py's kernel over processed logits x; the same kept sets as
         filter() (ties at a boundary aside) and the same noise as _draw. None where the kernel failed
         to build on this machine (logged once; the torch ops sample instead)."""
+        keys = noise.row_keys([r.params.seed for r in rows], [r.draw_index for r in rows])
+        out = self._kernel(x, [r.params for r in rows], keys)
+        return None if out is None else out[0]
+
+    def _kernel(self, x: torch.Tensor, params: list[SamplingParams], keys: list[int]):
+        """(tokens, thresholds) of the kernel for rows of x, or None where it failed to build."""
         global _kernel_ok
         if _kernel_ok is False:
             return None
@@ -279,25 +294,24 @@ class Sampler:
         V = self.vocab_size
         cols = torch.tensor(
             [
-                [p.temperature if not p.greedy else 0.0 for p in (r.params for r in rows)],
-                [r.params.min_p for r in rows],
-                [r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows],
-                [r.params.top_p if r.params.top_p < 1 else 1.0 for r in rows],
+                [p.temperature if not p.greedy else 0.0 for p in params],
+                [p.min_p for p in params],
+                [p.top_k if 0 < p.top_k < V else 0 for p in params],
+                [p.top_p if p.top_p < 1 else 1.0 for p in params],
             ],
             dtype=torch.float32,
         )
-        keys = noise.row_keys([r.params.seed for r in rows], [r.draw_index for r in rows])
         cols, halves = to_device(cols, x.device), noise.key_halves(keys, x.device)
         if _kernel_ok:
-            return sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)[0]
+            return sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)
         try:  # the first call compiles it
-            tokens = sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)[0]
+            out = sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)
         except Exception:
             log.exception("the Triton sampling kernel failed; sampling with torch ops from now on")
             _kernel_ok = False
             return None
         _kernel_ok = True
-        return tokens
+        return out
 
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
 
