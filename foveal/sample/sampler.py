@@ -176,10 +176,12 @@ class Sampler:
         dev, V = x.device, self.vocab_size
         sub = [rows[i] for i in pen]
         ps = [r.params for r in sub]
-        vals = torch.tensor(
-            [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in ps],
-            dtype=torch.float32,
-            device=dev,
+        vals = to_device(  # pinned, not pageable: a pageable copy would wait for the forward pass
+            torch.tensor(
+                [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in ps],
+                dtype=torch.float32,
+            ),
+            dev,
         )
         idx = _long(pen, dev)
         sel = x[idx]
