@@ -162,6 +162,32 @@ IMAGE = {
 }
 
 
+def test_the_plan_from_the_start_is_made_in_the_input_pool(backend, monkeypatch):
+    """prepare(grammar, max_tokens) plans from the grammar's start off the model thread's step budget;
+    a request's first look then reads it (found, or given up) without a plan on the model thread."""
+    from foveal.structured import closing
+
+    monkeypatch.setattr(closing, "BUDGET", closing.Budget())
+    short = backend.compile(
+        OutputConstraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    )
+    long = backend.compile(
+        OutputConstraint.json_schema({"type": "array", "minItems": 1000, "items": {"type": "string"}})
+    )
+    for g in (short, long):
+        closing.prepare(g, 64)
+    assert closing.BUDGET.step_spent == 0  # none of it counted against a step
+
+    def on_the_model_thread(*a, **k):
+        raise AssertionError("a plan ran on the model thread")
+
+    monkeypatch.setattr(closing.Closer, "_budgeted", on_the_model_thread)
+    plan = closing.closer_for(short).plan(short.matcher(), "", 64)
+    m = short.matcher()
+    assert plan is not None and m.accept(plan) and m.is_accepting()
+    assert closing.closer_for(long).plan(long.matcher(), "", 64) is None  # 1,000 items never fit 64
+
+
 def test_an_answer_past_max_tokens_ends_complete_with_length(tiny):
     """A random model writes strings that never close (the image's pattern needs a literal it does not
     write); at max_tokens the answer still parses and validates, finish_reason "length", within the

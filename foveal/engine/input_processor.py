@@ -194,8 +194,8 @@ class InputProcessor:
             except ValueError as e:  # the API layer knows which field the spec came from
                 raise InvalidParameter("structured", str(e)) from None
         close = grammar is not None and params.close_on_length
-        if close:  # what a closing plan reads but must not build on the model thread
-            closing.prepare(grammar)
+        if close:  # what a closing plan reads, and the plan from the start: not on the model thread
+            closing.prepare(grammar, params.max_tokens)
         start, end = self.think_ids
         opened = self.reasoning is not None and reasoning.prompt_opens_thinking(
             ids, self.reasoning, self.tokenizer
