@@ -72,6 +72,7 @@ def mixed(a) -> dict:
     for rep in range(a.reps):
         for mode in ("greedy", "mixed"):
             params = [gw.greedy(out_len)] * n if mode == "greedy" else mixed_params(n, out_len)
+            llm.engine.reset_prefix_cache()  # each run prefills its prompts: no mode rides on another's
             r = gw.run(llm, prompts, params)
             gw.report(f"{mode} {rep}", r)
             res[mode].append(r)
