@@ -55,7 +55,7 @@ WITNESS_SECONDS = 0.050  # and the search for each (with PLAN_EXPANSIONS): Pytho
 PLAN_SECONDS = 0.020
 PLAN_EXPANSIONS = 2_000
 STEP_SECONDS = 0.020
-POOL_PLAN_SECONDS = 0.050  # a plan from the grammar's start, made in the input pool (prepare)
+POOL_PLAN_SECONDS = 0.050  # a plan from the grammar's start, made in the input pool (prepare), at least
 DEFER = "defer"  # plan(): the step's budget is spent, ask again next step
 
 
@@ -81,13 +81,16 @@ class Budget:
 
     def start(self, on_step: bool = True) -> bool:
         """Begin a plan; False when this step's budget is spent. on_step False: a plan of the input
-        pool (prepare), on its own time limit and not the model thread's step budget."""
+        pool (prepare), on its own time limit (POOL_PLAN_SECONDS, or a plan's if longer) and not the
+        model thread's step budget."""
         if on_step and self.step_spent >= self.step_s:
             return False
         p = self._plan
         p.t0 = time.perf_counter()
-        limit = min(self.plan_s, self.step_s - self.step_spent) if on_step else POOL_PLAN_SECONDS
-        p.deadline = p.t0 + limit
+        if on_step:
+            p.deadline = p.t0 + min(self.plan_s, self.step_s - self.step_spent)
+        else:
+            p.deadline = p.t0 + max(self.plan_s, POOL_PLAN_SECONDS)
         p.left = self.expansions
         p.on_step = on_step
         return True
