@@ -103,7 +103,8 @@ def test_the_page_chats_streams_uploads_stops_and_shows_the_dashboard(vlm, tmp_p
                 "k.dispatchEvent(new Event('change'))")  # fmt: skip
         page.wait(f"[...document.getElementById('model').options].some(o => o.value === '{vlm.model}')")
 
-        # a message: greedy, 8 tokens; the reply grows in place (several DOM updates) to the API's text
+        # a message: greedy, 8 tokens; the reply grows in place (more than one DOM update: how many
+        # depends on how the stream's events arrive in network reads: 3 once, where > 3 was asked)
         page.js("document.getElementById('temperature').value = '0';"
                 "document.getElementById('max-tokens').value = '8';"
                 "window.updates = 0; new MutationObserver(() => window.updates++)"
@@ -117,7 +118,7 @@ def test_the_page_chats_streams_uploads_stops_and_shows_the_dashboard(vlm, tmp_p
         want = vlm.client(api_key=KEY).chat.completions.create(
             model=vlm.model, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
         )
-        assert shown == want.choices[0].message.content and page.js("window.updates") > 3
+        assert shown == want.choices[0].message.content and page.js("window.updates") > 1
 
         # an image: the file input, a thumbnail, then the reply to a message carrying it
         png = tmp_path / "pic.png"
@@ -137,13 +138,16 @@ def test_the_page_chats_streams_uploads_stops_and_shows_the_dashboard(vlm, tmp_p
         assert after["summary"]["images"] == before + 1
         page.screenshot("ui-chat.png")
 
-        # a long reply, stopped: the page says so, the server aborts the request and frees its blocks
+        # a long reply, stopped: the page says so, the server aborts the request and frees its blocks.
+        # max_tokens fits the 1,024-token context (4,000 was a 400 that raced the click), and the
+        # click waits for streamed text, not the placeholder
         page.js("document.getElementById('temperature').value = '1';"
-                "document.getElementById('max-tokens').value = '4000';"
+                "document.getElementById('max-tokens').value = '800';"
                 "document.getElementById('prompt').value = 'a long story';"
                 "document.getElementById('composer').requestSubmit()")  # fmt: skip
-        page.wait("!document.getElementById('stop').disabled &&"
-                  "(document.querySelectorAll('.msg.assistant')[2] || {}).textContent")  # fmt: skip
+        page.wait("!document.getElementById('stop').disabled && (() => {"
+                  " const m = document.querySelectorAll('.msg.assistant')[2];"
+                  " const t = m && m.querySelector('.text'); return t && t.textContent; })()")  # fmt: skip
         page.js("document.getElementById('stop').click()")
         meta = page.wait("(document.querySelectorAll('.msg.assistant .meta')[2] || {}).textContent")
         assert "finish: stopped" in meta, page.js(
