@@ -174,6 +174,13 @@ def test_noise_is_the_same_bits_by_every_implementation():
     assert torch.equal(noise.uniform_matrix(keys, V), by_torch)
     torch.testing.assert_close(noise.exponentials(keys, V), -torch.log(by_torch), rtol=1e-6, atol=0)
     assert torch.equal(noise.uniform_matrix(keys[1:2], V)[0], by_torch[1])
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":  # CUDA's one launch
+        from foveal.sample.triton_sample import fill_noise
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        assert torch.equal(fill_noise(keys.to(dev), V, uniform=True).cpu(), by_torch)
+        exp = fill_noise(keys.to(dev), V, uniform=False).cpu()
+        torch.testing.assert_close(exp, -torch.log(by_torch), rtol=1e-6, atol=0)
     assert 0 < by_torch.min() and by_torch.max() < 1 and abs(by_torch.mean().item() - 0.5) < 0.01
 
 

@@ -88,6 +88,10 @@ def uniform_matrix(halves: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def _fill(halves: torch.Tensor, vocab: int, uniform: bool) -> torch.Tensor:
+    if halves.is_cuda:  # one Triton launch (sample/triton_sample.py)
+        from foveal.sample.triton_sample import fill_noise
+
+        return fill_noise(halves, vocab, uniform)
     fill = _cpu_kernel() if halves.device.type == "cpu" else None
     if fill is not None:
         halves = halves.contiguous()

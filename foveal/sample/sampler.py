@@ -76,7 +76,8 @@ def _plain_greedy(row: SamplingRow) -> bool:
 
 
 class Sampler:
-    """Stateless: every draw's randomness is a function of its row's key (sample/noise.py)."""
+    """Every draw's randomness is a function of its row's key (sample/noise.py); the only state is
+    the penalties' device counts (`history`), kept per request slot for the runner."""
 
     def __init__(self, vocab_size: int, device=None):
         self.vocab_size = vocab_size
@@ -114,7 +115,7 @@ class Sampler:
             else:
                 tokens = x.argmax(-1)
                 if ng:
-                    idx = torch.tensor(ng, dtype=torch.long, device=x.device)
+                    idx = _long(ng, x.device)
                     sub = [rows[i] for i in ng]
                     tokens[idx] = self._draw(self.filter(x[idx], [r.params for r in sub]).softmax(-1), sub)
         return tokens, self.logprobs(raw, rows, tokens)
@@ -222,12 +223,13 @@ class Sampler:
         V = self.vocab_size
         neg_inf = float("-inf")
         if x.is_cuda and x.shape[0]:
-            out = self._kernel(x.float().contiguous(), params, [0] * len(params))
+            xf = x.float().contiguous()
+            out = self._kernel(xf, params, [0] * len(params))  # its thresholds (its draw unused)
             if out is not None:
                 # tempered as the kernel tempers (times the float32 reciprocal): the same values it
                 # compared with its thresholds, so the boundary tokens stay
                 inv = 1.0 / torch.tensor([p.temperature for p in params], dtype=torch.float32)
-                y = x.float() * to_device(inv, x.device)[:, None]
+                y = xf * to_device(inv, x.device)[:, None]
                 return y.masked_fill(y < out[1][:, None], neg_inf)
         # one host->device copy for every per-row scalar; off switches get values that keep everything
         cols = to_device(
@@ -304,11 +306,11 @@ class Sampler:
             dtype=torch.float32,
         )
         cols, halves = to_device(cols, x.device), noise.key_halves(keys, x.device)
-        if _kernel_ok:
-            return sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)
         try:  # the first call compiles it
             out = sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)
         except Exception:
+            if _kernel_ok:  # it built and ran before: this is no build failure
+                raise
             log.exception("the Triton sampling kernel failed; sampling with torch ops from now on")
             _kernel_ok = False
             return None

@@ -29,14 +29,39 @@ _BLOCK = 2048
 _MAX_STEPS = 64  # bisection steps at most (float32 intervals shrink to adjacent values well before)
 
 _kernel = None
+_noise = None
 
 
 def _triton_kernel():
-    global _kernel, tl, _count_mass, _bisect  # module globals: @triton.jit resolves names there
+    global _kernel, _noise, tl, _mix32, _uniform, _count_mass, _bisect  # @triton.jit resolves globals
     if _kernel is not None:
         return _kernel
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _mix32(h):
+        h = h ^ (h >> 16)
+        h = h * 0x7FEB352D
+        h = h ^ (h >> 15)
+        h = h * 0x846CA68B
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _uniform(cols, k0, k1):
+        """noise.py's uniform of columns `cols` for the key halves (k0, k1): the same bits."""
+        h = _mix32(_mix32(cols.to(tl.uint32) ^ k0) ^ k1)
+        return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+    @triton.jit
+    def _fill_kernel(keys_ptr, out_ptr, V, UNIFORM: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
+        k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
+        u = _uniform(cols, k0, k1)
+        val = u if UNIFORM else -tl.log(u)
+        tl.store(out_ptr + row.to(tl.int64) * V + cols, val, mask=cols < V)
 
     @triton.jit
     def _count_mass(x_row, V, inv_t, m, t, floor, BLOCK: tl.constexpr):
@@ -153,19 +178,7 @@ def _triton_kernel():
             for start in range(0, V, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32) * inv_t
-                h = cols.to(tl.uint32) ^ k0
-                h = h ^ (h >> 16)
-                h = h * 0x7FEB352D
-                h = h ^ (h >> 15)
-                h = h * 0x846CA68B
-                h = h ^ (h >> 16)
-                h = h ^ k1
-                h = h ^ (h >> 16)
-                h = h * 0x7FEB352D
-                h = h ^ (h >> 15)
-                h = h * 0x846CA68B
-                h = h ^ (h >> 16)
-                u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+                u = _uniform(cols, k0, k1)
                 score = tl.where((y >= tau) & (cols < V), tl.exp(y - m) / -tl.log(u), -1.0)
                 better = score > best
                 best = tl.where(better, score, best)
@@ -175,7 +188,7 @@ def _triton_kernel():
             tl.store(out_ptr + row, first.to(tl.int64))
             tl.store(tau_ptr + row, tau)
 
-    _kernel = _sample_kernel
+    _kernel, _noise = _sample_kernel, _fill_kernel
     return _kernel
 
 
@@ -200,3 +213,15 @@ def sample_rows(
             BLOCK=_BLOCK, MAX_STEPS=_MAX_STEPS,
         )  # fmt: skip
     return out, tau
+
+
+def fill_noise(halves: torch.Tensor, vocab: int, uniform: bool) -> torch.Tensor:
+    """float32 [n, vocab]: noise.py's uniforms (or exponentials -log U) for the key halves, in one launch
+    (the torch integer ops take ~15 passes over the matrix)."""
+    out = torch.empty(halves.shape[0], vocab, dtype=torch.float32, device=halves.device)
+    if out.numel():
+        _triton_kernel()
+        _noise[(halves.shape[0], -(-vocab // _BLOCK))](
+            halves.contiguous(), out, vocab, UNIFORM=uniform, BLOCK=_BLOCK
+        )
+    return out
