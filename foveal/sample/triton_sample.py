@@ -60,8 +60,10 @@ def _triton_kernel():
         k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
         k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
         u = _uniform(cols, k0, k1)
-        val = u if UNIFORM else -tl.log(u)
-        tl.store(out_ptr + row.to(tl.int64) * V + cols, val, mask=cols < V)
+        if UNIFORM:
+            tl.store(out_ptr + row.to(tl.int64) * V + cols, u, mask=cols < V)
+        else:
+            tl.store(out_ptr + row.to(tl.int64) * V + cols, -tl.log(u), mask=cols < V)
 
     @triton.jit
     def _count_mass(x_row, V, inv_t, m, t, floor, BLOCK: tl.constexpr):
