@@ -112,7 +112,7 @@ def kernel(a) -> dict:
         tokens = y.argmax(-1)
         idx = torch.tensor(ng, device=y.device)
         sub = [rows[i] for i in ng]
-        tokens[idx] = s._draw(s.filter(y[idx], [r.params for r in sub]).softmax(-1), sub)
+        tokens[idx] = s._draw(s.sort_filter(y[idx], [r.params for r in sub]).softmax(-1), sub)
         return tokens
 
     def timed(fn, x) -> float:

@@ -16,7 +16,7 @@ import torch
 from foveal.request import SamplingParams
 from foveal.sample import noise
 from foveal.sample.sampler import Sampler, SamplingRow
-from foveal.sample.triton_sample import sample_rows
+from foveal.sample.triton_sample import sample_rows, thresholds
 
 # (temperature, min_p, top_k, top_p): every filter alone, together, and at their edges
 MIXES = [
@@ -50,10 +50,12 @@ def _params(mix) -> SamplingParams:
 
 
 def _run(x: torch.Tensor, mixes, seeds, vocab: int):
+    """(the kernel's tokens, its thresholds) for rows x of the mixes."""
     dev = x.device
     cols = torch.tensor([[m[i] for m in mixes] for i in range(4)], dtype=torch.float32, device=dev)
     keys = noise.key_halves(noise.row_keys(seeds, [0] * len(mixes)), dev)
-    return sample_rows(x, cols[0], cols[1], cols[2], cols[3], keys, vocab)
+    tokens = sample_rows(x, cols[0], cols[1], cols[2], cols[3], keys, vocab)
+    return tokens, thresholds(x, cols[0], cols[1], cols[2], cols[3], vocab)
 
 
 @pytest.mark.parametrize("scale", [0.5, 3.0])
@@ -69,13 +71,89 @@ def test_kept_sets_and_tokens_equal_the_torch_path(scale):
         if mix[0] == 0:
             assert tokens[i].item() == x[i].argmax().item()
             continue
-        want = s.filter(x[i : i + 1].clone(), [_params(mix)])[0]
+        want = s.sort_filter(x[i : i + 1].clone(), [_params(mix)])[0]
         kept = torch.isfinite(want)
         mine = (x[i] / mix[0]) >= tau[i].cpu()
         assert torch.equal(kept, mine), (mix, kept.sum().item(), mine.sum().item())
         row = SamplingRow(SamplingParams(temperature=mix[0], seed=seeds[i]), [], [], frozenset())
         drawn = s._draw(want[None].softmax(-1), [row])
         assert tokens[i].item() == drawn.item(), mix
+
+
+def test_top_k_radix_select_with_ties_signs_and_zeros():
+    """top_k's k-th largest by radix select on the float keys: logits from a few values (ties across
+    the k-th), negative and positive, +0.0 and -0.0 (equal as numbers), -inf masked columns; each k
+    keeps what the sort keeps (every tie at the k-th value) and the tokens are the torch path's."""
+    dev = _device()
+    V = 160
+    g = torch.Generator().manual_seed(21)
+    x = (torch.randint(-6, 7, (8, V), generator=g) / 4.0).float()
+    x[0, ::3] = -0.0
+    x[1, :150] = float("-inf")  # 10 finite values left: k >= 10 keeps them all
+    x[2] = x[2].abs().neg()  # all <= 0
+    ks = [1, 7, 10, 12, 33, 64, 159, 5]
+    mixes = [(0.9, 0.0, k, 1.0) if i % 2 else (1.0, 0.02, k, 1.0) for i, k in enumerate(ks)]
+    tokens, tau = _run(x.to(dev), mixes, list(range(8)), V)
+    s = Sampler(V)
+    for i, mix in enumerate(mixes):
+        want = s.sort_filter(x[i : i + 1].clone(), [_params(mix)])[0]
+        kept = torch.isfinite(want)
+        assert torch.equal(kept, (x[i] / mix[0]) >= tau[i].cpu()), (i, kept.sum().item())
+        row = SamplingRow(SamplingParams(temperature=mix[0], seed=i), [], [], frozenset())
+        assert tokens[i].item() == s._draw(want[None].softmax(-1), [row]).item(), mix
+
+
+def test_top_p_rounds_on_flat_rows():
+    """Near-flat rows with a small top_p: the winner of the first race is almost never in the kept set,
+    so the draw takes several rounds, each on the set above the last winner: every token is in the
+    kept set and is the one the torch path draws from it."""
+    dev = _device()
+    V, n = 400, 12
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(n, V, generator=g) * 0.05
+    mixes = [(1.0, 0.0, 0, (0.02, 0.1, 0.3)[i % 3]) for i in range(n)]
+    tokens, _ = _run(x.to(dev), mixes, list(range(50, 50 + n)), V)
+    s = Sampler(V)
+    for i, mix in enumerate(mixes):
+        want = s.sort_filter(x[i : i + 1].clone(), [_params(mix)])[0]
+        assert torch.isfinite(want[tokens[i]]), mix
+        row = SamplingRow(SamplingParams(temperature=1.0, seed=50 + i), [], [], frozenset())
+        assert tokens[i].item() == s._draw(want[None].softmax(-1), [row]).item(), mix
+
+
+def test_penalties_in_one_pass_equal_the_torch_ops():
+    """triton_sample.penalize (CUDA's penalties: the device history read and applied in place, one
+    pass) against the Sampler's torch ops on the same history: rows in any order, slots shared by none,
+    repetition below and above 1, negative presence, rows with no count at all."""
+    from foveal.sample.triton_sample import penalize
+
+    dev = _device()
+    V = 3000  # two column blocks
+    s = Sampler(V, "cpu")
+    g = torch.Generator().manual_seed(3)
+    params = [
+        SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.2),
+        SamplingParams(temperature=0.0, repetition_penalty=0.7, presence_penalty=-0.5),
+        SamplingParams(temperature=0.5, presence_penalty=0.8, frequency_penalty=0.1),
+        SamplingParams(temperature=1.0, repetition_penalty=1.5),
+    ]
+    rows = []
+    for i, p in enumerate(params):
+        prompt = torch.randint(0, V, (40,), generator=g).tolist()
+        out = torch.randint(0, V, (25,), generator=g).tolist() + [2999, 2999]
+        s.history.start(7 - i, prompt, out if i != 3 else [], p.repetition_penalty != 1.0)
+        rows.append(SamplingRow(p, prompt, out, frozenset(), None, 7 - i))
+    x = torch.randn(6, V, generator=g) * 3
+    pen = [4, 0, 5, 2]  # the logits rows of the four penalized rows
+    want = x.clone()
+    s._apply_penalties(want, [rows[pen.index(i)] if i in pen else None for i in range(6)], pen)
+    got = x.clone().to(dev)
+    vals = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params])
+    at = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
+    penalize(got, at(pen), at([r.slot for r in rows]), vals.to(dev), s.history.counts.to(dev),
+             s.history.prompt.to(dev))  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(want[pen], x[pen]) and torch.equal(got.cpu()[[1, 3]], x[[1, 3]])
 
 
 def test_bf16_logits_padded_columns_and_masked_rows():

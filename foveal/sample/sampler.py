@@ -185,13 +185,17 @@ class Sampler:
             dev,
         )
         idx = _long(pen, dev)
-        sel = x[idx]
         slots = [r.slot for r in sub]
         prompt_seen = None
         if all(s is not None for s in slots):  # the device history: no host lists
-            out_counts, prompt_seen = self.history.read(_long(slots, dev))
+            h, at = self.history, _long(slots, dev)
+            if x.is_cuda:  # one pass in place (the torch ops below take ~15)
+                if _triton(lambda ts: ts.penalize(x, idx, at, vals, h.counts, h.prompt)) is not None:
+                    return
+            out_counts, prompt_seen = h.read(at)
         else:
             out_counts = occurrence_counts([r.output_token_ids for r in sub], V, dev)
+        sel = x[idx]
         if any(p.repetition_penalty != 1.0 for p in ps):
             if prompt_seen is None:  # only rows with a repetition penalty pay for scanning their prompt
                 prompts = [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(sub, ps)]
@@ -220,17 +224,22 @@ class Sampler:
     def filter(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Rows of logits temperature-scaled, then min_p, top_k and top_p (dropped tokens -inf). On
         CUDA the kernel's thresholds (no sort): a token stays when its tempered logit reaches its row's."""
-        V = self.vocab_size
-        neg_inf = float("-inf")
         if x.is_cuda and x.shape[0]:
             xf = x.float().contiguous()
-            out = self._kernel(xf, params, [0] * len(params))  # its thresholds (its draw unused)
-            if out is not None:
+            tau = self._kernel(xf, params, None)
+            if tau is not None:
                 # tempered as the kernel tempers (times the float32 reciprocal): the same values it
                 # compared with its thresholds, so the boundary tokens stay
                 inv = 1.0 / torch.tensor([p.temperature for p in params], dtype=torch.float32)
                 y = xf * to_device(inv, x.device)[:, None]
-                return y.masked_fill(y < out[1][:, None], neg_inf)
+                return y.masked_fill(y < tau[:, None], float("-inf"))
+        return self.sort_filter(x, params)
+
+    def sort_filter(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """filter() by torch ops (the CPU's, and CUDA's where the kernel did not build): top_k and top_p
+        sort the rows."""
+        V = self.vocab_size
+        neg_inf = float("-inf")
         # one host->device copy for every per-row scalar; off switches get values that keep everything
         cols = to_device(
             torch.tensor(
@@ -285,16 +294,11 @@ class Sampler:
         filter() (ties at a boundary aside) and the same noise as _draw. None where the kernel failed
         to build on this machine (logged once; the torch ops sample instead)."""
         keys = noise.row_keys([r.params.seed for r in rows], [r.draw_index for r in rows])
-        out = self._kernel(x, [r.params for r in rows], keys)
-        return None if out is None else out[0]
+        return self._kernel(x, [r.params for r in rows], keys)
 
-    def _kernel(self, x: torch.Tensor, params: list[SamplingParams], keys: list[int]):
-        """(tokens, thresholds) of the kernel for rows of x, or None where it failed to build."""
-        global _kernel_ok
-        if _kernel_ok is False:
-            return None
-        from foveal.sample.triton_sample import sample_rows
-
+    def _kernel(self, x: torch.Tensor, params: list[SamplingParams], keys: list[int] | None):
+        """The kernel's tokens for rows of x (keys None: their thresholds), or None where it failed to
+        build."""
         V = self.vocab_size
         cols = torch.tensor(
             [
@@ -305,17 +309,11 @@ class Sampler:
             ],
             dtype=torch.float32,
         )
-        cols, halves = to_device(cols, x.device), noise.key_halves(keys, x.device)
-        try:  # the first call compiles it
-            out = sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V)
-        except Exception:
-            if _kernel_ok:  # it built and ran before: this is no build failure
-                raise
-            log.exception("the Triton sampling kernel failed; sampling with torch ops from now on")
-            _kernel_ok = False
-            return None
-        _kernel_ok = True
-        return out
+        cols = to_device(cols, x.device)
+        if keys is None:
+            return _triton(lambda ts: ts.thresholds(x, cols[0], cols[1], cols[2], cols[3], V))
+        halves = noise.key_halves(keys, x.device)
+        return _triton(lambda ts: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V))
 
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
 
@@ -359,6 +357,26 @@ class PendingLogprobs:
             top = [Logprob(int(t), v) for v, t in zip(r[2 : 2 + k], r[2 + kmax : 2 + kmax + k])]
             out[i] = TokenLogprobs(int(r[0]), r[1], top)
         return out
+
+
+def _triton(call):
+    """call(sample/triton_sample.py) (CUDA's kernels, or the interpreter's); None where they failed to
+    build on this machine (logged once; the torch ops run instead from then on)."""
+    global _kernel_ok
+    if _kernel_ok is False:
+        return None
+    from foveal.sample import triton_sample
+
+    try:  # the first call compiles
+        out = call(triton_sample)
+    except Exception:
+        if _kernel_ok:  # they built and ran before: this is no build failure
+            raise
+        log.exception("the Triton sampling kernels failed; sampling with torch ops from now on")
+        _kernel_ok = False
+        return None
+    _kernel_ok = True
+    return out
 
 
 def _long(values: list[int], dev: torch.device) -> torch.Tensor:

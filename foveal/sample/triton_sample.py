@@ -1,24 +1,26 @@
-"""One Triton kernel draws every row's token on CUDA: temperature, min_p, top_k, top_p and the draw,
-without sorting the vocabulary and without a host sync.
+"""Triton kernels for CUDA's sampling: one program per row draws the row's token (temperature, min_p,
+top_k, top_p, the draw) in a few passes over its logits, with no sort and no host sync; a second mode
+gives each row's kept-set threshold instead (Sampler.filter); and the noise fill of sample/noise.py.
 
-One program per row streams the row's logits in column blocks:
+A row's kept set is a threshold set {y >= tau*}, y = x / T: a token stays when it is at least as likely
+as the last one a sort would keep (ties at a boundary all stay, where a sort keeps an arbitrary subset).
+The draw is the exponential race in log form, argmax over the kept set of y - log E_j with E_j =
+-log U(key, j) (sample/noise.py: Gumbel-max, token j wins with probability softmax(y)_j on the set).
 
-    pass 1         m = max(y), lo = min(y) over y = x / T       (T == 0: the row is greedy, argmax x)
-    min_p          tau = m + log(min_p)                         (keep p >= min_p * p_max)
-    top_k          tau_k by bisection on a value t: count(y >= t) >= k; it stops once the count is k
-                   (the k largest), or when the interval holds one distinct value (ties: all kept)
-    top_p          over S = {y >= max(tau, tau_k)}, Z = sum_S e^(y - m): tau_p by bisection on t with
-                   mass(y >= t) >= top_p * Z; it stops when [a, b) holds one data value
-    draw           argmax over {y >= tau*} of e^(y - m) / E_j, E_j = -log U(key, j) (sample/noise.py)
+    pass 1     m = max(y); with top_k, the histogram of the first byte of each y's order-preserving key
+    min_p      floor = m + log(min_p)                        (keep p >= min_p * p_max)
+    top_k      floor = max(floor, the k-th largest y): radix select on the key, a byte a pass (3 more
+               passes; ties at the k-th value all stay)
+    draw       the race winner w over {y >= floor}, and Z = sum_{y >= floor} e^(y - m)
+    top_p      accept w when the mass above it is below top_p * Z (then w is in the top_p set, and the
+               race over that set has the same winner, the set being inside the one raced over); else
+               the set shrinks to {y > y_w} and its winner, found in the same pass, is the next w. Each
+               pass accepts with probability >= top_p; an LLM's peaked rows take one or two.
 
-So the kept set is a threshold set: a token stays when it is at least as likely as the last one a
-sort would keep (ties at the boundary are all kept, where a sort keeps an arbitrary subset of them).
-Each bisection step is one pass over the row; the passes run from the L2 cache for a row's second
-and later passes where the rows of the programs in flight fit. The kernel also writes each row's
-final threshold tau* (tests compare it with the sort-based filter).
-
-Triton is imported at the first call (the CPU path never needs it); under TRITON_INTERPRET=1 the
-kernel runs on CPU tensors, which is how it is tested.
+So a row costs 2 passes (temperature, min_p), 5 (top_k) and 2 or 5 plus one per top_p round, where the
+bisection this replaced took ~30 per filter. The threshold mode finds top_p's tau by bisection on the
+mass (`_bisect`: a pass a step; only filter() pays it). Triton is imported at the first call (the CPU
+never needs it); under TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how they are tested.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ from __future__ import annotations
 import torch
 
 _BLOCK = 2048
-_MAX_STEPS = 64  # bisection steps at most (float32 intervals shrink to adjacent values well before)
+_MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
-_kernel = None
-_noise = None
+_kernel = _noise = _penalty = None
 
 
 def _triton_kernel():
-    global _kernel, _noise, tl, _mix32, _uniform, _count_mass, _bisect  # @triton.jit resolves globals
+    global _kernel, _noise, _penalty, tl  # @triton.jit resolves the helpers below as module globals
+    global _mix32, _uniform, _key, _unkey, _kth_largest, _race, _count_mass, _bisect
     if _kernel is not None:
         return _kernel
     import triton
@@ -54,16 +56,57 @@ def _triton_kernel():
         return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
     @triton.jit
-    def _fill_kernel(keys_ptr, out_ptr, V, UNIFORM: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
-        k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
-        u = _uniform(cols, k0, k1)
-        if UNIFORM:
-            tl.store(out_ptr + row.to(tl.int64) * V + cols, u, mask=cols < V)
-        else:
-            tl.store(out_ptr + row.to(tl.int64) * V + cols, -tl.log(u), mask=cols < V)
+    def _key(y):
+        """uint32 keys in y's order (-0.0 as +0.0): the sign bit flipped for y >= 0, all bits for y < 0."""
+        b = tl.where(y == 0.0, 0.0, y).to(tl.uint32, bitcast=True)
+        return tl.where((b >> 31) != 0, ~b, b | 0x80000000)
+
+    @triton.jit
+    def _unkey(k):
+        b = tl.where((k >> 31) != 0, k & 0x7FFFFFFF, ~k)
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _kth_largest(x_row, V, inv_t, k, hist, BLOCK: tl.constexpr):
+        """The k-th largest finite y, counting ties (k <= the finite count): radix select on _key(y), a
+        byte a pass. `hist` is the first byte's histogram over the finite values (pass 1 made it)."""
+        bins = tl.arange(0, 256)
+        need = k
+        prefix = tl.full((), 0, tl.uint32)
+        for d in tl.static_range(4):
+            if d > 0:
+                hist = tl.zeros([256], dtype=tl.int32)
+                for start in range(0, V, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    y = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
+                    key = _key(y)
+                    ok = (y > float("-inf")) & ((key >> (32 - 8 * d)) == prefix)
+                    hist += tl.histogram(((key >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=ok)
+            # the byte b of the k-th largest: the largest b with count(byte >= b) >= need
+            ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+            b = tl.sum((ge >= need).to(tl.int32), 0) - 1
+            need -= tl.sum(tl.where(bins > b, hist, 0), 0)
+            prefix = (prefix << 8) | b.to(tl.uint32)
+        return _unkey(prefix)
+
+    @triton.jit
+    def _race(x_row, V, inv_t, m, lo, strict, k0, k1, BLOCK: tl.constexpr):
+        """(the race winner, Z) over the set {y >= lo} (strict: {y > lo}): the first column with the
+        largest y - log E, and sum e^(y - m) over the set."""
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.zeros([BLOCK], dtype=tl.int32)
+        mass = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
+            keep = (y > lo) | ((y == lo) & (strict == 0))
+            mass += tl.where(keep, tl.exp(y - m), 0.0)
+            score = tl.where(keep, y - tl.log(-tl.log(_uniform(cols, k0, k1))), float("-inf"))
+            better = score > best
+            best = tl.where(better, score, best)
+            best_i = tl.where(better, cols, best_i)
+        top = tl.max(best, 0)
+        return tl.min(tl.where(best == top, best_i, V), 0), tl.sum(mass, 0)
 
     @triton.jit
     def _count_mass(x_row, V, inv_t, m, t, floor, BLOCK: tl.constexpr):
@@ -79,23 +122,18 @@ def _triton_kernel():
         return tl.sum(cnt, 0), tl.sum(mass, 0)
 
     @triton.jit
-    def _bisect(x_row, V, inv_t, m, floor, a, b, ca, cb, need, stop, BY_MASS: tl.constexpr,
-                BLOCK: tl.constexpr, MAX_STEPS: tl.constexpr):  # fmt: skip
-        """The largest data value t in [a, b) whose count (BY_MASS: mass) of {y >= t, y >= floor}
-        reaches need, given a's does (count ca) and b's does not (cb). Each step halves [a, b); it stops
-        when [a, b) holds one distinct value, or once a's count is `stop` (top_k: exactly k)."""
+    def _bisect(x_row, V, inv_t, m, floor, a, b, ca, cb, need, BLOCK: tl.constexpr, MAX_STEPS: tl.constexpr):
+        """The largest data value t in [a, b) whose mass of {y >= t, y >= floor} reaches need, given a's
+        does (count ca) and b's does not (count cb). Each step halves [a, b); it stops when [a, b)
+        holds one distinct value."""
         steps = 0
-        while (ca > stop) & (ca - cb > 1) & (steps < MAX_STEPS):
+        while (ca - cb > 1) & (steps < MAX_STEPS):
             mid = a + (b - a) * 0.5
             if (mid <= a) | (mid >= b):  # adjacent floats: [a, b) holds tied values only
                 steps = MAX_STEPS
             else:
                 c, mass = _count_mass(x_row, V, inv_t, m, mid, floor, BLOCK)
-                if BY_MASS:
-                    reached = mass >= need
-                else:
-                    reached = c.to(tl.float32) >= need
-                if reached:
+                if mass >= need:
                     a = mid
                     ca = c
                 else:
@@ -115,10 +153,11 @@ def _triton_kernel():
         top_p_ptr,
         keys_ptr,
         out_ptr,
-        tau_ptr,
+        THRESH: tl.constexpr,
         BLOCK: tl.constexpr,
         MAX_STEPS: tl.constexpr,
     ):
+        """THRESH: each row's threshold tau* into out (float32); else its token (int64)."""
         row = tl.program_id(0)
         x_row = x_ptr + row.to(tl.int64) * x_stride
         temp = tl.load(temp_ptr + row)
@@ -133,88 +172,114 @@ def _triton_kernel():
                 best = tl.where(better, y, best)
                 best_i = tl.where(better, cols, best_i)
             top = tl.max(best, 0)
-            first = tl.min(tl.where(best == top, best_i, V), 0)
-            tl.store(out_ptr + row, first.to(tl.int64))
-            tl.store(tau_ptr + row, top)
+            if THRESH:
+                tl.store(out_ptr + row, top)
+            else:
+                tl.store(out_ptr + row, tl.min(tl.where(best == top, best_i, V), 0).to(tl.int64))
         else:
             inv_t = 1.0 / temp
+            k = tl.load(top_k_ptr + row).to(tl.int32)
             hi = tl.full([BLOCK], neg_inf, tl.float32)
             lo = tl.full([BLOCK], float("inf"), tl.float32)
-            for start in range(0, V, BLOCK):
+            hist = tl.zeros([256], dtype=tl.int32)
+            for start in range(0, V, BLOCK):  # pass 1
                 cols = start + tl.arange(0, BLOCK)
                 y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32) * inv_t
                 hi = tl.maximum(hi, y)
-                lo = tl.minimum(lo, tl.where(y == neg_inf, float("inf"), y))
+                if THRESH:
+                    lo = tl.minimum(lo, tl.where(y == neg_inf, float("inf"), y))
+                if k > 0:
+                    hist += tl.histogram((_key(y) >> 24).to(tl.int32), 256, mask=y > neg_inf)
             m = tl.max(hi, 0)
-            low = tl.min(lo, 0)
-            tau = tl.full((), neg_inf, tl.float32)
+            floor = tl.full((), neg_inf, tl.float32)
             min_p = tl.load(min_p_ptr + row)
             if min_p > 0.0:
-                tau = m + tl.log(min_p)
-            k = tl.load(top_k_ptr + row).to(tl.int32)
-            if k > 0:  # a = low: every finite value counts (>= k unless fewer are left)
-                ca, _z = _count_mass(x_row, V, inv_t, m, low, neg_inf, BLOCK)
-                cb, _z = _count_mass(x_row, V, inv_t, m, m, neg_inf, BLOCK)
-                a = low
-                if cb >= k:  # ties at the top: they are all kept
-                    a = m
-                    ca = cb
-                a = _bisect(x_row, V, inv_t, m, neg_inf, a, m, ca, cb, k.to(tl.float32), k, False,
-                            BLOCK, MAX_STEPS)  # fmt: skip
-                tau = tl.maximum(tau, a)
+                floor = m + tl.log(min_p)
+            if k > 0:
+                if k < tl.sum(hist, 0):  # else every finite value stays
+                    floor = tl.maximum(floor, _kth_largest(x_row, V, inv_t, k, hist, BLOCK))
             top_p = tl.load(top_p_ptr + row)
-            if top_p < 1.0:
-                a = tl.maximum(tau, low)
-                ca, z = _count_mass(x_row, V, inv_t, m, a, neg_inf, BLOCK)  # z: the kept set's mass
-                need = top_p * z
-                cb, mb = _count_mass(x_row, V, inv_t, m, m, neg_inf, BLOCK)
-                if mb >= need:  # the most likely value alone reaches top_p
-                    a = m
-                    ca = cb
-                a = _bisect(x_row, V, inv_t, m, tau, a, m, ca, cb, need, 0, True, BLOCK, MAX_STEPS)
-                tau = tl.maximum(tau, a)
-            k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
-            k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
-            best = tl.full([BLOCK], -1.0, tl.float32)
-            best_i = tl.zeros([BLOCK], dtype=tl.int32)
-            for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32) * inv_t
-                u = _uniform(cols, k0, k1)
-                score = tl.where((y >= tau) & (cols < V), tl.exp(y - m) / -tl.log(u), -1.0)
-                better = score > best
-                best = tl.where(better, score, best)
-                best_i = tl.where(better, cols, best_i)
-            top = tl.max(best, 0)
-            first = tl.min(tl.where(best == top, best_i, V), 0)
-            tl.store(out_ptr + row, first.to(tl.int64))
-            tl.store(tau_ptr + row, tau)
+            if THRESH:
+                if top_p < 1.0:
+                    a = tl.maximum(floor, tl.min(lo, 0))
+                    ca, z = _count_mass(x_row, V, inv_t, m, a, neg_inf, BLOCK)  # z: the kept set's mass
+                    need = top_p * z
+                    cb, mb = _count_mass(x_row, V, inv_t, m, m, neg_inf, BLOCK)
+                    if mb >= need:  # the most likely value alone reaches top_p
+                        a = m
+                        ca = cb
+                    floor = tl.maximum(floor, _bisect(x_row, V, inv_t, m, floor, a, m, ca, cb, need,
+                                                      BLOCK, MAX_STEPS))  # fmt: skip
+                tl.store(out_ptr + row, floor)
+            else:
+                k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
+                k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
+                w, z = _race(x_row, V, inv_t, m, floor, 0, k0, k1, BLOCK)
+                if top_p < 1.0:
+                    need = top_p * z
+                    above = need
+                    while above >= need:  # w is in the top_p set iff the mass above it is < need
+                        wy = tl.load(x_row + w).to(tl.float32) * inv_t
+                        w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, BLOCK)
+                        if above >= need:
+                            w = w2
+                tl.store(out_ptr + row, w.to(tl.int64))
 
-    _kernel, _noise = _sample_kernel, _fill_kernel
+    @triton.jit
+    def _fill_kernel(keys_ptr, out_ptr, V, UNIFORM: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
+        k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
+        u = _uniform(cols, k0, k1)
+        if UNIFORM:
+            tl.store(out_ptr + row.to(tl.int64) * V + cols, u, mask=cols < V)
+        else:
+            tl.store(out_ptr + row.to(tl.int64) * V + cols, -tl.log(u), mask=cols < V)
+
+    @triton.jit
+    def _penalty_kernel(x_ptr, x_stride, rows_ptr, slots_ptr, vals_ptr, counts_ptr, prompt_ptr, V,
+                        BLOCK: tl.constexpr):  # fmt: skip
+        i = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < V
+        at = x_ptr + tl.load(rows_ptr + i) * x_stride + cols
+        slot = tl.load(slots_ptr + i) * V
+        rep = tl.load(vals_ptr + i * 3)
+        freq = tl.load(vals_ptr + i * 3 + 1)
+        pres = tl.load(vals_ptr + i * 3 + 2)
+        x = tl.load(at, mask=ok)
+        c = tl.load(counts_ptr + slot + cols, mask=ok, other=0)
+        seen = (tl.load(prompt_ptr + slot + cols, mask=ok, other=0) != 0) | (c > 0)
+        x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+        x = x - (freq * c.to(tl.float32) + pres * (c > 0).to(tl.float32))
+        tl.store(at, x, mask=ok)
+
+    _kernel, _noise, _penalty = _sample_kernel, _fill_kernel, _penalty_kernel
     return _kernel
 
 
-def sample_rows(
-    x: torch.Tensor,
-    temperature: torch.Tensor,
-    min_p: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    keys: torch.Tensor,
-    vocab: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens int64 [B] and thresholds float32 [B] for logits x [B, >= vocab] (fp32 or bf16, rows
-    contiguous); per-row float32 temperature (0: greedy), min_p (0: off), top_p (1: off) and top_k
-    (0: off) and the noise keys (int64 [B, 2], noise.key_halves)."""
+def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool) -> torch.Tensor:
     B = x.shape[0]
-    out = torch.empty(B, dtype=torch.long, device=x.device)
-    tau = torch.empty(B, dtype=torch.float32, device=x.device)
+    out = torch.empty(B, dtype=torch.float32 if thresh else torch.long, device=x.device)
     if B:
         _triton_kernel()[(B,)](
-            x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out, tau,
-            BLOCK=_BLOCK, MAX_STEPS=_MAX_STEPS,
+            x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out,
+            THRESH=thresh, BLOCK=_BLOCK, MAX_STEPS=_MAX_STEPS,
         )  # fmt: skip
-    return out, tau
+    return out
+
+
+def sample_rows(x, temperature, min_p, top_k, top_p, keys, vocab: int) -> torch.Tensor:
+    """Tokens int64 [B] for logits x [B, >= vocab] (fp32 or bf16, rows contiguous); per-row float32
+    temperature (0: greedy), min_p (0: off), top_k (0: off), top_p (1: off) and the noise keys (int64
+    [B, 2], noise.key_halves)."""
+    return _launch(x, temperature, min_p, top_k, top_p, keys, vocab, thresh=False)
+
+
+def thresholds(x, temperature, min_p, top_k, top_p, vocab: int) -> torch.Tensor:
+    """float32 [B]: each row's tau*, its kept set being {x / T >= tau*} (greedy rows: their maximum)."""
+    return _launch(x, temperature, min_p, top_k, top_p, top_k, vocab, thresh=True)
 
 
 def fill_noise(halves: torch.Tensor, vocab: int, uniform: bool) -> torch.Tensor:
@@ -227,3 +292,16 @@ def fill_noise(halves: torch.Tensor, vocab: int, uniform: bool) -> torch.Tensor:
             halves.contiguous(), out, vocab, UNIFORM=uniform, BLOCK=_BLOCK
         )
     return out
+
+
+def penalize(x, rows, slots, vals, counts, prompt) -> torch.Tensor:
+    """The penalties in place, one pass: x [B, V] float32 rows `rows` (int64 [n]) with the device
+    history's counts int32 [slots, V] and prompt marks bool [slots, V] of `slots` (int64 [n]) and per
+    row (repetition, frequency, presence) in vals float32 [n, 3] (Sampler._apply_penalties' formula)."""
+    V = x.shape[1]
+    if rows.numel():
+        _triton_kernel()
+        _penalty[(rows.numel(), -(-V // _BLOCK))](
+            x, x.stride(0), rows, slots, vals.contiguous(), counts, prompt.view(torch.uint8), V, BLOCK=_BLOCK
+        )
+    return x
