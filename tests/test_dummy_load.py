@@ -127,6 +127,17 @@ def test_dummy_vlm_processes_an_image(tmp_path):
     assert mm.prompt_token_ids.count(190) == 256 and len(mm.items) == 1
     out = llm.generate([mm], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
+    # and a clip: the synthetic chat template places a video part as the family's template does
+    from foveal.request import VideoClip
+
+    frames = torch.randint(0, 256, (4, 112, 112, 3), generator=g, dtype=torch.uint8).numpy()
+    vid = llm.processor.render_chat(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "t5"}]}],
+        videos=[VideoClip(frames, 2.0, "clip")],
+    )
+    assert vid.prompt_token_ids.count(191) > 0 and vid.prompt_token_ids.count(190) == 0 and len(vid.items) == 1
+    out = llm.generate([vid], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
 
 
 def test_dummy_needs_a_config(tmp_path):

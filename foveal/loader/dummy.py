@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}{{ image_marker }}{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% if p['type'] == 'image' %}{{ image_marker }}{% elif p['type'] == 'video' %}{{ video_marker }}"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
     "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -103,7 +104,9 @@ def synthetic_tokenizer(config):
     if ids[1] is None:
         ids[1] = _first_id(config, "image_token_index")
     image = "".join(specials[i] for i in dict.fromkeys(ids) if i is not None)
-    fast.chat_template = CHATML.replace("{{ image_marker }}", image)
+    ids[1] = _first_id(config, "video_token_id")  # a family that takes video (Qwen2-VL's): its marker
+    video = "".join(specials[i] for i in dict.fromkeys(ids) if i is not None) if ids[1] is not None else ""
+    fast.chat_template = CHATML.replace("{{ image_marker }}", image).replace("{{ video_marker }}", video)
     return fast
 
 
