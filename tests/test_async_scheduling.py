@@ -176,3 +176,32 @@ def test_graph_path_with_overlap(folder):
                                 max_model_len=128, device=llm.engine.device)  # fmt: skip
     got = _run(llm, _prompts(), params)
     assert [t for t, _, _ in got] == [t for t, _, _ in want]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_never_waits_for_the_device(folder):
+    """Every sampling mix (temperature, top_k, top_p, min_p, the three penalties on the device
+    history, seeds, logprobs, logit bias, min_tokens) is sampled without the host waiting for the
+    forward pass: CUDA's sync debug mode raises at any synchronizing call inside the runner's sample()."""
+    llm = _llm(folder, True)
+    runner, sample = llm.engine.runner, llm.engine.runner.sample
+
+    def strict(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.sample = strict
+    mixes = [
+        dict(temperature=0.8, top_k=20, top_p=0.9, seed=1),
+        dict(temperature=1.0, min_p=0.05, repetition_penalty=1.2, logprobs=3),
+        dict(temperature=0.0, presence_penalty=0.4, frequency_penalty=0.2),
+        dict(temperature=0.7, top_p=0.5, logit_bias={5: 2.0}, min_tokens=4),
+        dict(temperature=1.3, top_k=5, seed=2, logprobs=0),
+        dict(temperature=0.0),
+    ]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, **m) for m in mixes]
+    outs = _run(llm, _prompts(6, seed=5), params)
+    assert all(len(t) == 10 for t, _, _ in outs)
