@@ -24,6 +24,7 @@ from torch import nn
 from foveal.layers.rotary import MRotaryEmbedding
 from foveal.models.llama import Qwen2ForCausalLM
 from foveal.models.qwen_video import QwenVideoConfig, frame_indices, video_patches
+from foveal.models.vision_attention import use_segment_attention
 from foveal.models.vlm import ImageAdapter, MediaInput, VisionLanguageModel, hf_module
 
 
@@ -201,7 +202,8 @@ class Qwen2VLForConditionalGeneration(MRopePositions, VisionLanguageModel):
 
         module, name = self.vision_class.split(":")
         cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
-        self.visual = hf_module(lambda: cls._from_config(self.config.vision_config), device, dtype)
+        tower = hf_module(lambda: cls._from_config(self.config.vision_config), device, dtype)
+        self.visual = use_segment_attention(tower)  # one attention call a layer, not one a window
 
     def encode_images(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
         """One tower pass over all images and videos: attention stays within each image or video frame

@@ -30,6 +30,7 @@ from foveal.models.llama import Qwen3ForCausalLM
 from foveal.models.llama_moe import Qwen3Moe
 from foveal.models.qwen2_vl import MRope, MRopePositions, Qwen2VLAdapter, mrope_prompt_positions
 from foveal.models.qwen_video import QwenVideoConfig, frame_indices, video_patches
+from foveal.models.vision_attention import use_segment_attention
 from foveal.models.vlm import MediaInput, VisionLanguageModel, hf_module
 
 
@@ -148,9 +149,8 @@ class Qwen3VLForConditionalGeneration(MRopePositions, VisionLanguageModel):
     def build_vision(self, device, dtype) -> None:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-        self.visual = hf_module(
-            lambda: Qwen3VLVisionModel._from_config(self.config.vision_config), device, dtype
-        )
+        tower = hf_module(lambda: Qwen3VLVisionModel._from_config(self.config.vision_config), device, dtype)
+        self.visual = use_segment_attention(tower)  # one attention call a layer, not one a frame
 
     def encode_images(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
         """One tower pass over all images (attention stays within each image's grid). Per image
@@ -186,6 +186,6 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
     def build_vision(self, device, dtype) -> None:
         from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
-        self.visual = hf_module(
-            lambda: Qwen3VLMoeVisionModel._from_config(self.config.vision_config), device, dtype
-        )
+        vision = self.config.vision_config
+        tower = hf_module(lambda: Qwen3VLMoeVisionModel._from_config(vision), device, dtype)
+        self.visual = use_segment_attention(tower)  # one attention call a layer, not one a frame
