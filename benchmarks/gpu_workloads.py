@@ -105,6 +105,8 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     count: dict[str, int] = dict.fromkeys(ids, 0)
+    all_in = None  # (time, step) once every request has its first token: decode steps only after it
+    n_steps = 0
     while eng.has_unfinished():
         for d in eng.step():
             if d.token_ids:
@@ -112,7 +114,12 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
                 first.setdefault(d.request_id, now)
                 last[d.request_id] = now
                 count[d.request_id] += len(d.token_ids)
+        n_steps += 1
+        if all_in is None and len(first) == len(ids):
+            all_in = (time.perf_counter(), n_steps)
     wall = time.perf_counter() - t0
+    end = max(last.values(), default=t0)
+    decode_steps = n_steps - all_in[1] if all_in else 0
     ttft = sorted(first[r] - t0 for r in ids)
     steps = dict(eng.step_seconds)
     n = max(1, steps["steps"])
@@ -128,6 +135,8 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
         "decode_tok_s": (count[ids[0]] - 1) / (last[ids[0]] - first[ids[0]]) if len(ids) == 1 else None,
         "steps": steps["steps"],
         "ms_per_step": phases,
+        # wall time per engine step once every request was decoding (no prefill, no first-use costs)
+        "decode_step_ms": (end - all_in[0]) / decode_steps * 1e3 if decode_steps > 0 else None,
     }
 
 
@@ -180,7 +189,7 @@ def report(name: str, r: dict, extra: str = "") -> None:
     log(
         f"{name}: {r['output_tok_s']:.1f} out tok/s, {r['output_tokens']} tokens in {r['wall_s']:.2f} s, "
         f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms p99 {r['ttft_p99_s'] * 1e3:.1f} ms, {r['steps']} steps, "
-        f"host ms/step {r['ms_per_step']} {extra}"
+        f"host ms/step {r['ms_per_step']}, decode step {r.get('decode_step_ms') or 0:.2f} ms {extra}"
     )
 
 

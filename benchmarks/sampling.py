@@ -5,17 +5,21 @@
 mixed   256 requests x (512 in / 256 out), greedy and mixed sampling alternating (--reps each): every
         row of the mixed runs has its own temperature (0 to 1.3), top_p (1, 0.9, 0.5), top_k (0, 20, 50),
         min_p (0, 0.05), repetition / presence / frequency penalties, a seed on half of the rows and
-        logprobs=5 on a quarter. Reports both tok/s and mixed / greedy (the target: >= 0.97).
+        logprobs=5 on a quarter. Reports both tok/s and mixed / greedy (the target: >= 0.97), and the
+        same ratio of the decode steps alone (wall time a step once every request has its first token:
+        no prefill, no first-use costs).
 kernel  the sampler alone on [256, 128256] random logits with the mixed rows' parameters (no penalties,
-        no logprobs): the Triton kernel (CUDA's path) against the torch path (sort-based filters, the
-        noise as torch ops), CUDA events, median of 20 after 3 warm-ups, at two logit scales.
+        no logprobs): Sampler.sample (CUDA: the Triton kernel) against the torch path (sort_filter and
+        the noise), CUDA events, median of 20 after 3 warm-ups, at two logit scales.
+tiles   the Triton kernel alone at several (column block, warps per program) shapes.
 prefix  256 requests sharing a 3,584-token prefix, each with 512 tokens of its own, 128 out, greedy,
         prefix caching on (the shared blocks are computed once): output tok/s.
 
 Every run goes through the engine's step loop (gpu_workloads.run: all requests at t0) and prints the
-host's time per step phase. --profile writes a torch.profiler trace of a few mixed steps (and its
-summary: GPU time per phase, top kernels). --smoke runs it on the CPU with a tiny config (checks the
-script, not the speed). Ends with one JSON line.
+host's time per step phase. --profile: for each mode, a few decode steps timed without a profiler
+(host ms per phase) and a torch.profiler trace of a few more (GPU busy / idle, GPU ms per phase, top
+kernels; kernels launched by Triton count as "other"). --smoke runs it on the CPU with a tiny config
+(checks the script, not the speed). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -81,17 +86,49 @@ def mixed(a) -> dict:
     res["mixed_over_greedy"] = best["mixed"] / best["greedy"]
     gw.log(f"mixed / greedy (best of {a.reps}): {best['mixed']:.1f} / {best['greedy']:.1f} = "
            f"{res['mixed_over_greedy']:.3f}")  # fmt: skip
-    if a.profile:
-        from benchmarks.step_profile import StepProfile
-
+    # the decode steps alone (every request past its first token): greedy's step time over mixed's
+    step = {m: min(r["decode_step_ms"] or float("inf") for r in rs) for m, rs in res.items() if m in best}
+    res["decode_step_ms"], res["decode_greedy_over_mixed"] = step, step["greedy"] / step["mixed"]
+    gw.log(f"decode step greedy / mixed (best of {a.reps}): {step['greedy']:.2f} / {step['mixed']:.2f} ms = "
+           f"{res['decode_greedy_over_mixed']:.3f}")  # fmt: skip
+    if a.profile:  # both modes' decode steps: host phases without a profiler, then a trace
         os.makedirs(a.profile, exist_ok=True)
-        few = mixed_params(n, 6)
-        with StepProfile(llm.engine, os.path.join(a.profile, "mixed.json")) as prof:
-            gw.run(llm, prompts, few)
-        res["profile"] = prof.summary()
-        print(json.dumps({"profile": "mixed", **res["profile"]}))
+        for mode in ("greedy", "mixed"):
+            params = [gw.greedy(48)] * n if mode == "greedy" else mixed_params(n, 48)
+            llm.engine.reset_prefix_cache()
+            trace = os.path.join(a.profile, f"{mode}.json")
+            res[f"profile_{mode}"] = decode_window(llm, prompts, params, trace)
+            print(json.dumps({"profile": mode, **res[f"profile_{mode}"]}))
     del llm
     return res
+
+
+def decode_window(llm, prompts, params, trace: str, timed: int = 10, traced: int = 5) -> dict:
+    """Per-step figures of decode steps only: the requests are run until each has its first token (and
+    two steps more), then `timed` steps under HostTimes (host ms per phase, no profiler), then `traced`
+    steps under StepProfile (GPU busy/idle, GPU ms per phase, top kernels); then run to the end."""
+    from benchmarks.step_profile import HostTimes, StepProfile
+
+    eng = llm.engine
+    ids = [eng.add_request(llm.processor.request(p, sp)) for p, sp in zip(prompts, params)]
+    seen: set[str] = set()
+    while len(seen) < len(ids):
+        seen |= {d.request_id for d in eng.step() if d.token_ids}
+    eng.step(), eng.step()
+    gw._sync()
+    t0 = time.perf_counter()
+    with HostTimes(eng) as ht:
+        for _ in range(timed):
+            eng.step()
+    gw._sync()
+    out = {"step_ms": (time.perf_counter() - t0) / timed * 1e3, "host_ms": ht.per_step()}
+    with StepProfile(eng, trace) as prof:
+        for _ in range(traced):
+            eng.step()
+    out["trace"] = prof.summary()
+    while eng.has_unfinished():
+        eng.step()
+    return out
 
 
 def kernel(a) -> dict:
@@ -148,6 +185,52 @@ def kernel(a) -> dict:
     return res
 
 
+def tiles(a) -> dict:
+    """The Triton sampling kernel alone (triton_sample.sample_rows on the mixed rows' parameters, no
+    penalties) at several (column block, warps per program) shapes: one program a row, so its warps
+    are what keeps loads in flight. CUDA events, median of 10 after 3 warm-ups, two logit scales."""
+    from foveal.sample import noise
+    from foveal.sample import triton_sample as ts
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    V, n = (128256, 256) if dev == "cuda" else (4096, 4)
+    ps = mixed_params(n, 1)
+    cols = torch.tensor(
+        [[p.temperature for p in ps], [p.min_p for p in ps], [p.top_k for p in ps], [p.top_p for p in ps]],
+        dtype=torch.float32,
+        device=dev,
+    )
+    keys = noise.key_halves(noise.row_keys([p.seed for p in ps], [0] * n), dev)
+    shapes = [(2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16)]
+    shapes = shapes if dev == "cuda" else [(512, 4)]
+    saved, res = (ts._BLOCK, ts._WARPS), {}
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 4.0):
+        x = (torch.randn(n, V, generator=g) * scale).to(dev)
+        for block, warps in shapes:
+            ts._BLOCK, ts._WARPS = block, warps
+            run = lambda x=x: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], keys, V)  # noqa: E731
+            for _ in range(3):
+                run()
+            times = []
+            for _ in range(10):
+                if dev == "cuda":
+                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t0.record()
+                    run()
+                    t1.record()
+                    t1.synchronize()
+                    times.append(t0.elapsed_time(t1))
+                else:
+                    t = time.perf_counter()
+                    run()
+                    times.append((time.perf_counter() - t) * 1e3)
+            res[f"scale {scale} block {block} warps {warps}"] = sorted(times)[len(times) // 2]
+            gw.log(f"kernel, scale {scale}, block {block}, warps {warps}: {res[list(res)[-1]]:.3f} ms")
+    ts._BLOCK, ts._WARPS = saved
+    return res
+
+
 def prefix(a) -> dict:
     llm = gw.engine("llama-3.1-8b.json", a, max_model_len=4096 + 256, max_num_seqs=256,
                     max_num_batched_tokens=8192, enable_prefix_caching=True)  # fmt: skip
@@ -170,7 +253,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mixed,prefix")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--profile", default=None, help="a folder for a trace of a few mixed steps")
+    ap.add_argument("--profile", default=None, help="a folder for traces of a few decode steps of each mode")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs: check the script only")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
@@ -181,7 +264,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         raise SystemExit("sampling.py needs CUDA (or --smoke)")
     out: dict = {"benchmark": "sampling", "commit": os.environ.get("FOVEAL_COMMIT", "?")}
-    for name, fn in (("kernel", kernel), ("mixed", mixed), ("prefix", prefix)):
+    for name, fn in (("kernel", kernel), ("tiles", tiles), ("mixed", mixed), ("prefix", prefix)):
         if name in a.workloads.split(","):
             out[name] = fn(a)
             if torch.cuda.is_available():

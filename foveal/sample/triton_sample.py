@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 _BLOCK = 2048
+_WARPS = 4  # per program (one program a row)
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
 _kernel = _noise = _penalty = None
@@ -265,7 +266,7 @@ def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool)
     if B:
         _triton_kernel()[(B,)](
             x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out,
-            THRESH=thresh, BLOCK=_BLOCK, MAX_STEPS=_MAX_STEPS,
+            THRESH=thresh, BLOCK=_BLOCK, MAX_STEPS=_MAX_STEPS, num_warps=_WARPS,
         )  # fmt: skip
     return out
 
