@@ -95,7 +95,12 @@ class MultiModalProcessor:
                 raise ValueError(f"{len(images)} images gave {len(parts)} encoder inputs")
             items += _items("image", ids, self.image_token_id, parts, pixel_hashes or [""] * len(images))
         for kind, (token_id, inputs, clips) in media.items():
-            items += _items(kind, ids, token_id, inputs, [c.content_hash for c in clips])
+            parts, hashes = [], []  # a clip may be encoded as several items (adapter.video_parts)
+            for m, clip in zip(inputs, clips):
+                split = self.adapter.video_parts(m) if kind == "video" else [m]
+                parts += split
+                hashes += [clip.content_hash] * len(split)
+            items += _items(kind, ids, token_id, parts, hashes)
         items.sort(key=lambda it: it.offset)
         prompt = MultiModalPrompt(ids, items)
         prompt.rope = self.adapter.rope(ids, items)

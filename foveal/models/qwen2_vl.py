@@ -105,6 +105,11 @@ def mrope_prompt_positions(
     return MRope(pos, delta)
 
 
+# a clip's encoder work per item (video_parts): with the scheduler's encoder budget per step
+# (max_encoder_tokens_per_step) it bounds how much of a clip one step encodes
+VIDEO_PART_EMBEDS = 2048
+
+
 class Qwen2VLAdapter(ImageAdapter):
     """The processor returns all images' patches as one [sum t*h*w, C*T*P*P] tensor plus a [N, 3] grid;
     image i owns the next t*h*w rows and takes t*h*w / merge^2 placeholder tokens."""
@@ -126,6 +131,26 @@ class Qwen2VLAdapter(ImageAdapter):
             raise ValueError(f"image grids cover {row} patches but the processor gave {pv.shape[0]}")
         return parts
 
+    def video_parts(self, media: MediaInput) -> list[MediaInput]:
+        """Runs of whole temporal patches of about VIDEO_PART_EMBEDS embeddings: the tower attends within
+        one temporal patch at a time (its cu_seqlens), so the parts encode to the clip's embeddings. Each
+        part's `video_t0` (its first temporal patch) lets rope() place it inside its clip."""
+        data = media.data
+        t, h, w = (int(x) for x in data["video_grid_thw"][0])
+        cells = h * w // self.merge**2
+        per = max(1, VIDEO_PART_EMBEDS // cells)
+        if t <= per:
+            return [media]
+        pixels, rows = data["pixel_values_videos"], h * w
+        parts = []
+        for t0 in range(0, t, per):
+            k = min(per, t - t0)
+            part = dict(data, pixel_values_videos=pixels[t0 * rows : (t0 + k) * rows])
+            part.update(video_grid_thw=torch.tensor([[k, h, w]]), video_t0=torch.tensor([t0]))
+            # Qwen3-VL: each part's text is its own frames' (the caller splits the clip's text as it goes)
+            parts.append(MediaInput(part, k * cells, media.text))
+        return parts
+
     def _temporal_step(self, it) -> float:
         return 1.0
 
@@ -138,6 +163,13 @@ class Qwen2VLAdapter(ImageAdapter):
                 raise ValueError(
                     f"{it.modality} span of {it.length} tokens does not match its grid {t}x{h}x{w}"
                 )
+            t0 = int(it.data["video_t0"][0]) if video and "video_t0" in it.data else 0
+            if t0:  # a later part of the clip just before it (video_parts): that span grows
+                offset, (tp, hp, wp), step = spans[-1]
+                if offset + tp * hp * wp // self.merge**2 != it.offset or (tp, hp, wp) != (t0, h, w):
+                    raise ValueError(f"video part at temporal patch {t0} does not follow its clip's start")
+                spans[-1] = (offset, (t0 + t, h, w), step)
+                continue
             spans.append((it.offset, (t, h, w), self._temporal_step(it) if video else 1.0))
         return mrope_prompt_positions(len(prompt_ids), spans, self.merge)
 

@@ -106,6 +106,12 @@ class ImageAdapter:
         it in the prompt where the family interleaves text with the frames (Qwen3-VL's timestamps)."""
         raise ValueError(f"{type(self.config).__name__} does not take video inputs")
 
+    def video_parts(self, media: MediaInput) -> list[MediaInput]:
+        """A clip's encoder inputs as the items the engine encodes one by one (the scheduler's encoder
+        budget spreads them over steps), in prompt order: the whole clip, unless the family's tower
+        encodes parts of it independently."""
+        return [media]
+
     def audio_inputs(self, clip, processor) -> MediaInput:
         """An `AudioClip` (through the model's processor, whose feature extractor it uses) -> (its
         encoder tensors plus "seconds", the clip's length, and its number of embeddings)."""
