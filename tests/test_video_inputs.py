@@ -48,19 +48,23 @@ def hf_video_greedy(tiny, llm, text: str, video: VideoClip, steps: int):
     t, h, w = item.data["video_grid_thw"][0].tolist()
     start = int(p.rope.table[0, item.offset])
     assert int(p.rope.table[0, item.end - 1]) - start < max(h, w) // 2, "a time axis past the grid"
-    ids = torch.tensor([p.prompt_token_ids])
-    video_id = tiny.hf.config.video_token_id
+    return hf_greedy_on(tiny.hf, p.prompt_token_ids, item.data, steps)
+
+
+def hf_greedy_on(hf, prompt_ids: list[int], video: dict, steps: int):
+    """transformers' prompt logits and greedy tokens for token ids holding one clip (its item's data)."""
+    ids = torch.tensor([prompt_ids])
     inputs = {
-        "pixel_values_videos": item.data["pixel_values_videos"],
-        "video_grid_thw": item.data["video_grid_thw"],
-        "mm_token_type_ids": (ids == video_id).long() * 2,
+        "pixel_values_videos": video["pixel_values_videos"],
+        "video_grid_thw": video["video_grid_thw"],
+        "mm_token_type_ids": (ids == hf.config.video_token_id).long() * 2,
     }
-    if "Qwen2_5" in type(tiny.hf.model).__name__:
-        inputs["second_per_grid_ts"] = item.data["second_per_grid_t"].float()
+    if "second_per_grid_t" in video and "Qwen2_5" in type(hf.model).__name__:
+        inputs["second_per_grid_ts"] = video["second_per_grid_t"].float()
     tokens, first = [], None
     with torch.no_grad():
         for _ in range(steps):
-            logits = tiny.hf(input_ids=ids, **inputs).logits[0]
+            logits = hf(input_ids=ids, **inputs).logits[0]
             first = logits if first is None else first
             tokens.append(int(logits[-1].argmax()))
             ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
@@ -333,19 +337,5 @@ def test_a_clip_in_parts_encodes_over_steps_and_equals_transformers(tiny, tiny3,
     monkeypatch.setattr(model, "encode_images", lambda items: encoded.append(len(items)) or real(items))
     ((logits, toks, _),) = foveal_greedy(llm, [p], STEPS)
     assert encoded == [1] * t  # one part a step: the budget holds
-    ids = torch.tensor([whole.prompt_token_ids])
-    inputs = {
-        "pixel_values_videos": one.data["pixel_values_videos"],
-        "video_grid_thw": one.data["video_grid_thw"],
-        "mm_token_type_ids": (ids == t_.hf.config.video_token_id).long() * 2,
-    }
-    if "second_per_grid_t" in one.data:
-        inputs["second_per_grid_ts"] = one.data["second_per_grid_t"].float()
-    want, ref = None, []
-    with torch.no_grad():
-        for _ in range(STEPS):
-            out = t_.hf(input_ids=ids, **inputs).logits[0]
-            want = out if want is None else want
-            ref.append(int(out[-1].argmax()))
-            ids = torch.cat([ids, torch.tensor([[ref[-1]]])], dim=1)
+    want, ref = hf_greedy_on(t_.hf, whole.prompt_token_ids, one.data, STEPS)
     assert (logits - want).abs().max().item() < TOL and toks == ref
