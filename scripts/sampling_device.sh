@@ -6,6 +6,8 @@
 #   mixed       benchmarks/sampling.py --workloads mixed in base36/ (`git archive <base> foveal benchmarks`)
 #               and in this checkout, alternating, one process per tree
 #   kernel      the sampler alone: the Triton kernel against the torch path on [256, 128256] logits
+#   tiles       the Triton kernel alone at several (column block, warps per program) shapes
+#   decode      mixed --reps 1 --profile: decode steps of both modes timed, then traced ($OUT/prof)
 #   prefix      the shared-prefix workload, this checkout only
 #   structured  benchmarks/structured.py (JSON schema vs free TPOT, batch 1 and 64) here and in before34/
 #   eagle       benchmarks/speculative.py --heads eagle3 batch 1 with --profile, here and in before/
@@ -40,6 +42,14 @@ for part in "$@"; do
       ;;
     kernel)
       timeout ${T_KERNEL:-150} python3 benchmarks/sampling.py --workloads kernel 2>&1 | quiet | grep -v '^{' | tail -3
+      ;;
+    tiles)
+      timeout ${T_TILES:-150} python3 benchmarks/sampling.py --workloads tiles 2>&1 | quiet | grep -v '^{' | tail -14
+      ;;
+    decode)
+      timeout ${T_DECODE:-200} python3 benchmarks/sampling.py --workloads mixed --reps 1 --profile $OUT/prof 2>&1 \
+        | grep '^{"profile\|mixed / greedy\|decode step greedy' | cut -c1-1500
+      gzip -f $OUT/prof/*.json 2>/dev/null
       ;;
     prefix)
       timeout ${T_PREFIX:-200} python3 benchmarks/sampling.py --workloads prefix --reps 2 2>&1 | quiet | tail -3
