@@ -280,7 +280,8 @@ def sample_rows(x, temperature, min_p, top_k, top_p, keys, vocab: int) -> torch.
 
 def thresholds(x, temperature, min_p, top_k, top_p, vocab: int) -> torch.Tensor:
     """float32 [B]: each row's tau*, its kept set being {x / T >= tau*} (greedy rows: their maximum)."""
-    return _launch(x, temperature, min_p, top_k, top_p, top_k, vocab, thresh=True)
+    no_keys = top_k  # the threshold mode reads no noise: any tensor stands in for the keys
+    return _launch(x, temperature, min_p, top_k, top_p, no_keys, vocab, thresh=True)
 
 
 def fill_noise(halves: torch.Tensor, vocab: int, uniform: bool) -> torch.Tensor:
