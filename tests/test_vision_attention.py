@@ -53,20 +53,39 @@ def test_one_call_a_layer_equals_the_per_segment_path(family, monkeypatch):
     mine.load_state_dict(ref.state_dict())
     use_segment_attention(mine)
     assert config._attn_implementation == ref.config._attn_implementation != vision_attention.NAME
-    calls = []
-    real = vision_attention.segment_attention
-    monkeypatch.setattr(
-        vision_attention, "segment_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
-    use_segment_attention(mine)  # registers the counting function
-    # an image whose windows are cut unevenly (10 x 14 patches), a 4-frame clip, a small image
-    grid = torch.tensor([[1, 10, 14], [2, 12, 8], [1, 4, 4]])
-    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * patch * patch)
-    with torch.no_grad():
-        want, got = ref(pixels, grid_thw=grid), mine(pixels, grid_thw=grid)
-    assert len(calls) == len(mine.blocks)  # one call a layer, every layer
-    torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-5, atol=1e-5)
-    for a, b in zip(
-        getattr(got, "deepstack_features", None) or [], getattr(want, "deepstack_features", None) or []
-    ):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    sdpa_calls = []
+    real_sdpa = vision_attention.F.scaled_dot_product_attention
+
+    def counting(*a, **k):
+        sdpa_calls.append(a[0].shape[0])  # segments in the batch
+        return real_sdpa(*a, **k)
+
+    monkeypatch.setattr(vision_attention.F, "scaled_dot_product_attention", counting)
+    # an image whose windows are cut unevenly (10 x 14 patches), a 2-group clip, a small image; then a
+    # large image beside small ones (several padded batches: the small ones are not padded to its size)
+    for grid in ([[1, 10, 14], [2, 12, 8], [1, 4, 4]], [[1, 32, 32], [1, 4, 4], [1, 4, 4], [2, 4, 8]]):
+        grid = torch.tensor(grid)
+        pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * patch * patch)
+        with torch.no_grad():
+            sdpa_calls.clear()
+            want = ref(pixels, grid_thw=grid)
+            per_segment = len(sdpa_calls)
+            sdpa_calls.clear()
+            got = mine(pixels, grid_thw=grid)
+        assert len(mine.blocks) <= len(sdpa_calls) < per_segment  # a batch of segments a call
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-5, atol=1e-5)
+        deep = getattr(got, "deepstack_features", None) or []
+        for a, b in zip(deep, getattr(want, "deepstack_features", None) or []):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(sdpa_calls) > len(mine.blocks)  # the last grid needed more than one batch in some layer
+
+
+def test_batches_keep_padding_bounded():
+    """A 1,024-row segment beside 16-row ones: the small ones share a batch of their own."""
+    from foveal.models.vision_attention import _buckets
+
+    cu = (0, 16, 1040, 1056, 1072)
+    got = [(G, L) for _, _, G, L, _ in _buckets(cu, "cpu")]
+    assert got == [(2, 1024), (2, 16)]
+    assert [(G, L) for _, _, G, L, _ in _buckets((0, 8, 16, 24), "cpu")] == [(3, 8)]
+    assert _buckets((0, 8, 16, 24), "cpu")[0][0] is None  # equal segments in order: no gather

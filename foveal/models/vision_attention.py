@@ -4,9 +4,10 @@ call, where the towers' default path ("sdpa") makes one attention call per segme
 
 A 30 s clip at 2 fps has 30 frame groups of ~1,200 patches, so ~600 windows of <= 64: ~17,000 calls a
 tower pass for Qwen2.5-VL-7B, which took 1.35 s on an H100 for a pass whose arithmetic is ~0.1 s (the
-host launching small kernels). Here the segments of a layer are laid out as a padded batch [S, H, L, D]
-(one index map per layout, cached by the segment lengths), one scaled_dot_product_attention call with a
-key-padding mask (none when the segments are equal, as a video's frame groups are), and scattered back.
+host launching small kernels). Here the segments of a layer are laid out as padded batches [S, H, L, D]
+of similar lengths (index maps cached by the segment boundaries), one scaled_dot_product_attention call
+a batch with a key-padding mask (none when its segments are equal, as a video's frame groups are), and
+scattered back: one call a layer for a clip, a few where images of very different sizes meet.
 
 The towers take this path for an attention implementation whose name contains "flash" (they then pass
 the packed sequence with its cu_seqlens, as to a flash-attention varlen kernel; transformers'
@@ -43,18 +44,32 @@ def use_segment_attention(tower: torch.nn.Module) -> torch.nn.Module:
 
 
 @functools.lru_cache(maxsize=16)
-def _layout(cu: tuple[int, ...], device: str):
-    """(positions of the packed rows in the padded [S * L] rows or None when the segments are equal,
-    key mask [S, 1, 1, L] or None, S, L) for segment boundaries `cu`."""
-    lens = torch.tensor([b - a for a, b in zip(cu, cu[1:])])
-    S, L = len(lens), int(lens.max())
-    if int(lens.min()) == L:
-        return None, None, S, L
-    start = torch.tensor(cu[:-1]).repeat_interleave(lens)
-    flat = torch.arange(S).repeat_interleave(lens) * L + torch.arange(cu[-1]) - start
-    keep = torch.zeros(S * L, dtype=torch.bool)
-    keep[flat] = True
-    return flat.to(device), keep.view(S, 1, 1, L).to(device), S, L
+def _buckets(cu: tuple[int, ...], device: str) -> list[tuple]:
+    """The segments at boundaries `cu` in padded batches: longest first, a batch taking the next
+    segment while its padded size stays within twice its rows (so a huge image beside small ones does
+    not pad them all to its size). Each: (packed rows, their places in the padded [G * L] rows, G, L,
+    key mask [G, 1, 1, L] or None); rows None when the batch is the whole packed input in order."""
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])  # stable: equal lengths stay in order
+    out, i = [], 0
+    while i < len(order):
+        group, L = [order[i]], lens[order[i]]
+        total, i = L, i + 1
+        while i < len(order) and (len(group) + 1) * L <= 2 * (total + lens[order[i]]):
+            group.append(order[i])
+            total, i = total + lens[order[i]], i + 1
+        if group == list(range(len(lens))) and total == len(group) * L:
+            out.append((None, None, len(group), L, None))
+            continue
+        rows = torch.cat([torch.arange(cu[g], cu[g + 1]) for g in group])
+        slot = torch.cat([j * L + torch.arange(lens[g]) for j, g in enumerate(group)])
+        mask = None
+        if total != len(group) * L:
+            mask = torch.zeros(len(group) * L, dtype=torch.bool)
+            mask[slot] = True
+            mask = mask.view(len(group), 1, 1, L).to(device)
+        out.append((rows.to(device), slot.to(device), len(group), L, mask))
+    return out
 
 
 def segment_attention(
@@ -72,18 +87,24 @@ def segment_attention(
     segment attending within itself only (bidirectional)."""
     _, H, N, D = query.shape
     cu = (0, N) if cu_seq_lens_q is None else tuple(cu_seq_lens_q.tolist())
-    flat, mask, S, L = _layout(cu, str(query.device))
-
-    def padded(t: torch.Tensor) -> torch.Tensor:  # [1, H, N, D] -> [S, H, L, D]
-        rows = t[0].transpose(0, 1)  # [N, H, D]
-        if flat is not None:
-            rows = rows.new_zeros(S * L, H, D).index_copy_(0, flat, rows)
-        return rows.reshape(S, L, H, D).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(
-        padded(query), padded(key), padded(value), attn_mask=mask, dropout_p=dropout, scale=scaling
-    )
-    out = out.transpose(1, 2).reshape(S * L, H, D)
-    if flat is not None:
-        out = out.index_select(0, flat)
+    packed = [t[0].transpose(0, 1) for t in (query, key, value)]  # [N, H, D] each
+    out = None
+    for rows, slot, G, L, mask in _buckets(cu, str(query.device)):
+        if rows is None:
+            q, k, v = (t.reshape(G, L, H, D).transpose(1, 2) for t in packed)
+        else:
+            q, k, v = (
+                t.new_zeros(G * L, H, D)
+                .index_copy_(0, slot, t.index_select(0, rows))
+                .view(G, L, H, D)
+                .transpose(1, 2)
+                for t in packed
+            )
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        o = o.transpose(1, 2).reshape(G * L, H, D)
+        if rows is None:
+            return o.unsqueeze(0), None
+        if out is None:
+            out = packed[0].new_empty(N, H, D)
+        out.index_copy_(0, rows, o.index_select(0, slot))
     return out.unsqueeze(0), None
