@@ -91,12 +91,33 @@ def image_only_processor_class(cls):
     to check, save and load them), so the subclass's signature simply drops one. It is only ever built
     through its constructor with every setting passed by name (`_image_only_processor` loads the parts
     and the saved settings through the public API): no loading path of transformers' is overridden, so
-    a release that changes one cannot drop a setting on the way (transformers 5.25's `from_dict` did)."""
+    a release that changes one cannot drop a setting on the way (transformers 5.25's `from_dict` did).
+    `DropVideo` lets a class whose `__init__` passes its parts on in another order (Qwen2.5-Omni's: the
+    video processor second, a feature extractor too) reach ProcessorMixin without the video part."""
 
-    class ImageOnly(cls):
+    from transformers import ProcessorMixin
+
+    parts = cls.get_attributes()  # the real class's parts, in the order its __init__ hands them on
+
+    class DropVideo(ProcessorMixin):
+        """Sits between `cls` and ProcessorMixin in the MRO: takes the parts as `cls.__init__` passes them
+        on (positionally, in its own order: Qwen2.5-Omni puts the video processor second) and hands them
+        to ProcessorMixin by name, less the video processor."""
+
+        def __init__(self, *args, **kwargs):
+            kwargs.update(zip(parts, args))
+            kwargs.pop("video_processor", None)
+            ProcessorMixin.__init__(self, **kwargs)
+
+    class ImageOnly(cls, DropVideo):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             cls.__init__(
-                self, image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs
+                self,
+                image_processor=image_processor,
+                tokenizer=tokenizer,
+                video_processor=None,
+                chat_template=chat_template,
+                **kwargs,
             )
 
     # the real signature less the video processor: what transformers saves and checks parts by
@@ -108,7 +129,7 @@ def image_only_processor_class(cls):
     return ImageOnly
 
 
-_PARTS = ("image_processor", "tokenizer", "video_processor")
+_PARTS = ("image_processor", "tokenizer", "video_processor", "feature_extractor")
 
 
 def _image_only_processor(path: str):
@@ -143,6 +164,10 @@ def _image_only_processor(path: str):
 
     tokenizer = load_hf_tokenizer(path)
     kwargs.setdefault("chat_template", getattr(tokenizer, "chat_template", None))
+    if "feature_extractor" in inspect.signature(cls.__init__).parameters:  # Qwen2.5-Omni's audio half
+        from transformers import AutoFeatureExtractor
+
+        kwargs["feature_extractor"] = AutoFeatureExtractor.from_pretrained(path, trust_remote_code=False)
     return image_only(
         image_processor=AutoImageProcessor.from_pretrained(path, trust_remote_code=False),
         tokenizer=tokenizer,

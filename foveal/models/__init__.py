@@ -28,6 +28,13 @@ _MODELS = {
     "Qwen3VLForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "foveal.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
+    "Qwen2_5OmniThinkerForConditionalGeneration": (
+        "foveal.models.qwen2_5_omni:Qwen2_5OmniThinkerForConditionalGeneration"
+    ),
+    # the whole model (thinker, talker, token2wav): its thinker only
+    "Qwen2_5OmniForConditionalGeneration": (
+        "foveal.models.qwen2_5_omni:Qwen2_5OmniThinkerForConditionalGeneration"
+    ),
 }
 
 
