@@ -56,10 +56,13 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=8000, help="the plan's token budget")
     ap.add_argument("--schemas", default=str(MASKBENCH))
     ap.add_argument("--budget", choices=("default", "none"), default="default")
+    ap.add_argument("--budget-ms", type=float, default=None, help="a plan's and a step's time limit instead")
     args = ap.parse_args()
     if args.budget == "none":
         closing.BUDGET = closing.Budget(3600.0, 10**12, 3600.0)
         closing.WITNESS_SECONDS = 3600.0
+    elif args.budget_ms is not None:
+        closing.BUDGET = closing.Budget(args.budget_ms / 1e3, closing.PLAN_EXPANSIONS, args.budget_ms / 1e3)
     import jsonschema
 
     backend = LLGuidanceBackend.from_tokenizer(tokenizer(args.tokenizer))
@@ -101,7 +104,7 @@ def main() -> None:
         "points": points,
         "plans_found": found,
         "plans_invalid": invalid,
-        "budget": args.budget,
+        "budget": args.budget if args.budget_ms is None else f"{args.budget_ms:g} ms",
         "given_up": closing.BUDGET.skipped,
         "no_plan": sorted(set(missing)),
         "plan_ms": {"p50": q(seconds, 0.5) * 1e3, "p90": q(seconds, 0.9) * 1e3, "max": seconds[-1] * 1e3},

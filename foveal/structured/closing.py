@@ -50,11 +50,14 @@ _SEARCH_BYTES = 128  # how far one search looks
 _WITNESS_BYTES = 128
 MAX_WITNESSES = 16  # patterns of a schema given a witness
 WITNESS_SECONDS = 0.050  # and the search for each (with PLAN_EXPANSIONS): Python, so it takes the GIL
-# ~11 us an expansion on the 2-vCPU host: 2,000 is ~20 ms; the time limits are the backstop of a noisy
-# host (5 ms cut the plans of ordinary answers: the tiny model's p99 was 5.6 ms)
-PLAN_SECONDS = 0.020
+# ~11 us an expansion on the 2-vCPU host. A step's plans take at most STEP_SECONDS of the model thread
+# (a plan's probes may overrun it by a couple of ms): every other stream's step waits for them. Over the
+# maskbench sample at random points (benchmarks/closing.py, SmolLM2's tokenizer, the Zen 5 dev host), a
+# plan's p50 is 0.6 ms and p90 2.7 ms; 5 ms a step closes 595 of 645 points, 20 ms closed 621: the
+# rest are cut where max_tokens falls, as without closing, and counted (Budget.skipped)
+PLAN_SECONDS = 0.005
 PLAN_EXPANSIONS = 2_000
-STEP_SECONDS = 0.020
+STEP_SECONDS = 0.005
 POOL_PLAN_SECONDS = 0.050  # a plan from the grammar's start, made in the input pool (prepare), at least
 DEFER = "defer"  # plan(): the step's budget is spent, ask again next step
 
@@ -426,7 +429,7 @@ def prepare(grammar, limit: int | None = None) -> Closer:
     grammar's start within `limit` tokens (a request's max_tokens): called on the request side, before
     a request that may be closed is admitted, so that neither is made on the model thread (each
     request's first look is a plan from the start: 64 JSON requests whose shortest answer did not fit
-    spent their 20 ms plan budgets there, one a step, +4.5 ms a step at batch 64 on the H200)."""
+    spent their plan budgets there, 20 ms then, one a step: +4.5 ms a step at batch 64 on the H200)."""
     c = closer_for(grammar)
     c.witnesses()
     if limit is not None:
