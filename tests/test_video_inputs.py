@@ -337,5 +337,7 @@ def test_a_clip_in_parts_encodes_over_steps_and_equals_transformers(tiny, tiny3,
     monkeypatch.setattr(model, "encode_images", lambda items: encoded.append(len(items)) or real(items))
     ((logits, toks, _),) = foveal_greedy(llm, [p], STEPS)
     assert encoded == [1] * t  # one part a step: the budget holds
+    again = foveal_greedy(llm, [llm.processor.render_prompt(text, videos=[video])], STEPS)[0]
+    assert encoded == [1] * t and again[1] == toks  # the same clip again: every part from the vision cache
     want, ref = hf_greedy_on(t_.hf, whole.prompt_token_ids, one.data, STEPS)
     assert (logits - want).abs().max().item() < TOL and toks == ref
