@@ -89,3 +89,20 @@ def test_batches_keep_padding_bounded():
     assert got == [(2, 1024), (2, 16)]
     assert [(G, L) for _, _, G, L, _ in _buckets((0, 8, 16, 24), "cpu")] == [(3, 8)]
     assert _buckets((0, 8, 16, 24), "cpu")[0][0] is None  # equal segments in order: no gather
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", [_qwen2_5_vl, _qwen3_vl], ids=["qwen2_5_vl", "qwen3_vl"])
+def test_on_cuda_in_bf16(family):
+    """As served: bf16 on the GPU, the padded batches' masked attention against the per-segment path."""
+    cls, config, patch = family()
+    torch.manual_seed(0)
+    ref = cls._from_config(config).eval()
+    mine = cls._from_config(config).eval()
+    mine.load_state_dict(ref.state_dict())
+    ref, mine = ref.to("cuda", torch.bfloat16), use_segment_attention(mine.to("cuda", torch.bfloat16))
+    grid = torch.tensor([[1, 32, 32], [1, 4, 4], [2, 12, 8], [1, 10, 14]], device="cuda")
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * patch * patch, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want, got = ref(pixels, grid_thw=grid).pooler_output, mine(pixels, grid_thw=grid).pooler_output
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
