@@ -6,6 +6,7 @@ logs why once per source; callers keep a PyTorch path for that case.
 
     lib = load(Path(__file__).with_name("my_kernel.c"), "my kernel")
     fn = Entry(lib.foveal_my_op, [ctypes.c_void_p, ctypes.c_int64])   # calls a tape can record
+    fn = entry(Path(__file__).with_name("my_kernel.c"), "foveal_my_op", "my kernel", [...])  # the two at once
 
 While worker.cpu_graphs records a decode step, every Entry call is appended to its tape (the function and
 its arguments: data pointers as ints), and `keep` holds tensors made before the recording whose memory
@@ -132,6 +133,13 @@ class Entry:
         if tape is not None:
             tape.append((self.fn, args, None, None))
         self.fn(*args)
+
+
+def entry(source: Path, symbol: str, what: str, argtypes: list) -> Entry | None:
+    """The function `symbol` of the library built from `source` (load's cache), or None where no
+    compiler built it (the caller's torch path runs; `what` names it in the log)."""
+    lib = load(source, what)
+    return None if lib is None else Entry(getattr(lib, symbol), argtypes)
 
 
 def keep(*tensors) -> None:

@@ -125,12 +125,9 @@ def _cpu_kernel():
 
     from foveal import native
 
-    lib = native.load(Path(__file__).with_name("cpu_lora.c"), "CPU LoRA kernel")
-    if lib is None:
-        return None
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     sig = [P, I64, P, I64, P, P, P, P, I64, I64, I64, I64, I64, I64, P, I64, ctypes.c_int]
-    return native.Entry(lib.foveal_lora_f32, sig)
+    return native.entry(Path(__file__).with_name("cpu_lora.c"), "foveal_lora_f32", "CPU LoRA kernel", sig)
 
 
 def lora_add_grouped(x, y, A, B, perm, offs) -> torch.Tensor:

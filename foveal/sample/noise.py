@@ -110,8 +110,8 @@ def _cpu_kernel():
 
     from foveal import native
 
-    lib = native.load(Path(__file__).with_name("cpu_noise.c"), "CPU sampling-noise kernel")
-    if lib is None:
-        return None
     P, I64 = ctypes.c_void_p, ctypes.c_int64
-    return native.Entry(lib.foveal_noise_fill, [P, I64, I64, ctypes.c_int, P])
+    source = Path(__file__).with_name("cpu_noise.c")
+    return native.entry(
+        source, "foveal_noise_fill", "CPU sampling-noise kernel", [P, I64, I64, ctypes.c_int, P]
+    )
