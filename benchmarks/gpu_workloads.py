@@ -361,26 +361,37 @@ def smoke_configs() -> str:
     return d
 
 
+def engine_options(ap: argparse.ArgumentParser) -> None:
+    """The flags `engine()` reads, and --smoke (for `setup`): shared by the scripts built on this one."""
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs: check the script only")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+
+
+def setup(a, script: str) -> None:
+    """--smoke: the CPU and the tiny configs (smoke_configs); otherwise CUDA, or exit saying so."""
+    global SMOKE, CONFIGS
+    if a.smoke:
+        SMOKE, CONFIGS = True, smoke_configs()
+    elif not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs CUDA (or --smoke)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="ceilings,w1,w2,w3,w4")
-    ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument(
         "--profile",
         action="store_true",
         help="torch.profiler tables of W1 and W2 decode steps; W2 prefill alone",
     )
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs: check the script only")
-    ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    engine_options(ap)
     a = ap.parse_args()
     a.workloads = set(a.workloads.split(","))
+    setup(a, "gpu_workloads.py")
     if a.smoke:
-        global SMOKE, CONFIGS
-        SMOKE, CONFIGS = True, smoke_configs()
         a.workloads.discard("ceilings")
-    elif not torch.cuda.is_available():
-        raise SystemExit("gpu_workloads.py needs CUDA (or --smoke)")
     else:
         log(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, eager={a.enforce_eager}")
     steps = [("ceilings", lambda a: RESULTS.__setitem__("ceilings", ceilings()))]

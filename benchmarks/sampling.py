@@ -254,15 +254,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="mixed,prefix")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", default=None, help="a folder for traces of a few decode steps of each mode")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs: check the script only")
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    gw.engine_options(ap)
     a = ap.parse_args()
-    if a.smoke:
-        gw.SMOKE, gw.CONFIGS = True, gw.smoke_configs()
-    elif not torch.cuda.is_available():
-        raise SystemExit("sampling.py needs CUDA (or --smoke)")
+    gw.setup(a, "sampling.py")
     out: dict = {"benchmark": "sampling", "commit": os.environ.get("FOVEAL_COMMIT", "?")}
     for name, fn in (("kernel", kernel), ("tiles", tiles), ("mixed", mixed), ("prefix", prefix)):
         if name in a.workloads.split(","):

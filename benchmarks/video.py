@@ -343,17 +343,12 @@ def main() -> None:
     ap.add_argument("--video-out", type=int, default=128)
     ap.add_argument("--base-steps", type=int, default=24, help="text-only steps before the videos come")
     ap.add_argument("--max-model-len", type=int, default=16384)
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, small counts: check the script")
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    gw.engine_options(ap)
     a = ap.parse_args()
-    if a.smoke:
-        gw.SMOKE, gw.CONFIGS = True, gw.smoke_configs()
+    gw.setup(a, "video.py")
+    if a.smoke:  # and small counts
         a.videos, a.texts, a.seconds, a.size = 2, 4, 3.0, "160x96"
         a.text_len, a.text_out, a.video_out, a.base_steps, a.max_model_len = 16, 24, 8, 4, 4096
-    elif not torch.cuda.is_available():
-        raise SystemExit("video.py needs CUDA (or --smoke)")
     else:
         log(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, eager={a.enforce_eager}")
     width, height = (int(x) for x in a.size.split("x"))
