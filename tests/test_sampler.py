@@ -363,3 +363,21 @@ def test_bf16_logits():
 def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError):
         Sampler(V)(torch.zeros(2, V - 1), [row(), row()])
+
+
+def test_a_kernel_that_fails_to_build_falls_back_alone(monkeypatch):
+    """Each Triton kernel builds at its first launch: one that fails there is left for the torch ops
+    from then on, whatever the others did; one that built and then fails raises (no silent fallback)."""
+    from foveal.sample import sampler
+
+    monkeypatch.setattr(sampler, "_kernel_ok", {"penalize": True})
+    calls = []
+
+    def broken(ts):
+        calls.append(1)
+        raise RuntimeError("no compiler")
+
+    assert sampler._triton("sample", broken) is None and sampler._triton("sample", broken) is None
+    assert len(calls) == 1 and sampler._kernel_ok == {"penalize": True, "sample": False}
+    with pytest.raises(RuntimeError):
+        sampler._triton("penalize", broken)

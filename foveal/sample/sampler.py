@@ -29,7 +29,8 @@ from foveal.sample.history import TokenHistory, occurrence_counts
 from foveal.structured.bitmask import apply_bitmask
 
 log = logging.getLogger(__name__)
-_kernel_ok: bool | None = None  # whether the CUDA sampling kernel built here (None: not tried yet)
+# per Triton kernel (each compiles at its first launch): whether it built here; absent: not tried yet
+_kernel_ok: dict[str, bool] = {}
 
 # the grammar masks of a step's constrained rows: (bitmask int32 [n, words], logits row of each) on the
 # logits' device; None when no row is constrained
@@ -190,7 +191,8 @@ class Sampler:
         if all(s is not None for s in slots):  # the device history: no host lists
             h, at = self.history, _long(slots, dev)
             if x.is_cuda:  # one pass in place (the torch ops below take ~15)
-                if _triton(lambda ts: ts.penalize(x, idx, at, vals, h.counts, h.prompt)) is not None:
+                penalize = lambda ts: ts.penalize(x, idx, at, vals, h.counts, h.prompt)  # noqa: E731
+                if _triton("penalize", penalize) is not None:
                     return
             out_counts, prompt_seen = h.read(at)
         else:
@@ -311,9 +313,9 @@ class Sampler:
         )
         cols = to_device(cols, x.device)
         if keys is None:
-            return _triton(lambda ts: ts.thresholds(x, cols[0], cols[1], cols[2], cols[3], V))
+            return _triton("thresholds", lambda ts: ts.thresholds(x, cols[0], cols[1], cols[2], cols[3], V))
         halves = noise.key_halves(keys, x.device)
-        return _triton(lambda ts: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V))
+        return _triton("sample", lambda ts: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V))
 
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
 
@@ -359,23 +361,22 @@ class PendingLogprobs:
         return out
 
 
-def _triton(call):
-    """call(sample/triton_sample.py) (CUDA's kernels, or the interpreter's); None where they failed to
-    build on this machine (logged once; the torch ops run instead from then on)."""
-    global _kernel_ok
-    if _kernel_ok is False:
+def _triton(name: str, call):
+    """call(sample/triton_sample.py), the kernel `name` (CUDA's, or the interpreter's); None where it
+    failed to build on this machine (logged once; the torch ops run instead from then on)."""
+    if _kernel_ok.get(name) is False:
         return None
     from foveal.sample import triton_sample
 
-    try:  # the first call compiles
+    try:  # its first launch compiles it
         out = call(triton_sample)
     except Exception:
-        if _kernel_ok:  # they built and ran before: this is no build failure
+        if _kernel_ok.get(name):  # it built and ran before: this is no build failure
             raise
-        log.exception("the Triton sampling kernels failed; sampling with torch ops from now on")
-        _kernel_ok = False
+        log.exception("the Triton %s kernel failed; torch ops run instead from now on", name)
+        _kernel_ok[name] = False
         return None
-    _kernel_ok = True
+    _kernel_ok[name] = True
     return out
 
 
