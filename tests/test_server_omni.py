@@ -11,6 +11,7 @@ from PIL import Image
 from foveal.engine.llm import LLM
 from foveal.request import AudioClip, SamplingParams, VideoClip
 from foveal.server import audio, video
+from foveal.server.protocols.transcriptions import instruction
 from tests.test_server import _serve
 from tests.test_server_audio import input_audio, wav
 from tests.test_server_video import _png, a_clip, data_url, user, vid
@@ -64,8 +65,14 @@ def test_image_clip_and_sound_in_one_turn_equal_the_offline_engine(srv, tiny):
 
 
 def test_a_transcription_through_the_official_client(srv):
-    """Omni hears: /v1/audio/transcriptions answers at the server's default length."""
-    got = srv.client().audio.transcriptions.create(
-        model=srv.model, file=("clip.wav", wav(1.0)), language="en"
+    """Omni hears: a transcription is the chat turn [the clip, the instruction] at the server's default
+    length, the same text and token counts as that chat through the chat endpoint."""
+    data = wav(1.0)
+    c = srv.client()
+    got = c.audio.transcriptions.create(model=srv.model, file=("clip.wav", data), language="en")
+    chat = c.chat.completions.create(
+        model=srv.model, messages=user(input_audio(data), instruction("en", None)), temperature=0
     )
-    assert isinstance(got.text, str) and got.usage.output_tokens == 8
+    assert got.text == chat.choices[0].message.content
+    assert got.usage.input_tokens == chat.usage.prompt_tokens
+    assert got.usage.output_tokens == chat.usage.completion_tokens == 8
