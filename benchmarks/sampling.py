@@ -153,24 +153,7 @@ def kernel(a) -> dict:
         return tokens
 
     def timed(fn, x) -> float:
-        for _ in range(3):
-            fn(x)
-        out = []
-        for _ in range(20):
-            if dev == "cuda":
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                fn(x)
-                t1.record()
-                t1.synchronize()
-                out.append(t0.elapsed_time(t1))
-            else:
-                import time
-
-                t = time.perf_counter()
-                fn(x)
-                out.append((time.perf_counter() - t) * 1e3)
-        return sorted(out)[len(out) // 2]
+        return median_ms(lambda: fn(x), reps=20)
 
     res = {}
     for scale in (1.0, 4.0):
@@ -183,6 +166,26 @@ def kernel(a) -> dict:
         }
         gw.log(f"sampler alone, scale {scale}: {res[f'scale_{scale}']}")
     return res
+
+
+def median_ms(run, reps: int = 10) -> float:
+    """run()'s median time in ms over `reps` calls after 3 warm-ups (CUDA events on a GPU)."""
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            run()
+            t1.record()
+            t1.synchronize()
+            times.append(t0.elapsed_time(t1))
+        else:
+            t = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def tiles(a) -> dict:
@@ -210,24 +213,46 @@ def tiles(a) -> dict:
         for block, warps in shapes:
             ts._BLOCK, ts._WARPS = block, warps
             run = lambda x=x: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], keys, V)  # noqa: E731
-            for _ in range(3):
-                run()
-            times = []
-            for _ in range(10):
-                if dev == "cuda":
-                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t0.record()
-                    run()
-                    t1.record()
-                    t1.synchronize()
-                    times.append(t0.elapsed_time(t1))
-                else:
-                    t = time.perf_counter()
-                    run()
-                    times.append((time.perf_counter() - t) * 1e3)
-            res[f"scale {scale} block {block} warps {warps}"] = sorted(times)[len(times) // 2]
+            res[f"scale {scale} block {block} warps {warps}"] = median_ms(run)
             gw.log(f"kernel, scale {scale}, block {block}, warps {warps}: {res[list(res)[-1]]:.3f} ms")
     ts._BLOCK, ts._WARPS = saved
+    return res
+
+
+def filters(a) -> dict:
+    """The Triton sampling kernel alone with every row on one filter (temperature 0.7 and the named
+    filter; fp32 and bf16 logits), then the mixed rows: where the kernel's time goes by filter. CUDA
+    events, median of 10 after 3 warm-ups, logits of scale 1 and 4."""
+    from foveal.sample import noise
+    from foveal.sample import triton_sample as ts
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    V, n = (128256, 256) if dev == "cuda" else (4096, 4)
+    keys = noise.key_halves(noise.row_keys(list(range(n)), [0] * n), dev)
+    cases = {  # name: (temperature, min_p, top_k, top_p)
+        "greedy": (0.0, 0.0, 0, 1.0),
+        "temperature": (0.7, 0.0, 0, 1.0),
+        "min_p 0.05": (0.7, 0.05, 0, 1.0),
+        "top_k 50": (0.7, 0.0, 50, 1.0),
+        "top_p 0.9": (0.7, 0.0, 0, 0.9),
+        "top_p 0.5": (0.7, 0.0, 0, 0.5),
+        "top_k 50 + top_p 0.9": (0.7, 0.0, 50, 0.9),
+    }
+    ps = mixed_params(n, 1)
+    mixed_cols = [[p.temperature for p in ps], [p.min_p for p in ps], [p.top_k for p in ps]]
+    mixed_cols.append([p.top_p for p in ps])
+    res = {}
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 4.0):
+        x32 = (torch.randn(n, V, generator=g) * scale).to(dev)
+        for dtype, x in (("fp32", x32), ("bf16", x32.to(torch.bfloat16))):
+            for name, vals in [*cases.items(), ("mixed rows", None)]:
+                cols = mixed_cols if vals is None else [[v] * n for v in vals]
+                c = torch.tensor(cols, dtype=torch.float32, device=dev)
+                run = lambda x=x, c=c: ts.sample_rows(x, c[0], c[1], c[2], c[3], keys, V)  # noqa: E731
+                key = f"scale {scale} {dtype} {name}"
+                res[key] = median_ms(run)
+                gw.log(f"kernel, {key}: {res[key]:.3f} ms")
     return res
 
 
@@ -258,7 +283,8 @@ def main() -> None:
     a = ap.parse_args()
     gw.setup(a, "sampling.py")
     out: dict = {"benchmark": "sampling", "commit": os.environ.get("FOVEAL_COMMIT", "?")}
-    for name, fn in (("kernel", kernel), ("tiles", tiles), ("mixed", mixed), ("prefix", prefix)):
+    parts = (("kernel", kernel), ("tiles", tiles), ("filters", filters), ("mixed", mixed), ("prefix", prefix))
+    for name, fn in parts:
         if name in a.workloads.split(","):
             out[name] = fn(a)
             if torch.cuda.is_available():

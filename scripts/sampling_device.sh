@@ -7,10 +7,12 @@
 #               and in this checkout, alternating, one process per tree
 #   kernel      the sampler alone: the Triton kernel against the torch path on [256, 128256] logits
 #   tiles       the Triton kernel alone at several (column block, warps per program) shapes
+#   filters     the Triton kernel alone with all rows on one filter each (fp32 / bf16 logits): its time by filter
 #   decode      mixed --reps 1 --profile: decode steps of both modes timed, then traced ($OUT/prof)
 #   prefix      the shared-prefix workload, this checkout only
 #   structured  benchmarks/structured.py (JSON schema vs free TPOT, batch 1 and 64) here and in before34/
 #   eagle       benchmarks/speculative.py --heads eagle3 batch 1 with --profile, here and in before/
+#   dflash      the same for DFlash at batch 1 and 64 (issue 35's before/after)
 # Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/sampling_device.sh tests mixed
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +48,9 @@ for part in "$@"; do
     tiles)
       timeout ${T_TILES:-150} python3 benchmarks/sampling.py --workloads tiles 2>&1 | quiet | grep -v '^{' | tail -14
       ;;
+    filters)
+      timeout ${T_FILTERS:-150} python3 benchmarks/sampling.py --workloads filters 2>&1 | quiet | grep -v '^{' | tail -32
+      ;;
     decode)
       timeout ${T_DECODE:-200} python3 benchmarks/sampling.py --workloads mixed --reps 1 --profile $OUT/prof 2>&1 \
         | grep '^{"profile\|mixed / greedy\|decode step greedy' | cut -c1-1500
@@ -70,6 +75,15 @@ for part in "$@"; do
         in_tree "$d" "$c" timeout ${T_EAGLE:-230} python3 benchmarks/speculative.py --heads --methods eagle3 \
           --batches 1 --reps 3 --kv-memory-gib 6 --profile $OUT/prof_$t > $OUT/eagle_$t.txt 2>&1
         quiet < $OUT/eagle_$t.txt | grep '^{' | cut -c1-700
+      done
+      ;;
+    dflash)
+      for t in after before; do
+        d=$R; c=$FOVEAL_COMMIT; [ $t = before ] && d=$R/before && c=8a3854b
+        echo "-- $t"
+        in_tree "$d" "$c" timeout ${T_DFLASH:-250} python3 benchmarks/speculative.py --heads --methods dflash \
+          --batches ${DFLASH_BATCHES:-1,64} --reps ${DFLASH_REPS:-2} --kv-memory-gib 6 > $OUT/dflash_$t.txt 2>&1
+        quiet < $OUT/dflash_$t.txt | grep '^{' | cut -c1-900
       done
       ;;
   esac

@@ -152,7 +152,7 @@ def test_positions_equal_transformers_get_rope_index(tiny, refs):
     p = refs["mixed"][0]
     inputs = hf_inputs(p)
     ids = torch.tensor([p.prompt_token_ids])
-    pos, delta = tiny.hf.model.get_rope_index(
+    pos, delta = tiny.hf.get_rope_index(  # the thinker's own (5.17 has none on .model)
         ids, inputs["image_grid_thw"], inputs["video_grid_thw"], torch.ones_like(ids),
         audio_seqlens=inputs["feature_attention_mask"].sum(-1),
         second_per_grids=inputs["video_second_per_grid"],

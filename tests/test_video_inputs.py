@@ -29,7 +29,22 @@ def tiny(request, tmp_path_factory):
     return build(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
-def clip(frames: int, h: int, w: int, seed: int, fps: float = 4.0) -> VideoClip:
+def _keeps_fractional_seconds() -> bool:
+    """transformers 5.17 truncates Qwen2.5-VL's seconds per temporal patch to an integer in its positions
+    (`int(next(second_per_grid_ts))`: 0 at 4 fps); Qwen's reference and later transformers keep the
+    fraction, as Foveal does. Where the installed one truncates, the clips run at 2 fps (1 s a patch),
+    where both agree."""
+    import inspect
+
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+
+    return "int(next(second_per_grid_ts))" not in inspect.getsource(modeling_qwen2_5_vl)
+
+
+FPS = 4.0 if _keeps_fractional_seconds() else 2.0
+
+
+def clip(frames: int, h: int, w: int, seed: int, fps: float = FPS) -> VideoClip:
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (frames, h, w, 3), generator=g, dtype=torch.uint8).numpy()
     return VideoClip(data, fps, content_hash=f"clip-{frames}-{h}-{w}-{seed}")
@@ -190,6 +205,19 @@ def test_patches_of_a_still_clip_equal_the_image_processors():
     assert (patches - ref["pixel_values"]).abs().max().item() < 1e-5
 
 
+def test_resize_in_float_passes_equals_the_uint8_kernel():
+    """Frames off the CPU resize in two float passes, each rounded and clamped: within one level of torch's
+    uint8 kernel to 2 levels (torchvision, and so transformers' video processors, use it); one float pass
+    differs by ~20 levels on noise (bicubic overshoot clamped between the passes)."""
+    from foveal.models.qwen_video import resize_two_pass, resize_uint8
+
+    x = torch.from_numpy(clip(5, 61, 97, 3).frames).permute(0, 3, 1, 2)
+    want = resize_uint8(x, 56, 112).int()
+    assert (resize_two_pass(x, 56, 112).int() - want).abs().max().item() <= 2  # its fixed-point weights
+    one = torch.nn.functional.interpolate(x.float(), size=(56, 112), mode="bicubic", antialias=True)
+    assert (one.round().clamp(0, 255).int() - want).abs().max().item() > 5  # the difference is real
+
+
 def test_patches_equal_transformers_video_processor():
     pytest.importorskip("torchvision", reason="transformers' video processors need torchvision")
     from transformers import Qwen2VLVideoProcessor
@@ -200,7 +228,7 @@ def test_patches_equal_transformers_video_processor():
     ref = vp(videos=[frames], return_tensors="pt", do_sample_frames=False)
     patches, grid = video_patches(QwenVideoConfig.from_dict({"size": size}), torch.from_numpy(frames))
     assert list(grid) == ref["video_grid_thw"][0].tolist()
-    assert (patches - ref["pixel_values_videos"]).abs().max().item() < 0.05  # uint8 resize rounding
+    assert (patches - ref["pixel_values_videos"]).abs().max().item() < 0.02  # both resize by the uint8 kernel
 
 
 def test_video_composes_with_speculation_and_structured_outputs(tiny):

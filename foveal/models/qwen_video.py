@@ -177,6 +177,26 @@ def frame_indices(
     return torch.arange(0, total_frames, total_frames / n).int().tolist()[:n]
 
 
+def resize_uint8(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """uint8 [N, 3, H, W] -> [N, 3, h, w], bicubic with antialiasing as torchvision resizes uint8 frames
+    (transformers' video processors, qwen-vl-utils): torch's uint8 kernel on the CPU, which rounds and
+    clamps between its horizontal and vertical passes (one float pass differs by up to ~20 levels where
+    bicubic overshoots); elsewhere the two passes in float, each rounded and clamped (within 2 levels of
+    the kernel, whose weights are fixed-point)."""
+    if x.device.type == "cpu":
+        return F.interpolate(x.contiguous(), size=(h, w), mode="bicubic", antialias=True, align_corners=False)
+    return resize_two_pass(x, h, w)
+
+
+def resize_two_pass(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """resize_uint8 in float: the horizontal pass, then the vertical, each rounded and clamped."""
+    y = x.float()
+    for size in ((x.shape[2], w), (h, w)):
+        y = F.interpolate(y, size=size, mode="bicubic", antialias=True, align_corners=False)
+        y = y.round_().clamp_(0, 255)
+    return y.to(torch.uint8)
+
+
 def video_patches(cfg: QwenVideoConfig, frames: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """uint8 frames [T, H, W, 3] -> (patches [t*h*w, 3 * temporal * patch^2] float32, grid (t, h, w))."""
     if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
@@ -190,10 +210,10 @@ def video_patches(cfg: QwenVideoConfig, frames: torch.Tensor) -> tuple[torch.Ten
         total = int(cfg.max_video_tokens * factor * factor * 0.9)
         max_pixels = max(min(cfg.max_pixels, total * tps // T), int(cfg.min_pixels * 1.05))
         h, w = smart_resize(H, W, factor, cfg.min_pixels, max_pixels)
-    x = frames.permute(0, 3, 1, 2).float()
+    x = frames.permute(0, 3, 1, 2)
     if (h, w) != (H, W):
-        x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
-        x = x.round_().clamp_(0, 255)
+        x = resize_uint8(x, h, w)
+    x = x.float()
     mean = torch.tensor(cfg.mean).view(1, 3, 1, 1) / cfg.rescale
     std = torch.tensor(cfg.std).view(1, 3, 1, 1) / cfg.rescale
     x = (x - mean) / std
