@@ -12,7 +12,7 @@
 #   prefix      the shared-prefix workload, this checkout only
 #   structured  benchmarks/structured.py (JSON schema vs free TPOT, batch 1 and 64) here and in before34/
 #   eagle       benchmarks/speculative.py --heads eagle3 batch 1 with --profile, here and in before/
-#   dflash      the same for DFlash at batch 1 and 64 (issue 35's before/after)
+#   dflash      the same for DFlash at batch 1 and 64 (issue 35's before/after; DFLASH_PROFILE=1: traces)
 # Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/sampling_device.sh tests mixed
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,8 +82,10 @@ for part in "$@"; do
         d=$R; c=$FOVEAL_COMMIT; [ $t = before ] && d=$R/before && c=8a3854b
         echo "-- $t"
         in_tree "$d" "$c" timeout ${T_DFLASH:-250} python3 benchmarks/speculative.py --heads --methods dflash \
-          --batches ${DFLASH_BATCHES:-1,64} --reps ${DFLASH_REPS:-2} --kv-memory-gib 6 > $OUT/dflash_$t.txt 2>&1
+          --batches ${DFLASH_BATCHES:-1,64} --reps ${DFLASH_REPS:-2} --kv-memory-gib 6 \
+          ${DFLASH_PROFILE:+--profile $OUT/prof_dflash_$t} > $OUT/dflash_$t.txt 2>&1
         quiet < $OUT/dflash_$t.txt | grep '^{' | cut -c1-900
+        gzip -f $OUT/prof_dflash_$t/*.json 2>/dev/null
       done
       ;;
   esac
