@@ -40,12 +40,12 @@ def cases() -> dict:
             [],
             [AudioClip(sound(1.3, 1), SR, "a1")],
         ),
-        "video": (f"<|user|>{VIDEO}What happens here?\n<|assistant|>", [], [clip(4, 56, 84, 1)], []),
+        "video": (f"<|user|>{VIDEO}What happens here?\n<|assistant|>", [], [clip(4, 56, 84, 1, fps=4.0)], []),
         "image": (f"<|user|>{IMAGE}What is this?\n<|assistant|>", [image(40, 30, 1)], [], []),
         "mixed": (
             f"<|user|>{IMAGE} then {VIDEO} with {AUDIO} and {AUDIO}?\n<|assistant|>",
             [image(84, 56, 2)],
-            [clip(3, 84, 56, 2)],
+            [clip(3, 84, 56, 2, fps=4.0)],
             [AudioClip(sound(0.4, 2), SR, "a2"), AudioClip(sound(0.9, 3), SR, "a3")],
         ),
     }
