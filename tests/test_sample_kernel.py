@@ -80,10 +80,17 @@ def test_kept_sets_and_tokens_equal_the_torch_path(scale):
         assert tokens[i].item() == drawn.item(), mix
 
 
-def test_top_k_radix_select_with_ties_signs_and_zeros():
+@pytest.mark.parametrize("block", [None, 16])
+def test_top_k_radix_select_with_ties_signs_and_zeros(block, monkeypatch):
     """top_k's k-th largest by radix select on the float keys: logits from a few values (ties across
     the k-th), negative and positive, +0.0 and -0.0 (equal as numbers), -inf masked columns; each k
-    keeps what the sort keeps (every tie at the k-th value) and the tokens are the torch path's."""
+    keeps what the sort keeps (every tie at the k-th value) and the tokens are the torch path's. At 16
+    columns a block each lane sees 10 values, so both the lanes' candidates and the row's passes
+    (k past the 64 candidates, or a lane hiding values above the candidates' k-th) find it."""
+    from foveal.sample import triton_sample
+
+    if block:
+        monkeypatch.setattr(triton_sample, "_BLOCK", block)
     dev = _device()
     V = 160
     g = torch.Generator().manual_seed(21)
@@ -100,6 +107,31 @@ def test_top_k_radix_select_with_ties_signs_and_zeros():
         kept = torch.isfinite(want)
         assert torch.equal(kept, (x[i] / mix[0]) >= tau[i].cpu()), (i, kept.sum().item())
         row = SamplingRow(SamplingParams(temperature=mix[0], seed=i), [], [], frozenset())
+        assert tokens[i].item() == s._draw(want[None].softmax(-1), [row]).item(), mix
+
+
+def test_top_k_when_one_lane_holds_the_largest_values(monkeypatch):
+    """The lanes' 4 candidates miss a lane's 5th-largest value: the rows' largest values all in one lane
+    (columns 3, 3 + 16, ...), so the candidates' k-th is wrong and the kernel must see it and select
+    over the row; and rows where the largest values spread over the lanes (the candidates suffice)."""
+    from foveal.sample import triton_sample
+
+    monkeypatch.setattr(triton_sample, "_BLOCK", 16)
+    dev = _device()
+    V = 200
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, V, generator=g)
+    x[:3, 3::16] += 10.0 + torch.rand(3, len(range(3, V, 16)), generator=g)  # 13 values in lane 3
+    x[3:, :12] += 10.0 + torch.rand(3, 12, generator=g)  # 12 values in 12 lanes
+    ks = [5, 9, 12, 5, 9, 12]
+    mixes = [(1.0, 0.0, k, 1.0) for k in ks]
+    tokens, tau = _run(x.to(dev), mixes, list(range(6)), V)
+    s = Sampler(V)
+    for i, mix in enumerate(mixes):
+        want = s.sort_filter(x[i : i + 1].clone(), [_params(mix)])[0]
+        kept = torch.isfinite(want)
+        assert kept.sum().item() == ks[i] and torch.equal(kept, x[i] >= tau[i].cpu()), i
+        row = SamplingRow(SamplingParams(temperature=1.0, seed=i), [], [], frozenset())
         assert tokens[i].item() == s._draw(want[None].softmax(-1), [row]).item(), mix
 
 

@@ -7,17 +7,21 @@ as the last one a sort would keep (ties at a boundary all stay, where a sort kee
 The draw is the exponential race in log form, argmax over the kept set of y - log E_j with E_j =
 -log U(key, j) (sample/noise.py: Gumbel-max, token j wins with probability softmax(y)_j on the set).
 
-    pass 1     m = max(y); with top_k, the histogram of the first byte of each y's order-preserving key
+    pass 1     m = max(y); with top_k, each lane's 4 largest y (lane c: the columns c, c + BLOCK, ...)
     min_p      floor = m + log(min_p)                        (keep p >= min_p * p_max)
-    top_k      floor = max(floor, the k-th largest y): radix select on the key, a byte a pass (3 more
-               passes; ties at the k-th value all stay)
+    top_k      floor = max(floor, the k-th largest y): radix select on the order-preserving key of the
+               4 * BLOCK lane candidates, in registers (no pass). It is the row's k-th largest when no
+               lane's 4th largest exceeds it (a lane can then hold no uncounted value above it): so
+               unless one lane of 8,192 holds 4 values above the k-th (for k = 50 about 3 rows in
+               10,000), else radix select over the row, a byte a pass (4 passes; ties at the k-th all
+               stay either way)
     draw       the race winner w over {y >= floor}, and Z = sum_{y >= floor} e^(y - m)
     top_p      accept w when the mass above it is below top_p * Z (then w is in the top_p set, and the
                race over that set has the same winner, the set being inside the one raced over); else
                the set shrinks to {y > y_w} and its winner, found in the same pass, is the next w. Each
                pass accepts with probability >= top_p; an LLM's peaked rows take one or two.
 
-So a row costs 2 passes (temperature, min_p), 5 (top_k) and 2 or 5 plus one per top_p round, where the
+So a row costs 2 passes (temperature, min_p, top_k) plus one per top_p round, where the
 bisection this replaced took ~30 per filter. The threshold mode finds top_p's tau by bisection on the
 mass (`_bisect`: a pass a step; only filter() pays it). Triton is imported at the first call (the CPU
 never needs it); under TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how they are tested.
@@ -38,7 +42,8 @@ _kernel = _noise = _penalty = None
 
 def _triton_kernel():
     global _kernel, _noise, _penalty, tl  # @triton.jit resolves the helpers below as module globals
-    global _mix32, _uniform, _key, _unkey, _kth_largest, _race, _count_mass, _bisect
+    global _mix32, _uniform, _key, _unkey, _kth_largest, _race, _count_mass, _bisect, _insert4, _radix_byte
+    global _kth_of_lanes
     if _kernel is not None:
         return _kernel
     import triton
@@ -70,26 +75,65 @@ def _triton_kernel():
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _kth_largest(x_row, V, inv_t, k, hist, BLOCK: tl.constexpr):
-        """The k-th largest finite y, counting ties (k <= the finite count): radix select on _key(y), a
-        byte a pass. `hist` is the first byte's histogram over the finite values (pass 1 made it)."""
+    def _radix_byte(hist, need, prefix):
+        """One radix-select step: the byte b of the need-th largest key (the largest b with count(byte
+        >= b) >= need) from this byte's histogram; (need among the keys with that byte, prefix + b)."""
         bins = tl.arange(0, 256)
+        ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        b = tl.sum((ge >= need).to(tl.int32), 0) - 1
+        need -= tl.sum(tl.where(bins > b, hist, 0), 0)
+        return need, (prefix << 8) | b.to(tl.uint32)
+
+    @triton.jit
+    def _kth_largest(x_row, V, inv_t, k, BLOCK: tl.constexpr):
+        """The k-th largest finite y, counting ties (k <= the finite count): radix select on _key(y), a
+        byte a pass."""
         need = k
         prefix = tl.full((), 0, tl.uint32)
         for d in tl.static_range(4):
+            hist = tl.zeros([256], dtype=tl.int32)
+            for start in range(0, V, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                y = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
+                key = _key(y)
+                ok = y > float("-inf")
+                if d > 0:
+                    ok = ok & ((key >> (32 - 8 * d)) == prefix)
+                hist += tl.histogram(((key >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=ok)
+            need, prefix = _radix_byte(hist, need, prefix)
+        return _unkey(prefix)
+
+    @triton.jit
+    def _insert4(c0, c1, c2, c3, y):
+        """Each lane's 4 largest so far (c0 >= c1 >= c2 >= c3) with y added."""
+        n0 = tl.maximum(c0, y)
+        y = tl.minimum(c0, y)
+        n1 = tl.maximum(c1, y)
+        y = tl.minimum(c1, y)
+        n2 = tl.maximum(c2, y)
+        y = tl.minimum(c2, y)
+        return n0, n1, n2, tl.maximum(c3, y)
+
+    @triton.jit
+    def _kth_of_lanes(c0, c1, c2, c3, k):
+        """The k-th largest finite value among the lanes' candidates, counting ties (k <= their finite
+        count): radix select on their keys, in registers."""
+        k0, k1, k2, k3 = _key(c0), _key(c1), _key(c2), _key(c3)
+        f0, f1, f2, f3 = c0 > float("-inf"), c1 > float("-inf"), c2 > float("-inf"), c3 > float("-inf")
+        need = k
+        prefix = tl.full((), 0, tl.uint32)
+        for d in tl.static_range(4):
+            m0, m1, m2, m3 = f0, f1, f2, f3
             if d > 0:
-                hist = tl.zeros([256], dtype=tl.int32)
-                for start in range(0, V, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    y = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
-                    key = _key(y)
-                    ok = (y > float("-inf")) & ((key >> (32 - 8 * d)) == prefix)
-                    hist += tl.histogram(((key >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=ok)
-            # the byte b of the k-th largest: the largest b with count(byte >= b) >= need
-            ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-            b = tl.sum((ge >= need).to(tl.int32), 0) - 1
-            need -= tl.sum(tl.where(bins > b, hist, 0), 0)
-            prefix = (prefix << 8) | b.to(tl.uint32)
+                m0 = m0 & ((k0 >> (32 - 8 * d)) == prefix)
+                m1 = m1 & ((k1 >> (32 - 8 * d)) == prefix)
+                m2 = m2 & ((k2 >> (32 - 8 * d)) == prefix)
+                m3 = m3 & ((k3 >> (32 - 8 * d)) == prefix)
+            hist = tl.histogram(((k0 >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=m0)
+            hist += tl.histogram(((k1 >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=m1)
+            hist += tl.histogram(((k2 >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=m2)
+            hist += tl.histogram(((k3 >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=m3)
+            need, prefix = _radix_byte(hist, need, prefix)
         return _unkey(prefix)
 
     @triton.jit
@@ -182,25 +226,37 @@ def _triton_kernel():
         else:
             inv_t = 1.0 / temp
             k = tl.load(top_k_ptr + row).to(tl.int32)
-            hi = tl.full([BLOCK], neg_inf, tl.float32)
             lo = tl.full([BLOCK], float("inf"), tl.float32)
-            hist = tl.zeros([256], dtype=tl.int32)
+            c0 = tl.full([BLOCK], neg_inf, tl.float32)  # each lane's 4 largest (c0: its maximum)
+            c1 = tl.full([BLOCK], neg_inf, tl.float32)
+            c2 = tl.full([BLOCK], neg_inf, tl.float32)
+            c3 = tl.full([BLOCK], neg_inf, tl.float32)
+            finite = tl.zeros([BLOCK], dtype=tl.int32)
             for start in range(0, V, BLOCK):  # pass 1
                 cols = start + tl.arange(0, BLOCK)
                 y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32) * inv_t
-                hi = tl.maximum(hi, y)
+                if k > 0:
+                    c0, c1, c2, c3 = _insert4(c0, c1, c2, c3, y)
+                    finite += (y > neg_inf).to(tl.int32)
+                else:
+                    c0 = tl.maximum(c0, y)
                 if THRESH:
                     lo = tl.minimum(lo, tl.where(y == neg_inf, float("inf"), y))
-                if k > 0:
-                    hist += tl.histogram((_key(y) >> 24).to(tl.int32), 256, mask=y > neg_inf)
-            m = tl.max(hi, 0)
+            m = tl.max(c0, 0)
             floor = tl.full((), neg_inf, tl.float32)
             min_p = tl.load(min_p_ptr + row)
             if min_p > 0.0:
                 floor = m + tl.log(min_p)
             if k > 0:
-                if k < tl.sum(hist, 0):  # else every finite value stays
-                    floor = tl.maximum(floor, _kth_largest(x_row, V, inv_t, k, hist, BLOCK))
+                if k < tl.sum(finite, 0):  # else every finite value stays
+                    kth = neg_inf
+                    exact = k <= tl.sum(tl.minimum(finite, 4), 0)  # the candidates' finite count
+                    if exact:
+                        kth = _kth_of_lanes(c0, c1, c2, c3, k)
+                        exact = tl.max(c3, 0) <= kth  # no lane hides a value above it
+                    if not exact:
+                        kth = _kth_largest(x_row, V, inv_t, k, BLOCK)
+                    floor = tl.maximum(floor, kth)
             top_p = tl.load(top_p_ptr + row)
             if THRESH:
                 if top_p < 1.0:
