@@ -59,6 +59,12 @@ def _time(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _route_then_align(logits, k, bm):
+    from foveal.layers.moe_triton import align
+
+    return align(route(logits, k)[1], logits.shape[1], bm)
+
+
 # -- the experts on their own -------------------------------------------------------------------------
 def kernel(smoke: bool) -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,6 +92,16 @@ def kernel(smoke: bool) -> None:
                 s = _time(fn, 3 if smoke else 20)
                 row[f"{p}_us"] = round(s * 1e6, 1)
                 row[f"{p}_GBps"] = round(nbytes / s / 1e9, 1)
+            if dev == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # the routing and row layout
+                from foveal.layers.moe_triton import block_m, route_align
+
+                logits = torch.randn(T, E, generator=g).to(dtype).to(dev)
+                routing = {
+                    "route_align_torch": partial(_route_then_align, logits, k, block_m(T * k, w13)),
+                    "route_align_fused": partial(route_align, logits, k, True, block_m(T * k, w13)),
+                }
+                for p, fn in routing.items():
+                    row[f"{p}_us"] = round(_time(fn, 3 if smoke else 20) * 1e6, 1)
             out[f"{name}/T{T}"] = row
             log(f"kernel {name} T={T}: {row}")
     RESULTS["kernel"] = out

@@ -71,3 +71,47 @@ def test_align_sorts_pairs_by_expert_in_padded_tiles():
         tile = [r for r in rows[t * 4 : (t + 1) * 4].tolist() if r < n]
         assert all(flat[r] == e for r in tile) and (e >= 0) == bool(tile)
     assert [e for e in experts.tolist() if e >= 0] == [0, 1, 2, 3]  # expert 4: no pair, no tile
+
+
+@pytest.mark.parametrize(
+    "T,E,k,bm,renorm,fused",
+    [
+        (1, 128, 8, 16, True, True),  # Qwen3-30B-A3B at batch 1
+        (7, 8, 2, 16, True, True),
+        (33, 32, 4, 16, False, True),
+        (5, 6, 3, 4, True, True),
+        (64, 60, 6, 32, True, True),  # exactly FUSED_MAX
+        (100, 128, 8, 64, True, False),  # past it: route() then align()
+    ],
+)
+def test_route_align_in_one_program_equals_route_then_align(T, E, k, bm, renorm, fused):
+    """The fused routing and layout (one program) against route() and align(): the same weights and
+    experts per token, the same rows and tile experts (align's pair order within each run); sizes
+    past FUSED_MAX take those two."""
+    from foveal.layers.moe_triton import FUSED_MAX, route_align
+
+    g = torch.Generator().manual_seed(T * 31 + E)
+    logits = (torch.randn(T, E, generator=g) * 2).to(DEVICE)
+    weights, ids, rows, experts = route_align(logits, k, renorm, bm)
+    want_w, want_ids = route(logits, k, renorm)
+    assert torch.equal(ids, want_ids) and ids.dtype == torch.long
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    want_rows, want_experts = align(want_ids, E, bm)
+    assert torch.equal(rows, want_rows) and torch.equal(experts, want_experts)
+    pads = [1 << (n - 1).bit_length() for n in (T, k, E)]  # the kernel's power-of-two blocks
+    assert (pads[0] * pads[1] * pads[2] <= FUSED_MAX) == fused
+
+
+def test_experts_on_route_align_equal_the_loop():
+    """The experts kernel on route_align's layout (aligned=) equals the loop over experts."""
+    from foveal.layers.moe_triton import block_m, route_align
+
+    g = torch.Generator().manual_seed(12)
+    T, E, k, H, inter = 6, 16, 4, 32, 16
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(DEVICE)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    weights, ids, rows, experts = route_align(logits, k, True, block_m(T * k, w13))
+    got = experts_triton(x, w13, w2, weights, ids, silu_glu, aligned=(rows, experts))
+    assert (got - experts_reference(x, w13, w2, weights, ids)).abs().max().item() < 1e-5

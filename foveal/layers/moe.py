@@ -79,6 +79,21 @@ class FusedMoE(nn.Module):
         """[E, H, I]"""
         return self.down_proj.view(self.num_experts, self.hidden, self.intermediate)
 
+    def routed(
+        self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool = True
+    ) -> torch.Tensor:
+        """The layer's output for router logits [T, E]: route() then forward(); on CUDA the routing and
+        the experts' row layout in one launch (moe_triton.route_align) for the experts kernel."""
+        if x.is_cuda:
+            from foveal.layers.moe_triton import block_m, experts_triton, route_align
+
+            weights, ids, rows, experts = route_align(
+                logits, top_k, renormalize, block_m(x.shape[0] * top_k, self.w13)
+            )
+            args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
+            return experts_triton(x.contiguous(), *args, aligned=(rows, experts))
+        return self(x, *route(logits, top_k, renormalize))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cpu and self._quantized() is not None:  # GGUF blocks, run as stored (layers/quant.py)
             return self._experts_quantized(x, weights, ids)

@@ -6,11 +6,15 @@ and again for down, over the (token, expert) pairs sorted by expert.
                the sentinel T*k: [max_rows], max_rows = T*k + min(E, T*k) * (BLOCK_M - 1) rounded up
     experts    per BLOCK_M tile of `rows` its expert, or -1 past the last run: [max_rows / BLOCK_M]
 
-Both come from torch ops on the device (`align`), whose shapes depend only on T, k, E and BLOCK_M: no
-host sync, so a CUDA graph holds the whole layer. A program takes one tile of rows (one expert) and
-one tile of columns: C[p] = A[row(p)] @ W[e]^T, with A's row the token (gate/up: x gathered, no copy)
-or the pair (down: the activation's row), and for down each row scaled by its routing weight. The
-pair-indexed down output [T*k, H] is summed over k per token.
+Both come from device work alone (`align`: torch ops), whose shapes depend only on T, k, E and BLOCK_M:
+no host sync, so a CUDA graph holds the whole layer. For decode-sized steps (T*k pairs x E experts up to
+FUSED_MAX) `route_align` makes them and the routing (softmax, top k, renormalization) in ONE program:
+the ~17 small launches the torch ops take a layer cost more than the experts' GEMMs at batch 1.
+
+A GEMM program takes one tile of rows (one expert) and one tile of columns: C[p] = A[row(p)] @ W[e]^T,
+with A's row the token (gate/up: x gathered, no copy) or the pair (down: the activation's row), and for
+down each row scaled by its routing weight. The pair-indexed down output [T*k, H] is summed over k per
+token.
 
 fp32 uses IEEE dots (as foveal/lora/ops_triton.py); tile sizes are picked per shape (`_tiles`).
 """
@@ -109,6 +113,108 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return rows, experts
 
 
+FUSED_MAX = 32768  # pairs (padded) x experts (padded) that route_align takes in one program
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr,
+    l_row,
+    weights_ptr,
+    ids_ptr,
+    rows_ptr,
+    experts_ptr,
+    T,
+    E,
+    n_rows,
+    n_tiles,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):
+    """route() and align() of all T tokens in one program: softmax over each row of logits, its TOP_K
+    largest (first index on ties) and their weights, then the pairs (t * TOP_K + j) counted per expert,
+    each ranked among its expert's pairs in pair order (a cumulative sum over a one-hot matrix), and
+    written to its expert's padded run; each BLOCK_M tile's expert (-1 past the runs)."""
+    t = tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    t_ok = t < T
+    e_ok = e < E
+    x = tl.load(logits_ptr + t[:, None] * l_row + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+    x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))  # padding rows stay finite
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    j = tl.arange(0, K_PAD)
+    w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        arg = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), 1)
+        w = tl.where(j[None, :] == i, best[:, None], w)
+        ids = tl.where(j[None, :] == i, arg[:, None], ids)
+        p = tl.where(e[None, :] == arg[:, None], -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, 1)[:, None]
+    ok = t_ok[:, None] & (j[None, :] < TOP_K)
+    pair = t[:, None] * TOP_K + j[None, :]
+    tl.store(weights_ptr + pair, w, mask=ok)
+    tl.store(ids_ptr + pair, ids.to(tl.int64), mask=ok)
+    # align: [T x K_PAD] flattened in pair order, one-hot over the experts
+    n = T * TOP_K
+    pair = tl.reshape(pair, [BLOCK_T * K_PAD])
+    eid = tl.reshape(ids, [BLOCK_T * K_PAD])
+    ok = tl.reshape(ok, [BLOCK_T * K_PAD])
+    hot = ((eid[:, None] == e[None, :]) & ok[:, None]).to(tl.int32)
+    rank = tl.sum(tl.where(hot != 0, tl.cumsum(hot, 0), 0), 1) - 1  # earlier pairs of its expert
+    counts = tl.sum(hot, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    dest = tl.sum(tl.where(hot != 0, (pad_end - padded)[None, :], 0), 1) + rank
+    r = tl.arange(0, BLOCK_R)
+    tl.store(rows_ptr + r, tl.full([BLOCK_R], 0, tl.int32) + n, mask=r < n_rows)
+    tl.debug_barrier()  # the sentinels land before the pairs overwrite theirs
+    tl.store(rows_ptr + dest, pair, mask=ok)
+    starts = tl.arange(0, BLOCK_TILES) * BLOCK_M
+    ex = tl.sum(((pad_end[None, :] <= starts[:, None]) & e_ok[None, :]).to(tl.int32), 1)
+    tl.store(
+        experts_ptr + tl.arange(0, BLOCK_TILES),
+        tl.where(ex < E, ex, -1),
+        mask=tl.arange(0, BLOCK_TILES) < n_tiles,
+    )
+
+
+def route_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
+    """(weights [T, k] float32, ids [T, k] int64, rows, experts): moe.route(logits, top_k, renormalize)
+    and align(ids, E, block_m), in one launch where the step is small enough (FUSED_MAX), else by
+    those two."""
+    from foveal.layers.moe import route
+
+    T, E = logits.shape
+    bt, be, kp = triton.next_power_of_2(max(T, 1)), triton.next_power_of_2(E), triton.next_power_of_2(top_k)
+    if T == 0 or bt * kp * be > FUSED_MAX:
+        weights, ids = route(logits, top_k, renormalize)
+        return (weights, ids, *align(ids, E, block_m))
+    n = T * top_k
+    n_rows = triton.cdiv(n + min(E, n) * (block_m - 1), block_m) * block_m
+    dev = logits.device
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.long, device=dev)
+    rows = torch.empty(n_rows, dtype=torch.int32, device=dev)
+    experts = torch.empty(n_rows // block_m, dtype=torch.int32, device=dev)
+    _route_align_kernel[(1,)](
+        logits, logits.stride(0), weights, ids, rows, experts, T, E, n_rows, n_rows // block_m,
+        TOP_K=top_k, K_PAD=kp, RENORM=renormalize, BLOCK_T=bt, BLOCK_E=be, BLOCK_M=block_m,
+        BLOCK_R=triton.next_power_of_2(n_rows), BLOCK_TILES=triton.next_power_of_2(n_rows // block_m),
+        num_warps=8,
+    )  # fmt: skip
+    return weights, ids, rows, experts
+
+
 def _tiles(n_pairs: int, N: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K): small row tiles for decode-sized steps (each expert sees a few
     rows), wider ones as the pairs per expert grow."""
@@ -129,17 +235,22 @@ def _gemm(a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles) ->
     )  # fmt: skip
 
 
-def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None) -> torch.Tensor:
+def block_m(n_pairs: int, w13: torch.Tensor) -> int:
+    """The row tile experts_triton uses for n_pairs (what align / route_align must pad runs to)."""
+    return _tiles(n_pairs, w13.shape[1], w13.shape[2])[0]
+
+
+def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=None) -> torch.Tensor:
     """The experts' output [T, H] (foveal/layers/moe.py `experts_grouped`'s contract): gate/up by the
     kernel over x's rows (plus b13), the activation `glu(gate, up)`, down by the kernel (plus b2)
-    scaled by each pair's weight, summed over each token's k pairs."""
+    scaled by each pair's weight, summed over each token's k pairs. `aligned`: (rows, experts) already
+    made for ids (route_align), else align() makes them."""
     T, k = ids.shape
     E, two_i, H = w13.shape
     inter = two_i // 2
     assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous() and x.dtype == w13.dtype
     n = T * k
-    bm = _tiles(n, two_i, H)[0]
-    rows, experts = align(ids, E, bm)
+    rows, experts = aligned if aligned is not None else align(ids, E, _tiles(n, two_i, H)[0])
     h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
     _gemm(x, w13, b13, h, None, rows, experts, n, k, True, _tiles(n, two_i, H))
     a = glu(h[:, :inter], h[:, inter:]).contiguous()

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from foveal.layers.linear import Linear
-from foveal.layers.moe import ClampedSwiGLU, FusedMoE, route
+from foveal.layers.moe import ClampedSwiGLU, FusedMoE
 from foveal.models.llama import Attention, DecoderLayer, DecoderSwitches, LlamaForCausalLM
 from foveal.models.weights import ParamFiller
 
@@ -59,8 +59,7 @@ class GptOssMoe(nn.Module):
         self.experts = FusedMoE(experts, hidden, config.intermediate_size, glu=glu, bias=True)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        weights, ids = route(self.router(x), self.top_k)  # softmax over the top k logits
-        return self.experts(x, weights, ids)
+        return self.experts.routed(x, self.router(x), self.top_k)  # softmax over the top k logits
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

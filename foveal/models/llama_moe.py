@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from foveal.layers.linear import Linear
-from foveal.layers.moe import FusedMoE, route
+from foveal.layers.moe import FusedMoE
 from foveal.models.llama import DecoderLayer, DecoderSwitches, MistralForCausalLM, Qwen3ForCausalLM
 from foveal.models.weights import ParamFiller
 
@@ -38,8 +38,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """`lora`: adapters reach the attention projections only (experts and router take none)."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return self.experts(x, weights, ids)
+        return self.experts.routed(x, self.gate(x), self.top_k, self.renormalize)
 
 
 class _MoeMixin:
