@@ -115,3 +115,22 @@ def test_experts_on_route_align_equal_the_loop():
     weights, ids, rows, experts = route_align(logits, k, True, block_m(T * k, w13))
     got = experts_triton(x, w13, w2, weights, ids, silu_glu, aligned=(rows, experts))
     assert (got - experts_reference(x, w13, w2, weights, ids)).abs().max().item() < 1e-5
+
+
+def test_a_glu_the_kernel_does_not_know_is_applied_apart():
+    """silu_glu and the clamped SwiGLU run inside the down kernel's loads; any other glu (here gelu(gate)
+    * up) is applied to the gate/up output first, with the same result as the loop."""
+    g = torch.Generator().manual_seed(5)
+    T, E, k, H, inter = 4, 6, 2, 32, 16
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(DEVICE)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
+
+    def gelu_glu(gate, up):
+        return torch.nn.functional.gelu(gate) * up
+
+    got = experts_triton(x, w13, w2, weights, ids, gelu_glu)
+    want = experts_reference(x, w13, w2, weights, ids, gelu_glu)
+    assert (got - want).abs().max().item() < 1e-5
+    assert (want - experts_reference(x, w13, w2, weights, ids)).abs().max().item() > 1e-3  # not silu's

@@ -42,7 +42,10 @@ def _moe_gemm_kernel(
     K,
     a_row,
     c_row,
+    alpha,
+    limit,
     TOP_K: tl.constexpr,
+    ACT: tl.constexpr,
     GATHER: tl.constexpr,
     SCALE: tl.constexpr,
     BIAS: tl.constexpr,
@@ -53,7 +56,9 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """C[p, :N] = (A[p // TOP_K if GATHER else p] @ W[e, :N, :K]^T + bias[e] if BIAS) (times scale[p] if
-    SCALE) for the pairs p of this program's tile of rows, all of expert e."""
+    SCALE) for the pairs p of this program's tile of rows, all of expert e. ACT > 0: A's row is the
+    gate/up output [gate (K) | up (K)] and the kernel takes glu(gate, up) (1: silu(gate) * up, 2:
+    gpt-oss's clamped SwiGLU with alpha and limit), in float32, rounded to A's type for the dot."""
     tile = tl.program_id(0)
     e = tl.load(experts_ptr + tile)
     if e < 0:
@@ -71,6 +76,18 @@ def _moe_gemm_kernel(
         k_mask = ks < K
         a_mask = valid[:, None] & k_mask[None, :]
         a = tl.load(a_ptr + src[:, None] * a_row + ks[None, :], mask=a_mask, other=0.0)
+        if ACT > 0:
+            gate = a.to(tl.float32)
+            up = tl.load(a_ptr + src[:, None] * a_row + K + ks[None, :], mask=a_mask, other=0.0).to(
+                tl.float32
+            )
+            if ACT == 1:
+                act = gate / (1.0 + tl.exp(-gate)) * up
+            else:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                act = (up + 1.0) * gate / (1.0 + tl.exp(-gate * alpha))
+            a = act.to(a_ptr.dtype.element_ty)
         w = tl.load(
             w_base + cols[None, :].to(tl.int64) * K + ks[:, None],
             mask=k_mask[:, None] & col_mask[None, :],
@@ -224,15 +241,26 @@ def _tiles(n_pairs: int, N: int, K: int) -> tuple[int, int, int]:
     return bm, bn, bk
 
 
-def _gemm(a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles) -> None:
+def _gemm(a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles, act=(0, 0.0, 0.0)) -> None:
     bm, bn, bk = tiles
     N, K = w.shape[1], w.shape[2]
     grid = (experts.shape[0], triton.cdiv(N, bn))
     _moe_gemm_kernel[grid](
         a, w, w if bias is None else bias.contiguous(), c, scale, rows, experts, n_pairs, N, K, a.stride(0),
-        c.stride(0), TOP_K=top_k, GATHER=gather, SCALE=scale is not None, BIAS=bias is not None,
-        **_dot_args(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=2,
+        c.stride(0), act[1], act[2], TOP_K=top_k, ACT=act[0], GATHER=gather, SCALE=scale is not None,
+        BIAS=bias is not None, **_dot_args(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=2,
     )  # fmt: skip
+
+
+def _fused_act(glu) -> tuple[int, float, float] | None:
+    """The kernel's ACT for the glu the layer uses (its alpha and limit), or None: applied apart."""
+    from foveal.layers.moe import ClampedSwiGLU, silu_glu
+
+    if glu is silu_glu:
+        return (1, 0.0, 0.0)
+    if isinstance(glu, ClampedSwiGLU):
+        return (2, float(glu.alpha), float(glu.limit))
+    return None
 
 
 def block_m(n_pairs: int, w13: torch.Tensor) -> int:
@@ -242,7 +270,8 @@ def block_m(n_pairs: int, w13: torch.Tensor) -> int:
 
 def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=None) -> torch.Tensor:
     """The experts' output [T, H] (foveal/layers/moe.py `experts_grouped`'s contract): gate/up by the
-    kernel over x's rows (plus b13), the activation `glu(gate, up)`, down by the kernel (plus b2)
+    kernel over x's rows (plus b13), the activation `glu(gate, up)` (inside the down kernel's loads for
+    the two the kernel knows), down by the kernel (plus b2)
     scaled by each pair's weight, summed over each token's k pairs. `aligned`: (rows, experts) already
     made for ids (route_align), else align() makes them."""
     T, k = ids.shape
@@ -253,8 +282,10 @@ def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=Non
     rows, experts = aligned if aligned is not None else align(ids, E, _tiles(n, two_i, H)[0])
     h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
     _gemm(x, w13, b13, h, None, rows, experts, n, k, True, _tiles(n, two_i, H))
-    a = glu(h[:, :inter], h[:, inter:]).contiguous()
     d = torch.empty((n, H), dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
-    _gemm(a, w2, b2, d, scale, rows, experts, n, k, False, _tiles(n, H, inter))
+    act = _fused_act(glu)
+    if act is None:  # a glu the kernel does not know: applied apart
+        h, act = glu(h[:, :inter], h[:, inter:]).contiguous(), (0, 0.0, 0.0)
+    _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, _tiles(n, H, inter), act)
     return d.view(T, k, H).sum(dim=1)
