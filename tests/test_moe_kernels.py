@@ -102,16 +102,20 @@ def test_route_align_in_one_program_equals_route_then_align(T, E, k, bm, renorm,
     assert (pads[0] * pads[1] * pads[2] <= FUSED_MAX) == fused
 
 
+def _layer(seed: int, T: int, E: int, H: int, inter: int):
+    """(x, w13, w2, router logits) of a float32 layer on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(DEVICE)
+    return torch.randn(T, H, generator=g).to(DEVICE), w13, w2, torch.randn(T, E, generator=g).to(DEVICE)
+
+
 def test_experts_on_route_align_equal_the_loop():
     """The experts kernel on route_align's layout (aligned=) equals the loop over experts."""
     from foveal.layers.moe_triton import block_m, route_align
 
-    g = torch.Generator().manual_seed(12)
-    T, E, k, H, inter = 6, 16, 4, 32, 16
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(DEVICE)
-    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(DEVICE)
-    x = torch.randn(T, H, generator=g).to(DEVICE)
-    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    T, k = 6, 4
+    x, w13, w2, logits = _layer(12, T, 16, 32, 16)
     weights, ids, rows, experts = route_align(logits, k, True, block_m(T * k, w13))
     got = experts_triton(x, w13, w2, weights, ids, silu_glu, aligned=(rows, experts))
     assert (got - experts_reference(x, w13, w2, weights, ids)).abs().max().item() < 1e-5
@@ -120,12 +124,8 @@ def test_experts_on_route_align_equal_the_loop():
 def test_a_glu_the_kernel_does_not_know_is_applied_apart():
     """silu_glu and the clamped SwiGLU run inside the down kernel's loads; any other glu (here gelu(gate)
     * up) is applied to the gate/up output first, with the same result as the loop."""
-    g = torch.Generator().manual_seed(5)
-    T, E, k, H, inter = 4, 6, 2, 32, 16
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(DEVICE)
-    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(DEVICE)
-    x = torch.randn(T, H, generator=g).to(DEVICE)
-    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
+    x, w13, w2, logits = _layer(5, 4, 6, 32, 16)
+    weights, ids = route(logits, 2)
 
     def gelu_glu(gate, up):
         return torch.nn.functional.gelu(gate) * up
