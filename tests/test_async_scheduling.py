@@ -17,13 +17,9 @@ from foveal.worker.cuda_graphs import DecodeGraphs
 def folder(tmp_path_factory):
     """A tiny Llama config with random weights and the synthetic tokenizer: every id decodes to text
     (" t<id>"), so stop strings can be taken from any output."""
-    from tests.tiny import tiny_config
+    from tests.tiny import tiny_llama_config_file
 
-    cfg = tiny_config("llama")
-    cfg.architectures = ["LlamaForCausalLM"]
-    path = tmp_path_factory.mktemp("cfg") / "tiny.json"
-    path.write_text(cfg.to_json_string())
-    return path
+    return tiny_llama_config_file(tmp_path_factory.mktemp("cfg"))
 
 
 def _llm(folder, overlap: bool, **kw):

@@ -117,13 +117,9 @@ def test_summary_shows_speculation_to_admins_only():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from tests.tiny import tiny_config
+    from tests.tiny import tiny_llama_config_file
 
-    cfg = tiny_config("llama")
-    cfg.architectures = ["LlamaForCausalLM"]
-    path = tmp_path_factory.mktemp("spec_edges") / "tiny.json"
-    path.write_text(cfg.to_json_string())
-    return path
+    return tiny_llama_config_file(tmp_path_factory.mktemp("spec_edges"))
 
 
 def _engine_kw(folder, **kw):

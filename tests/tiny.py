@@ -95,6 +95,16 @@ def tiny_config(family: str, **overrides):
     raise ValueError(family)
 
 
+def tiny_llama_config_file(folder) -> str:
+    """A tiny Llama config written as folder/tiny.json, for LLM(path, load_format="dummy"): random
+    weights and the synthetic tokenizer (every id decodes to text, " t<id>")."""
+    cfg = tiny_config("llama")
+    cfg.architectures = ["LlamaForCausalLM"]
+    path = folder / "tiny.json"
+    path.write_text(cfg.to_json_string())
+    return path
+
+
 def tiny_hf_model(family: str, seed: int = 0, **config):
     """The family's tiny transformers model; `config`: values set on its config first."""
     import transformers as tf

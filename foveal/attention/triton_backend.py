@@ -33,6 +33,12 @@ slot -1, seq_len 0, so they store nothing and attend to nothing) and returns vie
 split count then follows from max_blocks_per_seq and the padded row count, never from the batch's
 lengths, so a graph captured for `padded` rows replays with any batch that fits.
 
+Shared prefixes: when >= shared_min_rows decode rows hold the same leading blocks (the prefix cache's
+sharing, or one request's verify rows) for >= shared_min_prefix keys, plan() groups them
+(kernels/shared_prefix.py) and packs [prefix lens | grouped rows | tiles] after the other segments:
+the prefix is attended once per tile of rows, each row's decode starts past it, and the combine merges
+both. Eager steps only: the runner replays no graph for a batch that shares_prefixes().
+
 Bidirectional spans (Gemma 3 images, a masked diffusion model's canvas) become one more segment of
 the packed metadata: per prefill row the last key it sees (its position, or its span's end - 1), read
 by the prefill kernel (kernels/prefill.py); decode rows need none (a last token sees everything before).
@@ -54,6 +60,7 @@ import torch
 from foveal.attention.base import AttentionBatch, graph_slots
 from foveal.attention.kernels import paged_decode, paged_prefill, store_kv
 from foveal.attention.kernels.decode import workspace_numel
+from foveal.attention.kernels.shared_prefix import SharedPrefixes, may_share, plan_groups
 from foveal.attention.kv_quant import QuantizedKVCache
 from foveal.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from foveal.device import to_device
@@ -78,6 +85,7 @@ class TritonAttentionMetadata:
     workspace: torch.Tensor | None = None  # decode split partials, shared by the step's layers
     graph_buffer: torch.Tensor | None = None  # graph metadata: the static int32 buffer
     query_limits: torch.Tensor | None = None  # [prefill rows] int32: last key seen (bidirectional spans)
+    shared: SharedPrefixes | None = None  # decode rows' shared prefixes (kernels/shared_prefix.py)
 
 
 _NUM_SMS: dict[torch.device, int] = {}
@@ -110,15 +118,24 @@ def _query_limits(batch: AttentionBatch) -> torch.Tensor:
 def _padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
     """[len(tables), width] int32, each row padded with block 0: one flat numpy fill (no per-row tensors;
     ~3.5x faster than a boolean-mask index_put at 256 rows x 40 blocks)."""
+    return torch.from_numpy(_table_array(tables, width)[0])
+
+
+def _table_array(tables: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tables padded with block 0 [len(tables), width] int32, their lengths) as numpy arrays."""
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
     out = np.zeros((len(tables), width), dtype=np.int32)
     out[np.arange(width)[None, :] < lens[:, None]] = flat
-    return torch.from_numpy(out)
+    return out, lens
 
 
 def _round4(n: int) -> int:
     return -(-n // 4) * 4
+
+
+def _pad4(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(_round4(t.numel()) - t.numel())])
 
 
 def _graph_rows(buf: torch.Tensor, rows: int, block_size: int, num_splits: int) -> TritonAttentionMetadata:
@@ -146,10 +163,42 @@ class TritonAttentionBackend:
 
     # on an H200, batch 1 at 8192 tokens ran 26 us with 32 splits and 23 us with 64 (one sweep, 2026-11);
     # from batch 64 up one split was best, which the programs-per-SM bound in decode_splits picks
-    def __init__(self, split_tokens: int = 128, max_splits: int = 64):
+    def __init__(
+        self,
+        split_tokens: int = 128,
+        max_splits: int = 64,
+        shared_min_rows: int = 8,
+        shared_min_prefix: int = 512,
+    ):
         self.split_tokens = split_tokens  # fewest keys worth a decode split of their own
         self.max_splits = max_splits
+        # decode rows behind a shared prefix attend to it once per tile of rows (kernels/shared_prefix.py)
+        # when >= shared_min_rows rows share >= shared_min_prefix keys (0 rows: never)
+        self.shared_min_rows, self.shared_min_prefix = shared_min_rows, shared_min_prefix
         self._torch = TorchAttentionBackend()
+
+    def _shared_plan(self, tables: np.ndarray, lens: np.ndarray, seq_lens: list[int], block_size: int):
+        """plan_groups' arrays for the decode rows, or None when no rows qualify."""
+        if not self.shared_min_rows or not may_share(
+            np.where(lens > 0, tables[:, 0], -1), self.shared_min_rows
+        ):
+            return None
+        seqs = np.asarray(seq_lens, dtype=np.int64)
+        plan = plan_groups(tables, lens, seqs, block_size, self.shared_min_rows, self.shared_min_prefix)
+        return plan if len(plan[2]) else None
+
+    def shares_prefixes(self, batch: AttentionBatch) -> bool:
+        """Whether plan() would group this decode-only batch's rows (the runner then runs it eagerly:
+        graph metadata carries no groups)."""
+        nd = batch.num_decodes
+        if not self.shared_min_rows or nd < self.shared_min_rows:
+            return False
+        width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))
+        tables, lens = _table_array(batch.block_tables[:nd], width)
+        return (
+            self._shared_plan(tables, lens, [c + 1 for c in batch.context_lens[:nd]], batch.block_size)
+            is not None
+        )
 
     def _splits_for(self, max_len: int) -> int:
         return max(1, min(self.max_splits, -(-max_len // self.split_tokens)))
@@ -173,11 +222,26 @@ class TritonAttentionBackend:
             list(itertools.accumulate(prefill_lens, initial=0)), dtype=torch.int32
         )
         head[b : b + num_prefills] = torch.tensor(ctxs[nd:], dtype=torch.int32)
-        parts = [head, _padded_tables(tables, width).view(-1)]
+        table_array, lens = _table_array(tables, width)
+        parts = [head, torch.from_numpy(table_array).view(-1)]
         if limits is not None:
             parts.append(limits)
+        shared = None
+        if nd >= self.shared_min_rows > 0:
+            shared = self._shared_plan(
+                table_array[:nd], lens[:nd], [x + 1 for x in ctxs[:nd]], batch.block_size
+            )
+        if shared is not None:  # [prefix_lens (nd) | rows | tiles], each padded to 4 int32s
+            plens, rows, tiles = (torch.from_numpy(a.reshape(-1)) for a in shared)
+            parts += [_pad4(plens), _pad4(rows), tiles]
         dev = to_device(torch.cat(parts), device)  # one copy
         all_tables = dev[c : c + n * width].view(n, width)
+        end = c + n * width + (0 if limits is None else limits.numel())
+        if shared is not None:
+            p, r = end + _round4(nd), end + _round4(nd) + _round4(len(shared[1]))
+            shared = SharedPrefixes(
+                dev[end : end + nd], dev[p : p + len(shared[1])], dev[r:].view(-1, 4), len(shared[2])
+            )
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             block_size=batch.block_size,
@@ -192,7 +256,8 @@ class TritonAttentionBackend:
             context_lens=dev[b : b + num_prefills],
             prefill_block_table=all_tables[nd:],
             batch=batch,
-            query_limits=None if limits is None else dev[c + n * width :],
+            query_limits=None if limits is None else dev[c + n * width : end],
+            shared=shared,
         )
 
     def graph_metadata(
@@ -248,7 +313,8 @@ class TritonAttentionBackend:
         nd, num_heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         if nd:
             splits = self.decode_splits(meta, kv_cache.shape[2], q.device)
-            need = workspace_numel(nd, num_heads, head_dim, splits)
+            shared = meta.shared if window is None else None  # windowed layers: the plain path
+            need = workspace_numel(nd, num_heads, head_dim, splits, shared is not None)
             if need and (meta.workspace is None or meta.workspace.numel() < need):
                 meta.workspace = torch.empty(need, dtype=torch.float32, device=q.device)
             paged_decode(
@@ -264,6 +330,7 @@ class TritonAttentionBackend:
                 softcap=softcap,
                 workspace=meta.workspace,
                 sinks=sinks,
+                shared=shared,
             )
         if meta.num_prefill_tokens:
             paged_prefill(

@@ -327,6 +327,9 @@ class ModelRunner:
             slot_mapping=torch.tensor(rows.slots, dtype=torch.long) if rows.block_diffusion else None,
             block_size=self.block_size,
         )
+        shares = getattr(self.backend, "shares_prefixes", None)  # Triton's shared-prefix decode
+        if shares is not None and shares(attn):  # eager: graph metadata carries no groups
+            return None
         logits = self.graphs.run(input_ids, host[1], attn, self._lora_groups(batch))
         if self.tap is not None:  # the graphs' static buffer: the next replay overwrites it
             self._tapped = self.graphs.tapped[: rows.num_rows].clone()

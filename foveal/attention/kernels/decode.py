@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from foveal.attention.kernels.shared_prefix import SharedPrefixes, shared_prefix_attention
 from foveal.attention.kernels.tile import LOG2E_C, NEG_INIT, dot_args, scales, slot_offsets, softmax_step
 
 BLOCK_N = 64  # keys per tile; bf16 head_dim 128: a 16 KiB K tile and the same for V
@@ -33,7 +34,7 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_table"])  # both vary step to step
+@triton.jit(do_not_specialize=["num_splits", "num_slots", "stride_table"])  # they vary step to step
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -43,11 +44,13 @@ def _decode_kernel(
     part_acc_ptr,
     part_ml_ptr,
     sinks_ptr,
+    prefix_lens_ptr,
     qk_scale,
     cap_in,
     cap_out,
     window,
     num_splits,  # a runtime int: one compiled kernel serves every split count
+    num_slots,  # partial slots a row: num_splits, one more with shared prefixes
     stride_qt,
     stride_qh,
     stride_ot,
@@ -67,6 +70,7 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    SHARED: tl.constexpr,  # rows may start past a shared prefix (shared_prefix.py attends to it)
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -78,6 +82,9 @@ def _decode_kernel(
         lo = tl.maximum(seq_len - window, 0)
     else:
         lo = seq_len * 0
+    if SHARED:
+        skip = tl.load(prefix_lens_ptr + seq)  # keys [0, skip) are the shared-prefix kernel's
+        lo = tl.maximum(lo, skip)
     lo = lo // BLOCK_N * BLOCK_N
     # tile-aligned split ranges sized from this sequence's own length
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
@@ -112,6 +119,8 @@ def _decode_kernel(
         allowed = pos_ok
         if USE_WINDOW:
             allowed = allowed & (pos >= seq_len - window)
+        if SHARED:
+            allowed = allowed & (pos >= skip)
         m_i, l_i, acc = softmax_step(
             q, k, v, allowed[None, :], m_i, l_i, acc, qk_scale, cap_in, cap_out, USE_SOFTCAP, DOT_PREC, UPCAST
         )
@@ -121,32 +130,38 @@ def _decode_kernel(
         dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        # partial rows are (seq, head, split), contiguous
-        row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
+        # partial rows are (seq, head, slot), contiguous; a shared-prefix row's last slot is the prefix's
+        row = (seq * tl.num_programs(1) * GROUP + heads) * num_slots + split
         tl.store(part_ml_ptr + row * 2, m_i, mask=g_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_ok)
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "num_slots"])
 def _combine_kernel(
     part_acc_ptr,
     part_ml_ptr,
+    prefix_lens_ptr,
     out_ptr,
     num_splits,
+    num_slots,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLIT_PAD)
     d = tl.arange(0, HEAD_PAD)
-    s_ok = s < num_splits
+    if SHARED:  # the prefix's slot too, where this row has one
+        s_ok = s < num_splits + (tl.load(prefix_lens_ptr + seq) > 0).to(tl.int32)
+    else:
+        s_ok = s < num_splits
     d_ok = d < HEAD_DIM
-    row = (seq * tl.num_programs(1) + head) * num_splits + s
+    row = (seq * tl.num_programs(1) + head) * num_slots + s
     m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=NEG_INIT)
     sums = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
     # empty splits hold NEG_INIT: weight exp2(NEG_INIT - max) = 0 beside any real split
@@ -158,9 +173,12 @@ def _combine_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of the split partials (0 with one split)."""
-    return 0 if num_splits == 1 else num_seqs * num_heads * num_splits * (head_dim + 2)
+def workspace_numel(
+    num_seqs: int, num_heads: int, head_dim: int, num_splits: int, shared: bool = False
+) -> int:
+    """fp32 elements of the split partials (0 with one split and no shared prefixes)."""
+    slots = num_splits + int(shared)
+    return 0 if slots == 1 else num_seqs * num_heads * slots * (head_dim + 2)
 
 
 def paged_decode(
@@ -177,6 +195,7 @@ def paged_decode(
     softcap: float | None = None,
     workspace: torch.Tensor | None = None,  # fp32, >= workspace_numel(...) elements
     sinks: torch.Tensor | None = None,  # [H] attention-sink logits, or None
+    shared: SharedPrefixes | None = None,  # rows' shared prefixes, attended once per tile of rows
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv = kv_cache.shape[2]
@@ -185,12 +204,14 @@ def paged_decode(
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     assert out.stride(2) == 1 and kv_cache.stride(3) == 1
-    n = workspace_numel(num_seqs, num_heads, head_dim, num_splits)
+    shared = shared if shared is not None and shared.num_tiles else None
+    slots = num_splits + int(shared is not None)
+    n = workspace_numel(num_seqs, num_heads, head_dim, num_splits, shared is not None)
     if n and (workspace is None or workspace.numel() < n):
         workspace = torch.empty(n, dtype=torch.float32, device=q.device)
     part_acc = part_ml = workspace
     if n:
-        rows = num_seqs * num_heads * num_splits
+        rows = num_seqs * num_heads * slots
         part_acc, part_ml = workspace[: rows * head_dim], workspace[rows * head_dim : n]
     qk_scale, cap_in, cap_out = scales(scale, softcap)
     head_pad = triton.next_power_of_2(head_dim)
@@ -203,11 +224,13 @@ def paged_decode(
         part_acc,
         part_ml,
         q if sinks is None else sinks,
+        seq_lens if shared is None else shared.prefix_lens,
         qk_scale,
         cap_in,
         cap_out,
         window or 0,
         num_splits,
+        slots,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -223,24 +246,32 @@ def paged_decode(
         HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
-        DIRECT=num_splits == 1,
+        DIRECT=slots == 1,
         USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
+        SHARED=shared is not None,
         **dot_args(q.dtype),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
-    if num_splits > 1:
+    if shared is not None:
+        shared_prefix_attention(
+            q, kv_cache, block_table, shared, part_acc, part_ml, slots, scale, softcap, block_size
+        )
+    if slots > 1:
         _combine_kernel[(num_seqs, num_heads)](
             part_acc,
             part_ml,
+            seq_lens if shared is None else shared.prefix_lens,
             out,
             num_splits,
+            slots,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_PAD=head_pad,
-            SPLIT_PAD=triton.next_power_of_2(num_splits),
+            SPLIT_PAD=triton.next_power_of_2(slots),
+            SHARED=shared is not None,
         )
     return out

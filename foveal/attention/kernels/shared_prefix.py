@@ -1,0 +1,193 @@
+"""Decode rows that share a prefix of cached blocks attend to it once per tile of rows, not once per row.
+
+With prefix caching, requests with the same system prompt (or few-shot examples, or one document asked
+many questions) hold the same physical blocks at the start of their block tables, and a speculative
+step's verify rows of one request hold all of theirs in common. Paged decode reads every row's keys on
+its own, so 256 rows behind a 3,584-token prefix read that prefix 256 times a layer. Here (the cascade
+of Hydragen / FlashInfer):
+
+    plan (host)     rows grouped by their first block; a row's shared length is the run of blocks its
+                    table has in common with its group's first row (below its own last key), kept when
+                    >= min_prefix keys and the group has >= min_rows such rows; the group's rows sorted
+                    by that length and cut into tiles of ROWS rows
+    this kernel     grid (tile, kv head): the tile's rows x the KV group's query heads as the rows of
+                    one Q tile [ROWS * GROUP, D], against the prefix keys through the group's first
+                    row's table (each row masked to its own length): partials (max, sum, acc) into
+                    the last partial slot of each row
+    decode kernel   each row's keys from its shared length on, in its splits (decode.py, SHARED)
+    combine         the splits and the prefix slot merged by log-sum-exp (decode.py)
+
+Exact against the plain path up to float rounding (the same online softmax, in another order). Only
+eager decode steps take it: a CUDA graph's metadata carries no groups (the runner replays a graph only
+when the plan has none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from foveal.attention.kernels.tile import NEG_INIT, dot_args, scales, slot_offsets, softmax_step
+
+BLOCK_N = 64  # keys per tile
+ROWS_PER_TILE = 16  # decode rows a program takes (x the KV group's query heads: the rows of its Q tile)
+
+
+@dataclass(slots=True)
+class SharedPrefixes:
+    prefix_lens: torch.Tensor  # [D] int32: keys [0, len) of each decode row are its shared prefix's (0: none)
+    rows: torch.Tensor  # [R] int32: the grouped decode rows, tile by tile
+    tiles: torch.Tensor  # [num_tiles, 4] int32: (first index into rows, rows, longest prefix, table row)
+    num_tiles: int
+
+
+def may_share(first_blocks: np.ndarray, min_rows: int) -> bool:
+    """Cheap pre-check: some first block is held by >= min_rows rows."""
+    if len(first_blocks) < min_rows:
+        return False
+    _, counts = np.unique(first_blocks, return_counts=True)
+    return bool(counts.max() >= min_rows)
+
+
+def plan_groups(
+    tables: np.ndarray,
+    lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    min_rows: int,
+    min_prefix: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prefix_lens [D], rows [R], tiles [n, 4]) int32 for decode rows with block tables `tables` [D, W]
+    (`lens` blocks each) and `seq_lens` keys (the new one included); empty rows / tiles: no sharing."""
+    D = tables.shape[0]
+    prefix = np.zeros(D, dtype=np.int32)
+    empty = (prefix, np.zeros(0, dtype=np.int32), np.zeros((0, 4), dtype=np.int32))
+    if D < min_rows:
+        return empty
+    first = np.where(lens > 0, tables[:, 0], -1)
+    _, leader_of, group = np.unique(first, return_index=True, return_inverse=True)
+    leader = leader_of[group]  # each row's group's first row
+    run = np.cumprod(tables == tables[leader], axis=1).sum(1)  # leading blocks equal to the leader's
+    common = np.minimum(run, np.minimum(lens, lens[leader]))
+    others = np.zeros(len(leader_of), dtype=common.dtype)  # a leader shares what its group's others do
+    np.maximum.at(others, group[leader != np.arange(D)], common[leader != np.arange(D)])
+    common = np.where(leader == np.arange(D), others[group], common)
+    keep = np.minimum(common * block_size, seq_lens - 1)  # the row's own last key stays its own
+    keep = np.where((keep >= min_prefix) & (first >= 0), keep, 0)
+    sizes = np.bincount(group, weights=keep > 0, minlength=len(leader_of))
+    keep = np.where(sizes[group] >= min_rows, keep, 0).astype(np.int32)
+    grouped = np.flatnonzero(keep)
+    if not len(grouped):
+        return empty
+    order = grouped[np.lexsort((-keep[grouped], group[grouped]))]  # by group, longest prefix first
+    tiles = []
+    g_sorted = group[order]
+    for start in np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]]):
+        end = start + int(np.sum(g_sorted == g_sorted[start]))
+        for t0 in range(start, end, ROWS_PER_TILE):
+            n = min(ROWS_PER_TILE, end - t0)
+            tiles.append((t0, n, int(keep[order[t0]]), int(leader[order[t0]])))
+    rows = order.astype(np.int32)
+    return keep, rows, np.asarray(tiles, dtype=np.int32).reshape(-1, 4)
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    q_ptr,
+    cache_ptr,
+    tables_ptr,
+    rows_ptr,
+    tiles_ptr,
+    prefix_lens_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    qk_scale,
+    cap_in,
+    cap_out,
+    num_slots,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_slot,
+    stride_ch,
+    stride_table,
+    GROUP: tl.constexpr,
+    ROWS_PAD: tl.constexpr,  # >= 16 and >= rows a tile x GROUP, a power of two
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    first = tl.load(tiles_ptr + tile * 4)
+    count = tl.load(tiles_ptr + tile * 4 + 1)
+    longest = tl.load(tiles_ptr + tile * 4 + 2)
+    leader = tl.load(tiles_ptr + tile * 4 + 3)
+    i = tl.arange(0, ROWS_PAD)
+    r = i // GROUP
+    ok = r < count
+    row = tl.load(rows_ptr + first + r, mask=ok, other=0)
+    plen = tl.load(prefix_lens_ptr + row, mask=ok, other=0)
+    heads = kvh * GROUP + i % GROUP
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    q_mask = ok[:, None] & d_ok[None, :]
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
+    )
+    m_i = tl.full([ROWS_PAD], NEG_INIT, tl.float32)
+    l_i = tl.zeros([ROWS_PAD], tl.float32)
+    acc = tl.zeros([ROWS_PAD, HEAD_PAD], tl.float32)
+    k_base = cache_ptr + kvh * stride_ch + d[None, :]
+    table = tables_ptr + leader * stride_table
+    for n0 in range(0, longest, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < longest
+        offs = slot_offsets(table, pos, pos_ok, stride_slot, BLOCK_SIZE)[:, None]
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
+        v = tl.load(k_base + stride_kv + offs, mask=kv_mask, other=0.0)
+        allowed = pos[None, :] < plen[:, None]  # each row to its own shared length
+        m_i, l_i, acc = softmax_step(
+            q, k, v, allowed, m_i, l_i, acc, qk_scale, cap_in, cap_out, USE_SOFTCAP, DOT_PREC, UPCAST
+        )
+    part = (row * tl.num_programs(1) * GROUP + heads) * num_slots + num_slots - 1  # each row's last slot
+    tl.store(part_ml_ptr + part * 2, m_i, mask=ok)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=ok)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+
+
+def shared_prefix_attention(
+    q: torch.Tensor,  # [D, H, hd]
+    kv_cache: torch.Tensor,  # [2, slots, kv_heads, hd]
+    block_table: torch.Tensor,  # [D, max_blocks] int32
+    shared: SharedPrefixes,
+    part_acc: torch.Tensor,
+    part_ml: torch.Tensor,
+    num_slots: int,
+    scale: float,
+    softcap: float | None,
+    block_size: int,
+) -> None:
+    """The shared prefixes' partials into each grouped row's last slot (paged_decode calls it)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = kv_cache.shape[2]
+    group = num_heads // num_kv
+    rows_pad = max(16, triton.next_power_of_2(ROWS_PER_TILE * group))
+    qk_scale, cap_in, cap_out = scales(scale, softcap)
+    _shared_prefix_kernel[(shared.num_tiles, num_kv)](
+        q, kv_cache, block_table, shared.rows, shared.tiles, shared.prefix_lens, part_acc, part_ml, qk_scale,
+        cap_in, cap_out, num_slots, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2), block_table.stride(0), GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
+        USE_SOFTCAP=softcap is not None, **dot_args(q.dtype), num_warps=8 if rows_pad >= 128 else 4,
+        num_stages=2,
+    )  # fmt: skip

@@ -1,0 +1,174 @@
+"""Shared-prefix decode (foveal/attention/kernels/shared_prefix.py): the grouping plan, and the Triton
+backend with groups against the torch backend (the oracle) and against itself without them: mixed
+groups and lone rows, ragged suffixes, more rows than a tile, rows sharing less than their group,
+prefixes that end mid-block, GQA shapes, several key splits, softcap, sinks, bf16, windows (which
+take the plain path). On CPU the kernels run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from foveal.attention.kernels.shared_prefix import ROWS_PER_TILE, plan_groups
+from foveal.attention.triton_backend import TritonAttentionBackend
+from tests.attention_cases import SHAPES, Case, tolerance
+from tests.attention_cases import compare as compare_strict
+
+
+def compare(case: Case, backend, **kw):
+    """attention_cases.compare at float32 tolerances for rows of up to ~100 keys of values ~N(0, 1):
+    the plain Triton path is ~4e-5 from the float64 result on these cases as well, the oracle ~2e-5."""
+    fp32 = case.q.dtype == torch.float32
+    return compare_strict(case, backend, tol=dict(atol=1e-4, rtol=1e-4) if fp32 else None, **kw)
+
+
+def test_plan_groups_rows_by_first_block_and_their_common_run():
+    bs = 4
+    lead = [10, 11, 12, 13, 14]
+    tables = [
+        lead + [20],  # 0: group A's leader (its last key stays its own)
+        lead[:4] + [21, 22],  # 1: shares 4 blocks
+        lead[:2] + [23, 24, 25],  # 2: shares 2 blocks
+        [30, 31, 32],  # 3: alone
+        lead + [26],  # 4: shares 5
+        [30, 33],  # 5: shares block 30 with row 3 only: a group of 2
+        lead[:3],  # 6: its whole table is shared, its context ends inside block 12 -> mid-block
+    ]
+    seq_lens = [23, 22, 20, 12, 24, 8, 10]
+    arr = np.zeros((len(tables), 6), dtype=np.int32)
+    for i, t in enumerate(tables):
+        arr[i, : len(t)] = t
+    lens = np.array([len(t) for t in tables])
+    prefix, rows, tiles = plan_groups(arr, lens, np.array(seq_lens), bs, min_rows=3, min_prefix=6)
+    assert prefix.tolist() == [20, 16, 8, 0, 20, 0, 9]  # row 6: 9 = its seq_len - 1
+    assert rows.tolist() == [0, 4, 1, 6, 2]  # group A, longest first (ties in row order)
+    assert tiles.tolist() == [[0, 5, 20, 0]]
+    # below min_prefix a row drops out; below min_rows its group does
+    prefix, _, _ = plan_groups(arr, lens, np.array(seq_lens), bs, min_rows=3, min_prefix=10)
+    assert prefix.tolist() == [20, 16, 0, 0, 20, 0, 0]
+    prefix, rows, tiles = plan_groups(arr, lens, np.array(seq_lens), bs, min_rows=4, min_prefix=10)
+    assert not prefix.any() and not len(rows) and not len(tiles)
+
+
+def shared_case(seqs, groups, **kw) -> Case:
+    """Case(seqs) whose rows in each group (rows, blocks) hold their group's first row's first `blocks`
+    blocks (the prefix cache's sharing); a row's new token stays in a block of its own."""
+    case = Case(seqs, **kw)
+    tables = case.batch.block_tables
+    for members, blocks in groups:
+        lead = tables[members[0]]
+        for i in members[1:]:
+            n = min(blocks, len(tables[i]) - 1, len(lead))
+            tables[i][:n] = lead[:n]
+    return case
+
+
+# 21 decode rows: group A (rows 0-17: > one tile, ragged suffixes, row 5 sharing less), group B (18-20)
+SEQS = [(40 + 3 * i, 1) for i in range(18)] + [(30, 1), (31, 1), (45, 1), (9, 1), (60, 1)]
+GROUPS = [(list(range(5)) + list(range(6, 18)), 9), ([0, 5], 4), ([18, 19, 20], 7)]
+
+
+@pytest.mark.parametrize("num_kv,group,head_dim,bs", SHAPES)
+def test_shared_prefixes_equal_the_oracle_and_the_plain_path(num_kv, group, head_dim, bs):
+    case = shared_case(SEQS, GROUPS, num_kv=num_kv, group=group, head_dim=head_dim, bs=bs, seed=group)
+    shared = TritonAttentionBackend(shared_min_rows=3, shared_min_prefix=4)
+    meta = shared.plan(case.batch, case.device)
+    assert meta.shared is not None and meta.shared.num_tiles >= 3  # A in two tiles and B
+    assert ROWS_PER_TILE < 18
+    compare(case, shared)
+    plain = case.run(TritonAttentionBackend(shared_min_rows=0), case.cache.clone())
+    torch.testing.assert_close(case.run(shared, case.cache.clone()), plain, **tolerance(case.q.dtype))
+    assert meta.shared.prefix_lens.count_nonzero().item() == 21  # every row of both groups
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_shared_prefixes_with_splits_softcap_and_sinks(dtype):
+    case = shared_case(SEQS, GROUPS, num_kv=2, group=4, head_dim=32, bs=4, dtype=dtype, seed=5)
+    backend = TritonAttentionBackend(split_tokens=8, shared_min_rows=3, shared_min_prefix=4)
+    compare(case, backend)
+    compare(case, backend, softcap=2.0)
+    sinks = torch.linspace(-3.0, 6.0, 8, device=case.device).to(dtype)
+    compare(case, backend, sinks=sinks)
+    compare(case, backend, window=7)  # windowed layers: the plain path
+
+
+def test_a_mixed_step_with_prefill_rows_after_the_shared_decodes():
+    seqs = SEQS[:6] + [(0, 13), (21, 6)]
+    case = shared_case(seqs, [(list(range(6)), 9)], num_kv=1, group=4, head_dim=48, bs=4, seed=2)
+    backend = TritonAttentionBackend(shared_min_rows=4, shared_min_prefix=8)
+    assert backend.plan(case.batch, case.device).shared is not None
+    compare(case, backend)
+
+
+def test_shares_prefixes_tells_the_runner_when_to_skip_graphs():
+    backend = TritonAttentionBackend(shared_min_rows=3, shared_min_prefix=4)
+    batch = shared_case(SEQS, GROUPS, bs=4).batch
+    assert backend.shares_prefixes(batch)
+    assert not backend.shares_prefixes(Case(SEQS, bs=4).batch)  # no block in common
+    assert not TritonAttentionBackend(shared_min_rows=0).shares_prefixes(batch)
+
+
+# -- through the engine ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tests.tiny import tiny_llama_config_file
+
+    return tiny_llama_config_file(tmp_path_factory.mktemp("cfg"))
+
+
+def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, **kw):
+    """Greedy tokens of the prompts, all sent after one request with their common prefix (which puts
+    the prefix's blocks in the cache); with monkeypatch, the Triton backend groups rows from 4 rows
+    behind 8 keys and the shared-prefix launches are counted."""
+    from foveal import SamplingParams
+    from foveal.attention.kernels import decode
+    from foveal.engine.llm import LLM
+    from foveal.worker.cuda_graphs import DecodeGraphs
+
+    opts = dict(dtype="float32", num_blocks=160, block_size=4, max_num_seqs=16, max_model_len=128)
+    llm = LLM(str(folder), load_format="dummy", enable_prefix_caching=True, **{**opts, **kw})
+    launches = []
+    if monkeypatch is not None:
+        r = llm.engine.runner
+        r.backend.shared_min_rows, r.backend.shared_min_prefix = 4, 8
+        real = decode.shared_prefix_attention
+        monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: launches.append(1) or real(*a))
+        if graphs and r.graphs is None:  # CPU: the graph path emulated (test_async_scheduling's way)
+            r.graphs = DecodeGraphs(llm.engine.model, r.kv_caches, r.backend, block_size=4, max_seqs=16,
+                                    max_model_len=128, device=llm.engine.device)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate([prompts[0][:40]], params)
+    outs = llm.generate(prompts, params)
+    llm.engine.kv.check_integrity()
+    return [o.outputs[0].token_ids for o in outs], launches
+
+
+def _shared_prompts(n=10):
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 250, (40,), generator=g).tolist()
+    return [prefix + torch.randint(3, 250, (3 + i % 5,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_engine_greedy_with_shared_prefixes_equals_the_plain_path(folder, monkeypatch, graphs):
+    """Ten requests behind a 40-token cached prefix: their decode steps group (the kernel runs; on the
+    graph path those steps go eager) and every token equals the torch backend's."""
+    prompts = _shared_prompts()
+    want, _ = _engine_tokens(folder, prompts)
+    got, launches = _engine_tokens(folder, prompts, monkeypatch, graphs=graphs, attention_backend="triton")
+    assert launches and got == want
+
+
+def test_speculative_verify_rows_group_too(folder, monkeypatch):
+    """n-gram speculation: a request's verify rows share all its blocks, so they group with each other
+    and with the other requests' rows; tokens equal plain greedy's."""
+    prompts = [p + p[-6:] * 3 for p in _shared_prompts(6)]  # repeats: the n-gram proposer drafts
+    want, _ = _engine_tokens(folder, prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    got, launches = _engine_tokens(
+        folder, prompts, monkeypatch, attention_backend="triton", speculative_config=spec
+    )
+    assert launches and got == want
