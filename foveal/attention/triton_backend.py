@@ -167,13 +167,15 @@ class TritonAttentionBackend:
         self,
         split_tokens: int = 128,
         max_splits: int = 64,
-        shared_min_rows: int = 8,
-        shared_min_prefix: int = 512,
+        shared_min_rows: int = 64,
+        shared_min_prefix: int = 1024,
     ):
         self.split_tokens = split_tokens  # fewest keys worth a decode split of their own
         self.max_splits = max_splits
         # decode rows behind a shared prefix attend to it once per tile of rows (kernels/shared_prefix.py)
-        # when >= shared_min_rows rows share >= shared_min_prefix keys (0 rows: never)
+        # when >= shared_min_rows rows share >= shared_min_prefix keys (0 rows: never). Such steps run
+        # without graphs, so the bar is high until a GPU sweep sets it (the attention saved must outweigh
+        # the graph's launches)
         self.shared_min_rows, self.shared_min_prefix = shared_min_rows, shared_min_prefix
         self._torch = TorchAttentionBackend()
 
