@@ -227,6 +227,7 @@ class VideoClip:
     content_hash: str = ""  # over the frames and their sampling: same clip, same sampling -> same hash
     # each frame's time in the source, seconds (its index / the source's rate); None: j / fps
     timestamps: tuple[float, ...] | None = None
+    duration: float | None = None  # the source's length, seconds (None: unknown)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -45,7 +45,8 @@ def _smolvlm_processor(ip, tok, image_seq_len: int):
 def _build(path: str, family: str) -> TinyVLM:
     import transformers as tf
 
-    tok = byte_tokenizer(SPECIALS, IMAGE)
+    # SmolVLM2's template writes a video as "<video>", text its processor replaces (no token of its own)
+    tok = byte_tokenizer(SPECIALS, IMAGE, video_token="<video>" if family == "smolvlm" else "")
     name = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[family]  # transformers' class prefix
     if family == "idefics3":
         # crops of 28 px = 4x4 patches of 7 -> 4 tokens after the 2x2 pixel shuffle; untied LM head

@@ -83,24 +83,30 @@ class MultiModalProcessor:
             ),
         }
         media = {k: m for k, m in media.items() if m[2]}
+        spans: list[tuple[str, int, int]] = []  # each clip's run of ids: (kind, start, end)
         if media:
-            ids, parts = self._around_media(text, images, media, add_special_tokens)
+            ids, parts, spans = self._around_media(text, images, media, add_special_tokens)
         else:
             ids, parts = self._processed(text, images, add_special_tokens)
         if not images and not media:
             return MultiModalPrompt(ids, [])
+        owner: list[str | None] = [None] * len(ids)  # the clip kind whose run holds each position
+        for kind, a, b in spans:
+            owner[a:b] = [kind] * (b - a)
         items = []
-        if images:
+        if images:  # image tokens outside the clips' runs (SmolVLM's frames are image tokens too)
             if len(parts) != len(images):
                 raise ValueError(f"{len(images)} images gave {len(parts)} encoder inputs")
-            items += _items("image", ids, self.image_token_id, parts, pixel_hashes or [""] * len(images))
+            slots = [i for i, t in enumerate(ids) if t == self.image_token_id and owner[i] is None]
+            items += _items("image", slots, parts, pixel_hashes or [""] * len(images))
         for kind, (token_id, inputs, clips) in media.items():
             parts, hashes = [], []  # a clip may be encoded as several items (adapter.video_parts)
             for m, clip in zip(inputs, clips):
                 split = self.adapter.video_parts(m) if kind == "video" else [m]
                 parts += split
                 hashes += [clip.content_hash] * len(split)
-            items += _items(kind, ids, token_id, parts, hashes)
+            slots = [i for i, t in enumerate(ids) if t == token_id and owner[i] == kind]
+            items += _items(kind, slots, parts, hashes)
         items.sort(key=lambda it: it.offset)
         prompt = MultiModalPrompt(ids, items)
         prompt.rope = self.adapter.rope(ids, items)
@@ -124,7 +130,12 @@ class MultiModalProcessor:
         special token: the tokenizer never merges across it, so the pieces tokenize as the whole does),
         the processor takes each piece with its images, and each placeholder becomes its clip's run."""
         tok = self.processor.tokenizer
-        marks = {tok.convert_ids_to_tokens(token_id): kind for kind, (token_id, _, _) in media.items()}
+        # each kind's placeholder as the rendered prompt writes it: the family's own text (SmolVLM's
+        # "<video>", no token of its vocabulary) or its placeholder token
+        marks = {
+            getattr(self.adapter, f"{kind}_placeholder", None) or tok.convert_ids_to_tokens(token_id): kind
+            for kind, (token_id, _, _) in media.items()
+        }
         wrapper = self.adapter.video_wrapper
         if (
             wrapper is not None and "video" in media
@@ -133,7 +144,7 @@ class MultiModalProcessor:
             bare = tok.convert_ids_to_tokens(self.adapter.video_token_id)
             text = text.replace(start + bare + end, bare)
         pieces = re.split("(" + "|".join(re.escape(m) for m in marks) + ")", text)
-        runs: list[list[int]] = []  # each placeholder's token ids, in order
+        runs: list[tuple[str, list[int]]] = []  # each placeholder's kind and token ids, in order
         left_of = {kind: list(inputs) for kind, (_, inputs, _) in media.items()}
         for mark in pieces[1::2]:
             kind = marks[mark]
@@ -141,9 +152,9 @@ class MultiModalProcessor:
                 raise ValueError(f"the prompt has more {kind} placeholders than {kind} inputs")
             data, n, replaced = left_of[kind].pop(0)
             if replaced is None:
-                runs.append([media[kind][0]] * n)
-            else:  # text interleaved with the clip's placeholders (Qwen3-VL's timestamps)
-                runs.append(tok(replaced, add_special_tokens=False)["input_ids"])
+                runs.append((kind, [media[kind][0]] * n))
+            else:  # text interleaved with the clip's placeholders (Qwen3-VL's timestamps, SmolVLM's frames)
+                runs.append((kind, tok(replaced, add_special_tokens=False)["input_ids"]))
         for kind, rest in left_of.items():
             if rest:
                 raise ValueError(
@@ -152,6 +163,7 @@ class MultiModalProcessor:
         image_text = getattr(self.processor, "image_token", None)
         ids: list[int] = []
         parts: list = []
+        spans: list[tuple[str, int, int]] = []
         left = list(images)
         for i, piece in enumerate(pieces[::2]):
             n = piece.count(image_text) if image_text else 0
@@ -162,16 +174,18 @@ class MultiModalProcessor:
             ids += piece_ids
             parts += piece_parts
             if i < len(runs):
-                ids += runs[i]
+                kind, run = runs[i]
+                spans.append((kind, len(ids), len(ids) + len(run)))
+                ids += run
         if left:
             raise ValueError(f"{len(images)} images for {len(images) - len(left)} image placeholders")
-        return ids, parts
+        return ids, parts, spans
 
 
-def _items(modality: str, ids: list[int], token_id: int, parts, hashes: list[str]) -> list[MultiModalItem]:
-    """One item per (tensors, number of embeddings, ...) in `parts`, over the runs of `token_id` in `ids`,
-    in order. The content hash covers the decoded media's own hash (pixels or frames) and the tensors."""
-    slots = [i for i, t in enumerate(ids) if t == token_id]
+def _items(modality: str, slots: list[int], parts, hashes: list[str]) -> list[MultiModalItem]:
+    """One item per (tensors, number of embeddings, ...) in `parts`, over the embedding positions `slots`
+    (this modality's placeholder tokens in the prompt), in order. The content hash covers the decoded
+    media's own hash (pixels or frames) and the tensors."""
     need = sum(p[1] for p in parts)
     if len(slots) != need:
         have = f"the prompt has {len(slots)} {modality} placeholder tokens"

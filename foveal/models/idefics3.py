@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import copy
 import math
+from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
+from num2words import num2words
 from torch import nn
 
-from foveal.models.vlm import ImageAdapter, VisionLanguageModel, hf_module
+from foveal.models.vlm import ImageAdapter, MediaInput, VisionLanguageModel, hf_module
+
+_VIDEO_INTRO = "You are provided the following series of {count} frames from a {duration} [H:MM:SS] video.\n"
 
 
 def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
@@ -211,7 +216,93 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
 
 
 class SmolVLMAdapter(Idefics3Adapter):
+    """SmolVLM2's video: frames sampled by its rule (fps, at most num_frames, a second skipped at each
+    end of a long clip), each resized with Lanczos so its longest edge is the video size, then to the
+    square crop size (never split), one crop of `image_seq_len` <image> tokens each; the clip's
+    placeholder ("<video>", text the processor replaces, no token) becomes transformers' prompt:
+
+        You are provided the following series of {N in words} frames from a {H:MM:SS} [H:MM:SS] video.\n
+        \nFrame from {MM:SS}:<fake_token_around_image><global-img><image>*L<fake_token_around_image> ...\n\n
+
+    (SmolVLMProcessor.replace_video_token; the frames' times are their source times)."""
+
     keep_one_padding_crop = True
+    video_placeholder = "<video>"
+
+    def __init__(self, hf_config, video_config: dict | None = None):
+        super().__init__(hf_config, video_config)
+        vc = video_config or {}
+        sampling = vc.get("video_sampling")  # older checkpoints' block (the video processor reads it first)
+        if isinstance(sampling, dict):
+            vc = {**vc, "fps": sampling.get("fps"), "num_frames": sampling.get("max_frames")}
+            vc["size"] = sampling.get("video_size", vc.get("size"))
+        self.video_fps = float(vc.get("fps") or 1.0)
+        self.video_num_frames = int(vc.get("num_frames") or 64)
+        self.video_longest = min(4096, int((vc.get("size") or {}).get("longest_edge", 4 * 364)))
+        self.video_side = int((vc.get("max_image_size") or {}).get("longest_edge", 364))
+        self.video_mean = [float(x) for x in vc.get("image_mean", (0.5, 0.5, 0.5))]
+        self.video_std = [float(x) for x in vc.get("image_std", (0.5, 0.5, 0.5))]
+        self.video_rescale = float(vc.get("rescale_factor", 1 / 255))
+        self.video_token_id = self.image_token_id  # the frames' embeddings sit on <image> tokens
+
+    def frame_indices(self, total_frames, video_fps, *, fps=None, num_frames=None, max_frames=None):
+        """SmolVLMVideoProcessor.sample_frames: round(fps x duration) frames, at most num_frames, evenly
+        spread from index 0 (or a second in, for a clip long enough) to the last (a second short)."""
+        if total_frames < 1:
+            raise ValueError("the video has no frames")
+        cap = min(num_frames or self.video_num_frames, max_frames or self.video_num_frames)
+        rate = self.video_fps if fps is None else fps
+        duration = total_frames / video_fps if video_fps > 0 else 0.0
+        want = max(1, min(int(round(rate * duration)), cap))
+        start, end = 0, total_frames - 1
+        if duration - 2 > cap * rate:  # skip_secs = 1 at both ends
+            start, end = int(video_fps), int(total_frames - video_fps)
+        start, end = max(0, start), min(end, total_frames - 1)
+        if start >= end:
+            start, end = 0, total_frames - 1
+        return sorted({int(i) for i in np.linspace(start, end, want, dtype=int)})
+
+    def video_inputs(self, clip, processor) -> MediaInput:
+        if not clip.fps > 0:
+            raise ValueError(f"a video's frame rate must be positive, got {clip.fps}")
+        frames = np.asarray(clip.frames)
+        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
+        pixels = torch.stack([self._frame(f) for f in frames])
+        side = self.video_side
+        per_crop = tokens_per_crop(self.config, side, side)
+        times = clip.timestamps or tuple(j / clip.fps for j in range(len(frames)))
+        duration = int(clip.duration) if clip.duration is not None else int(times[-1])
+        text = _VIDEO_INTRO.format(count=num2words(len(frames)), duration=str(timedelta(seconds=duration)))
+        fake = getattr(processor, "fake_image_token", "<fake_token_around_image>")
+        glob = getattr(processor, "global_image_token", "<global-img>")
+        image = getattr(processor, "image_token", "<image>")
+        crop = f"{fake}{glob}{image * per_crop}{fake}"
+        for t in times:
+            text += f"\nFrame from {int(t // 60):02d}:{int(t % 60):02d}:" + crop
+        data = {
+            "pixel_values": pixels,
+            "pixel_attention_mask": torch.ones(len(frames), side, side, dtype=torch.bool),
+        }
+        return MediaInput(data, len(frames) * per_crop, text + "\n\n")
+
+    def _frame(self, frame: np.ndarray) -> torch.Tensor:
+        """One uint8 [H, W, 3] frame -> [3, side, side] normalized: Lanczos to the video size's longest
+        edge (the other edge by the aspect ratio, rounded up to even), then to the square crop."""
+        from PIL import Image
+
+        h, w = frame.shape[:2]
+        if w >= h:
+            nw, nh = self.video_longest, int(self.video_longest / (w / h))
+            nh += nh % 2
+        else:
+            nh, nw = self.video_longest, int(self.video_longest * (w / h))
+            nw += nw % 2
+        im = Image.fromarray(frame).resize((max(nw, 1), max(nh, 1)), Image.Resampling.LANCZOS)
+        im = im.resize((self.video_side, self.video_side), Image.Resampling.LANCZOS)
+        x = torch.from_numpy(np.asarray(im, dtype=np.float32)).permute(2, 0, 1) * self.video_rescale
+        mean = torch.tensor(self.video_mean).view(3, 1, 1)
+        return (x - mean) / torch.tensor(self.video_std).view(3, 1, 1)
 
 
 class SmolVLMForConditionalGeneration(Idefics3ForConditionalGeneration):

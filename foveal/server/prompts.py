@@ -474,7 +474,8 @@ class Prompts:
             times = (
                 tuple(i / meta.fps for i in v.indices) if meta.fps > 0 else None
             )  # index / rate, as transformers
-            clips.append(VideoClip(v.frames, sampled_fps, video.video_hash(v), times))
+            duration = meta.total_frames / meta.fps if meta.fps > 0 else None
+            clips.append(VideoClip(v.frames, sampled_fps, video.video_hash(v), times, duration))
         return clips
 
     def _frame_list(self, i: int, frames: list[bytes], fps: float, reserve) -> VideoClip:
@@ -507,7 +508,7 @@ class Prompts:
         digest = hashlib.sha256(f"frames|{stacked.shape}|{fps}|".encode())
         digest.update(memoryview(np.ascontiguousarray(stacked)).cast("B"))
         times = tuple(j / fps for j in range(len(arrays)))
-        return VideoClip(stacked, fps, digest.hexdigest(), times)
+        return VideoClip(stacked, fps, digest.hexdigest(), times, len(arrays) / fps)
 
     async def _render(
         self,
