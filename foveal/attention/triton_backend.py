@@ -195,6 +195,9 @@ class TritonAttentionBackend:
         nd = batch.num_decodes
         if not self.shared_min_rows or nd < self.shared_min_rows:
             return False
+        firsts = np.fromiter((t[0] if t else -1 for t in batch.block_tables[:nd]), dtype=np.int64, count=nd)
+        if not may_share(firsts, self.shared_min_rows):  # the common case, without building the tables
+            return False
         width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))
         tables, lens = _table_array(batch.block_tables[:nd], width)
         return (
