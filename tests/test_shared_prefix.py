@@ -12,7 +12,7 @@ import torch
 
 from foveal.attention.kernels.shared_prefix import ROWS_PER_TILE, plan_groups
 from foveal.attention.triton_backend import TritonAttentionBackend
-from tests.attention_cases import SHAPES, Case, tolerance
+from tests.attention_cases import DEVICE, SHAPES, Case, tolerance
 from tests.attention_cases import compare as compare_strict
 
 
@@ -101,7 +101,39 @@ def test_a_mixed_step_with_prefill_rows_after_the_shared_decodes():
     compare(case, backend)
 
 
-def test_shares_prefixes_tells_the_runner_when_to_skip_graphs():
+def _graph_run(backend, case, static, padded: int):
+    """The case through graph metadata of `padded` rows with the shared-prefix kernel (junk q/k/v in the
+    padding rows, as a padded graph batch has): (the metadata, the batch's rows of the output)."""
+    n = len(case.batch.query_lens)
+    meta = backend.fill_graph_metadata(static, case.batch, padded, shared=True)
+    q, k, v = (
+        torch.cat([x, torch.randn_like(x[:1]).expand(padded - n, -1, -1)]) for x in (case.q, case.k, case.v)
+    )
+    out = backend.forward(q, k, v, case.cache.clone(), meta, 0.3)
+    assert torch.isfinite(out[n:]).all()
+    return meta, out[:n]
+
+
+def test_graph_metadata_with_shared_prefixes_equals_the_oracle():
+    """A graph's shared-prefix metadata (one tile program per row of the bucket, unused ones empty):
+    a grouped batch and then a batch with no groups through the same static buffers, each equal to the
+    torch backend; the second fill leaves no stale groups behind."""
+    from foveal.attention.torch_backend import TorchAttentionBackend
+
+    backend = TritonAttentionBackend(shared_min_rows=3, shared_min_prefix=4)
+    static = backend.graph_metadata(32, max_blocks_per_seq=64, block_size=4, device=DEVICE)
+    n, padded = len(SEQS), len(SEQS) + 3
+    for case, grouped in (
+        (shared_case(SEQS, GROUPS, num_kv=1, group=4, head_dim=48, bs=4, seed=7), 21),
+        (Case(SEQS, num_kv=1, group=4, head_dim=48, bs=4, seed=8), 0),
+    ):
+        meta, out = _graph_run(backend, case, static, padded)
+        assert meta.shared.num_tiles == padded and int((meta.shared.prefix_lens[:n] > 0).sum()) == grouped
+        want = case.run(TorchAttentionBackend(), case.cache.clone())
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+def test_shares_prefixes_tells_the_runner_when_to_take_the_shared_graphs():
     backend = TritonAttentionBackend(shared_min_rows=3, shared_min_prefix=4)
     batch = shared_case(SEQS, GROUPS, bs=4).batch
     assert backend.shares_prefixes(batch)
@@ -136,9 +168,17 @@ def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, **kw):
         r.backend.shared_min_rows, r.backend.shared_min_prefix = 4, 8
         real = decode.shared_prefix_attention
         monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: launches.append(1) or real(*a))
-        if graphs and r.graphs is None:  # CPU: the graph path emulated (test_async_scheduling's way)
+        if graphs:  # graphs captured after the bar came down (on a CPU the graph path is emulated)
             r.graphs = DecodeGraphs(llm.engine.model, r.kv_caches, r.backend, block_size=4, max_seqs=16,
                                     max_model_len=128, device=llm.engine.device)  # fmt: skip
+            r.graphs.capture()
+            assert r.graphs.shared_buckets == [16]
+        if graphs:  # which replays took the shared-prefix variant
+            replay = r.graphs.replay
+            r.graphs.replay = lambda batch, n, lora=False, shared=False: (
+                launches.append("graph") if shared else None,
+                replay(batch, n, lora, shared),
+            )[1]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm.generate([prompts[0][:40]], params)
     outs = llm.generate(prompts, params)
@@ -155,11 +195,13 @@ def _shared_prompts(n=10):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
 def test_engine_greedy_with_shared_prefixes_equals_the_plain_path(folder, monkeypatch, graphs):
     """Ten requests behind a 40-token cached prefix: their decode steps group (the kernel runs; on the
-    graph path those steps go eager) and every token equals the torch backend's."""
+    graph path through the graph variant with the shared-prefix kernel, its bucket of 16) and every
+    token equals the torch backend's."""
     prompts = _shared_prompts()
     want, _ = _engine_tokens(folder, prompts)
     got, launches = _engine_tokens(folder, prompts, monkeypatch, graphs=graphs, attention_backend="triton")
     assert launches and got == want
+    assert ("graph" in launches) == graphs
 
 
 def test_speculative_verify_rows_group_too(folder, monkeypatch):

@@ -37,7 +37,8 @@ Shared prefixes: when >= shared_min_rows decode rows hold the same leading block
 sharing, or one request's verify rows) for >= shared_min_prefix keys, plan() groups them
 (kernels/shared_prefix.py) and packs [prefix lens | grouped rows | tiles] after the other segments:
 the prefix is attended once per tile of rows, each row's decode starts past it, and the combine merges
-both. Eager steps only: the runner replays no graph for a batch that shares_prefixes().
+both. Graphs: graph_metadata() holds a static buffer for the groups too, fill_graph_metadata(...,
+shared=True) fills it, and a batch that shares_prefixes() replays a graph captured with the kernel.
 
 Bidirectional spans (Gemma 3 images, a masked diffusion model's canvas) become one more segment of
 the packed metadata: per prefill row the last key it sees (its position, or its span's end - 1), read
@@ -84,6 +85,7 @@ class TritonAttentionMetadata:
     fallback: TorchAttentionMetadata | None = None  # made on first need
     workspace: torch.Tensor | None = None  # decode split partials, shared by the step's layers
     graph_buffer: torch.Tensor | None = None  # graph metadata: the static int32 buffer
+    graph_shared: torch.Tensor | None = None  # graph metadata: the static shared-prefix buffer
     query_limits: torch.Tensor | None = None  # [prefill rows] int32: last key seen (bidirectional spans)
     shared: SharedPrefixes | None = None  # decode rows' shared prefixes (kernels/shared_prefix.py)
 
@@ -138,7 +140,9 @@ def _pad4(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(_round4(t.numel()) - t.numel())])
 
 
-def _graph_rows(buf: torch.Tensor, rows: int, block_size: int, num_splits: int) -> TritonAttentionMetadata:
+def _graph_rows(
+    buf: torch.Tensor, rows: int, block_size: int, num_splits: int, shared_buf: torch.Tensor | None = None
+) -> TritonAttentionMetadata:
     """Decode-only metadata over the first `rows` rows of a static graph buffer (views, same storage)."""
     head = buf[:rows]
     return TritonAttentionMetadata(
@@ -155,6 +159,7 @@ def _graph_rows(buf: torch.Tensor, rows: int, block_size: int, num_splits: int) 
         context_lens=buf[:0, 0],
         prefill_block_table=buf[:0, 2:],
         graph_buffer=buf,
+        graph_shared=shared_buf,
     )
 
 
@@ -173,9 +178,8 @@ class TritonAttentionBackend:
         self.split_tokens = split_tokens  # fewest keys worth a decode split of their own
         self.max_splits = max_splits
         # decode rows behind a shared prefix attend to it once per tile of rows (kernels/shared_prefix.py)
-        # when >= shared_min_rows rows share >= shared_min_prefix keys (0 rows: never). Such steps run
-        # without graphs, so the bar is high until a GPU sweep sets it (the attention saved must outweigh
-        # the graph's launches)
+        # when >= shared_min_rows rows share >= shared_min_prefix keys (0 rows: never); the bar is high
+        # until a GPU sweep sets it (a grouped step pads to a bucket of 64, 128, ... rows under graphs)
         self.shared_min_rows, self.shared_min_prefix = shared_min_rows, shared_min_prefix
         self._torch = TorchAttentionBackend()
 
@@ -190,8 +194,8 @@ class TritonAttentionBackend:
         return plan if len(plan[2]) else None
 
     def shares_prefixes(self, batch: AttentionBatch) -> bool:
-        """Whether plan() would group this decode-only batch's rows (the runner then runs it eagerly:
-        graph metadata carries no groups)."""
+        """Whether plan() would group this decode-only batch's rows (the runner then replays a graph
+        captured with the shared-prefix kernel, or runs the step eagerly)."""
         nd = batch.num_decodes
         if not self.shared_min_rows or nd < self.shared_min_rows:
             return False
@@ -272,13 +276,18 @@ class TritonAttentionBackend:
         buf = torch.zeros(max_seqs, 2 + max_blocks_per_seq, dtype=torch.int32, device=device)
         buf[:, 0] = -1
         splits = self._splits_for(max_blocks_per_seq * block_size)
-        return _graph_rows(buf, max_seqs, block_size, splits)
+        # [prefix lens (max_seqs) | grouped rows (max_seqs) | tiles (max_seqs x 4)]: a graph captured
+        # with shared prefixes launches one tile program per row of its bucket (unused tiles hold 0 rows)
+        shared = torch.zeros(6 * max_seqs, dtype=torch.int32, device=device) if self.shared_min_rows else None
+        return _graph_rows(buf, max_seqs, block_size, splits, shared)
 
     def fill_graph_metadata(
-        self, static: TritonAttentionMetadata, batch: AttentionBatch, padded: int
+        self, static: TritonAttentionMetadata, batch: AttentionBatch, padded: int, shared: bool = False
     ) -> TritonAttentionMetadata:
         """Copy a decode-only batch into the static buffers (one host->device copy) and return metadata
-        over their first `padded` rows; rows past the batch store nothing and attend to nothing."""
+        over their first `padded` rows; rows past the batch store nothing and attend to nothing.
+        `shared`: also the batch's shared-prefix groups (none when it has none), for a graph captured
+        with them."""
         buf = static.graph_buffer
         n, bs, width = len(batch.query_lens), static.block_size, static.max_blocks
         assert buf is not None, "not graph metadata: make it with graph_metadata()"
@@ -294,9 +303,31 @@ class TritonAttentionBackend:
         host[:, 0] = -1
         host[:n, 0] = graph_slots(batch)
         host[:n, 1] = torch.tensor(ctxs, dtype=torch.int32) + 1
-        host[:n, 2:] = _padded_tables(tables, used)
+        table_array, lens = _table_array(tables, used)
+        host[:n, 2:] = torch.from_numpy(table_array)
         buf[:padded, : 2 + used].copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)
-        return _graph_rows(buf, padded, bs, static.num_splits)
+        meta = _graph_rows(buf, padded, bs, static.num_splits, static.graph_shared)
+        if shared:
+            meta.shared = self._fill_graph_shared(static.graph_shared, table_array, lens, ctxs, bs, padded)
+        return meta
+
+    def _fill_graph_shared(self, sb, tables, lens, ctxs, block_size: int, padded: int) -> SharedPrefixes:
+        """The batch's groups into the static shared-prefix buffer (zeros where it has none): views over
+        `padded` rows and `padded` tiles, the grid a graph of that bucket was captured with."""
+        if sb is None:
+            raise ValueError("graph metadata made without shared prefixes (shared_min_rows 0)")
+        M = sb.numel() // 6
+        host = torch.zeros(6 * M, dtype=torch.int32)
+        plan = self._shared_plan(tables, lens, [c + 1 for c in ctxs], block_size) if len(ctxs) else None
+        if plan is not None:
+            plens, rows, tiles = plan
+            host[: len(plens)] = torch.from_numpy(plens)
+            host[M : M + len(rows)] = torch.from_numpy(rows)
+            host[2 * M : 2 * M + tiles.size] = torch.from_numpy(tiles.reshape(-1))
+        sb.copy_(host.pin_memory() if sb.is_cuda else host, non_blocking=True)
+        return SharedPrefixes(
+            sb[:padded], sb[M : M + padded], sb[2 * M : 2 * M + 4 * padded].view(padded, 4), padded
+        )
 
     def forward(
         self,

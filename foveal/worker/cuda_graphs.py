@@ -83,6 +83,12 @@ class DecodeGraphs:
             self.lora_offs[:-1] = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same steps with the LoRA kernels
+        # steps whose rows share a prefix (the backend's shares_prefixes): graphs with the shared-prefix
+        # kernel, for a few buckets from the backend's bar up (a batch pads to the next of them)
+        bar = getattr(backend, "shared_min_rows", 0)
+        self.shared_buckets = [b for b in self.buckets if bar and b >= bar and (b % 64 == 0 or b == max_seqs)]
+        self.shared_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.captured_shared_meta: dict[int, object] = {}
         # the metadata each graph was captured with: a replay reads and writes the tensors the capture
         # saw (the backend's split-KV workspace is made by the warm-up forward and hangs off this
         # object), so they must live as long as the graph; dropped, their memory goes back to the
@@ -118,25 +124,39 @@ class DecodeGraphs:
                 block_size=self.block_size,
             )
             meta = self.backend.fill_graph_metadata(self.meta, batch, b)
-            for graphs, lora in ((self.graphs, {}), (self.lora_graphs, {"lora": True})):
+            for graphs, lora in ((self.graphs, False), (self.lora_graphs, True)):
                 if lora and not self.lora_groups:
                     continue
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self._forward(b, meta, **lora)  # warm-up: kernels compile outside the capture
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._forward(b, meta, **lora)
-                graphs[b] = graph
+                graphs[b] = self._capture(b, meta, pool, stream, lora)
             self.captured_meta[b] = meta
+            if b in self.shared_buckets:
+                meta = self.backend.fill_graph_metadata(self.meta, batch, b, shared=True)
+                self.shared_graphs[b] = self._capture(b, meta, pool, stream)
+                self.captured_shared_meta[b] = meta
         torch.cuda.synchronize(self.device)
         log.info(
             "captured %d CUDA graphs for decode batches up to %d in %.1f s",
-            len(self.graphs) + len(self.lora_graphs),
+            len(self.graphs) + len(self.lora_graphs) + len(self.shared_graphs),
             self.max_seqs,
             time.perf_counter() - t0,
         )
+
+    def _capture(self, b: int, meta, pool, stream, lora: bool = False) -> torch.cuda.CUDAGraph:
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(b, meta, lora)  # warm-up: kernels compile outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self._forward(b, meta, lora)
+        return graph
+
+    def takes_shared(self, n: int) -> bool:
+        """Whether a batch of n rows that shares prefixes has a graph (else it runs eagerly)."""
+        return bool(self.shared_buckets) and n <= self.shared_buckets[-1]
+
+    def _shared_bucket(self, n: int) -> int:
+        return next(b for b in self.shared_buckets if b >= n)
 
     def _forward(self, b: int, meta, lora: bool = False) -> None:
         ctx = StepContext(self.positions[:b], self.kv_caches, meta)
@@ -167,14 +187,17 @@ class DecodeGraphs:
         return 0 < num_seqs <= self.max_seqs and max_len <= self.max_blocks * self.block_size
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, lora=None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, lora=None, shared=False
     ) -> torch.Tensor:
         """Logits [n, vocab] of a decode-only batch of n rows (inputs already on the device). `lora`:
-        per item (adapter slot, rows) when LoRA is on (foveal/lora/slots.py group_rows)."""
+        per item (adapter slot, rows) when LoRA is on (foveal/lora/slots.py group_rows). `shared`: the
+        rows share prefixes (takes_shared(n) must hold; a step with adapter rows takes the LoRA graph
+        and attends plainly)."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.replay(batch, n, self.fill_lora(lora, n))
+        lora = self.fill_lora(lora, n)
+        self.replay(batch, n, lora, shared and not lora)
         return self.logits[:n]
 
     def fill_lora(self, groups, n: int) -> bool:
@@ -192,9 +215,14 @@ class DecodeGraphs:
         self.lora_offs.copy_(dev[b:])
         return True
 
-    def replay(self, batch: AttentionBatch, n: int, lora: bool = False) -> None:
+    def replay(self, batch: AttentionBatch, n: int, lora: bool = False, shared: bool = False) -> None:
         """Run the graph of n rows' bucket over the static inputs (eagerly where nothing is captured);
-        `lora`: the variant with the LoRA kernels."""
+        `lora`: the variant with the LoRA kernels; `shared`: the one with the shared-prefix kernel."""
+        if shared:
+            b = self._shared_bucket(n)
+            meta = self.backend.fill_graph_metadata(self.meta, batch, b, shared=True)
+            self._forward(b, meta) if self.emulated else self.shared_graphs[b].replay()
+            return
         b = self._bucket_of[n]
         meta = self.backend.fill_graph_metadata(self.meta, batch, b)
         if self.emulated:

@@ -17,9 +17,9 @@ of Hydragen / FlashInfer):
     decode kernel   each row's keys from its shared length on, in its splits (decode.py, SHARED)
     combine         the splits and the prefix slot merged by log-sum-exp (decode.py)
 
-Exact against the plain path up to float rounding (the same online softmax, in another order). Only
-eager decode steps take it: a CUDA graph's metadata carries no groups (the runner replays a graph only
-when the plan has none).
+Exact against the plain path up to float rounding (the same online softmax, in another order). Eager
+steps launch one program per tile; a CUDA graph captured for it (worker/cuda_graphs.py, a few buckets)
+launches one per row of its bucket, the unused ones holding no rows.
 """
 
 from __future__ import annotations
