@@ -9,12 +9,12 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
 
     pass 1     m = max(y); with top_k, each lane's 4 largest y (lane c: the columns c, c + BLOCK, ...)
     min_p      floor = m + log(min_p)                        (keep p >= min_p * p_max)
-    top_k      floor = max(floor, the k-th largest y): radix select on the order-preserving key of the
-               4 * BLOCK lane candidates, in registers (no pass). It is the row's k-th largest when no
-               lane's 4th largest exceeds it (a lane can then hold no uncounted value above it): so
-               unless one lane of 8,192 holds 4 values above the k-th (for k = 50 about 3 rows in
-               10,000), else radix select over the row, a byte a pass (4 passes; ties at the k-th all
-               stay either way)
+    top_k      floor = max(floor, the k-th largest y): the k-th largest of the 4 * BLOCK lane
+               candidates, its order-preserving key found a bit a count, in registers (no pass). It is
+               the row's k-th largest when no lane's 4th largest exceeds it (a lane can then hold no
+               uncounted value above it): so unless one lane of 8,192 holds 4 values above the k-th
+               (for k = 50 about 3 rows in 10,000), else radix select over the row, a byte a pass (4
+               passes; ties at the k-th all stay either way)
     draw       the race winner w over {y >= floor}, and Z = sum_{y >= floor} e^(y - m)
     top_p      accept w when the mass above it is below top_p * Z (then w is in the top_p set, and the
                race over that set has the same winner, the set being inside the one raced over); else
@@ -117,23 +117,16 @@ def _triton_kernel():
     @triton.jit
     def _kth_of_lanes(c0, c1, c2, c3, k):
         """The k-th largest finite value among the lanes' candidates, counting ties (k <= their finite
-        count): radix select on their keys, in registers."""
+        count): its order-preserving key bit by bit from the top, each bit kept when at least k keys
+        reach the prefix with it set (32 counts over registers; -inf keys sit below every finite one)."""
         k0, k1, k2, k3 = _key(c0), _key(c1), _key(c2), _key(c3)
-        f0, f1, f2, f3 = c0 > float("-inf"), c1 > float("-inf"), c2 > float("-inf"), c3 > float("-inf")
-        need = k
         prefix = tl.full((), 0, tl.uint32)
-        for d in tl.static_range(4):
-            m0, m1, m2, m3 = f0, f1, f2, f3
-            if d > 0:
-                m0 = m0 & ((k0 >> (32 - 8 * d)) == prefix)
-                m1 = m1 & ((k1 >> (32 - 8 * d)) == prefix)
-                m2 = m2 & ((k2 >> (32 - 8 * d)) == prefix)
-                m3 = m3 & ((k3 >> (32 - 8 * d)) == prefix)
-            hist = tl.histogram(((k0 >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=m0)
-            hist += tl.histogram(((k1 >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=m1)
-            hist += tl.histogram(((k2 >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=m2)
-            hist += tl.histogram(((k3 >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=m3)
-            need, prefix = _radix_byte(hist, need, prefix)
+        for bit in tl.static_range(32):
+            cand = prefix | (1 << (31 - bit))
+            n = (k0 >= cand).to(tl.int32) + (k1 >= cand).to(tl.int32)
+            n += (k2 >= cand).to(tl.int32) + (k3 >= cand).to(tl.int32)
+            if tl.sum(n, 0) >= k:
+                prefix = cand
         return _unkey(prefix)
 
     @triton.jit
