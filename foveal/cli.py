@@ -81,6 +81,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "torch, cpu or triton",
     )
     g.add_argument(
+        "--shared-prefix-min-rows",
+        type=int,
+        default=64,
+        help="triton: decode rows behind one cached prefix that read it once per tile of rows (0: never)",
+    )
+    g.add_argument(
+        "--shared-prefix-min-tokens",
+        type=int,
+        default=1024,
+        help="triton: the shortest shared prefix (keys) read that way",
+    )
+    g.add_argument(
         "--no-prefix-cache",
         dest="enable_prefix_caching",
         action="store_false",
@@ -226,6 +238,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
         attention_backend=a.attention_backend,
+        shared_prefix_min_rows=a.shared_prefix_min_rows,
+        shared_prefix_min_tokens=a.shared_prefix_min_tokens,
         vision_cache_memory=a.vision_cache_memory,
         enable_prefix_caching=a.enable_prefix_caching,
         max_encoder_tokens_per_step=a.max_encoder_tokens_per_step,

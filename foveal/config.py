@@ -356,6 +356,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"  # auto | torch | cpu | triton (auto: triton on CUDA, cpu on CPU)
+    # the Triton backend's shared-prefix decode: >= this many decode rows holding the same first blocks
+    # for >= shared_prefix_min_tokens keys read them once per tile of rows (0 rows: never)
+    shared_prefix_min_rows: int = 64
+    shared_prefix_min_tokens: int = 1024
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
     output: OutputConfig = field(default_factory=OutputConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -395,6 +399,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if s.max_encoder_tokens_per_step is not None and s.max_encoder_tokens_per_step < 1:
             raise ValueError("max_encoder_tokens_per_step must be >= 1")
+        if self.shared_prefix_min_rows < 0 or self.shared_prefix_min_tokens < 1:
+            raise ValueError("shared_prefix_min_rows must be >= 0 and shared_prefix_min_tokens >= 1")
         if c.vision_cache_memory < 0:
             raise ValueError("vision_cache_memory must be >= 0 bytes")
         if c.block_size < 1:

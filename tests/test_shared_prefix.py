@@ -161,18 +161,20 @@ def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, **kw):
     from foveal.worker.cuda_graphs import DecodeGraphs
 
     opts = dict(dtype="float32", num_blocks=160, block_size=4, max_num_seqs=16, max_model_len=128)
+    if monkeypatch is not None:  # the engine options reach the backend
+        opts.update(shared_prefix_min_rows=4, shared_prefix_min_tokens=8)
     llm = LLM(str(folder), load_format="dummy", enable_prefix_caching=True, **{**opts, **kw})
     launches = []
     if monkeypatch is not None:
         r = llm.engine.runner
-        r.backend.shared_min_rows, r.backend.shared_min_prefix = 4, 8
+        assert (r.backend.shared_min_rows, r.backend.shared_min_prefix) == (4, 8)
         real = decode.shared_prefix_attention
         monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: launches.append(1) or real(*a))
         if graphs:  # graphs captured after the bar came down (on a CPU the graph path is emulated)
             r.graphs = DecodeGraphs(llm.engine.model, r.kv_caches, r.backend, block_size=4, max_seqs=16,
                                     max_model_len=128, device=llm.engine.device)  # fmt: skip
             r.graphs.capture()
-            assert r.graphs.shared_buckets == [16]
+            assert r.graphs.shared_buckets == [4, 8, 16]  # from the bar, 4 rows, up
         if graphs:  # which replays took the shared-prefix variant
             replay = r.graphs.replay
             r.graphs.replay = lambda batch, n, lora=False, shared=False: (
@@ -195,7 +197,7 @@ def _shared_prompts(n=10):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
 def test_engine_greedy_with_shared_prefixes_equals_the_plain_path(folder, monkeypatch, graphs):
     """Ten requests behind a 40-token cached prefix: their decode steps group (the kernel runs; on the
-    graph path through the graph variant with the shared-prefix kernel, its bucket of 16) and every
+    graph path through the graph variant with the shared-prefix kernel) and every
     token equals the torch backend's."""
     prompts = _shared_prompts()
     want, _ = _engine_tokens(folder, prompts)
@@ -214,3 +216,10 @@ def test_speculative_verify_rows_group_too(folder, monkeypatch):
         folder, prompts, monkeypatch, attention_backend="triton", speculative_config=spec
     )
     assert launches and got == want
+
+
+def test_the_engine_options_are_checked(folder):
+    from foveal.engine.llm import LLM
+
+    with pytest.raises(ValueError, match="shared_prefix_min_rows"):
+        LLM(str(folder), load_format="dummy", shared_prefix_min_rows=-1)

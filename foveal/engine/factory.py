@@ -93,6 +93,11 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
     hf = ckpt.hf_config
     max_len = cfg.model.max_model_len or max_context(hf)
     backend = get_backend(cfg.attention_backend, device)
+    if hasattr(backend, "shared_min_rows"):  # Triton's shared-prefix decode
+        backend.shared_min_rows, backend.shared_min_prefix = (
+            cfg.shared_prefix_min_rows,
+            cfg.shared_prefix_min_tokens,
+        )
     model = build_model(
         hf, backend, max_positions=max(max_len, 1), dtype=dtype, device=device, weights=ckpt.weights
     )

@@ -198,6 +198,8 @@ class BlockStepGraphs(DecodeGraphs):
     """DFlash steps as CUDA graphs (every row a one-token query, as the target's decode graphs): the
     token ids, context features and block flags in static buffers, norm(x) of every row out."""
 
+    shared_prefixes = False  # a drafter's rows attend to its own cache, grouped or not: plainly
+
     def __init__(self, head, kv_caches, backend, **kw):
         super().__init__(head, kv_caches, backend, **kw)
         self.feats = torch.zeros(

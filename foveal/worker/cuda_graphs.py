@@ -47,6 +47,8 @@ def supports_graphs(backend) -> bool:
 
 
 class DecodeGraphs:
+    shared_prefixes = True  # graphs with the shared-prefix kernel too (the target's; not the drafters')
+
     def __init__(
         self,
         model,
@@ -85,8 +87,10 @@ class DecodeGraphs:
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same steps with the LoRA kernels
         # steps whose rows share a prefix (the backend's shares_prefixes): graphs with the shared-prefix
         # kernel, for a few buckets from the backend's bar up (a batch pads to the next of them)
-        bar = getattr(backend, "shared_min_rows", 0)
-        self.shared_buckets = [b for b in self.buckets if bar and b >= bar and (b % 64 == 0 or b == max_seqs)]
+        bar = getattr(backend, "shared_min_rows", 0) if self.shared_prefixes else 0
+        self.shared_buckets = [
+            b for b in self.buckets if bar and b >= bar and (b & (b - 1) == 0 or b % 64 == 0 or b == max_seqs)
+        ]  # powers of two and multiples of 64
         self.shared_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.captured_shared_meta: dict[int, object] = {}
         # the metadata each graph was captured with: a replay reads and writes the tensors the capture
@@ -142,13 +146,14 @@ class DecodeGraphs:
         )
 
     def _capture(self, b: int, meta, pool, stream, lora: bool = False) -> torch.cuda.CUDAGraph:
+        kw = {"lora": True} if lora else {}  # (the drafters' graphs take (b, meta) only)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(b, meta, lora)  # warm-up: kernels compile outside the capture
+            self._forward(b, meta, **kw)  # warm-up: kernels compile outside the capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            self._forward(b, meta, lora)
+            self._forward(b, meta, **kw)
         return graph
 
     def takes_shared(self, n: int) -> bool:
