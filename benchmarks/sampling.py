@@ -283,6 +283,40 @@ def prefix(a) -> dict:
     return {"runs": res, "best_tok_s": best}
 
 
+def prefix_sweep(a) -> dict:
+    """Where shared-prefix decode pays (the rule's data): for rows x prefix lengths, requests sharing a
+    prefix (each with 128 tokens of its own, 64 out, greedy), the decode step in ms with the shared-prefix
+    kernel off and on (graphs captured for buckets from 16 rows up), alternating in one process."""
+    rows_set = (16, 64, 256) if not a.smoke else (4,)
+    prefixes = (512, 2048) if not a.smoke else (64,)
+    llm = gw.engine(
+        "llama-3.1-8b.json", a, max_model_len=2048 + 256, max_num_seqs=256, max_num_batched_tokens=8192,
+        enable_prefix_caching=True, shared_prefix_min_rows=16, shared_prefix_min_tokens=256,
+    )  # fmt: skip
+    backend = llm.engine.runner.backend
+    on = getattr(backend, "shared_min_rows", 0)
+    V = llm.processor.info.vocab_size
+    res: dict = {}
+    for n in rows_set:
+        for plen in prefixes:
+            shared = gw.random_prompts(1, plen, V, 11)[0]
+            own = gw.random_prompts(n, gw.L(128), V, 12)
+            for mode in ("plain", "shared") if on else ("plain",):
+                backend.shared_min_rows, backend.shared_min_prefix = (
+                    (on, 256) if mode == "shared" else (0, 256)
+                )
+                gw.run(llm, [shared[:64]], [gw.greedy(2)])  # warm, and the prefix's first blocks cached
+                gw.run(llm, [shared], [gw.greedy(2)])
+                r = gw.run(llm, [shared + o for o in own], [gw.greedy(gw.L(64))] * n)
+                res[f"rows {n} prefix {plen} {mode}"] = r["decode_step_ms"]
+                gw.log(f"prefix sweep, {n} rows behind {plen} keys, {mode}: decode step "
+                       f"{r['decode_step_ms'] or 0:.2f} ms")  # fmt: skip
+                llm.engine.reset_prefix_cache()
+    backend.shared_min_rows = on
+    del llm
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mixed,prefix")
@@ -292,7 +326,10 @@ def main() -> None:
     a = ap.parse_args()
     gw.setup(a, "sampling.py")
     out: dict = {"benchmark": "sampling", "commit": os.environ.get("FOVEAL_COMMIT", "?")}
-    parts = (("kernel", kernel), ("tiles", tiles), ("filters", filters), ("mixed", mixed), ("prefix", prefix))
+    parts = (
+        ("kernel", kernel), ("tiles", tiles), ("filters", filters), ("mixed", mixed), ("prefix", prefix),
+        ("prefix_sweep", prefix_sweep),
+    )  # fmt: skip
     for name, fn in parts:
         if name in a.workloads.split(","):
             out[name] = fn(a)

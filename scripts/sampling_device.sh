@@ -9,7 +9,8 @@
 #   tiles       the Triton kernel alone at several (column block, warps per program) shapes
 #   filters     the Triton kernel alone with all rows on one filter each (fp32 / bf16 logits): its time by filter
 #   decode      mixed --reps 1 --profile: decode steps of both modes timed, then traced ($OUT/prof)
-#   prefix      the shared-prefix workload, this checkout only
+#   prefix      the shared-prefix workload, this checkout only (plain and shared-prefix decode alternating)
+#   prefix_sweep  rows x prefix lengths, decode step with the shared-prefix kernel off and on (the rule)
 #   structured  benchmarks/structured.py (JSON schema vs free TPOT, batch 1 and 64) here and in before34/
 #   eagle       benchmarks/speculative.py --heads eagle3 batch 1 with --profile, here and in before/
 #   dflash      the same for DFlash at batch 1 and 64 (issue 35's before/after; DFLASH_PROFILE=1: traces)
@@ -58,6 +59,9 @@ for part in "$@"; do
       ;;
     prefix)
       timeout ${T_PREFIX:-200} python3 benchmarks/sampling.py --workloads prefix --reps 2 2>&1 | quiet | tail -3
+      ;;
+    prefix_sweep)
+      timeout ${T_SWEEP:-400} python3 benchmarks/sampling.py --workloads prefix_sweep 2>&1 | quiet | grep "prefix sweep"
       ;;
     structured)
       for t in after before; do
