@@ -58,8 +58,15 @@ def _run(x: torch.Tensor, mixes, seeds, vocab: int):
     return tokens, thresholds(x, cols[0], cols[1], cols[2], cols[3], vocab)
 
 
+@pytest.mark.parametrize("block", [None, 16])
 @pytest.mark.parametrize("scale", [0.5, 3.0])
-def test_kept_sets_and_tokens_equal_the_torch_path(scale):
+def test_kept_sets_and_tokens_equal_the_torch_path(scale, block, monkeypatch):
+    """At the default block every lane holds one column, so each draw races over the lanes' candidates
+    in registers; at 16 columns a block the lanes are full and most races take passes over the row."""
+    from foveal.sample import triton_sample
+
+    if block:
+        monkeypatch.setattr(triton_sample, "_BLOCK", block)
     dev = _device()
     V = 300
     g = torch.Generator().manual_seed(int(scale * 10))
@@ -135,10 +142,16 @@ def test_top_k_when_one_lane_holds_the_largest_values(monkeypatch):
         assert tokens[i].item() == s._draw(want[None].softmax(-1), [row]).item(), mix
 
 
-def test_top_p_rounds_on_flat_rows():
+@pytest.mark.parametrize("block", [None, 16])
+def test_top_p_rounds_on_flat_rows(block, monkeypatch):
     """Near-flat rows with a small top_p: the winner of the first race is almost never in the kept set,
     so the draw takes several rounds, each on the set above the last winner: every token is in the
-    kept set and is the one the torch path draws from it."""
+    kept set and is the one the torch path draws from it. At 16 columns a block the first rounds pass
+    over the row and the last ones race over the lanes' candidates."""
+    from foveal.sample import triton_sample
+
+    if block:
+        monkeypatch.setattr(triton_sample, "_BLOCK", block)
     dev = _device()
     V, n = 400, 12
     g = torch.Generator().manual_seed(8)

@@ -7,7 +7,8 @@ as the last one a sort would keep (ties at a boundary all stay, where a sort kee
 The draw is the exponential race in log form, argmax over the kept set of y - log E_j with E_j =
 -log U(key, j) (sample/noise.py: Gumbel-max, token j wins with probability softmax(y)_j on the set).
 
-    pass 1     m = max(y); with top_k, each lane's 4 largest y (lane c: the columns c, c + BLOCK, ...)
+    pass 1     m = max(y); with top_k or top_p, each lane's 4 largest y and their columns (lane c: the
+               columns c, c + BLOCK, ...)
     min_p      floor = m + log(min_p)                        (keep p >= min_p * p_max)
     top_k      floor = max(floor, the k-th largest y): the k-th largest of the 4 * BLOCK lane
                candidates, its order-preserving key found a bit a count, in registers (no pass). It is
@@ -15,16 +16,20 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
                uncounted value above it): so unless one lane of 8,192 holds 4 values above the k-th
                (for k = 50 about 3 rows in 10,000), else radix select over the row, a byte a pass (4
                passes; ties at the k-th all stay either way)
-    draw       the race winner w over {y >= floor}, and Z = sum_{y >= floor} e^(y - m)
+    draw       the race winner w over {y >= floor}, and Z = sum_{y >= floor} e^(y - m): over the lanes'
+               candidates in registers when they hold that whole set (top_k's rows, with their
+               columns kept beside them), else a pass
     top_p      accept w when the mass above it is below top_p * Z (then w is in the top_p set, and the
                race over that set has the same winner, the set being inside the one raced over); else
                the set shrinks to {y > y_w} and its winner, found in the same pass, is the next w. Each
-               pass accepts with probability >= top_p; an LLM's peaked rows take one or two.
+               pass accepts with probability >= top_p; an LLM's peaked rows take one or two (a round
+               whose set the candidates hold runs in registers).
 
-So a row costs 2 passes (temperature, min_p, top_k) plus one per top_p round, where the
-bisection this replaced took ~30 per filter. The threshold mode finds top_p's tau by bisection on the
-mass (`_bisect`: a pass a step; only filter() pays it). Triton is imported at the first call (the CPU
-never needs it); under TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how they are tested.
+So a row costs 1 pass (top_k: its draw in registers), 2 (temperature, min_p) plus one per top_p round
+the candidates cannot hold, where the bisection this replaced took ~30 per filter. The threshold mode
+finds top_p's tau by bisection on the mass (`_bisect`: a pass a step; only filter() pays it). Triton is
+imported at the first call (the CPU never needs it); under TRITON_INTERPRET=1 the kernels run on CPU
+tensors, which is how they are tested.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ _kernel = _noise = _penalty = None
 def _triton_kernel():
     global _kernel, _noise, _penalty, tl  # @triton.jit resolves the helpers below as module globals
     global _mix32, _uniform, _key, _unkey, _kth_largest, _race, _count_mass, _bisect, _insert4, _radix_byte
-    global _kth_of_lanes
+    global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes
     if _kernel is not None:
         return _kernel
     import triton
@@ -104,15 +109,43 @@ def _triton_kernel():
         return _unkey(prefix)
 
     @triton.jit
-    def _insert4(c0, c1, c2, c3, y):
-        """Each lane's 4 largest so far (c0 >= c1 >= c2 >= c3) with y added."""
-        n0 = tl.maximum(c0, y)
-        y = tl.minimum(c0, y)
-        n1 = tl.maximum(c1, y)
-        y = tl.minimum(c1, y)
-        n2 = tl.maximum(c2, y)
-        y = tl.minimum(c2, y)
-        return n0, n1, n2, tl.maximum(c3, y)
+    def _insert4(c0, c1, c2, c3, j0, j1, j2, j3, y, col):
+        """Each lane's 4 largest so far (c0 >= c1 >= c2 >= c3, at columns j0..j3) with y at col added."""
+        t = y > c0
+        c0, y, j0, col = tl.where(t, y, c0), tl.where(t, c0, y), tl.where(t, col, j0), tl.where(t, j0, col)
+        t = y > c1
+        c1, y, j1, col = tl.where(t, y, c1), tl.where(t, c1, y), tl.where(t, col, j1), tl.where(t, j1, col)
+        t = y > c2
+        c2, y, j2, col = tl.where(t, y, c2), tl.where(t, c2, y), tl.where(t, col, j2), tl.where(t, j2, col)
+        t = y > c3
+        return c0, c1, c2, tl.where(t, y, c3), j0, j1, j2, tl.where(t, col, j3)
+
+    @triton.jit
+    def _lanes_hold(c3, lo, strict):
+        """Whether the lanes' candidates hold every finite value of {y >= lo} ({y > lo} when strict): each
+        lane's uncounted values are <= its 4th largest (or it has fewer than 4)."""
+        full = c3 > float("-inf")
+        ok = (c3 < lo) | ((c3 == lo) & (strict != 0)) | (~full)
+        return tl.min(ok.to(tl.int32), 0) == 1
+
+    @triton.jit
+    def _race_one(c, j, m, lo, strict, k0, k1):
+        keep = ((c > lo) | ((c == lo) & (strict == 0))) & (c > float("-inf"))
+        mass = tl.sum(tl.where(keep, tl.exp(c - m), 0.0), 0)
+        return tl.where(keep, c - tl.log(-tl.log(_uniform(j, k0, k1))), float("-inf")), mass
+
+    @triton.jit
+    def _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, lo, strict, k0, k1, V):
+        """_race over the lanes' candidates, in registers (valid when _lanes_hold): the same winner (the
+        first column of the largest y - log E, the noise keyed by column) and the set's mass."""
+        s0, z0 = _race_one(c0, j0, m, lo, strict, k0, k1)
+        s1, z1 = _race_one(c1, j1, m, lo, strict, k0, k1)
+        s2, z2 = _race_one(c2, j2, m, lo, strict, k0, k1)
+        s3, z3 = _race_one(c3, j3, m, lo, strict, k0, k1)
+        top = tl.maximum(tl.maximum(tl.max(s0, 0), tl.max(s1, 0)), tl.maximum(tl.max(s2, 0), tl.max(s3, 0)))
+        w0 = tl.minimum(tl.min(tl.where(s0 == top, j0, V), 0), tl.min(tl.where(s1 == top, j1, V), 0))
+        w1 = tl.minimum(tl.min(tl.where(s2 == top, j2, V), 0), tl.min(tl.where(s3 == top, j3, V), 0))
+        return tl.minimum(w0, w1), z0 + z1 + z2 + z3
 
     @triton.jit
     def _kth_of_lanes(c0, c1, c2, c3, k):
@@ -224,12 +257,18 @@ def _triton_kernel():
             c1 = tl.full([BLOCK], neg_inf, tl.float32)
             c2 = tl.full([BLOCK], neg_inf, tl.float32)
             c3 = tl.full([BLOCK], neg_inf, tl.float32)
+            j0 = tl.zeros([BLOCK], dtype=tl.int32)  # their columns
+            j1 = tl.zeros([BLOCK], dtype=tl.int32)
+            j2 = tl.zeros([BLOCK], dtype=tl.int32)
+            j3 = tl.zeros([BLOCK], dtype=tl.int32)
             finite = tl.zeros([BLOCK], dtype=tl.int32)
+            top_p = tl.load(top_p_ptr + row)
+            lanes = (k > 0) | ((top_p < 1.0) & (not THRESH))  # the candidates serve top_k and the draws
             for start in range(0, V, BLOCK):  # pass 1
                 cols = start + tl.arange(0, BLOCK)
                 y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32) * inv_t
-                if k > 0:
-                    c0, c1, c2, c3 = _insert4(c0, c1, c2, c3, y)
+                if lanes:
+                    c0, c1, c2, c3, j0, j1, j2, j3 = _insert4(c0, c1, c2, c3, j0, j1, j2, j3, y, cols)
                     finite += (y > neg_inf).to(tl.int32)
                 else:
                     c0 = tl.maximum(c0, y)
@@ -250,7 +289,6 @@ def _triton_kernel():
                     if not exact:
                         kth = _kth_largest(x_row, V, inv_t, k, BLOCK)
                     floor = tl.maximum(floor, kth)
-            top_p = tl.load(top_p_ptr + row)
             if THRESH:
                 if top_p < 1.0:
                     a = tl.maximum(floor, tl.min(lo, 0))
@@ -266,13 +304,21 @@ def _triton_kernel():
             else:
                 k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
                 k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
-                w, z = _race(x_row, V, inv_t, m, floor, 0, k0, k1, BLOCK)
+                # each race in registers when the lanes' candidates hold its whole set (top_k's, a late
+                # top_p round's), else a pass over the row
+                if lanes & _lanes_hold(c3, floor, 0):
+                    w, z = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, floor, 0, k0, k1, V)
+                else:
+                    w, z = _race(x_row, V, inv_t, m, floor, 0, k0, k1, BLOCK)
                 if top_p < 1.0:
                     need = top_p * z
                     above = need
                     while above >= need:  # w is in the top_p set iff the mass above it is < need
                         wy = tl.load(x_row + w).to(tl.float32) * inv_t
-                        w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, BLOCK)
+                        if _lanes_hold(c3, wy, 1):
+                            w2, above = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, wy, 1, k0, k1, V)
+                        else:
+                            w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, BLOCK)
                         if above >= need:
                             w = w2
                 tl.store(out_ptr + row, w.to(tl.int64))
