@@ -172,3 +172,25 @@ def test_a_served_video_chat_through_the_openai_client(tiny):
     finally:
         s.server.should_exit = True
         th.join(15)
+
+
+def test_frames_equal_transformers_video_processor(tiny):
+    """Our frames against SmolVLMVideoProcessor's (which needs torchvision >= 0.27 for Lanczos on
+    tensors; before that it falls back to bicubic itself): within a couple of uint8 levels (PIL's and
+    torchvision's Lanczos round differently)."""
+    tv = pytest.importorskip("torchvision", reason="transformers' video processors need torchvision")
+    from packaging.version import Version
+
+    if Version(tv.__version__.split("+")[0]) < Version("0.27"):
+        pytest.skip("transformers resizes with bicubic, not Lanczos, before torchvision 0.27")
+    from transformers import SmolVLMVideoProcessor
+
+    adapter = engine_for(tiny).processor.mm_processor.adapter
+    frames = clip(3, 70, 30, 4).frames
+    vp = SmolVLMVideoProcessor(
+        size={"longest_edge": adapter.video_longest}, max_image_size={"longest_edge": adapter.video_side}
+    )
+    ref = vp(videos=[frames], return_tensors="pt", do_sample_frames=False)["pixel_values"][0]
+    ours = torch.stack([adapter._frame(f) for f in frames])
+    assert ref.shape == ours.shape
+    assert (ref - ours).abs().max().item() < 3 * 2 / 255  # 3 levels of 255 over the [-1, 1] range
