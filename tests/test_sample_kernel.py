@@ -251,23 +251,21 @@ def test_seeded_rows_draw_the_same_token_in_any_batch():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_sampler_draws_what_the_cpu_sampler_draws():
-    """The Sampler end to end: processing (penalties, bias) then the kernel on CUDA, the sort-based
-    filters on the CPU: seeded rows give the same tokens (near-ties of float rounding aside: none here)."""
+@pytest.mark.parametrize("penalized", [True, False])
+def test_cuda_sampler_draws_what_the_cpu_sampler_draws(penalized):
+    """The Sampler end to end: processing (penalties) then the kernel on CUDA, the sort-based filters
+    on the CPU: seeded rows give the same tokens (near-ties of float rounding aside: none here). Without
+    penalties the kernel reads the raw rows: bf16 logits wider than the vocabulary (an LM head's
+    padding), no float32 copy."""
     V = 500
     g = torch.Generator().manual_seed(9)
     x = torch.randn(len(MIXES), V, generator=g) * 2
+    if not penalized:
+        x = torch.cat([x, torch.full((len(MIXES), 12), 40.0)], dim=1).to(torch.bfloat16)
+    pen = dict(repetition_penalty=1.2, presence_penalty=0.3) if penalized else {}
     rows = [
         SamplingRow(
-            SamplingParams(
-                temperature=t,
-                min_p=mp,
-                top_k=k,
-                top_p=p,
-                seed=i,
-                repetition_penalty=1.2,
-                presence_penalty=0.3,
-            ),  # fmt: skip
+            SamplingParams(temperature=t, min_p=mp, top_k=k, top_p=p, seed=i, **pen),  # fmt: skip
             [1, 2, 3],
             [4, 5, 5],
             frozenset(),

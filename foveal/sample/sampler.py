@@ -65,6 +65,11 @@ def _min_tokens_active(row: SamplingRow) -> bool:
     return row.draw_index < row.params.min_tokens
 
 
+def _processed(r: SamplingRow) -> bool:
+    """Whether process_logits changes this row: min_tokens holding stops back, a logit bias, penalties."""
+    return _min_tokens_active(r) or bool(r.params.bias_token_ids) or r.params.needs_penalties
+
+
 def _plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (
@@ -107,6 +112,12 @@ class Sampler:
                 raw = raw.float()  # same maximum, same first index; bf16 argmax ran 2x slower here
             return raw.argmax(-1), PendingLogprobs(len(rows))
 
+        if raw.is_cuda and masks is None and not any(_processed(r) for r in rows):
+            # nothing to apply in place: the kernel reads the raw rows (bf16 widens exactly, as the
+            # float32 copy would), one copy of the logits less
+            tokens = self._draw_kernel(raw, rows)
+            if tokens is not None:
+                return tokens, self.logprobs(raw, rows, tokens)
         x = self.process_logits(logits, rows, masks)
         tokens = self._draw_kernel(x, rows) if x.is_cuda else None
         if tokens is None:
