@@ -181,7 +181,26 @@ class TritonAttentionBackend:
         # when >= shared_min_rows rows share >= shared_min_prefix keys (0 rows: never); the bar is high
         # until a GPU sweep sets it (a grouped step pads to a bucket of 64, 128, ... rows under graphs)
         self.shared_min_rows, self.shared_min_prefix = shared_min_rows, shared_min_prefix
+        self._memo: tuple | None = (
+            None  # (batch, bar, its groups): shares_prefixes, then plan or a graph fill
+        )
         self._torch = TorchAttentionBackend()
+
+    def _batch_plan(self, batch: AttentionBatch, tables: np.ndarray | None = None, lens=None):
+        """The decode rows' groups (plan_groups' arrays) or None, planned once per batch."""
+        bar = (self.shared_min_rows, self.shared_min_prefix)
+        if self._memo is not None and self._memo[0] is batch and self._memo[1] == bar:
+            return self._memo[2]
+        nd = batch.num_decodes
+        if tables is None:
+            width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))
+            tables, lens = _table_array(batch.block_tables[:nd], width)
+        ctxs = batch.context_lens[:nd]
+        plan = (
+            self._shared_plan(tables[:nd], lens[:nd], [c + 1 for c in ctxs], batch.block_size) if nd else None
+        )
+        self._memo = (batch, bar, plan)  # holding the batch: its identity cannot be reused meanwhile
+        return plan
 
     def _shared_plan(self, tables: np.ndarray, lens: np.ndarray, seq_lens: list[int], block_size: int):
         """plan_groups' arrays for the decode rows, or None when no rows qualify."""
@@ -202,12 +221,7 @@ class TritonAttentionBackend:
         firsts = np.fromiter((t[0] if t else -1 for t in batch.block_tables[:nd]), dtype=np.int64, count=nd)
         if not may_share(firsts, self.shared_min_rows):  # the common case, without building the tables
             return False
-        width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))
-        tables, lens = _table_array(batch.block_tables[:nd], width)
-        return (
-            self._shared_plan(tables, lens, [c + 1 for c in batch.context_lens[:nd]], batch.block_size)
-            is not None
-        )
+        return self._batch_plan(batch) is not None
 
     def _splits_for(self, max_len: int) -> int:
         return max(1, min(self.max_splits, -(-max_len // self.split_tokens)))
@@ -237,9 +251,7 @@ class TritonAttentionBackend:
             parts.append(limits)
         shared = None
         if nd >= self.shared_min_rows > 0:
-            shared = self._shared_plan(
-                table_array[:nd], lens[:nd], [x + 1 for x in ctxs[:nd]], batch.block_size
-            )
+            shared = self._batch_plan(batch, table_array, lens)
         if shared is not None:  # [prefix_lens (nd) | rows | tiles], each padded to 4 int32s
             plens, rows, tiles = (torch.from_numpy(a.reshape(-1)) for a in shared)
             parts += [_pad4(plens), _pad4(rows), tiles]
@@ -308,17 +320,17 @@ class TritonAttentionBackend:
         buf[:padded, : 2 + used].copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)
         meta = _graph_rows(buf, padded, bs, static.num_splits, static.graph_shared)
         if shared:
-            meta.shared = self._fill_graph_shared(static.graph_shared, table_array, lens, ctxs, bs, padded)
+            meta.shared = self._fill_graph_shared(static.graph_shared, batch, table_array, lens, padded)
         return meta
 
-    def _fill_graph_shared(self, sb, tables, lens, ctxs, block_size: int, padded: int) -> SharedPrefixes:
+    def _fill_graph_shared(self, sb, batch: AttentionBatch, tables, lens, padded: int) -> SharedPrefixes:
         """The batch's groups into the static shared-prefix buffer (zeros where it has none): views over
         `padded` rows and `padded` tiles, the grid a graph of that bucket was captured with."""
         if sb is None:
             raise ValueError("graph metadata made without shared prefixes (shared_min_rows 0)")
         M = sb.numel() // 6
         host = torch.zeros(6 * M, dtype=torch.int32)
-        plan = self._shared_plan(tables, lens, [c + 1 for c in ctxs], block_size) if len(ctxs) else None
+        plan = self._batch_plan(batch, tables, lens)
         if plan is not None:
             plens, rows, tiles = plan
             host[: len(plens)] = torch.from_numpy(plens)
