@@ -155,7 +155,7 @@ def _triton_kernel():
         k0, k1, k2, k3 = _key(c0), _key(c1), _key(c2), _key(c3)
         prefix = tl.full((), 0, tl.uint32)
         for bit in tl.static_range(32):
-            cand = prefix | (1 << (31 - bit))
+            cand = prefix | (tl.full((), 1, tl.uint32) << (31 - bit))  # unsigned throughout
             n = (k0 >= cand).to(tl.int32) + (k1 >= cand).to(tl.int32)
             n += (k2 >= cand).to(tl.int32) + (k3 >= cand).to(tl.int32)
             if tl.sum(n, 0) >= k:
