@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from foveal.engine.llm import LLM
 from foveal.request import AudioClip
 from tests.tiny_audio import AUDIO, build_qwen2_audio
-from tests.tiny_vlm import foveal_greedy
+from tests.tiny_vlm import foveal_greedy, hf_greedy_ids
 
 TOL = 1e-4
 STEPS = 8
@@ -48,14 +47,7 @@ def hf_greedy(hf, proc, text: str, samples: np.ndarray, steps: int):
     inputs = proc(text=[text], audio=[samples], sampling_rate=SR, return_tensors="pt")
     ids = inputs.pop("input_ids")
     inputs.pop("attention_mask", None)
-    tokens, first = [], None
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = hf(input_ids=ids, **inputs).logits[0]
-            first = logits if first is None else first
-            tokens.append(int(logits[-1].argmax()))
-            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
-    return first, tokens
+    return hf_greedy_ids(hf, ids[0].tolist(), dict(inputs), steps)
 
 
 CASES = [("<|user|>Listen: {a} What is it?\n<|assistant|>", 1.3, 1), ("<|user|>{a}\n<|assistant|>", 0.4, 2)]

@@ -72,7 +72,7 @@ def test_graph_decode_matches_eager(tiny_folder):
         )
     calls = []
     run = runner.graphs.run
-    runner.graphs.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)
+    runner.graphs.run = lambda *a, **kw: calls.append(a[0].shape[0]) or run(*a, **kw)
     got = [o.outputs[0].token_ids for o in graphed.generate(_prompts(), params)]
     assert got == want
     # 3 rows run in bucket 4 (a padding row) until the shortest finishes, then 2 rows, then 1

@@ -229,7 +229,7 @@ def test_mixed_batch_equals_each_request_alone(lora_setup, path):
     if path == "graph":
         calls = []
         run = runner.graphs.run
-        runner.graphs.run = lambda *a: calls.append(a[-1]) or run(*a)
+        runner.graphs.run = lambda *a, **kw: calls.append(a[3]) or run(*a, **kw)  # a[3]: the adapter groups
         _same(_outs(llm, prompts, loras), alone)
         assert any(
             g and any(s < runner.lora.num_slots for s, _ in g) for g in calls

@@ -14,7 +14,7 @@ import torch
 
 from foveal.engine.llm import LLM
 from foveal.request import VideoClip
-from tests.tiny_vlm import foveal_greedy, image
+from tests.tiny_vlm import foveal_greedy, hf_greedy_ids, image
 from tests.tiny_vlm_idefics import IMAGE, build_smolvlm
 
 STEPS = 6
@@ -75,18 +75,8 @@ def test_the_prompt_equals_transformers_replace_video_token(tiny):
 
 def _hf_video(tiny, ids: list[int], pixels: torch.Tensor, steps: int):
     """transformers on the same ids and frames: prompt logits and greedy tokens (full passes)."""
-    inputs = {
-        "pixel_values": pixels[None],
-        "pixel_attention_mask": torch.ones(1, *pixels.shape[:1], *pixels.shape[-2:], dtype=torch.bool),
-    }
-    ids_t, tokens, first = torch.tensor([ids]), [], None
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = tiny.hf(input_ids=ids_t, **inputs).logits[0]
-            first = logits if first is None else first
-            tokens.append(int(logits[-1].argmax()))
-            ids_t = torch.cat([ids_t, torch.tensor([[tokens[-1]]])], dim=1)
-    return first, tokens
+    mask = torch.ones(1, *pixels.shape[:1], *pixels.shape[-2:], dtype=torch.bool)
+    return hf_greedy_ids(tiny.hf, ids, {"pixel_values": pixels[None], "pixel_attention_mask": mask}, steps)
 
 
 def test_a_video_request_equals_transformers_alone_batched_and_chunked(tiny):

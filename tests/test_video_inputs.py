@@ -17,7 +17,7 @@ from foveal.engine.llm import LLM
 from foveal.models.qwen2_vl import mrope_prompt_positions
 from foveal.models.qwen_video import QwenVideoConfig, frame_indices, video_patches
 from foveal.request import VideoClip
-from tests.tiny_vlm import build, foveal_greedy, hf_greedy, image
+from tests.tiny_vlm import build, foveal_greedy, hf_greedy, hf_greedy_ids, image
 
 TOL = 1e-4
 STEPS = 8
@@ -76,14 +76,7 @@ def hf_greedy_on(hf, prompt_ids: list[int], video: dict, steps: int):
     }
     if "second_per_grid_t" in video and "Qwen2_5" in type(hf.model).__name__:
         inputs["second_per_grid_ts"] = video["second_per_grid_t"].float()
-    tokens, first = [], None
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = hf(input_ids=ids, **inputs).logits[0]
-            first = logits if first is None else first
-            tokens.append(int(logits[-1].argmax()))
-            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
-    return first, tokens
+    return hf_greedy_ids(hf, prompt_ids, inputs, steps)
 
 
 def cases():
@@ -298,13 +291,7 @@ def test_qwen3_vl_video_matches_transformers(tiny3):
             "video_grid_thw": it.data["video_grid_thw"],
             "mm_token_type_ids": (ids == tiny3.hf.config.video_token_id).long() * 2,
         }
-        toks, want = [], None
-        with torch.no_grad():
-            for _ in range(STEPS):
-                logits = tiny3.hf(input_ids=ids, **inputs).logits[0]
-                want = logits if want is None else want
-                toks.append(int(logits[-1].argmax()))
-                ids = torch.cat([ids, torch.tensor([[toks[-1]]])], dim=1)
+        want, toks = hf_greedy_ids(tiny3.hf, p.prompt_token_ids, inputs, STEPS)
         text_only = llm.processor.render_prompt("<|user|>hi\n<|assistant|>")
         (got, _) = foveal_greedy(llm, [p, text_only], STEPS)
         assert (got[0] - want).abs().max().item() < TOL and got[1] == toks

@@ -195,6 +195,19 @@ def hf_greedy(tiny: TinyVLM, text: str, images: list, steps: int):
     return prompt_logits, tokens[:steps], step_logits[: steps - 1]
 
 
+def hf_greedy_ids(hf, prompt_ids: list[int], inputs: dict, steps: int):
+    """transformers on fixed token ids and media inputs: the prompt's logits [L, V] and `steps` greedy
+    tokens, each from a full forward pass over the ids so far (no cache)."""
+    ids, tokens, first = torch.tensor([prompt_ids]), [], None
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf(input_ids=ids, **inputs).logits[0]
+            first = logits if first is None else first
+            tokens.append(int(logits[-1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
+    return first, tokens
+
+
 def foveal_greedy(llm, prompts: list, steps: int):
     """Drive an LLM's engine step by step (greedy, ignore_eos). Per request: prompt logits [L, V] (from
     all chunks), generated tokens, and the logits behind each generated token after the first."""

@@ -181,46 +181,33 @@ class TritonAttentionBackend:
         # when >= shared_min_rows rows share >= shared_min_prefix keys (0 rows: never); the bar is high
         # until a GPU sweep sets it (a grouped step pads to a bucket of 64, 128, ... rows under graphs)
         self.shared_min_rows, self.shared_min_prefix = shared_min_rows, shared_min_prefix
-        self._memo: tuple | None = (
-            None  # (batch, bar, its groups): shares_prefixes, then plan or a graph fill
-        )
+        # (batch, bar, its groups): shares_prefixes() plans a batch, plan() or the graph fill reuse it
+        self._memo: tuple | None = None
         self._torch = TorchAttentionBackend()
 
     def _batch_plan(self, batch: AttentionBatch, tables: np.ndarray | None = None, lens=None):
-        """The decode rows' groups (plan_groups' arrays) or None, planned once per batch."""
+        """The decode rows' groups (plan_groups' arrays) or None when none qualify, planned once per
+        batch. `tables` / `lens`: its block tables as numpy arrays, where the caller has them."""
         bar = (self.shared_min_rows, self.shared_min_prefix)
         if self._memo is not None and self._memo[0] is batch and self._memo[1] == bar:
             return self._memo[2]
-        nd = batch.num_decodes
-        if tables is None:
-            width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))
-            tables, lens = _table_array(batch.block_tables[:nd], width)
-        ctxs = batch.context_lens[:nd]
-        plan = (
-            self._shared_plan(tables[:nd], lens[:nd], [c + 1 for c in ctxs], batch.block_size) if nd else None
-        )
+        nd, plan = batch.num_decodes, None
+        firsts = np.fromiter((t[0] if t else -1 for t in batch.block_tables[:nd]), dtype=np.int64, count=nd)
+        if self.shared_min_rows and may_share(firsts, self.shared_min_rows):  # else: no tables built
+            if tables is None:
+                width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))
+                tables, lens = _table_array(batch.block_tables[:nd], width)
+            seqs = np.asarray(batch.context_lens[:nd], dtype=np.int64) + 1
+            plan = plan_groups(
+                tables[:nd], lens[:nd], seqs, batch.block_size, self.shared_min_rows, self.shared_min_prefix
+            )
+            plan = plan if len(plan[2]) else None
         self._memo = (batch, bar, plan)  # holding the batch: its identity cannot be reused meanwhile
         return plan
-
-    def _shared_plan(self, tables: np.ndarray, lens: np.ndarray, seq_lens: list[int], block_size: int):
-        """plan_groups' arrays for the decode rows, or None when no rows qualify."""
-        if not self.shared_min_rows or not may_share(
-            np.where(lens > 0, tables[:, 0], -1), self.shared_min_rows
-        ):
-            return None
-        seqs = np.asarray(seq_lens, dtype=np.int64)
-        plan = plan_groups(tables, lens, seqs, block_size, self.shared_min_rows, self.shared_min_prefix)
-        return plan if len(plan[2]) else None
 
     def shares_prefixes(self, batch: AttentionBatch) -> bool:
         """Whether plan() would group this decode-only batch's rows (the runner then replays a graph
         captured with the shared-prefix kernel, or runs the step eagerly)."""
-        nd = batch.num_decodes
-        if not self.shared_min_rows or nd < self.shared_min_rows:
-            return False
-        firsts = np.fromiter((t[0] if t else -1 for t in batch.block_tables[:nd]), dtype=np.int64, count=nd)
-        if not may_share(firsts, self.shared_min_rows):  # the common case, without building the tables
-            return False
         return self._batch_plan(batch) is not None
 
     def _splits_for(self, max_len: int) -> int:
@@ -249,9 +236,7 @@ class TritonAttentionBackend:
         parts = [head, torch.from_numpy(table_array).view(-1)]
         if limits is not None:
             parts.append(limits)
-        shared = None
-        if nd >= self.shared_min_rows > 0:
-            shared = self._batch_plan(batch, table_array, lens)
+        shared = self._batch_plan(batch, table_array, lens)
         if shared is not None:  # [prefix_lens (nd) | rows | tiles], each padded to 4 int32s
             plens, rows, tiles = (torch.from_numpy(a.reshape(-1)) for a in shared)
             parts += [_pad4(plens), _pad4(rows), tiles]

@@ -130,10 +130,10 @@ class MultiModalProcessor:
         special token: the tokenizer never merges across it, so the pieces tokenize as the whole does),
         the processor takes each piece with its images, and each placeholder becomes its clip's run."""
         tok = self.processor.tokenizer
-        # each kind's placeholder as the rendered prompt writes it: the family's own text (SmolVLM's
-        # "<video>", no token of its vocabulary) or its placeholder token
+        # each kind's placeholder as the rendered prompt writes it: its token, or a family's own text
+        text_of = {"video": self.adapter.video_placeholder}
         marks = {
-            getattr(self.adapter, f"{kind}_placeholder", None) or tok.convert_ids_to_tokens(token_id): kind
+            text_of.get(kind) or tok.convert_ids_to_tokens(token_id): kind
             for kind, (token_id, _, _) in media.items()
         }
         wrapper = self.adapter.video_wrapper

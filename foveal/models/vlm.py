@@ -70,6 +70,9 @@ class ImageAdapter:
     # (start, end) marker ids a video brings around each of its frames itself, so the chat template's
     # wrapper around its placeholder is dropped (Qwen3-VL); None: the template's wrapper stays
     video_wrapper: tuple[int, int] | None = None
+    # the text a video's placeholder is in the rendered prompt where it is no token of the vocabulary
+    # (SmolVLM2's "<video>", which its processor replaces); None: the video token's own text
+    video_placeholder: str | None = None
     audio_token_id: int | None = None  # ... and audio
 
     def __init__(self, hf_config, video_config: dict | None = None):

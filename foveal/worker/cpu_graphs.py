@@ -149,8 +149,9 @@ class CpuDecodeGraphs(DecodeGraphs):
         """Nothing ahead of time: each bucket is recorded by its first step."""
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, lora=None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, lora=None, shared=False
     ) -> torch.Tensor:
+        """`shared` is never set here: the CPU backends group no rows (the Triton backend's alone does)."""
         n = input_ids.shape[0]
         b = self._bucket_of[n]
         self.input_ids[:n].copy_(input_ids)

@@ -331,8 +331,7 @@ class ModelRunner:
         shared = shares is not None and shares(attn)
         if shared and not self.graphs.takes_shared(rows.num_rows):
             return None  # eagerly: no graph of that size was captured with the shared-prefix kernel
-        kw = {"shared": True} if shared else {}  # (the CPU's recorded steps take no such argument)
-        logits = self.graphs.run(input_ids, host[1], attn, self._lora_groups(batch), **kw)
+        logits = self.graphs.run(input_ids, host[1], attn, self._lora_groups(batch), shared=shared)
         if self.tap is not None:  # the graphs' static buffer: the next replay overwrites it
             self._tapped = self.graphs.tapped[: rows.num_rows].clone()
         if len(rows.logits_rows) < rows.num_rows:  # a block diffusion item's last num_logits rows
