@@ -117,14 +117,9 @@ def _query_limits(batch: AttentionBatch) -> torch.Tensor:
     return torch.tensor(out + [0] * (_round4(len(out)) - len(out)), dtype=torch.int32)
 
 
-def _padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
-    """[len(tables), width] int32, each row padded with block 0: one flat numpy fill (no per-row tensors;
-    ~3.5x faster than a boolean-mask index_put at 256 rows x 40 blocks)."""
-    return torch.from_numpy(_table_array(tables, width)[0])
-
-
 def _table_array(tables: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tables padded with block 0 [len(tables), width] int32, their lengths) as numpy arrays."""
+    """(tables padded with block 0 [len(tables), width] int32, their lengths) as numpy arrays: one flat
+    numpy fill (no per-row tensors; ~3.5x faster than a boolean-mask index_put at 256 rows x 40 blocks)."""
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
     out = np.zeros((len(tables), width), dtype=np.int32)
