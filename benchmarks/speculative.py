@@ -48,6 +48,7 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -601,26 +602,29 @@ def heads_bench(a) -> dict:
             wraps = {"device": wrap, "host": wrap_host}
             for d in a.drafts:  # warm the verify shapes
                 oracle_run(specd, k, prompts, fulls, short, 1.0, vocab, 0, True, wraps[d])
-            for rep in range(a.reps):
-                for d in a.drafts:  # alternating: the host's speed varies
-                    before = dict(specd.engine.step_seconds)
-                    t0 = time.perf_counter()
-                    outs, _ = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wraps[d])
-                    wall = time.perf_counter() - t0
-                    spent = phase_ms(before, specd.engine.step_seconds)
-                    before = dict(plain.engine.step_seconds)
-                    base = run_requests(plain, prompts, params, at_once=True)
-                    tok_s = sum(len(v) for v in outs.values()) / wall
-                    row = {"method": method, "batch": b, "k": k, "rep": rep, "drafts": d,
-                           "drafter_ms": round(draft_ms, 2),
-                           "spec_tok_s": round(tok_s, 1), "plain_tok_s": round(base["out_tok_s"], 1),
-                           "speedup_at_100pct": round(tok_s / base["out_tok_s"], 2),
-                           # per engine step: host time scheduling (with proposing), launching (with
-                           # waiting for the device), applying tokens
-                           "spec_step_ms": spent,
-                           "plain_step_ms": phase_ms(before, plain.engine.step_seconds)}  # fmt: skip
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+            grouping = specd.engine.runner.backend
+            # alternating drafts and groupings: the host's speed varies
+            for rep, d, rr in itertools.product(range(a.reps), a.drafts, a.request_rows or [None]):
+                if rr is not None:  # a request's rows read its keys once (0: never), target and head
+                    grouping.request_min_prefix = rr
+                before = dict(specd.engine.step_seconds)
+                t0 = time.perf_counter()
+                outs, _ = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wraps[d])
+                wall = time.perf_counter() - t0
+                spent = phase_ms(before, specd.engine.step_seconds)
+                before = dict(plain.engine.step_seconds)
+                base = run_requests(plain, prompts, params, at_once=True)
+                tok_s = sum(len(v) for v in outs.values()) / wall
+                row = {"method": method, "batch": b, "k": k, "rep": rep, "drafts": d, "request_rows": rr,
+                       "drafter_ms": round(draft_ms, 2),
+                       "spec_tok_s": round(tok_s, 1), "plain_tok_s": round(base["out_tok_s"], 1),
+                       "speedup_at_100pct": round(tok_s / base["out_tok_s"], 2),
+                       # per engine step: host time scheduling (with proposing), launching (with
+                       # waiting for the device), applying tokens
+                       "spec_step_ms": spent,
+                       "plain_step_ms": phase_ms(before, plain.engine.step_seconds)}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
             if a.profile:  # a timed and a traced run of each: where a step's time goes
                 from benchmarks.step_profile import HostProfile, HostTimes, StepProfile
 
@@ -702,7 +706,14 @@ def main() -> None:
         "pool holds them)",
     )
     ap.add_argument("--kv-memory-gib", type=int, default=16, help="--oracle on CUDA: KV pool per engine")
+    ap.add_argument(
+        "--request-rows",
+        default=None,
+        help="--heads: comma-separated request_rows_min_tokens values, alternated in one engine (0: a "
+        "request's verify and block rows read its keys each; the default: the engine's own)",
+    )
     a = ap.parse_args()
+    a.request_rows = [int(x) for x in a.request_rows.split(",")] if a.request_rows else None
     a.batches = [
         int(x) for x in (a.batches or ("1,16" if a.cpu else "1,64" if a.heads else "1,8,64")).split(",")
     ]

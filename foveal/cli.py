@@ -93,6 +93,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="triton: the shortest shared prefix (keys) read that way",
     )
     g.add_argument(
+        "--request-rows-min-tokens",
+        type=int,
+        default=256,
+        help="triton: a request's own decode rows (verify rows, DFlash and block diffusion blocks) read "
+        "its keys once for all of them from this many keys (0: never)",
+    )
+    g.add_argument(
         "--no-prefix-cache",
         dest="enable_prefix_caching",
         action="store_false",
@@ -240,6 +247,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         attention_backend=a.attention_backend,
         shared_prefix_min_rows=a.shared_prefix_min_rows,
         shared_prefix_min_tokens=a.shared_prefix_min_tokens,
+        request_rows_min_tokens=a.request_rows_min_tokens,
         vision_cache_memory=a.vision_cache_memory,
         enable_prefix_caching=a.enable_prefix_caching,
         max_encoder_tokens_per_step=a.max_encoder_tokens_per_step,

@@ -360,6 +360,9 @@ class EngineConfig:
     # for >= shared_prefix_min_tokens keys read them once per tile of rows (0 rows: never)
     shared_prefix_min_rows: int = 64
     shared_prefix_min_tokens: int = 1024
+    # and a request's own several decode rows (speculation's verify rows, DFlash's and block diffusion's
+    # block rows) read its keys once for all of them when it holds >= this many (0: never)
+    request_rows_min_tokens: int = 256
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
     output: OutputConfig = field(default_factory=OutputConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -401,6 +404,8 @@ class EngineConfig:
             raise ValueError("max_encoder_tokens_per_step must be >= 1")
         if self.shared_prefix_min_rows < 0 or self.shared_prefix_min_tokens < 1:
             raise ValueError("shared_prefix_min_rows must be >= 0 and shared_prefix_min_tokens >= 1")
+        if self.request_rows_min_tokens < 0:
+            raise ValueError("request_rows_min_tokens must be >= 0 (0: never)")
         if c.vision_cache_memory < 0:
             raise ValueError("vision_cache_memory must be >= 0 bytes")
         if c.block_size < 1:

@@ -14,6 +14,8 @@
 #   structured  benchmarks/structured.py (JSON schema vs free TPOT, batch 1 and 64) here and in before34/
 #   eagle       benchmarks/speculative.py --heads eagle3 batch 1 with --profile, here and in before/
 #   dflash      the same for DFlash at batch 1 and 64 (issue 35's before/after; DFLASH_PROFILE=1: traces)
+#   rows        EAGLE-3 and DFlash at batch 64 (drafts forced accepted), a request's verify and block rows
+#               read plainly (request_rows_min_tokens 0) and once a request (256), alternating in one engine
 # Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/sampling_device.sh tests mixed
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -91,6 +93,12 @@ for part in "$@"; do
         quiet < $OUT/dflash_$t.txt | grep '^{' | cut -c1-900
         gzip -f $OUT/prof_dflash_$t/*.json 2>/dev/null
       done
+      ;;
+    rows)
+      timeout ${T_ROWS:-500} python3 benchmarks/speculative.py --heads --methods ${ROWS_METHODS:-eagle3,dflash} \
+        --batches ${ROWS_BATCHES:-64} --reps ${ROWS_REPS:-2} --kv-memory-gib 6 --request-rows 0,256 \
+        > $OUT/rows.txt 2>&1
+      quiet < $OUT/rows.txt | grep '^{' | cut -c1-700
       ;;
   esac
 done

@@ -310,6 +310,24 @@ def test_block_diffusion_rows_eager_equal_the_decode_graphs(sdar):
     assert _gen(graphs, prompts, params) == _gen(eager, prompts, params)
 
 
+def test_block_rows_grouped_by_request_equal_the_plain_rows(sdar, monkeypatch):
+    """The Triton backend (the interpreter on a CPU) reads a request's keys once for all of its block's
+    rows (request_rows_min_tokens: from 4 keys on; on by itself for a block model): the same tokens as
+    the CPU backend's rows."""
+    from foveal.attention.kernels import decode
+
+    path, _ = sdar
+    prompts = _prompts(2, seed=23, lo=6, hi=12)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, diffusion=DiffusionParams(steps=2))
+    launches = []
+    real = decode.shared_prefix_attention
+    monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: launches.append(1) or real(*a))
+    grouped = _llm(path, attention_backend="triton", request_rows_min_tokens=4, shared_prefix_min_rows=0)
+    assert grouped.engine.runner.backend.request_min_prefix == 4
+    assert _gen(grouped, prompts, params) == _gen(_llm(path), prompts, params)
+    assert launches
+
+
 def test_recomputing_the_prefix_gives_what_the_block_cache_gives(sdar):
     """The benchmark's yardstick (no K/V kept, the prefix computed again in every pass) is the same
     sampler: the same tokens, and nothing held in the pool between passes."""

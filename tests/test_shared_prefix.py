@@ -51,6 +51,34 @@ def test_plan_groups_rows_by_first_block_and_their_common_run():
     assert not prefix.any() and not len(rows) and not len(tiles)
 
 
+def test_plan_groups_a_requests_own_rows():
+    """Neighbouring rows with one table (a request's verify or block rows) group on their own when >= 2
+    of them hold >= min_request_prefix keys, each to its own last key; rows in a first-block group that
+    meets min_rows stay there; a neighbour that only looks alike (first and last block) shares what it
+    holds."""
+    bs = 4
+    a, b, c = [10, 11, 12], [20, 21, 22, 23], [30, 31]
+    tables = [a, a, a, b, b, [20, 24, 25, 23], [40, 41], a, c, [30, 32]]
+    seq_lens = [9, 10, 11, 14, 16, 15, 8, 12, 6, 7]
+    arr = np.zeros((len(tables), 4), dtype=np.int32)
+    for i, t in enumerate(tables):
+        arr[i, : len(t)] = t
+    lens = np.array([len(t) for t in tables])
+    prefix, rows, tiles = plan_groups(arr, lens, np.array(seq_lens), bs, 0, 1, min_request_prefix=8)
+    # rows 0-2: a run (row 7 holds table a too, but apart from them: alone); 3-4: a run, and 5 looks
+    # like them but holds one block of theirs (4 keys: below the bar); 8-9 end in other blocks: no run
+    assert prefix.tolist() == [8, 9, 10, 13, 15, 0, 0, 0, 0, 0]
+    assert rows.tolist() == [2, 1, 0, 4, 3]  # by group, longest first
+    assert tiles.tolist() == [[0, 3, 10, 0], [3, 2, 15, 3]]
+    prefix, rows, tiles = plan_groups(arr, lens, np.array(seq_lens), bs, 0, 1, min_request_prefix=4)
+    assert prefix.tolist() == [8, 9, 10, 13, 15, 4, 0, 0, 0, 0]  # 4 keys now make the bar
+    assert not plan_groups(arr, lens, np.array(seq_lens), bs, 0, 1, min_request_prefix=0)[1].size
+    # a first-block group that meets min_rows takes its rows first; the runs form among the others
+    prefix, rows, tiles = plan_groups(arr, lens, np.array(seq_lens), bs, 4, 4, min_request_prefix=8)
+    assert prefix.tolist() == [8, 9, 10, 13, 15, 0, 0, 11, 0, 0]  # a's four rows: one group
+    assert tiles.tolist() == [[0, 4, 11, 0], [4, 2, 15, 3]]
+
+
 def shared_case(seqs, groups, **kw) -> Case:
     """Case(seqs) whose rows in each group (rows, blocks) hold their group's first row's first `blocks`
     blocks (the prefix cache's sharing); a row's new token stays in a block of its own."""
@@ -101,6 +129,42 @@ def test_a_mixed_step_with_prefill_rows_after_the_shared_decodes():
     compare(case, backend)
 
 
+def request_case(seqs, runs, slots=None, **kw) -> Case:
+    """Case(seqs) whose rows in each run hold one table (the run's last row's, the same list, as a
+    step's rows of one request do); `slots[i]`: row i's key position where it is not its context (a
+    DFlash or block diffusion block row)."""
+    case = Case(seqs, **kw)
+    b, bs = case.batch, case.batch.block_size
+    for run in runs:
+        for i in run[:-1]:
+            b.block_tables[i] = b.block_tables[run[-1]]
+    where = [(slots or {}).get(i, c) for i, c in enumerate(b.context_lens)]
+    b.slot_mapping = torch.tensor(
+        [t[p // bs] * bs + p % bs for t, p in zip(b.block_tables, where)], device=case.device
+    )
+    return case
+
+
+# a request's verify rows (0-3), a DFlash-like request: two catch-up rows and a block of five rows
+# seeing the whole block (4-10), a short request's verify rows (11-12: below the bar), lone rows
+VERIFY_SEQS = [(37 + i, 1) for i in range(4)] + [(28, 1), (29, 1)] + [(34, 1)] * 5 + [(5, 1), (6, 1), (50, 1)]
+VERIFY_RUNS = [[0, 1, 2, 3], list(range(4, 11)), [11, 12]]
+BLOCK_SLOTS = {6 + j: 30 + j for j in range(5)}  # the block rows' keys at positions 30-34
+
+
+@pytest.mark.parametrize("num_kv,group,head_dim,bs", SHAPES)
+def test_a_requests_own_rows_equal_the_oracle_and_the_plain_path(num_kv, group, head_dim, bs):
+    case = request_case(
+        VERIFY_SEQS, VERIFY_RUNS, BLOCK_SLOTS, num_kv=num_kv, group=group, head_dim=head_dim, bs=bs, seed=3
+    )
+    backend = TritonAttentionBackend(shared_min_rows=0, request_min_prefix=8)
+    meta = backend.plan(case.batch, case.device)
+    assert meta.shared.num_tiles == 2 and meta.shared.prefix_lens.count_nonzero().item() == 11
+    compare(case, backend)
+    plain = case.run(TritonAttentionBackend(shared_min_rows=0), case.cache.clone())
+    torch.testing.assert_close(case.run(backend, case.cache.clone()), plain, **tolerance(case.q.dtype))
+
+
 def _graph_run(backend, case, static, padded: int):
     """The case through graph metadata of `padded` rows with the shared-prefix kernel (junk q/k/v in the
     padding rows, as a padded graph batch has): (the metadata, the batch's rows of the output)."""
@@ -131,6 +195,13 @@ def test_graph_metadata_with_shared_prefixes_equals_the_oracle():
         assert meta.shared.num_tiles == padded and int((meta.shared.prefix_lens[:n] > 0).sum()) == grouped
         want = case.run(TorchAttentionBackend(), case.cache.clone())
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    # a request's own rows through the same static buffers
+    backend.shared_min_rows, backend.request_min_prefix = 0, 8
+    case = request_case(VERIFY_SEQS, VERIFY_RUNS, BLOCK_SLOTS, num_kv=1, group=4, head_dim=48, bs=4, seed=9)
+    meta, out = _graph_run(backend, case, static, len(VERIFY_SEQS) + 2)
+    assert int((meta.shared.prefix_lens > 0).sum()) == 11
+    want = case.run(TorchAttentionBackend(), case.cache.clone())
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
 def test_shares_prefixes_tells_the_runner_when_to_take_the_shared_graphs():
@@ -151,10 +222,16 @@ def folder(tmp_path_factory):
     return tiny_llama_config_file(tmp_path_factory.mktemp("cfg"))
 
 
-def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, **kw):
+BAR = dict(shared_prefix_min_rows=4, shared_prefix_min_tokens=8)
+# every row drafts when it can (the adaptive policy rests on a CPU: no verify rows)
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=1, prompt_lookup_min=1)
+NGRAM["adaptive"] = False
+
+
+def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, bar=BAR, **kw):
     """Greedy tokens of the prompts, all sent after one request with their common prefix (which puts
-    the prefix's blocks in the cache); with monkeypatch, the Triton backend groups rows from 4 rows
-    behind 8 keys and the shared-prefix launches are counted."""
+    the prefix's blocks in the cache); with monkeypatch, the Triton backend groups rows by `bar` (from 4
+    rows behind 8 keys) and the shared-prefix launches are counted."""
     from foveal import SamplingParams
     from foveal.attention.kernels import decode
     from foveal.engine.llm import LLM
@@ -162,12 +239,15 @@ def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, **kw):
 
     opts = dict(dtype="float32", num_blocks=160, block_size=4, max_num_seqs=16, max_model_len=128)
     if monkeypatch is not None:  # the engine options reach the backend
-        opts.update(shared_prefix_min_rows=4, shared_prefix_min_tokens=8)
+        opts.update(bar)
     llm = LLM(str(folder), load_format="dummy", enable_prefix_caching=True, **{**opts, **kw})
     launches = []
     if monkeypatch is not None:
         r = llm.engine.runner
-        assert (r.backend.shared_min_rows, r.backend.shared_min_prefix) == (4, 8)
+        assert (r.backend.shared_min_rows, r.backend.shared_min_prefix) == (
+            bar["shared_prefix_min_rows"],
+            bar.get("shared_prefix_min_tokens", 1024),
+        )
         real = decode.shared_prefix_attention
         monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: launches.append(1) or real(*a))
         if graphs:  # graphs captured after the bar came down (on a CPU the graph path is emulated)
@@ -185,6 +265,9 @@ def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, **kw):
     llm.generate([prompts[0][:40]], params)
     outs = llm.generate(prompts, params)
     llm.engine.kv.check_integrity()
+    spec = llm.engine.speculation
+    if spec is not None:  # verify rows ran (else a test of them proves nothing)
+        assert spec.stats.num_drafts >= len(prompts)
     return [o.outputs[0].token_ids for o in outs], launches
 
 
@@ -209,13 +292,36 @@ def test_engine_greedy_with_shared_prefixes_equals_the_plain_path(folder, monkey
 def test_speculative_verify_rows_group_too(folder, monkeypatch):
     """n-gram speculation: a request's verify rows share all its blocks, so they group with each other
     and with the other requests' rows; tokens equal plain greedy's."""
-    prompts = [p + p[-6:] * 3 for p in _shared_prompts(6)]  # repeats: the n-gram proposer drafts
-    want, _ = _engine_tokens(folder, prompts)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    # the shared prefix holds every token id, so the last token always has an earlier occurrence: drafts
+    perm = torch.randperm(253, generator=torch.Generator().manual_seed(0)).add(3).tolist()
+    prompts = [perm + p[40:] for p in _shared_prompts(6)]
+    big = dict(num_blocks=300, max_model_len=300)
+    want, _ = _engine_tokens(folder, prompts, **big)
     got, launches = _engine_tokens(
-        folder, prompts, monkeypatch, attention_backend="triton", speculative_config=spec
+        folder, prompts, monkeypatch, attention_backend="triton", speculative_config=NGRAM, **big
     )
     assert launches and got == want
+
+
+def test_a_requests_verify_rows_group_on_their_own(folder, monkeypatch):
+    """With no cross-request groups (min rows 0), a request's verify rows read its keys once for all of
+    them from request_rows_min_tokens keys on; tokens equal plain greedy's. Without speculation the
+    engine turns that grouping off (no request has several rows)."""
+    # every token id is in each prompt, so the last token always has an earlier occurrence: drafts
+    prompts = [
+        torch.randperm(253, generator=torch.Generator().manual_seed(i)).add(3).tolist() for i in (1, 2)
+    ]
+    big = dict(num_blocks=300, max_model_len=300)
+    want, _ = _engine_tokens(folder, prompts, **big)
+    bar = dict(shared_prefix_min_rows=0, request_rows_min_tokens=8)
+    got, launches = _engine_tokens(
+        folder, prompts, monkeypatch, bar=bar, attention_backend="triton", speculative_config=NGRAM, **big
+    )
+    assert len(launches) >= 5 * 2 and got == want  # every decode step of both layers grouped
+    from foveal.engine.llm import LLM
+
+    plain = LLM(str(folder), load_format="dummy", attention_backend="triton", request_rows_min_tokens=8)
+    assert plain.engine.runner.backend.request_min_prefix == 0
 
 
 def test_the_engine_options_are_checked(folder):
@@ -223,3 +329,5 @@ def test_the_engine_options_are_checked(folder):
 
     with pytest.raises(ValueError, match="shared_prefix_min_rows"):
         LLM(str(folder), load_format="dummy", shared_prefix_min_rows=-1)
+    with pytest.raises(ValueError, match="request_rows_min_tokens"):
+        LLM(str(folder), load_format="dummy", request_rows_min_tokens=-1)

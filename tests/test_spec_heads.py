@@ -502,17 +502,34 @@ def _dflash_reference(t, hf, tokens: list[int], k: int) -> list[int]:
     return logits[1 : 1 + k].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_dflash_drafts_equal_a_dense_reference_of_the_block(saved, tmp_path, graphs):
+@pytest.mark.parametrize(
+    "graphs,grouped", [(False, False), (True, False), (True, True)], ids=["eager", "graphs", "graphs-grouped"]
+)
+def test_dflash_drafts_equal_a_dense_reference_of_the_block(saved, tmp_path, graphs, grouped, monkeypatch):
+    """grouped: the Triton backend (the interpreter on a CPU: ~30 s) reads a request's keys once for its
+    catch-up and block rows (from 4 keys on), through the graphs' variant with that kernel, and eagerly
+    where a step does not fit them."""
     t = _dflash_tensors(0)
     path = write_dflash(tmp_path / "dflash")
-    llm = _llm(
-        saved, {"model": path, "num_speculative_tokens": 3, "adaptive": False}, max_num_batched_tokens=10
-    )
+    kw = dict(attention_backend="triton", request_rows_min_tokens=4, shared_prefix_min_rows=0)
+    spec = {"model": path, "num_speculative_tokens": 3, "adaptive": False}
+    llm = _llm(saved, spec, max_num_batched_tokens=10, **(kw if grouped else {}))
+    launches = []
+    if grouped:
+        from foveal.attention.kernels import decode
+
+        real = decode.shared_prefix_attention
+        monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: launches.append(1) or real(*a))
     if graphs:  # the static-buffer path (eager on a CPU); a long context (a prompt) runs without it
         llm.engine.speculation.proposer.use_graphs(2, 200)
+        replay = llm.engine.speculation.proposer.graphs.replay
+        llm.engine.speculation.proposer.graphs.replay = lambda batch, n, lora=False, shared=False: (
+            launches.append("graph") if shared else None,
+            replay(batch, n, lora, shared),
+        )[1]
     seen = _proposals(llm, _prompts(3, seed=7))
     assert len(seen) > 6
+    assert bool(launches) == grouped and ("graph" in launches) == (grouped and graphs)
     if graphs:
         # the block steps went through the graphs
         assert llm.engine.speculation.proposer.graphs.input_ids.any()

@@ -34,7 +34,8 @@ split count then follows from max_blocks_per_seq and the padded row count, never
 lengths, so a graph captured for `padded` rows replays with any batch that fits.
 
 Shared prefixes: when >= shared_min_rows decode rows hold the same leading blocks (the prefix cache's
-sharing, or one request's verify rows) for >= shared_min_prefix keys, plan() groups them
+sharing) for >= shared_min_prefix keys, or a request's own rows (speculation's verify rows, DFlash's and
+block diffusion's block rows) hold >= request_min_prefix keys, plan() groups them
 (kernels/shared_prefix.py) and packs [prefix lens | grouped rows | tiles] after the other segments:
 the prefix is attended once per tile of rows, each row's decode starts past it, and the combine merges
 both. Graphs: graph_metadata() holds a static buffer for the groups too, fill_graph_metadata(...,
@@ -169,6 +170,7 @@ class TritonAttentionBackend:
         max_splits: int = 64,
         shared_min_rows: int = 64,
         shared_min_prefix: int = 1024,
+        request_min_prefix: int = 0,
     ):
         self.split_tokens = split_tokens  # fewest keys worth a decode split of their own
         self.max_splits = max_splits
@@ -176,6 +178,8 @@ class TritonAttentionBackend:
         # when >= shared_min_rows rows share >= shared_min_prefix keys (0 rows: never); the bar is high
         # until a GPU sweep sets it (a grouped step pads to a bucket of 64, 128, ... rows under graphs)
         self.shared_min_rows, self.shared_min_prefix = shared_min_rows, shared_min_prefix
+        # a request's several decode rows read its keys once when it has >= request_min_prefix (0: never)
+        self.request_min_prefix = request_min_prefix
         # (batch, bar, its groups): shares_prefixes() plans a batch, plan() or the graph fill reuse it
         self._memo: tuple | None = None
         self._torch = TorchAttentionBackend()
@@ -183,19 +187,17 @@ class TritonAttentionBackend:
     def _batch_plan(self, batch: AttentionBatch, tables: np.ndarray | None = None, lens=None):
         """The decode rows' groups (plan_groups' arrays) or None when none qualify, planned once per
         batch. `tables` / `lens`: its block tables as numpy arrays, where the caller has them."""
-        bar = (self.shared_min_rows, self.shared_min_prefix)
+        bar = (self.shared_min_rows, self.shared_min_prefix, self.request_min_prefix)
         if self._memo is not None and self._memo[0] is batch and self._memo[1] == bar:
             return self._memo[2]
         nd, plan = batch.num_decodes, None
         firsts = np.fromiter((t[0] if t else -1 for t in batch.block_tables[:nd]), dtype=np.int64, count=nd)
-        if self.shared_min_rows and may_share(firsts, self.shared_min_rows):  # else: no tables built
+        if may_share(firsts, self.shared_min_rows, self.request_min_prefix > 0):  # else: no tables built
             if tables is None:
                 width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))
                 tables, lens = _table_array(batch.block_tables[:nd], width)
             seqs = np.asarray(batch.context_lens[:nd], dtype=np.int64) + 1
-            plan = plan_groups(
-                tables[:nd], lens[:nd], seqs, batch.block_size, self.shared_min_rows, self.shared_min_prefix
-            )
+            plan = plan_groups(tables[:nd], lens[:nd], seqs, batch.block_size, *bar)
             plan = plan if len(plan[2]) else None
         self._memo = (batch, bar, plan)  # holding the batch: its identity cannot be reused meanwhile
         return plan
@@ -270,7 +272,8 @@ class TritonAttentionBackend:
         splits = self._splits_for(max_blocks_per_seq * block_size)
         # [prefix lens (max_seqs) | grouped rows (max_seqs) | tiles (max_seqs x 4)]: a graph captured
         # with shared prefixes launches one tile program per row of its bucket (unused tiles hold 0 rows)
-        shared = torch.zeros(6 * max_seqs, dtype=torch.int32, device=device) if self.shared_min_rows else None
+        groups = self.shared_min_rows or self.request_min_prefix
+        shared = torch.zeros(6 * max_seqs, dtype=torch.int32, device=device) if groups else None
         return _graph_rows(buf, max_seqs, block_size, splits, shared)
 
     def fill_graph_metadata(
@@ -307,7 +310,7 @@ class TritonAttentionBackend:
         """The batch's groups into the static shared-prefix buffer (zeros where it has none): views over
         `padded` rows and `padded` tiles, the grid a graph of that bucket was captured with."""
         if sb is None:
-            raise ValueError("graph metadata made without shared prefixes (shared_min_rows 0)")
+            raise ValueError("graph metadata made without shared prefixes (no grouping was on)")
         M = sb.numel() // 6
         host = torch.zeros(6 * M, dtype=torch.int32)
         plan = self._batch_plan(batch, tables, lens)

@@ -92,12 +92,17 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
     )
     hf = ckpt.hf_config
     max_len = cfg.model.max_model_len or max_context(hf)
+    diffusion = diffusion_info(hf)
     backend = get_backend(cfg.attention_backend, device)
     if hasattr(backend, "shared_min_rows"):  # Triton's shared-prefix decode
         backend.shared_min_rows, backend.shared_min_prefix = (
             cfg.shared_prefix_min_rows,
             cfg.shared_prefix_min_tokens,
         )
+        # a request has several decode rows only under speculation or block diffusion (its graphs with
+        # the grouping kernel are captured only then)
+        several = cfg.speculative is not None or (diffusion is not None and diffusion.kind == "block")
+        backend.request_min_prefix = cfg.request_rows_min_tokens if several else 0
     model = build_model(
         hf, backend, max_positions=max(max_len, 1), dtype=dtype, device=device, weights=ckpt.weights
     )
@@ -120,7 +125,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
     # from the real layout (quantized values + their scales), so fp8/int8 get ~2x the blocks
     block_bytes = layers * bs * kv_quant.bytes_per_token(kv_dtype, dtype, kv_heads, head_dim)
     num_blocks = cfg.cache.num_blocks or _num_blocks(
-        cfg, model, block_bytes, device, backend, dtype, max_len, vocab_size, diffusion_info(hf)
+        cfg, model, block_bytes, device, backend, dtype, max_len, vocab_size, diffusion
     )
     kv_caches = kv_quant.allocate_kv_caches(
         kv_dtype, layers, num_blocks * bs, kv_heads, head_dim, dtype, device
@@ -142,7 +147,7 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
         is_multimodal=model.is_multimodal,
         block_size=bs,
         prefix_caching=cfg.cache.enable_prefix_caching,
-        diffusion=diffusion_info(hf),
+        diffusion=diffusion,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens or 0,
         pooling=_pooling(cfg.model.pooling, model),
     )

@@ -198,8 +198,6 @@ class BlockStepGraphs(DecodeGraphs):
     """DFlash steps as CUDA graphs (every row a one-token query, as the target's decode graphs): the
     token ids, context features and block flags in static buffers, norm(x) of every row out."""
 
-    shared_prefixes = False  # a drafter's rows attend to its own cache, grouped or not: plainly
-
     def __init__(self, head, kv_caches, backend, **kw):
         super().__init__(head, kv_caches, backend, **kw)
         self.feats = torch.zeros(
@@ -219,7 +217,10 @@ class BlockStepGraphs(DecodeGraphs):
         self.positions[:n].copy_(positions, non_blocking=True)
         self.feats[:n].copy_(feats)
         self.is_block[:n].copy_(is_block)
-        self.replay(batch, n)
+        # a request's rows (its catch-up rows and its block) read its keys once when the backend groups
+        # them (shares_prefixes: a request_min_prefix of keys) and a graph with that kernel fits
+        shares = getattr(self.backend, "shares_prefixes", None)
+        self.replay(batch, n, shared=self.takes_shared(n) and shares is not None and shares(batch))
         return self.normed[:n]
 
 

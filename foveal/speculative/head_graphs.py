@@ -21,7 +21,7 @@ from foveal.worker.cuda_graphs import DecodeGraphs
 
 
 class HeadStepGraphs(DecodeGraphs):
-    shared_prefixes = False  # a drafter's rows attend to its own cache, grouped or not: plainly
+    shared_prefixes = False  # its graphs attend plainly (a head step has one row a request)
 
     def __init__(
         self, head, kv_caches, backend, *, block_size: int, max_seqs: int, max_model_len: int, device

@@ -45,12 +45,24 @@ class SharedPrefixes:
     num_tiles: int
 
 
-def may_share(first_blocks: np.ndarray, min_rows: int) -> bool:
-    """Cheap pre-check: some first block is held by >= min_rows rows."""
-    if len(first_blocks) < min_rows:
+def may_share(first_blocks: np.ndarray, min_rows: int, request_rows: bool = False) -> bool:
+    """Cheap pre-check: some first block is held by >= min_rows rows (min_rows 0: never), or
+    (`request_rows`) two neighbouring rows start with the same block (a request's own rows)."""
+    n, f = len(first_blocks), first_blocks
+    if request_rows and n > 1 and bool(np.any((f[1:] == f[:-1]) & (f[1:] >= 0))):
+        return True
+    if not min_rows or n < min_rows:
         return False
     _, counts = np.unique(first_blocks, return_counts=True)
     return bool(counts.max() >= min_rows)
+
+
+def _common_keys(tables, lens, seq_lens, rows, leaders, block_size: int) -> np.ndarray:
+    """Keys each of `rows` shares with its leader: the run of equal leading blocks (within both
+    tables), never the row's own last key."""
+    run = np.cumprod(tables[rows] == tables[leaders], axis=1).sum(1)
+    common = np.minimum(run, np.minimum(lens[rows], lens[leaders]))
+    return np.minimum(common * block_size, seq_lens[rows] - 1)
 
 
 def plan_groups(
@@ -60,39 +72,59 @@ def plan_groups(
     block_size: int,
     min_rows: int,
     min_prefix: int,
+    min_request_prefix: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prefix_lens [D], rows [R], tiles [n, 4]) int32 for decode rows with block tables `tables` [D, W]
-    (`lens` blocks each) and `seq_lens` keys (the new one included); empty rows / tiles: no sharing."""
+    (`lens` blocks each) and `seq_lens` keys (the new one included); empty rows / tiles: no sharing.
+
+    Two kinds of group: the rows behind one first block when >= min_rows of them share >= min_prefix
+    keys (min_rows 0: none), then, among the rows left, a request's own rows (neighbours with one
+    table: verify rows, block rows) when >= 2 of them hold >= min_request_prefix keys (0: none)."""
     D = tables.shape[0]
-    prefix = np.zeros(D, dtype=np.int32)
-    empty = (prefix, np.zeros(0, dtype=np.int32), np.zeros((0, 4), dtype=np.int32))
-    if D < min_rows:
-        return empty
+    keep = np.zeros(D, dtype=np.int64)
+    gid = np.full(D, -1, dtype=np.int64)  # each grouped row's group; its leader's table is read
+    leader = np.arange(D)
     first = np.where(lens > 0, tables[:, 0], -1)
-    _, leader_of, group = np.unique(first, return_index=True, return_inverse=True)
-    leader = leader_of[group]  # each row's group's first row
-    run = np.cumprod(tables == tables[leader], axis=1).sum(1)  # leading blocks equal to the leader's
-    common = np.minimum(run, np.minimum(lens, lens[leader]))
-    others = np.zeros(len(leader_of), dtype=common.dtype)  # a leader shares what its group's others do
-    np.maximum.at(others, group[leader != np.arange(D)], common[leader != np.arange(D)])
-    common = np.where(leader == np.arange(D), others[group], common)
-    keep = np.minimum(common * block_size, seq_lens - 1)  # the row's own last key stays its own
-    keep = np.where((keep >= min_prefix) & (first >= 0), keep, 0)
-    sizes = np.bincount(group, weights=keep > 0, minlength=len(leader_of))
-    keep = np.where(sizes[group] >= min_rows, keep, 0).astype(np.int32)
-    grouped = np.flatnonzero(keep)
+    every = np.arange(D)
+    if min_rows and D >= min_rows:
+        _, leader_of, group = np.unique(first, return_index=True, return_inverse=True)
+        lead = leader_of[group]  # each row's group's first row
+        common = _common_keys(tables, lens, seq_lens, every, lead, block_size)
+        others = np.zeros(len(leader_of), dtype=common.dtype)  # a leader shares what its group's others do
+        np.maximum.at(others, group[lead != every], common[lead != every])
+        common = np.where(lead == every, np.minimum(others[group], seq_lens - 1), common)
+        common = np.where((common >= min_prefix) & (first >= 0), common, 0)
+        sizes = np.bincount(group, weights=common > 0, minlength=len(leader_of))
+        hit = (sizes[group] >= min_rows) & (common > 0)
+        keep[hit], gid[hit], leader[hit] = common[hit], group[hit], lead[hit]
+    if min_request_prefix and D > 1:
+        last = tables[every, np.maximum(lens - 1, 0)]
+        free = gid < 0
+        same = (first[1:] == first[:-1]) & (lens[1:] == lens[:-1]) & (last[1:] == last[:-1])
+        same &= (first[1:] >= 0) & free[1:] & free[:-1]
+        run = np.cumsum(np.r_[True, ~same]) - 1  # neighbours with one table: a run
+        lead = np.flatnonzero(np.r_[True, ~same])[run]
+        rows = np.flatnonzero(free & (np.bincount(run)[run] >= 2))
+        if len(rows):
+            common = _common_keys(tables, lens, seq_lens, rows, lead[rows], block_size)
+            common = np.where(common >= min_request_prefix, common, 0)
+            sizes = np.bincount(run[rows], weights=common > 0, minlength=run[-1] + 1)
+            hit = (sizes[run[rows]] >= 2) & (common > 0)
+            rows = rows[hit]
+            keep[rows], gid[rows], leader[rows] = common[hit], D + run[rows], lead[rows]
+    grouped = np.flatnonzero(gid >= 0)
     if not len(grouped):
-        return empty
-    order = grouped[np.lexsort((-keep[grouped], group[grouped]))]  # by group, longest prefix first
-    tiles = []
-    g_sorted = group[order]
-    for start in np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]]):
-        end = start + int(np.sum(g_sorted == g_sorted[start]))
-        for t0 in range(start, end, ROWS_PER_TILE):
-            n = min(ROWS_PER_TILE, end - t0)
-            tiles.append((t0, n, int(keep[order[t0]]), int(leader[order[t0]])))
-    rows = order.astype(np.int32)
-    return keep, rows, np.asarray(tiles, dtype=np.int32).reshape(-1, 4)
+        return np.zeros(D, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros((0, 4), dtype=np.int32)
+    order = grouped[np.lexsort((-keep[grouped], gid[grouped]))]  # by group, longest prefix first
+    g = gid[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    sizes = np.diff(np.r_[starts, len(order)])
+    per = -(-sizes // ROWS_PER_TILE)  # tiles of each group
+    owner = np.repeat(np.arange(len(starts)), per)
+    t0 = starts[owner] + (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)) * ROWS_PER_TILE
+    n = np.minimum(ROWS_PER_TILE, starts[owner] + sizes[owner] - t0)
+    tiles = np.stack([t0, n, keep[order[t0]], leader[order[t0]]], axis=1)
+    return keep.astype(np.int32), order.astype(np.int32), tiles.astype(np.int32)
 
 
 @triton.jit
