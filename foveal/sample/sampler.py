@@ -338,10 +338,12 @@ class Sampler:
             return PendingLogprobs(len(rows))
         idx = _long(want, raw.device)
         picked = tokens[idx]
-        lp = torch.log_softmax(raw[idx].to(torch.float32), dim=-1)
-        chosen = lp.gather(1, picked.unsqueeze(1))
+        sub = raw[idx]  # logprob = logit - logsumexp: only the chosen and the top logits are subtracted
+        lse = torch.logsumexp(sub.float(), dim=-1, keepdim=True)
+        chosen = sub.gather(1, picked.unsqueeze(1)).float() - lse
         kmax = max(rows[i].params.logprobs for i in want)
-        top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = sub.topk(kmax, dim=-1) if kmax else (sub[:, :0], sub[:, :0].long())
+        top_v = top_v.float() - lse
         # one float64 matrix (ids are exact in float64), one copy: [token, logprob, top values, top ids]
         pack = torch.cat([picked.unsqueeze(1).double(), chosen.double(), top_v.double(), top_i.double()], 1)
         if pack.is_cuda:
