@@ -2,18 +2,22 @@
 Llama-3.1-8B-like shapes: 32 query heads, 8 KV heads, head_dim 128, block_size 16, bf16, block ids
 shuffled over the pool.
 
-    python3 benchmarks/attention_kernels.py
+    python3 benchmarks/attention_kernels.py [--kv-dtypes auto,fp8,int8]
 
 Decode: batch 1 / 64 / 256 at context 512 / 2048 / 8192 (where memory allows); reports the time of
 the decode kernels alone (split + combine) and of a whole backend forward (store included) for both
 backends, and the K/V bandwidth the decode kernels achieve (bytes of K and V read / time).
 Prefill: 1x512, 8x512, 1x4096 fresh, and a 512 chunk after a 3584-token context; reports TFLOP/s
 over the causal work (4 * head_dim * heads per visible query-key pair).
+--kv-dtypes: the decode cases also over fp8 / int8 pools (kv_quant.py; the torch backend's column is
+then its gather-and-dequantize path, which the Triton backend took for such pools before its kernels
+read codes; KV GB/s counts the codes' and scales' bytes).
 Times are medians of triton.testing.do_bench. Prints a table, then one JSON object as the last line.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -63,14 +67,25 @@ def bench(fn) -> float:
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def decode_case(batch_size: int, ctx: int, triton_be, torch_be) -> dict:
+def quantized_pool(cache: torch.Tensor, kind: str):
+    """The pool's contents in an fp8 / int8 pool (kv_quant.py), written through its store."""
+    from foveal.attention.kv_quant import QuantizedKVCache
+
+    pool = QuantizedKVCache(kind, cache.shape[1], KV_HEADS, HEAD_DIM, device="cuda")
+    pool.store(torch.arange(cache.shape[1], device="cuda"), cache[0], cache[1])
+    return pool
+
+
+def decode_case(batch_size: int, ctx: int, triton_be, torch_be, kind: str = "auto") -> dict:
     from foveal.attention.kernels import paged_decode
 
     batch, cache, q, k, v = make_step([(ctx, 1)] * batch_size)
+    pool = cache if kind == "auto" else quantized_pool(cache, kind)
+    codes, kv_scale = (cache, None) if kind == "auto" else (pool.data, pool.scale)
     tmeta = triton_be.plan(batch, torch.device("cuda"))
     rmeta = torch_be.plan(batch, torch.device("cuda"))
-    out = triton_be.forward(q, k, v, cache, tmeta, SCALE)  # stores this step's k/v; compiles
-    ref = torch_be.forward(q, k, v, cache, rmeta, SCALE)
+    out = triton_be.forward(q, k, v, pool, tmeta, SCALE)  # stores this step's k/v; compiles
+    ref = torch_be.forward(q, k, v, pool, rmeta, SCALE)
     err = (out.float() - ref.float()).abs().max().item()
     splits = triton_be.decode_splits(tmeta, KV_HEADS, q.device)
     qd, o = q.contiguous(), torch.empty_like(q)
@@ -78,7 +93,7 @@ def decode_case(batch_size: int, ctx: int, triton_be, torch_be) -> dict:
     def kernels():
         paged_decode(
             qd,
-            cache,
+            codes,
             tmeta.decode_block_table,
             tmeta.decode_seq_lens,
             o,
@@ -86,13 +101,18 @@ def decode_case(batch_size: int, ctx: int, triton_be, torch_be) -> dict:
             block_size=BS,
             num_splits=splits,
             workspace=tmeta.workspace,
+            kv_scale=kv_scale,
         )
 
     t_kern = bench(kernels)
-    t_tri = bench(lambda: triton_be.forward(q, k, v, cache, tmeta, SCALE))
-    t_ref = bench(lambda: torch_be.forward(q, k, v, cache, rmeta, SCALE))
-    kv_bytes = batch_size * (ctx + 1) * KV_HEADS * HEAD_DIM * 2 * cache.element_size()
+    t_tri = bench(lambda: triton_be.forward(q, k, v, pool, tmeta, SCALE))
+    t_ref = bench(lambda: torch_be.forward(q, k, v, pool, rmeta, SCALE))
+    per_token = KV_HEADS * HEAD_DIM * codes.element_size()
+    if kv_scale is not None:
+        per_token += KV_HEADS * kv_scale.shape[-1] * kv_scale.element_size()
+    kv_bytes = batch_size * (ctx + 1) * 2 * per_token
     return dict(
+        kv_dtype=kind,
         batch=batch_size,
         ctx=ctx,
         splits=splits,
@@ -128,6 +148,11 @@ def prefill_case(num: int, q_len: int, ctx: int, triton_be, torch_be) -> dict:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv-dtypes", default="auto", help="comma-separated: auto, fp8, int8 (decode cases)")
+    kinds = ap.parse_args().kv_dtypes.split(",")
     if not torch.cuda.is_available():
         print("attention_kernels.py needs a CUDA GPU (the triton backend's kernels); nothing to do")
         sys.exit(0)
@@ -140,19 +165,18 @@ def main() -> None:
     free = torch.cuda.mem_get_info()[0]
     decode = []
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    print("decode  batch   ctx  splits  kernels ms  triton fwd ms  torch fwd ms  KV GB/s  max err")
-    for b in (1, 64, 256):
-        for ctx in (512, 2048, 8192):
-            # pool + the torch backend's gathered copy of every block, with room to spare
-            if 3 * b * (ctx + BS) * KV_HEADS * HEAD_DIM * 2 * 2 > 0.6 * free:
-                continue
-            r = decode_case(b, ctx, triton_be, torch_be)
-            decode.append(r)
-            print(
-                f"        {b:5d} {ctx:5d}  {r['splits']:6d}  {r['kernel_ms']:10.3f}  {r['triton_ms']:13.3f}"
-                f"  {r['torch_ms']:12.3f}  {r['kv_gbps']:7.0f}  {r['max_abs_err']:.2e}"
-            )
-            torch.cuda.empty_cache()
+    print("decode  kv     batch   ctx  splits  kernels ms  triton fwd ms  torch fwd ms  KV GB/s  max err")
+    for kind, b, ctx in itertools.product(kinds, (1, 64, 256), (512, 2048, 8192)):
+        # pool + the torch backend's gathered copy of every block, with room to spare
+        if 3 * b * (ctx + BS) * KV_HEADS * HEAD_DIM * 2 * 2 > 0.6 * free:
+            continue
+        r = decode_case(b, ctx, triton_be, torch_be, kind)
+        decode.append(r)
+        print(
+            f"        {kind:5s}  {b:5d} {ctx:5d}  {r['splits']:6d}  {r['kernel_ms']:10.3f}"
+            f"  {r['triton_ms']:13.3f}  {r['torch_ms']:12.3f}  {r['kv_gbps']:7.0f}  {r['max_abs_err']:.2e}"
+        )
+        torch.cuda.empty_cache()
     prefill = []
     print("prefill seqs  q_len   ctx  triton ms  torch ms  triton TFLOP/s  torch TFLOP/s  max err")
     for num, q_len, ctx in ((1, 512, 0), (8, 512, 0), (1, 4096, 0), (1, 512, 3584)):

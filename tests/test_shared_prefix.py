@@ -289,6 +289,18 @@ def test_engine_greedy_with_shared_prefixes_equals_the_plain_path(folder, monkey
     assert ("graph" in launches) == graphs
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_engine_greedy_with_shared_prefixes_over_quantized_pools(folder, monkeypatch, kind):
+    """fp8 / int8 KV pools: the Triton kernels read the codes (grouped rows included) and give the
+    tokens of the CPU backend over the same quantized pool."""
+    prompts = _shared_prompts(6)
+    want, _ = _engine_tokens(folder, prompts, kv_cache_dtype=kind)
+    got, launches = _engine_tokens(
+        folder, prompts, monkeypatch, attention_backend="triton", kv_cache_dtype=kind
+    )
+    assert launches and got == want
+
+
 def test_speculative_verify_rows_group_too(folder, monkeypatch):
     """n-gram speculation: a request's verify rows share all its blocks, so they group with each other
     and with the other requests' rows; tokens equal plain greedy's."""

@@ -1,7 +1,9 @@
 """The triton attention backend against the torch backend (its oracle) on identical paged caches and
 batches: decode (one and several key splits), fresh prompts, chunks after a context, short multi-token
 queries after a context (draft verification), mixed steps, sliding windows, softcap, fp32 and bf16,
-GQA groups of 1, 2 and 4, head_dim 48 (not a power of 2), block sizes 4 and 16, shuffled block ids.
+GQA groups of 1, 2 and 4, head_dim 48 (not a power of 2), block sizes 4 and 16, shuffled block ids;
+fp8 / int8 quantized pools (the kernels dequantize as they gather) against the torch backend on equal
+pools.
 
 Every cache starts as large junk in every slot and q/k/v are views of one fused qkv tensor, so a
 mask that lets in a wrong slot, or a stride taken for granted, shows. On CPU the kernels run in
@@ -139,17 +141,80 @@ def test_bidirectional_spans_in_the_prefill_kernel(window, dtype):
     case.batch.bidirectional = [[], [(2, 6), (8, 13)], [(5, 15)], [(0, 40)], [(0, 4), (4, 8), (8, 9)]]
     compare(case, TritonAttentionBackend(), window=window)
     meta = TritonAttentionBackend().plan(case.batch, DEVICE)
-    assert meta.fallback is None and meta.query_limits is not None  # no torch fallback any more
+    assert meta.query_limits is not None
 
 
-def test_quantized_cache_falls_back_to_torch():
-    case = Case([(7, 1), (0, 9), (5, 6)], num_kv=2, group=2, head_dim=32, bs=4, seed=6)
-    outs, pools = [], []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        pool = QuantizedKVCache("int8", case.cache.shape[1], 2, 32, device=DEVICE)
-        meta = backend.plan(case.batch, DEVICE)
-        for _ in range(2):  # two layers share the step's (lazily planned) torch metadata
-            outs.append(backend.forward(case.q, case.k, case.v, pool, meta, SCALE, softcap=3.0))
-        pools.append(pool)
-    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
-    assert torch.equal(pools[0].data, pools[1].data) and torch.equal(pools[0].scale, pools[1].scale)
+# -- quantized pools (kv_quant.py): the kernels dequantize as they gather -------------------------------
+
+
+def quantized(case: Case, kind: str) -> QuantizedKVCache:
+    """The case's cache (context and junk alike) written into a quantized pool."""
+    _, slots, num_kv, head_dim = case.cache.shape
+    pool = QuantizedKVCache(kind, slots, num_kv, head_dim, device=case.device)
+    pool.store(torch.arange(slots, device=case.device), case.cache[0], case.cache[1])
+    return pool
+
+
+def compare_quantized(case: Case, backend, kind: str, meta=None, q=None, k=None, v=None, **kw):
+    """backend on a quantized pool == the torch backend on an equal one (the outputs, and the codes and
+    scales after the step's store): both read the same dequantized values. `meta` / q, k, v: a padded
+    graph batch's (its rows past the case's are padding)."""
+    want_pool, pool = quantized(case, kind), quantized(case, kind)
+    want = TorchAttentionBackend().forward(
+        case.q, case.k, case.v, want_pool, TorchAttentionBackend().plan(case.batch, case.device), SCALE, **kw
+    )
+    meta = backend.plan(case.batch, case.device) if meta is None else meta
+    q, k, v = (case.q, case.k, case.v) if q is None else (q, k, v)
+    out = backend.forward(q, k, v, pool, meta, SCALE, **kw)
+    # bf16: the plain pool's tolerance, twice its atol for int8, whose output is rotated back after
+    # rounding, mixing 16-64 channels' rounding differences into each (seen: 0.037 once in 15,616)
+    tol = dict(atol=2e-5, rtol=1e-5) if case.q.dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    if kind == "int8" and case.q.dtype == torch.bfloat16:
+        tol["atol"] = 6e-2
+    torch.testing.assert_close(out[: len(want)], want, **tol)
+    assert torch.isfinite(out).all()
+    assert torch.equal(pool.scale, want_pool.scale), "the stored scales differ"
+    assert torch.equal(pool.codes, want_pool.codes), "the stored codes differ"
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantized_pools_read_in_the_kernels(kind, dtype):
+    """Decode rows (one split and several), fresh prompts, chunks after a context, short queries, with
+    windows, softcap and sinks; head_dim 48 (int8: a rotation of 3 blocks of 16, two scale groups of
+    24) and 64 (int8: one Hadamard block, two groups of 32)."""
+    seqs = [(150, 1), (3, 1), (40, 1)] + MIXED[2:] + [(0, 30)] + VERIFY
+    for num_kv, group, head_dim, bs in ((1, 4, 48, 4), (2, 2, 64, 16)):
+        case = Case(seqs, num_kv=num_kv, group=group, head_dim=head_dim, bs=bs, dtype=dtype, seed=11)
+        sinks = torch.linspace(-3.0, 6.0, num_kv * group, device=case.device).to(dtype)
+        compare_quantized(case, TritonAttentionBackend(), kind)
+        compare_quantized(case, TritonAttentionBackend(split_tokens=8), kind, window=7, softcap=3.0)
+        compare_quantized(case, TritonAttentionBackend(max_splits=1), kind, sinks=sinks)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantized_pools_through_graph_metadata_and_shared_prefixes(kind):
+    """A padded graph batch (its padding rows store nothing: the codes and scales equal the torch
+    backend's, which never sees them) and rows grouped behind a shared prefix, both reading the pool's
+    codes through the same kernels."""
+    from tests.test_shared_prefix import GROUPS, SEQS, shared_case
+
+    backend = TritonAttentionBackend(split_tokens=16, shared_min_rows=3, shared_min_prefix=4)
+    static = backend.graph_metadata(32, max_blocks_per_seq=64, block_size=4, device=DEVICE)
+
+    def padded_run(case, padded, shared=False):
+        n = len(case.batch.query_lens)
+        meta = backend.fill_graph_metadata(static, case.batch, padded, shared=shared)
+        q, k, v = (
+            torch.cat([x, torch.randn_like(x[:1]).expand(padded - n, -1, -1)])
+            for x in (case.q, case.k, case.v)
+        )
+        compare_quantized(case, backend, kind, meta=meta, q=q, k=k, v=v)
+        return meta
+
+    padded_run(Case(DECODES[1:], num_kv=1, group=4, head_dim=48, bs=4), 5)
+    case = shared_case(SEQS, GROUPS, num_kv=2, group=2, head_dim=64, bs=4, seed=4)
+    assert backend.plan(case.batch, case.device).shared is not None
+    compare_quantized(case, backend, kind)  # eager
+    meta = padded_run(case, len(SEQS) + 2, shared=True)
+    assert int((meta.shared.prefix_lens > 0).sum()) == 21

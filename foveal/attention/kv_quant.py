@@ -133,13 +133,21 @@ class QuantizedKVCache:
     def from_pool_basis(self, x: torch.Tensor) -> torch.Tensor:
         return self.to_pool_basis(x)  # the Hadamard basis change is its own inverse
 
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k or v [T, kv_heads, head_dim] -> (values, scales) in the pool's basis, as stored."""
+        return quantize(x if self.rot is None else x.float() @ self.rot, self.kind, self.scale.shape[-1])
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The values as an integer tensor of the same storage (what indexing and store kernels take)."""
+        return self._codes
+
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Quantize this step's k/v [T, kv_heads, head_dim] into `slots` [T]; returns what was written,
         ((k values, k scales), (v values, v scales)) in the pool's basis, for a caller that reads it."""
-        groups = self.scale.shape[-1]
         out = []
         for i, x in enumerate((k, v)):
-            values, scale = quantize(x if self.rot is None else x.float() @ self.rot, self.kind, groups)
+            values, scale = self.quantize(x)
             self._codes[i].index_copy_(0, slots, values.view(self._codes.dtype))
             self.scale[i].index_copy_(0, slots, scale)
             out.append((values, scale))

@@ -45,10 +45,11 @@ Bidirectional spans (Gemma 3 images, a masked diffusion model's canvas) become o
 the packed metadata: per prefill row the last key it sees (its position, or its span's end - 1), read
 by the prefill kernel (kernels/prefill.py); decode rows need none (a last token sees everything before).
 
-Fallback to the torch backend, per layer, planned only when needed:
-  - a quantized pool (kv_quant.QuantizedKVCache): forward() plans torch metadata for the step on the
-    first such layer and reuses it for the others.
-Graph metadata carries no batch, so it has no fallback: capture graphs only over plain tensor pools.
+A quantized pool (kv_quant.QuantizedKVCache, `--kv-cache-dtype fp8|int8`) is read by the same kernels:
+this step's k/v are quantized (torch ops on the device) and their codes and scales stored by the store
+kernel (rows with a negative slot skipped, as for a plain pool), the kernels dequantize each K/V tile
+as they gather it (kernels/tile.py load_kv), and the queries go into the pool's basis and the output
+back out (int8's rotation), so graphs, splits, shared prefixes and windows work as over a plain pool.
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ from foveal.attention.kernels import paged_decode, paged_prefill, store_kv
 from foveal.attention.kernels.decode import workspace_numel
 from foveal.attention.kernels.shared_prefix import SharedPrefixes, may_share, plan_groups
 from foveal.attention.kv_quant import QuantizedKVCache
-from foveal.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from foveal.device import to_device
 
 
@@ -82,8 +82,6 @@ class TritonAttentionMetadata:
     cu_q_lens: torch.Tensor  # [P + 1] int32, chunk offsets within the prefill rows
     context_lens: torch.Tensor  # [P] int32, tokens cached before each chunk
     prefill_block_table: torch.Tensor  # [P, max_blocks] int32
-    batch: AttentionBatch | None = None  # for the torch fallback (None in graph metadata)
-    fallback: TorchAttentionMetadata | None = None  # made on first need
     workspace: torch.Tensor | None = None  # decode split partials, shared by the step's layers
     graph_buffer: torch.Tensor | None = None  # graph metadata: the static int32 buffer
     graph_shared: torch.Tensor | None = None  # graph metadata: the static shared-prefix buffer
@@ -182,7 +180,6 @@ class TritonAttentionBackend:
         self.request_min_prefix = request_min_prefix
         # (batch, bar, its groups): shares_prefixes() plans a batch, plan() or the graph fill reuse it
         self._memo: tuple | None = None
-        self._torch = TorchAttentionBackend()
 
     def _batch_plan(self, batch: AttentionBatch, tables: np.ndarray | None = None, lens=None):
         """The decode rows' groups (plan_groups' arrays) or None when none qualify, planned once per
@@ -258,7 +255,6 @@ class TritonAttentionBackend:
             cu_q_lens=dev[a : a + num_prefills + 1],
             context_lens=dev[b : b + num_prefills],
             prefill_block_table=all_tables[nd:],
-            batch=batch,
             query_limits=None if limits is None else dev[c + n * width : end],
             shared=shared,
         )
@@ -337,20 +333,26 @@ class TritonAttentionBackend:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if meta.fallback is not None or isinstance(kv_cache, QuantizedKVCache):
-            return self._forward_torch(q, k, v, kv_cache, meta, scale, window, softcap, sinks)
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        pool, kv_scale = kv_cache, None
+        if isinstance(kv_cache, QuantizedKVCache):  # codes and scales, read in the pool's basis
+            (kq, ks), (vq, vs) = kv_cache.quantize(k), kv_cache.quantize(v)
+            codes = kv_cache.codes
+            store_kv(kq.view(codes.dtype), vq.view(codes.dtype), codes, meta.slot_mapping)
+            store_kv(ks, vs, kv_cache.scale, meta.slot_mapping)
+            pool, kv_scale, q = kv_cache.data, kv_cache.scale, kv_cache.to_pool_basis(q)
+        else:
+            store_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd, num_heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         if nd:
-            splits = self.decode_splits(meta, kv_cache.shape[2], q.device)
+            splits = self.decode_splits(meta, pool.shape[2], q.device)
             shared = meta.shared if window is None else None  # windowed layers: the plain path
             need = workspace_numel(nd, num_heads, head_dim, splits, shared is not None)
             if need and (meta.workspace is None or meta.workspace.numel() < need):
                 meta.workspace = torch.empty(need, dtype=torch.float32, device=q.device)
             paged_decode(
                 q[:nd],
-                kv_cache,
+                pool,
                 meta.decode_block_table,
                 meta.decode_seq_lens,
                 out[:nd],
@@ -362,11 +364,12 @@ class TritonAttentionBackend:
                 workspace=meta.workspace,
                 sinks=sinks,
                 shared=shared,
+                kv_scale=kv_scale,
             )
         if meta.num_prefill_tokens:
             paged_prefill(
                 q[nd:],
-                kv_cache,
+                pool,
                 meta.prefill_block_table,
                 meta.cu_q_lens,
                 meta.context_lens,
@@ -378,20 +381,12 @@ class TritonAttentionBackend:
                 softcap=softcap,
                 query_limits=meta.query_limits,
                 sinks=sinks,
+                kv_scale=kv_scale,
             )
-        return out
+        return out if kv_scale is None else kv_cache.from_pool_basis(out)
 
     def decode_splits(self, meta: TritonAttentionMetadata, num_kv_heads: int, device) -> int:
         """Key splits of the step's decode rows: enough programs (rows x kv heads x splits) to fill the
         GPU about twice over, no more than the lengths justify (meta.num_splits). Host ints only."""
         programs = max(1, meta.num_decodes * num_kv_heads)
         return max(1, min(meta.num_splits, -(-2 * _num_sms(torch.device(device)) // programs)))
-
-    def _forward_torch(self, q, k, v, kv_cache, meta, scale, window, softcap, sinks=None) -> torch.Tensor:
-        if meta.fallback is None:
-            if meta.batch is None:
-                raise NotImplementedError("graph metadata has no torch fallback (quantized KV cache)")
-            meta.fallback = self._torch.plan(meta.batch, q.device)
-        return self._torch.forward(
-            q, k, v, kv_cache, meta.fallback, scale, window=window, softcap=softcap, sinks=sinks
-        )

@@ -27,7 +27,16 @@ import triton
 import triton.language as tl
 
 from foveal.attention.kernels.shared_prefix import SharedPrefixes, shared_prefix_attention
-from foveal.attention.kernels.tile import LOG2E_C, NEG_INIT, dot_args, scales, slot_offsets, softmax_step
+from foveal.attention.kernels.tile import (
+    LOG2E_C,
+    NEG_INIT,
+    dot_args,
+    load_kv,
+    pool_args,
+    scales,
+    slots_at,
+    softmax_step,
+)
 
 BLOCK_N = 64  # keys per tile; bf16 head_dim 128: a 16 KiB K tile and the same for V
 NUM_WARPS = 4
@@ -38,6 +47,7 @@ NUM_STAGES = 2
 def _decode_kernel(
     q_ptr,
     cache_ptr,
+    scale_ptr,
     tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -60,6 +70,9 @@ def _decode_kernel(
     stride_ch,
     stride_table,
     stride_len,
+    stride_skv,
+    stride_sslot,
+    stride_sh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -71,6 +84,8 @@ def _decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     SHARED: tl.constexpr,  # rows may start past a shared prefix (shared_prefix.py attends to it)
+    GROUP_SIZE: tl.constexpr,  # channels per scale of a quantized pool
+    QUANT: tl.constexpr,  # the pool holds fp8 / int8 codes and scale_ptr their scales
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -108,14 +123,17 @@ def _decode_kernel(
         l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     k_base = cache_ptr + kvh * stride_ch + d[None, :]
+    s_base = scale_ptr + kvh * stride_sh
     table = tables_ptr + seq * stride_table
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        offs = slot_offsets(table, pos, pos_ok, stride_slot, BLOCK_SIZE)[:, None]
+        slots = slots_at(table, pos, pos_ok, BLOCK_SIZE)
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
-        v = tl.load(k_base + stride_kv + offs, mask=kv_mask, other=0.0)
+        k, v = load_kv(
+            k_base, s_base, slots, d, kv_mask, q, stride_kv, stride_slot, stride_skv, stride_sslot,
+            GROUP_SIZE, QUANT,
+        )  # fmt: skip
         allowed = pos_ok
         if USE_WINDOW:
             allowed = allowed & (pos >= seq_len - window)
@@ -196,6 +214,7 @@ def paged_decode(
     workspace: torch.Tensor | None = None,  # fp32, >= workspace_numel(...) elements
     sinks: torch.Tensor | None = None,  # [H] attention-sink logits, or None
     shared: SharedPrefixes | None = None,  # rows' shared prefixes, attended once per tile of rows
+    kv_scale: torch.Tensor | None = None,  # a quantized pool's scales (kv_cache then holds its codes)
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv = kv_cache.shape[2]
@@ -215,9 +234,11 @@ def paged_decode(
         part_acc, part_ml = workspace[: rows * head_dim], workspace[rows * head_dim : n]
     qk_scale, cap_in, cap_out = scales(scale, softcap)
     head_pad = triton.next_power_of_2(head_dim)
+    scale_t, scale_strides, quant = pool_args(kv_cache, kv_scale)
     _decode_kernel[(num_seqs, num_kv, num_splits)](
         q,
         kv_cache,
+        scale_t,
         block_table,
         seq_lens,
         out,
@@ -240,6 +261,7 @@ def paged_decode(
         kv_cache.stride(2),
         block_table.stride(0),
         seq_lens.stride(0),
+        *scale_strides,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows on GPU
         HEAD_DIM=head_dim,
@@ -251,13 +273,14 @@ def paged_decode(
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
         SHARED=shared is not None,
+        **quant,
         **dot_args(q.dtype),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
     if shared is not None:
         shared_prefix_attention(
-            q, kv_cache, block_table, shared, part_acc, part_ml, slots, scale, softcap, block_size
+            q, kv_cache, block_table, shared, part_acc, part_ml, slots, scale, softcap, block_size, kv_scale
         )
     if slots > 1:
         _combine_kernel[(num_seqs, num_heads)](

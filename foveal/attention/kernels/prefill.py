@@ -35,7 +35,16 @@ import torch
 import triton
 import triton.language as tl
 
-from foveal.attention.kernels.tile import LOG2E_C, NEG_INIT, dot_args, scales, slot_offsets, softmax_step
+from foveal.attention.kernels.tile import (
+    LOG2E_C,
+    NEG_INIT,
+    dot_args,
+    load_kv,
+    pool_args,
+    scales,
+    slots_at,
+    softmax_step,
+)
 
 MAX_BLOCK_M = 128
 
@@ -44,6 +53,7 @@ MAX_BLOCK_M = 128
 def _tile(
     q,
     k_base,
+    s_base,
     stride_kv,
     table,
     n0,
@@ -60,10 +70,14 @@ def _tile(
     cap_in,
     cap_out,
     stride_slot,
+    stride_skv,
+    stride_sslot,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -76,13 +90,11 @@ def _tile(
     else:
         pos_ok = pos >= 0
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-    offs = slot_offsets(table, pos, pos_ok, stride_slot, BLOCK_SIZE)[:, None]
-    if EVEN_D and not CAUSAL:
-        k = tl.load(k_base + offs)
-        v = tl.load(k_base + stride_kv + offs)
-    else:
-        k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
-        v = tl.load(k_base + stride_kv + offs, mask=kv_mask, other=0.0)
+    slots = slots_at(table, pos, pos_ok, BLOCK_SIZE)
+    k, v = load_kv(
+        k_base, s_base, slots, d, kv_mask, q, stride_kv, stride_slot, stride_skv, stride_sslot, GROUP_SIZE,
+        QUANT, not (EVEN_D and not CAUSAL),
+    )  # fmt: skip
     if CAUSAL:
         allowed = pos[None, :] <= qlim[:, None]
     else:
@@ -98,6 +110,7 @@ def _tile(
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
+    scale_ptr,
     tables_ptr,
     cu_q_ptr,
     ctx_ptr,
@@ -116,6 +129,9 @@ def _prefill_kernel(
     stride_slot,
     stride_ch,
     stride_table,
+    stride_skv,
+    stride_sslot,
+    stride_sh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -126,6 +142,8 @@ def _prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_LIMIT: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -175,19 +193,20 @@ def _prefill_kernel(
         l_i = tl.where(row_ok, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     k_base = cache_ptr + kvh * stride_ch + d[None, :]
+    s_base = scale_ptr + kvh * stride_sh
     table = tables_ptr + seq * stride_table
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_PAD
     for n0 in range(lo, full_end, BLOCK_N):
         m_i, l_i, acc = _tile(
-            q, k_base, stride_kv, table, n0, hi, qpos, qlim, window, d, d_ok, m_i, l_i, acc,
-            qk_scale, cap_in, cap_out, stride_slot, BLOCK_SIZE, BLOCK_N, EVEN_D, False,
-            USE_WINDOW, USE_SOFTCAP, DOT_PREC, UPCAST,
+            q, k_base, s_base, stride_kv, table, n0, hi, qpos, qlim, window, d, d_ok, m_i, l_i, acc,
+            qk_scale, cap_in, cap_out, stride_slot, stride_skv, stride_sslot, BLOCK_SIZE, BLOCK_N, EVEN_D,
+            False, GROUP_SIZE, QUANT, USE_WINDOW, USE_SOFTCAP, DOT_PREC, UPCAST,
         )  # fmt: skip
     for n0 in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _tile(
-            q, k_base, stride_kv, table, n0, hi, qpos, qlim, window, d, d_ok, m_i, l_i, acc,
-            qk_scale, cap_in, cap_out, stride_slot, BLOCK_SIZE, BLOCK_N, EVEN_D, True,
-            USE_WINDOW, USE_SOFTCAP, DOT_PREC, UPCAST,
+            q, k_base, s_base, stride_kv, table, n0, hi, qpos, qlim, window, d, d_ok, m_i, l_i, acc,
+            qk_scale, cap_in, cap_out, stride_slot, stride_skv, stride_sslot, BLOCK_SIZE, BLOCK_N, EVEN_D,
+            True, GROUP_SIZE, QUANT, USE_WINDOW, USE_SOFTCAP, DOT_PREC, UPCAST,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -227,6 +246,7 @@ def paged_prefill(
     softcap: float | None = None,
     query_limits: torch.Tensor | None = None,  # [Tp] int32: the last key position each row sees
     sinks: torch.Tensor | None = None,  # [H] attention-sink logits, or None
+    kv_scale: torch.Tensor | None = None,  # a quantized pool's scales (kv_cache then holds its codes)
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = kv_cache.shape[2]
@@ -242,9 +262,11 @@ def paged_prefill(
     qk_scale, cap_in, cap_out = scales(scale, softcap)
     block_n, num_warps, num_stages = launch_config(block_m, head_pad, kv_cache.element_size())
     grid = (triton.cdiv(max_q_len, block_q), num_kv, num_seqs)
+    scale_t, scale_strides, quant = pool_args(kv_cache, kv_scale)
     _prefill_kernel[grid](
         q,
         kv_cache,
+        scale_t,
         block_table,
         cu_q_lens,
         context_lens,
@@ -263,6 +285,7 @@ def paged_prefill(
         kv_cache.stride(1),
         kv_cache.stride(2),
         block_table.stride(0),
+        *scale_strides,
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
@@ -273,6 +296,7 @@ def paged_prefill(
         USE_SOFTCAP=softcap is not None,
         USE_LIMIT=query_limits is not None,
         USE_SINKS=sinks is not None,
+        **quant,
         **dot_args(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

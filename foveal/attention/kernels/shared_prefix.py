@@ -31,7 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from foveal.attention.kernels.tile import NEG_INIT, dot_args, scales, slot_offsets, softmax_step
+from foveal.attention.kernels.tile import (
+    NEG_INIT,
+    dot_args,
+    load_kv,
+    pool_args,
+    scales,
+    slots_at,
+    softmax_step,
+)
 
 BLOCK_N = 64  # keys per tile
 ROWS_PER_TILE = 16  # decode rows a program takes (x the KV group's query heads: the rows of its Q tile)
@@ -131,6 +139,7 @@ def plan_groups(
 def _shared_prefix_kernel(
     q_ptr,
     cache_ptr,
+    scale_ptr,
     tables_ptr,
     rows_ptr,
     tiles_ptr,
@@ -147,6 +156,9 @@ def _shared_prefix_kernel(
     stride_slot,
     stride_ch,
     stride_table,
+    stride_skv,
+    stride_sslot,
+    stride_sh,
     GROUP: tl.constexpr,
     ROWS_PAD: tl.constexpr,  # >= 16 and >= rows a tile x GROUP, a power of two
     HEAD_DIM: tl.constexpr,
@@ -154,6 +166,8 @@ def _shared_prefix_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -179,14 +193,17 @@ def _shared_prefix_kernel(
     l_i = tl.zeros([ROWS_PAD], tl.float32)
     acc = tl.zeros([ROWS_PAD, HEAD_PAD], tl.float32)
     k_base = cache_ptr + kvh * stride_ch + d[None, :]
+    s_base = scale_ptr + kvh * stride_sh
     table = tables_ptr + leader * stride_table
     for n0 in range(0, longest, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < longest
-        offs = slot_offsets(table, pos, pos_ok, stride_slot, BLOCK_SIZE)[:, None]
+        slots = slots_at(table, pos, pos_ok, BLOCK_SIZE)
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
-        v = tl.load(k_base + stride_kv + offs, mask=kv_mask, other=0.0)
+        k, v = load_kv(
+            k_base, s_base, slots, d, kv_mask, q, stride_kv, stride_slot, stride_skv, stride_sslot,
+            GROUP_SIZE, QUANT,
+        )  # fmt: skip
         allowed = pos[None, :] < plen[:, None]  # each row to its own shared length
         m_i, l_i, acc = softmax_step(
             q, k, v, allowed, m_i, l_i, acc, qk_scale, cap_in, cap_out, USE_SOFTCAP, DOT_PREC, UPCAST
@@ -208,6 +225,7 @@ def shared_prefix_attention(
     scale: float,
     softcap: float | None,
     block_size: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """The shared prefixes' partials into each grouped row's last slot (paged_decode calls it)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -215,11 +233,12 @@ def shared_prefix_attention(
     group = num_heads // num_kv
     rows_pad = max(16, triton.next_power_of_2(ROWS_PER_TILE * group))
     qk_scale, cap_in, cap_out = scales(scale, softcap)
+    scale_t, scale_strides, quant = pool_args(kv_cache, kv_scale)
     _shared_prefix_kernel[(shared.num_tiles, num_kv)](
-        q, kv_cache, block_table, shared.rows, shared.tiles, shared.prefix_lens, part_acc, part_ml, qk_scale,
-        cap_in, cap_out, num_slots, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        kv_cache.stride(2), block_table.stride(0), GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=head_dim,
-        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        USE_SOFTCAP=softcap is not None, **dot_args(q.dtype), num_warps=8 if rows_pad >= 128 else 4,
+        q, kv_cache, scale_t, block_table, shared.rows, shared.tiles, shared.prefix_lens, part_acc, part_ml,
+        qk_scale, cap_in, cap_out, num_slots, q.stride(0), q.stride(1), *kv_cache.stride()[:3],
+        block_table.stride(0), *scale_strides, GROUP=group, ROWS_PAD=rows_pad,
+        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
+        USE_SOFTCAP=softcap is not None, **quant, **dot_args(q.dtype), num_warps=8 if rows_pad >= 128 else 4,
         num_stages=2,
     )  # fmt: skip

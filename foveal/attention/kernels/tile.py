@@ -1,5 +1,5 @@
-"""Pieces shared by the decode and prefill kernels: gathering a tile of keys through the block table and
-one online-softmax step over it.
+"""Pieces shared by the decode and prefill kernels: gathering a tile of keys through the block table
+(dequantizing a quantized pool's codes), and one online-softmax step over it.
 
 Scores live in the log2 domain (scale * log2(e) folded into one multiply) so the kernels use exp2. The
 running max starts at a large finite negative rather than -inf: a row whose keys are all masked in a
@@ -31,11 +31,45 @@ def tanh(x):
 
 
 @triton.jit
-def slot_offsets(table_ptr, pos, pos_ok, stride_slot, BLOCK_SIZE: tl.constexpr):
-    """Element offsets of the cache slots holding positions `pos` of the sequence whose block-table row
-    starts at table_ptr; positions outside pos_ok read block 0 (in bounds, masked later)."""
+def slots_at(table_ptr, pos, pos_ok, BLOCK_SIZE: tl.constexpr):
+    """The cache slots (int64) holding positions `pos` of the sequence whose block-table row starts at
+    table_ptr; positions outside pos_ok read block 0 (in bounds, masked later)."""
     blk = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-    return (blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_slot
+    return blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
+def load_kv(
+    k_base,
+    s_base,
+    slots,
+    d,
+    mask,
+    like,
+    stride_kv,
+    stride_slot,
+    stride_skv,
+    stride_sslot,
+    GROUP_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+    MASKED: tl.constexpr = True,
+):
+    """A tile of K and V [N, D] at `slots` [N] (k_base: the pool's K half at this KV head's channels d;
+    V is stride_kv further). QUANT: the pool holds fp8 / int8 codes and s_base its scales (kv_quant.py:
+    one per token, KV head and GROUP_SIZE channels): dequantized to `like`'s dtype as the torch backend's
+    gather does (codes x scale in float32, then rounded). MASKED False: every slot valid, no mask."""
+    m = mask if MASKED else None
+    other = 0.0 if MASKED else None
+    offs = slots[:, None] * stride_slot
+    k = tl.load(k_base + offs, mask=m, other=other)
+    v = tl.load(k_base + stride_kv + offs, mask=m, other=other)
+    if QUANT:
+        soffs = slots[:, None] * stride_sslot + (d // GROUP_SIZE)[None, :]
+        ks = tl.load(s_base + soffs, mask=m, other=other)
+        vs = tl.load(s_base + stride_skv + soffs, mask=m, other=other)
+        k = (k.to(tl.float32) * ks.to(tl.float32)).to(like.dtype)
+        v = (v.to(tl.float32) * vs.to(tl.float32)).to(like.dtype)
+    return k, v
 
 
 @triton.jit
@@ -92,3 +126,14 @@ def dot_args(dtype: torch.dtype) -> dict:
     operands are widened to float32 first, after the same rounding the GPU path does."""
     upcast = dtype == torch.bfloat16 and triton_interpreted()
     return dict(DOT_PREC="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast)
+
+
+def pool_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple:
+    """(scale tensor, its (K->V, slot, head) strides, {GROUP_SIZE, QUANT}) for a kernel reading the pool
+    [2, slots, kv_heads, head_dim]: a quantized pool's scales [2, slots, kv_heads, groups], or for a
+    plain pool the cache itself, never read."""
+    if kv_scale is None:
+        return kv_cache, (0, 0, 0), dict(GROUP_SIZE=1, QUANT=False)
+    assert kv_scale.shape[:3] == kv_cache.shape[:3] and kv_scale.stride(3) == 1
+    group_size = kv_cache.shape[3] // kv_scale.shape[3]
+    return kv_scale, kv_scale.stride()[:3], dict(GROUP_SIZE=group_size, QUANT=True)
