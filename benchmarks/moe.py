@@ -3,12 +3,16 @@ gpt-oss-20b through Foveal's engine on random weights of the real shapes (`--loa
 benchmarks/configs/*.json), against their memory floors measured in the same run.
 
     python3 benchmarks/moe.py --parts ceilings,kernel,qwen3,gptoss [--smoke] [--profile]
+    python3 benchmarks/moe.py --parts tiles
 
 kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 2048, I 768) and
          gpt-oss-20b (E 32, k 4, H 2880, I 2880), at 1, 64 and 256 tokens: the Triton kernel
          (layers/moe_triton.py), torch's grouped GEMMs (layers/moe.py experts_grouped) and the loop over
          experts (the reference): us per call, and the bytes of the experts those tokens touch (each
          distinct expert read once) over that time.
+tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages) for gate/up and for down
+         apart, at the same shapes and token counts: us per launch of each, the default's
+         (moe_triton._tiles) first, then the three fastest (what a per-shape table would pick)
 qwen3    Qwen3-30B-A3B: batch-1 decode, 512 prompt / 256 output, against its floor: the bytes a step
          reads (every dense weight, the k experts of each layer, the KV cache of the mean context)
          over the measured copy bandwidth; then 256 requests of 512 / 256 at once: output tok/s
@@ -107,6 +111,56 @@ def kernel(smoke: bool) -> None:
     RESULTS["kernel"] = out
 
 
+def tiles(smoke: bool) -> None:
+    import itertools
+
+    from foveal.layers import moe_triton as mt
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    out = {}
+    for name, (E, k, H, inter) in SHAPES.items():
+        if smoke:
+            E, H, inter = min(E, 16), 64, 32
+        g = torch.Generator().manual_seed(0)
+        w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.02).to(dtype).to(dev)
+        w2 = (torch.randn(E, H, inter, generator=g) * 0.02).to(dtype).to(dev)
+        for T in (1, 64, 256):
+            x = torch.randn(T, H, generator=g).to(dtype).to(dev)
+            weights, ids = route(torch.randn(T, E, generator=g).to(dev), k)
+            n = T * k
+            h = torch.randn(n, 2 * inter, generator=g).to(dtype).to(dev)
+            d = torch.empty(n, H, dtype=dtype, device=dev)
+            scale = weights.reshape(-1).float().contiguous()
+            gemms = {  # (a, w, c, scale, gather, act, N, K)
+                "gate_up": (x, w13, h.clone(), None, True, (0, 0.0, 0.0), 2 * inter, H),
+                "down": (h, w2, d, scale, False, (1, 0.0, 0.0), H, inter),
+            }
+            for gemm, (a, w, c, sc, gather, act, N, K) in gemms.items():
+                default = mt._tiles(n, N, K)
+                ms = (default.block_m,) if T == 1 else (16, 32, 64)
+                shapes = [default] + [
+                    mt.Tiles(*t)
+                    for t in itertools.product(ms, (32, 64, 128), (64, 128), (4, 8), (2, 3))
+                    if mt.Tiles(*t) != default
+                ]
+                if smoke:
+                    shapes = shapes[:3]
+                aligned = {}
+                times = []
+                for t in shapes:
+                    if t.block_m not in aligned:
+                        aligned[t.block_m] = mt.align(ids, E, t.block_m)
+                    rows, experts = aligned[t.block_m]
+                    run = partial(mt._gemm, a, w, None, c, sc, rows, experts, n, k, gather, t, act)
+                    times.append((round(_time(run, 3 if smoke else 30) * 1e6, 1), t))
+                best = sorted(times)[:3]
+                row = {"default": [times[0][0], list(times[0][1])], "best": [[us, list(t)] for us, t in best]}
+                out[f"{name}/T{T}/{gemm}"] = row
+                log(f"tiles {name} T={T} {gemm}: default {row['default']}, best {row['best']}")
+    RESULTS["tiles"] = out
+
+
 # -- through the engine ----------------------------------------------------------------------------
 def _bytes(llm) -> tuple[int, int, int, int]:
     """(dense bytes a decode step reads, bytes of one layer's one expert, experts per layer, layers
@@ -187,6 +241,8 @@ def main() -> None:
         gw.RESULTS["ceilings"] = RESULTS["ceilings"] = gw.ceilings()
     if "kernel" in parts:
         kernel(a.smoke)
+    if "tiles" in parts:
+        tiles(a.smoke)
     runs = (("qwen3", "qwen3-30b-a3b.json", [1, 256]), ("gptoss", "gpt-oss-20b.json", [1, 64]))
     for name, config, batches in runs:
         if name in parts:

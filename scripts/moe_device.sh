@@ -7,6 +7,7 @@
 #           cannot travel)
 #   moe     benchmarks/moe.py: the ceilings, the experts kernel at 1 / 64 / 256 tokens, gpt-oss-20b at
 #           batch 1 and 64 (dummy bf16 weights of the real shapes)
+#   tiles   benchmarks/moe.py: the experts kernel's tile shapes for gate/up and down at 1 / 64 / 256 tokens
 #   qwen3   benchmarks/moe.py: Qwen3-30B-A3B at batch 1 (with the step's largest kernels) and 256
 #   w13     W1-W3 (benchmarks/gpu_workloads.py), this checkout then before/ (`git archive <base> foveal
 #           benchmarks scripts | tar -x -C before`), one process each
@@ -29,6 +30,10 @@ for part in "$@"; do
     moe)
       timeout ${T_MOE:-240} python3 benchmarks/moe.py --parts ceilings,kernel,gptoss 2>&1 \
         | grep -v "^\[transformers\]" | tee "$LOG/moe.txt" | tail -30
+      ;;
+    tiles)
+      timeout ${T_TILES:-400} python3 benchmarks/moe.py --parts tiles 2>&1 \
+        | grep -v "^\[transformers\]" | tee "$LOG/tiles.txt" | grep "^tiles"
       ;;
     qwen3)
       timeout ${T_QWEN3:-300} python3 benchmarks/moe.py --parts ceilings,qwen3 --profile 2>&1 \

@@ -21,6 +21,8 @@ fp32 uses IEEE dots (as foveal/lora/ops_triton.py); tile sizes are picked per sh
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -232,23 +234,31 @@ def route_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: in
     return weights, ids, rows, experts
 
 
-def _tiles(n_pairs: int, N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): small row tiles for decode-sized steps (each expert sees a few
-    rows), wider ones as the pairs per expert grow."""
+class Tiles(NamedTuple):
+    block_m: int  # rows (pairs of one expert) a program takes: what align pads each run to
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 2
+
+
+def _tiles(n_pairs: int, N: int, K: int) -> Tiles:
+    """Small row tiles for decode-sized steps (each expert sees a few rows), wider ones as the pairs per
+    expert grow. `benchmarks/moe.py --parts tiles` times the other shapes on a GPU."""
     bm = 16 if n_pairs <= 256 else 32 if n_pairs <= 2048 else 64
     bn = max(16, min(128, triton.next_power_of_2(N)))
     bk = max(16, min(64, triton.next_power_of_2(K)))
-    return bm, bn, bk
+    return Tiles(bm, bn, bk)
 
 
 def _gemm(a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles, act=(0, 0.0, 0.0)) -> None:
-    bm, bn, bk = tiles
     N, K = w.shape[1], w.shape[2]
-    grid = (experts.shape[0], triton.cdiv(N, bn))
+    grid = (experts.shape[0], triton.cdiv(N, tiles.block_n))
     _moe_gemm_kernel[grid](
         a, w, w if bias is None else bias.contiguous(), c, scale, rows, experts, n_pairs, N, K, a.stride(0),
         c.stride(0), act[1], act[2], TOP_K=top_k, ACT=act[0], GATHER=gather, SCALE=scale is not None,
-        BIAS=bias is not None, **_dot_args(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=2,
+        BIAS=bias is not None, **_dot_args(a.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
 
@@ -265,7 +275,7 @@ def _fused_act(glu) -> tuple[int, float, float] | None:
 
 def block_m(n_pairs: int, w13: torch.Tensor) -> int:
     """The row tile experts_triton uses for n_pairs (what align / route_align must pad runs to)."""
-    return _tiles(n_pairs, w13.shape[1], w13.shape[2])[0]
+    return _tiles(n_pairs, w13.shape[1], w13.shape[2]).block_m
 
 
 def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=None) -> torch.Tensor:
@@ -279,7 +289,7 @@ def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=Non
     inter = two_i // 2
     assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous() and x.dtype == w13.dtype
     n = T * k
-    rows, experts = aligned if aligned is not None else align(ids, E, _tiles(n, two_i, H)[0])
+    rows, experts = aligned if aligned is not None else align(ids, E, _tiles(n, two_i, H).block_m)
     h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
     _gemm(x, w13, b13, h, None, rows, experts, n, k, True, _tiles(n, two_i, H))
     d = torch.empty((n, H), dtype=x.dtype, device=x.device)
