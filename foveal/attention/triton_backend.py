@@ -35,7 +35,8 @@ lengths, so a graph captured for `padded` rows replays with any batch that fits.
 
 Shared prefixes: when >= shared_min_rows decode rows hold the same leading blocks (the prefix cache's
 sharing) for >= shared_min_prefix keys, or a request's own rows (speculation's verify rows, DFlash's and
-block diffusion's block rows) hold >= request_min_prefix keys, plan() groups them
+block diffusion's block rows) hold >= request_min_prefix keys in a step of >= request_min_rows rows,
+plan() groups them
 (kernels/shared_prefix.py) and packs [prefix lens | grouped rows | tiles] after the other segments:
 the prefix is attended once per tile of rows, each row's decode starts past it, and the combine merges
 both. Graphs: graph_metadata() holds a static buffer for the groups too, fill_graph_metadata(...,
@@ -169,6 +170,7 @@ class TritonAttentionBackend:
         shared_min_rows: int = 64,
         shared_min_prefix: int = 1024,
         request_min_prefix: int = 0,
+        request_min_rows: int = 64,
     ):
         self.split_tokens = split_tokens  # fewest keys worth a decode split of their own
         self.max_splits = max_splits
@@ -177,19 +179,21 @@ class TritonAttentionBackend:
         # until a GPU sweep sets it (a grouped step pads to a bucket of 64, 128, ... rows under graphs)
         self.shared_min_rows, self.shared_min_prefix = shared_min_rows, shared_min_prefix
         # a request's several decode rows read its keys once when it has >= request_min_prefix (0: never)
-        self.request_min_prefix = request_min_prefix
+        # in steps of >= request_min_rows decode rows (a smaller step keeps the plain kernel's splits)
+        self.request_min_prefix, self.request_min_rows = request_min_prefix, request_min_rows
         # (batch, bar, its groups): shares_prefixes() plans a batch, plan() or the graph fill reuse it
         self._memo: tuple | None = None
 
     def _batch_plan(self, batch: AttentionBatch, tables: np.ndarray | None = None, lens=None):
         """The decode rows' groups (plan_groups' arrays) or None when none qualify, planned once per
         batch. `tables` / `lens`: its block tables as numpy arrays, where the caller has them."""
-        bar = (self.shared_min_rows, self.shared_min_prefix, self.request_min_prefix)
+        bar = (self.shared_min_rows, self.shared_min_prefix, self.request_min_prefix, self.request_min_rows)
         if self._memo is not None and self._memo[0] is batch and self._memo[1] == bar:
             return self._memo[2]
         nd, plan = batch.num_decodes, None
         firsts = np.fromiter((t[0] if t else -1 for t in batch.block_tables[:nd]), dtype=np.int64, count=nd)
-        if may_share(firsts, self.shared_min_rows, self.request_min_prefix > 0):  # else: no tables built
+        requests = self.request_min_rows if self.request_min_prefix else 0
+        if may_share(firsts, self.shared_min_rows, requests):  # else: no tables built
             if tables is None:
                 width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))
                 tables, lens = _table_array(batch.block_tables[:nd], width)

@@ -86,11 +86,11 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same steps with the LoRA kernels
         # steps whose rows share a prefix (the backend's shares_prefixes): graphs with the shared-prefix
-        # kernel, for a few buckets from the backend's bar up (a batch pads to the next of them); from
-        # 2 rows when a request's own rows group (verify rows, block rows)
+        # kernel, for a few buckets from the backend's bar up (a batch pads to the next of them), or
+        # from its bar for a request's own rows (verify rows, block rows) when they group
         bar = getattr(backend, "shared_min_rows", 0) if self.shared_prefixes else 0
         if self.shared_prefixes and getattr(backend, "request_min_prefix", 0):
-            bar = 2
+            bar = min(bar or backend.request_min_rows, backend.request_min_rows)
         self.shared_buckets = [
             b for b in self.buckets if bar and b >= bar and (b & (b - 1) == 0 or b % 64 == 0 or b == max_seqs)
         ]  # powers of two and multiples of 64

@@ -53,11 +53,12 @@ class SharedPrefixes:
     num_tiles: int
 
 
-def may_share(first_blocks: np.ndarray, min_rows: int, request_rows: bool = False) -> bool:
-    """Cheap pre-check: some first block is held by >= min_rows rows (min_rows 0: never), or
-    (`request_rows`) two neighbouring rows start with the same block (a request's own rows)."""
+def may_share(first_blocks: np.ndarray, min_rows: int, request_rows: int = 0) -> bool:
+    """Cheap pre-check: some first block is held by >= min_rows rows (min_rows 0: never), or, in a step
+    of >= request_rows rows (0: never), two neighbouring rows start with the same block (a request's
+    own rows)."""
     n, f = len(first_blocks), first_blocks
-    if request_rows and n > 1 and bool(np.any((f[1:] == f[:-1]) & (f[1:] >= 0))):
+    if request_rows and n >= max(request_rows, 2) and bool(np.any((f[1:] == f[:-1]) & (f[1:] >= 0))):
         return True
     if not min_rows or n < min_rows:
         return False
@@ -81,13 +82,16 @@ def plan_groups(
     min_rows: int,
     min_prefix: int,
     min_request_prefix: int = 0,
+    min_request_rows: int = 2,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prefix_lens [D], rows [R], tiles [n, 4]) int32 for decode rows with block tables `tables` [D, W]
     (`lens` blocks each) and `seq_lens` keys (the new one included); empty rows / tiles: no sharing.
 
     Two kinds of group: the rows behind one first block when >= min_rows of them share >= min_prefix
     keys (min_rows 0: none), then, among the rows left, a request's own rows (neighbours with one
-    table: verify rows, block rows) when >= 2 of them hold >= min_request_prefix keys (0: none)."""
+    table: verify rows, block rows) when >= 2 of them hold >= min_request_prefix keys (0: none) and the
+    step has >= min_request_rows rows (fewer: the plain kernel's key splits use the GPU better than
+    one program a request and KV head)."""
     D = tables.shape[0]
     keep = np.zeros(D, dtype=np.int64)
     gid = np.full(D, -1, dtype=np.int64)  # each grouped row's group; its leader's table is read
@@ -105,7 +109,7 @@ def plan_groups(
         sizes = np.bincount(group, weights=common > 0, minlength=len(leader_of))
         hit = (sizes[group] >= min_rows) & (common > 0)
         keep[hit], gid[hit], leader[hit] = common[hit], group[hit], lead[hit]
-    if min_request_prefix and D > 1:
+    if min_request_prefix and D >= max(min_request_rows, 2):
         last = tables[every, np.maximum(lens - 1, 0)]
         free = gid < 0
         same = (first[1:] == first[:-1]) & (lens[1:] == lens[:-1]) & (last[1:] == last[:-1])
