@@ -11,4 +11,4 @@ python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_model_pari
   tests/test_vlm_parity.py tests/test_media.py tests/test_attention_masks.py tests/test_kv_quant.py \
   tests/test_prefix_cache.py tests/test_gemma3_text.py tests/test_vision_attention.py tests/test_omni.py \
   tests/test_video_inputs.py tests/test_shared_prefix.py tests/test_triton_attention.py tests/test_moe_kernels.py \
-  tests/test_sample_kernel.py tests/test_smolvlm_video.py 2>&1 | tail -25
+  tests/test_sample_kernel.py tests/test_smolvlm_video.py tests/test_onevision.py 2>&1 | tail -25

@@ -135,7 +135,7 @@ def loaded_params(config, weights) -> dict:
     return dict(model.named_parameters())
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "llava_onevision"])
 def test_hub_style_checkpoint_names_load_identically(family, tmp_path):
     hf = build(family, str(tmp_path)).hf
     state = hf.state_dict()

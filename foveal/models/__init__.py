@@ -19,6 +19,9 @@ _MODELS = {
     "LLaDAModelLM": "foveal.models.llama:LLaDAModelLM",
     "SDARForCausalLM": "foveal.models.llama:SDARForCausalLM",
     "LlavaForConditionalGeneration": "foveal.models.llava:LlavaForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration": (
+        "foveal.models.llava_onevision:LlavaOnevisionForConditionalGeneration"
+    ),
     "Gemma3ForCausalLM": "foveal.models.gemma3_text:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "foveal.models.gemma3:Gemma3ForConditionalGeneration",
     "Idefics3ForConditionalGeneration": "foveal.models.idefics3:Idefics3ForConditionalGeneration",

@@ -32,6 +32,32 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+def projector_for(config) -> LlavaProjector:
+    """The projector of a LLaVA-style config: the tower's width x its feature layers -> the decoder's."""
+    layers = config.vision_feature_layer
+    n_layers = 1 if isinstance(layers, int) else len(layers)
+    return LlavaProjector(
+        config.vision_config.hidden_size * n_layers,
+        config.text_config.hidden_size,
+        bool(getattr(config, "multimodal_projector_bias", True)),
+        config.projector_hidden_act,
+    )
+
+
+def tower_features(model, pixels: torch.Tensor) -> torch.Tensor:
+    """`model`'s vision tower on `pixels`, the config's feature layers concatenated (less the CLS token
+    with strategy "default"), projected: [images, tokens, hidden] in the decoder's width."""
+    cfg = model.config
+    w = model.multi_modal_projector.linear_1.weight
+    pixels = pixels.to(device=w.device, dtype=w.dtype)
+    out = model.vision_tower(pixels, output_hidden_states=True, return_dict=True)
+    layers = cfg.vision_feature_layer
+    states = [out.hidden_states[i] for i in ([layers] if isinstance(layers, int) else layers)]
+    if cfg.vision_feature_select_strategy == "default":
+        states = [h[:, 1:] for h in states]
+    return model.multi_modal_projector(torch.cat(states, dim=-1))
+
+
 class LlavaAdapter(ImageAdapter):
     def split(self, out: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
         pv = out["pixel_values"]
@@ -49,14 +75,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     def __init__(self, config, backend, max_positions: int):
         super().__init__(config, backend, max_positions)
-        layers = config.vision_feature_layer
-        n_layers = 1 if isinstance(layers, int) else len(layers)
-        self.multi_modal_projector = LlavaProjector(
-            config.vision_config.hidden_size * n_layers,
-            config.text_config.hidden_size,
-            bool(getattr(config, "multimodal_projector_bias", True)),
-            config.projector_hidden_act,
-        )
+        self.multi_modal_projector = projector_for(config)
         self.vision_tower: nn.Module | None = None
 
     def build_vision(self, device, dtype) -> None:
@@ -65,13 +84,4 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         self.vision_tower = hf_module(lambda: AutoModel.from_config(self.config.vision_config), device, dtype)
 
     def encode_images(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
-        cfg = self.config
-        w = self.multi_modal_projector.linear_1.weight
-        pixels = torch.cat([it["pixel_values"] for it in items]).to(device=w.device, dtype=w.dtype)
-        out = self.vision_tower(pixels, output_hidden_states=True, return_dict=True)
-        layers = cfg.vision_feature_layer
-        states = [out.hidden_states[i] for i in ([layers] if isinstance(layers, int) else layers)]
-        if cfg.vision_feature_select_strategy == "default":
-            states = [h[:, 1:] for h in states]
-        feats = self.multi_modal_projector(torch.cat(states, dim=-1))
-        return list(feats)
+        return list(tower_features(self, torch.cat([it["pixel_values"] for it in items])))
