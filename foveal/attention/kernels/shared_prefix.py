@@ -8,8 +8,11 @@ of Hydragen / FlashInfer):
 
     plan (host)     rows grouped by their first block; a row's shared length is the run of blocks its
                     table has in common with its group's first row (below its own last key), kept when
-                    >= min_prefix keys and the group has >= min_rows such rows; the group's rows sorted
-                    by that length and cut into tiles of ROWS rows
+                    >= min_prefix keys and the group has >= min_rows such rows; among the rows left, a
+                    request's own rows (neighbours with one table) grouped when they hold >=
+                    min_request_prefix keys, in a step of >= min_request_rows rows (one program a
+                    request and KV head: "multi-query" attention for its verify or block rows); each
+                    group's rows sorted by that length and cut into tiles of ROWS rows
     this kernel     grid (tile, kv head): the tile's rows x the KV group's query heads as the rows of
                     one Q tile [ROWS * GROUP, D], against the prefix keys through the group's first
                     row's table (each row masked to its own length): partials (max, sum, acc) into
