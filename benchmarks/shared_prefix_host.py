@@ -3,7 +3,9 @@
 A decode batch of `--rows` rows with `--blocks`-block tables, block size 16: the median over `--calls`
 calls of (a) shares_prefixes() on a batch with no block in common (the check every graph step pays),
 (b) the plain graph fill, (c) shares_prefixes() + the fill with groups on a batch whose rows share their
-first 3 blocks (what a grouped graph step pays).
+first 3 blocks (what a grouped graph step pays); with a request's own rows grouping on (speculation's
+verify rows: request_min_prefix 256 keys, steps of >= 64 rows): (d) the check on the plain batch, (e)
+the check + the grouped fill on a batch of rows / 4 requests of 4 verify rows each.
 
     python benchmarks/shared_prefix_host.py [--rows 256] [--blocks 40] [--calls 200]
 
@@ -63,6 +65,17 @@ def main() -> None:
         "plain_fill_us": median_us(lambda: backend.fill_graph_metadata(static, batch(own), n), a.calls),
         "grouped_check_and_fill_us": median_us(grouped, a.calls),
     }
+    backend.request_min_prefix = 256
+    verify = [own[i // 4] for i in range(n)]  # 4 rows a request, one table (the same list, as a step has)
+    verify_ctx = [ctx[0] - 3 + i % 4 for i in range(n)]
+
+    def verify_step():
+        b = AttentionBatch([1] * n, verify_ctx, verify, n, None, bs)
+        assert backend.shares_prefixes(b)
+        backend.fill_graph_metadata(static, b, n, shared=True)
+
+    res["request_rows_check_no_sharing_us"] = median_us(lambda: backend.shares_prefixes(batch(own)), a.calls)
+    res["request_rows_check_and_fill_us"] = median_us(verify_step, a.calls)
     for k, v in res.items():
         print(f"{k}: {v:.1f}")
     print(json.dumps({"benchmark": "shared_prefix_host", "rows": n, "blocks": a.blocks, **res}))

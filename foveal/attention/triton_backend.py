@@ -181,7 +181,8 @@ class TritonAttentionBackend:
         # a request's several decode rows read its keys once when it has >= request_min_prefix (0: never)
         # in steps of >= request_min_rows decode rows (a smaller step keeps the plain kernel's splits)
         self.request_min_prefix, self.request_min_rows = request_min_prefix, request_min_rows
-        # (batch, bar, its groups): shares_prefixes() plans a batch, plan() or the graph fill reuse it
+        # (batch, bar, its groups, its tables as arrays or None): shares_prefixes() plans a batch, plan()
+        # or the graph fill reuse it (and the fill the arrays)
         self._memo: tuple | None = None
 
     def _batch_plan(self, batch: AttentionBatch, tables: np.ndarray | None = None, lens=None):
@@ -190,18 +191,25 @@ class TritonAttentionBackend:
         bar = (self.shared_min_rows, self.shared_min_prefix, self.request_min_prefix, self.request_min_rows)
         if self._memo is not None and self._memo[0] is batch and self._memo[1] == bar:
             return self._memo[2]
-        nd, plan = batch.num_decodes, None
+        nd, plan, arrays = batch.num_decodes, None, None
         firsts = np.fromiter((t[0] if t else -1 for t in batch.block_tables[:nd]), dtype=np.int64, count=nd)
         requests = self.request_min_rows if self.request_min_prefix else 0
         if may_share(firsts, self.shared_min_rows, requests):  # else: no tables built
             if tables is None:
                 width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))
-                tables, lens = _table_array(batch.block_tables[:nd], width)
+                tables, lens = arrays = _table_array(batch.block_tables[:nd], width)
             seqs = np.asarray(batch.context_lens[:nd], dtype=np.int64) + 1
             plan = plan_groups(tables[:nd], lens[:nd], seqs, batch.block_size, *bar)
             plan = plan if len(plan[2]) else None
-        self._memo = (batch, bar, plan)  # holding the batch: its identity cannot be reused meanwhile
+        self._memo = (batch, bar, plan, arrays)  # holding the batch: its identity cannot be reused meanwhile
         return plan
+
+    def _tables_of(self, batch: AttentionBatch, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's block tables as arrays `width` wide: the ones _batch_plan built, when it did."""
+        memo = self._memo
+        if memo is not None and memo[0] is batch and memo[3] is not None and memo[3][0].shape[1] == width:
+            return memo[3]
+        return _table_array(batch.block_tables, width)
 
     def shares_prefixes(self, batch: AttentionBatch) -> bool:
         """Whether plan() would group this decode-only batch's rows (the runner then replays a graph
@@ -298,7 +306,7 @@ class TritonAttentionBackend:
         host[:, 0] = -1
         host[:n, 0] = graph_slots(batch)
         host[:n, 1] = torch.tensor(ctxs, dtype=torch.int32) + 1
-        table_array, lens = _table_array(tables, used)
+        table_array, lens = self._tables_of(batch, used)
         host[:n, 2:] = torch.from_numpy(table_array)
         buf[:padded, : 2 + used].copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)
         meta = _graph_rows(buf, padded, bs, static.num_splits, static.graph_shared)

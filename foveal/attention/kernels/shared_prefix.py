@@ -102,7 +102,10 @@ def plan_groups(
     first = np.where(lens > 0, tables[:, 0], -1)
     every = np.arange(D)
     if min_rows and D >= min_rows:
-        _, leader_of, group = np.unique(first, return_index=True, return_inverse=True)
+        _, leader_of, group, counts = np.unique(
+            first, return_index=True, return_inverse=True, return_counts=True
+        )
+    if min_rows and D >= min_rows and counts.max() >= min_rows:  # some first block's group is big enough
         lead = leader_of[group]  # each row's group's first row
         common = _common_keys(tables, lens, seq_lens, every, lead, block_size)
         others = np.zeros(len(leader_of), dtype=common.dtype)  # a leader shares what its group's others do
