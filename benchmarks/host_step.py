@@ -2,7 +2,11 @@
 compute is small, so what shows is the scheduler's and runner's Python per row), 256 requests decoding,
 60 steps timed after the prefills; `Scheduler.schedule` and `advance` are timed by wrapping them.
 
-    python benchmarks/host_step.py [--rows 256] [--steps 60]
+    python benchmarks/host_step.py [--rows 256] [--steps 60] [--mixed]
+
+--mixed: every row with its own sampling parameters as benchmarks/sampling.py's mixed workload
+(temperatures, top_p / top_k / min_p, penalties, seeds on half, logprobs on a quarter); else
+temperature 0.6 on every row (nano-vllm's workload, W3).
 
 Run it from another checkout's root (PYTHONPATH=that root) for a before/after; alternate the runs.
 Ends with one JSON line.
@@ -28,6 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--mixed", action="store_true")
     a = ap.parse_args()
     from transformers import Qwen3Config
 
@@ -41,8 +46,14 @@ def main() -> None:
               max_num_batched_tokens=16384, num_blocks=20000, block_size=16)  # fmt: skip
     eng, sch = llm.engine, llm.engine.scheduler
     rng = random.Random(0)
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=a.steps + 40)
-    for _ in range(a.rows):
+    if a.mixed:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from sampling import mixed_params
+
+        per_row = mixed_params(a.rows, a.steps + 40)
+    else:
+        per_row = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=a.steps + 40)] * a.rows
+    for params in per_row:
         ids = [rng.randint(0, 999) for _ in range(rng.randint(100, 1024))]
         eng.add_request(llm.processor.request(ids, params))
     while sch.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in sch.running):
@@ -65,7 +76,7 @@ def main() -> None:
     for _ in range(a.steps):
         eng.step()
     step = (time.perf_counter() - t0) / a.steps
-    res = {"benchmark": "host_step", "rows": a.rows, "step_ms": round(step * 1e3, 2)}
+    res = {"benchmark": "host_step", "rows": a.rows, "mixed": a.mixed, "step_ms": round(step * 1e3, 2)}
     res.update({f"{k}_ms": round(v / a.steps * 1e3, 3) for k, v in spent.items()})
     print(json.dumps(res))
 

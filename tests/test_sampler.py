@@ -135,7 +135,17 @@ def test_device_history_counts_what_the_lists_count():
     assert s.history.counts[3].sum() == 0 and s.history.prompt[3].nonzero().flatten().tolist() == [9]
 
 
-def test_filtered_distributions_match_reference():
+@pytest.fixture(params=[2, 4, 16, 1 << 20], ids=["window2+32", "window4", "window16", "no-window"])
+def window(request, monkeypatch):
+    """The torch path's top_p candidates (sampler.TOP_P_WINDOW): 2 then 32 (two windows, rows sorted
+    whole after either), few (most rows sorted whole), some, and the whole vocabulary."""
+    from foveal.sample import sampler
+
+    monkeypatch.setattr(sampler, "TOP_P_WINDOW", request.param)
+    return request.param
+
+
+def test_filtered_distributions_match_reference(window):
     rows = mixed_rows()
     logits = rand_logits(len(rows), seed=1)
     got = Sampler(V).filtered_logits(logits, rows)
@@ -162,7 +172,7 @@ def test_filters_compose_on_renormalized_distribution():
     assert torch.isfinite(got[0]).sum().item() == 1
 
 
-def test_topk_only_and_topp_only_batches():
+def test_topk_only_and_topp_only_batches(window):
     """The top_k-only path (topk, no sort) and the top_p path agree with the reference."""
     logits = rand_logits(4, seed=2)
     for rows in (
@@ -174,6 +184,51 @@ def test_topk_only_and_topp_only_batches():
             want = ref_filter(logits[i].clone(), r.params)
             assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want)), (rows, i)
             torch.testing.assert_close(got[i].softmax(0), want.softmax(0))
+
+
+def test_top_p_from_a_window_or_the_whole_row(monkeypatch):
+    """top_p (after top_k) decided from each row's TOP_P_WINDOW largest logits where its kept set lies
+    among them, else from the sorted row: a peaked row (decided in the window), a flat one (its set
+    reaches past it), a top_k larger than the window, a k-th value tied across the window's edge, a
+    row with neither filter beside them: each kept set equals the whole sorted rows' (and the
+    reference's, which keeps one of the ties where the sampler keeps them all), and a row's result does
+    not depend on its batch."""
+    from foveal.sample import sampler
+
+    peaked = torch.cat([torch.tensor([9.0, 8.0, 7.5]), torch.zeros(V - 3)])
+    flat = rand_logits(1, seed=4, scale=0.01)[0]
+    tied = torch.cat([torch.tensor([5.0, 4.0]), torch.full((12,), 3.0), torch.zeros(V - 14)])
+    cases = [
+        (peaked, row(top_p=0.9)),
+        (flat, row(top_p=0.5)),
+        (rand_logits(1, seed=5)[0], row(top_k=20, top_p=0.95)),
+        (tied, row(top_k=4, top_p=0.99)),  # ties at the 4th value run past the 8 candidates
+        (rand_logits(1, seed=6)[0], row()),
+        (rand_logits(1, seed=7)[0], row(top_k=3, top_p=0.8)),
+    ]
+    logits = torch.stack([c[0] for c in cases])
+    rows = [c[1] for c in cases]
+    whole = Sampler(V).filtered_logits(logits, rows)  # V < the window: every row sorted whole
+    monkeypatch.setattr(sampler, "TOP_P_WINDOW", 8)
+    calls = []
+    real = sampler._kept
+    monkeypatch.setattr(sampler, "_kept", lambda vals, *a: calls.append(tuple(vals.shape)) or real(vals, *a))
+    got = Sampler(V).filtered_logits(logits, rows)
+    # the flat row 1 sorted at once; 0 and 5 decided from 8 candidates, 2 and 3 sorted after them; 4 as is
+    assert calls == [(4, 8), (3, V)]
+    monkeypatch.setattr(sampler, "_kept", real)
+    for i, r in enumerate(rows):
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(whole[i])), i
+        torch.testing.assert_close(got[i].softmax(0), whole[i].softmax(0))
+        if i != 3:
+            assert torch.equal(
+                torch.isfinite(got[i]), torch.isfinite(ref_filter(logits[i].clone(), r.params))
+            )
+        alone = Sampler(V).filtered_logits(logits[i : i + 1], [r])
+        assert torch.equal(alone[0], got[i]), i
+    assert torch.isfinite(got[3]).sum().item() == 14  # every tie of the 4th value kept
+    assert torch.isfinite(got[1]).sum().item() > 8  # the flat row's set is wider than the window
+    assert torch.equal(got[4], logits[4])  # no filter: the row itself
 
 
 def test_samples_stay_inside_filtered_set():

@@ -9,8 +9,9 @@ own SamplingParams, packed into per-row tensors once per call: nothing is inheri
 The draw's randomness is counter-based noise keyed per row (sample/noise.py): a seeded row's key comes
 only from (seed, draw index), so its tokens do not depend on the batch it happens to share. On CUDA
 temperature, the filters and the draw are one Triton kernel with no sort (sample/triton_sample.py); on
-the CPU they are torch ops (the filters sort). Columns past vocab_size (padding of the LM head) are
-never sampled.
+the CPU they are torch ops: top_p looks at each row's TOP_P_WINDOW largest logits (topk, not a sort of
+the vocabulary) and sorts a whole row only where its kept set may reach past them. Columns past
+vocab_size (padding of the LM head) are never sampled.
 
 It must not know about requests, schedulers or models: callers hand it SamplingRow values and logits.
 """
@@ -31,6 +32,11 @@ from foveal.structured.bitmask import apply_bitmask
 log = logging.getLogger(__name__)
 # per Triton kernel (each compiles at its first launch): whether it built here; absent: not tried yet
 _kernel_ok: dict[str, bool] = {}
+# the torch path's top_p: candidates per row taken by topk; a row whose kept set may not lie inside them
+# (a flat distribution, or a top_k larger than this) is sorted whole. A constant, so a row's result
+# never depends on the other rows of its batch. (On the 2-vCPU host, 32 rows x 49,152: a full sort
+# ~45 ms a step, topk of 256 a few ms.)
+TOP_P_WINDOW = 256
 
 # the grammar masks of a step's constrained rows: (bitmask int32 [n, words], logits row of each) on the
 # logits' device; None when no row is constrained
@@ -278,15 +284,7 @@ class Sampler:
         k = cols[:, 2].long()
         k_on = (k > 0).unsqueeze(1)
         if use_p:
-            srt, order = x.sort(-1, descending=True)
-            if ks:
-                kth = srt.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
-                srt = srt.masked_fill(k_on & (srt < kth), neg_inf)
-            probs = srt.softmax(-1)
-            # drop a token once the more probable ones already reach top_p; the first always stays
-            drop = (probs.cumsum(-1) - probs) >= cols[:, 3:4]
-            drop[:, 0] = False
-            return torch.empty_like(x).scatter_(1, order, srt.masked_fill(drop, neg_inf))
+            return _top_k_top_p(x, k, cols[:, 3:4])
         if ks:
             top = x.topk(max(ks), dim=-1).values
             kth = top.gather(1, (k - 1).clamp(0, max(ks) - 1).unsqueeze(1))
@@ -395,3 +393,76 @@ def _triton(name: str, call):
 
 def _long(values: list[int], dev: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=torch.long), dev)
+
+
+def _kept(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, lse: torch.Tensor | None, room: int = 0):
+    """Rows of logits sorted descending -> (them with top_k's and top_p's dropped tokens at -inf, whether
+    each row's kept set is decided inside them, whether it could be decided among `room` more of its
+    largest). `lse`: the rows' log-normalizer over the whole vocabulary (for rows without top_k);
+    None: `vals` is the whole row."""
+    neg_inf = float("-inf")
+    n, w = vals.shape
+    k_on = (k > 0).unsqueeze(1)
+    kth = vals.gather(1, (k - 1).clamp(0, w - 1).unsqueeze(1))
+    inside = (vals[:, -1:] < kth) & (k <= w).unsqueeze(1)  # every token tied with the k-th value is here
+    vals = vals.masked_fill(k_on & (vals < kth), neg_inf)
+    norm = vals.logsumexp(-1, keepdim=True)  # top_k rows: over their kept set
+    if lse is not None:
+        norm = torch.where(k_on, norm, lse)
+    probs = (vals - norm).exp()
+    # drop a token once the more probable ones already reach top_p; the first always stays
+    cum = probs.cumsum(-1)
+    drop = (cum - probs) >= top_p
+    drop[:, 0] = False
+    kept = vals.masked_fill(drop, neg_inf)
+    if lse is None:
+        return kept, torch.ones(n, dtype=torch.bool, device=vals.device), None
+    # a row without top_k is decided once the window's last token is dropped (or -inf): the tokens
+    # past it are no more probable. Each of those has at most the last one's probability, so it needs
+    # >= (top_p - mass here) / that many more: more than `room`, and a wider window cannot decide it;
+    # nor is it tried where this window holds under half of top_p (a flat row: a wide set, sorted)
+    decided = torch.where(k_on, inside, drop[:, -1:] | (vals[:, -1:] == neg_inf))[:, 0]
+    need = (top_p - cum[:, -1:]) / probs[:, -1:].clamp_min(torch.finfo(probs.dtype).tiny)
+    could = torch.where(k_on, (k <= w + room).unsqueeze(1), (need <= room) & (2 * cum[:, -1:] >= top_p))[:, 0]
+    return kept, decided, could
+
+
+def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_k (k > 0) then top_p over rows of tempered logits x (min_p's drops at -inf): dropped tokens
+    -inf. From each row's TOP_P_WINDOW largest logits where its kept set lies among them, else from its
+    16 x TOP_P_WINDOW largest where it can, else from the whole sorted row (the same set each way)."""
+    neg_inf = float("-inf")
+    V = x.shape[1]
+    whole = (k == 0) & (top_p[:, 0] > 1)  # neither filter (the batch's other rows have one): x itself
+    out = torch.where(whole[:, None], x, neg_inf)
+    lse = x.logsumexp(-1, keepdim=True)
+    windows = [w for w in (TOP_P_WINDOW, 16 * TOP_P_WINDOW) if w < V]
+    to_sort = []
+    if windows:  # a row without top_k whose first window cannot hold half of top_p (its largest
+        # probability times the window is under that: a flat row) goes straight to the sort
+        flat = (k == 0) & (windows[0] * (x.amax(-1) - lse[:, 0]).exp() < top_p[:, 0] / 2) & ~whole
+        to_sort.append(flat.nonzero().squeeze(1))
+    rows = (~whole & ~flat).nonzero().squeeze(1) if windows else (~whole).nonzero().squeeze(1)
+    for j, w in enumerate(windows):
+        if not len(rows):
+            break
+        room = windows[j + 1] - w if j + 1 < len(windows) else 0
+        vals, order = (x if len(rows) == len(x) else x[rows]).topk(w, dim=-1)
+        kept, decided, could = _kept(vals, k[rows], top_p[rows], lse[rows], room)
+        if bool(decided.any()):
+            done = rows[decided]
+            blank = torch.full((len(done), V), neg_inf, dtype=x.dtype, device=x.device)
+            out[done] = blank.scatter_(1, order[decided], kept[decided])
+        to_sort.append(rows[~decided & ~could])  # no wider window can decide these
+        rows = rows[~decided & could]
+    rows = torch.cat([rows, *to_sort])
+    if not len(rows):
+        return out
+    every = len(rows) == len(x) and bool((rows == torch.arange(len(x), device=x.device)).all())
+    srt, order = (x if every else x[rows]).sort(-1, descending=True)
+    kept, _, _ = _kept(srt, k[rows], top_p[rows], None)
+    full = torch.empty_like(srt).scatter_(1, order, kept)
+    if every:  # every row sorted (all flat): no copy into out
+        return full
+    out[rows] = full
+    return out
