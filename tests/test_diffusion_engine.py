@@ -324,7 +324,7 @@ def test_block_rows_grouped_by_request_equal_the_plain_rows(sdar, monkeypatch):
     monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: launches.append(1) or real(*a))
     grouped = _llm(path, attention_backend="triton", request_rows_min_tokens=4, shared_prefix_min_rows=0)
     assert grouped.engine.runner.backend.request_min_prefix == 4
-    grouped.engine.runner.backend.request_min_rows = 2  # steps of any size (the default: 64 rows)
+    grouped.engine.runner.backend.request_min_groups = 1  # steps of any size (the default: 32 requests)
     assert _gen(grouped, prompts, params) == _gen(_llm(path), prompts, params)
     assert launches
 

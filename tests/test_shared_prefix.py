@@ -73,9 +73,9 @@ def test_plan_groups_a_requests_own_rows():
     prefix, rows, tiles = plan_groups(arr, lens, np.array(seq_lens), bs, 0, 1, min_request_prefix=4)
     assert prefix.tolist() == [8, 9, 10, 13, 15, 4, 0, 0, 0, 0]  # 4 keys now make the bar
     assert not plan_groups(arr, lens, np.array(seq_lens), bs, 0, 1, min_request_prefix=0)[1].size
-    # a step of fewer than min_request_rows rows: none (10 rows here)
-    assert plan_groups(arr, lens, np.array(seq_lens), bs, 0, 1, 8, min_request_rows=10)[1].size == 5
-    assert not plan_groups(arr, lens, np.array(seq_lens), bs, 0, 1, 8, min_request_rows=11)[1].size
+    # a step with fewer than min_request_groups such requests: none (2 here)
+    assert plan_groups(arr, lens, np.array(seq_lens), bs, 0, 1, 8, min_request_groups=2)[1].size == 5
+    assert not plan_groups(arr, lens, np.array(seq_lens), bs, 0, 1, 8, min_request_groups=3)[1].size
     # a first-block group that meets min_rows takes its rows first; the runs form among the others
     prefix, rows, tiles = plan_groups(arr, lens, np.array(seq_lens), bs, 4, 4, min_request_prefix=8)
     assert prefix.tolist() == [8, 9, 10, 13, 15, 0, 0, 11, 0, 0]  # a's four rows: one group
@@ -160,10 +160,10 @@ def test_a_requests_own_rows_equal_the_oracle_and_the_plain_path(num_kv, group, 
     case = request_case(
         VERIFY_SEQS, VERIFY_RUNS, BLOCK_SLOTS, num_kv=num_kv, group=group, head_dim=head_dim, bs=bs, seed=3
     )
-    backend = TritonAttentionBackend(shared_min_rows=0, request_min_prefix=8, request_min_rows=14)
+    backend = TritonAttentionBackend(shared_min_rows=0, request_min_prefix=8, request_min_groups=2)
     meta = backend.plan(case.batch, case.device)
     assert meta.shared.num_tiles == 2 and meta.shared.prefix_lens.count_nonzero().item() == 11
-    backend.request_min_rows = 15  # a step of fewer rows keeps the plain path
+    backend.request_min_groups = 3  # a step with fewer such requests keeps the plain path
     assert backend.plan(case.batch, case.device).shared is None
     compare(case, backend)
     plain = case.run(TritonAttentionBackend(shared_min_rows=0), case.cache.clone())
@@ -201,7 +201,7 @@ def test_graph_metadata_with_shared_prefixes_equals_the_oracle():
         want = case.run(TorchAttentionBackend(), case.cache.clone())
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
     # a request's own rows through the same static buffers
-    backend.shared_min_rows, backend.request_min_prefix, backend.request_min_rows = 0, 8, 2
+    backend.shared_min_rows, backend.request_min_prefix, backend.request_min_groups = 0, 8, 1
     case = request_case(VERIFY_SEQS, VERIFY_RUNS, BLOCK_SLOTS, num_kv=1, group=4, head_dim=48, bs=4, seed=9)
     meta, out = _graph_run(backend, case, static, len(VERIFY_SEQS) + 2)
     assert int((meta.shared.prefix_lens > 0).sum()) == 11
@@ -254,7 +254,7 @@ def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, bar=BAR, **k
             bar["shared_prefix_min_rows"],
             bar.get("shared_prefix_min_tokens", 1024),
         )
-        r.backend.request_min_rows = 2  # (not an engine option: the plain path's splits win below it)
+        r.backend.request_min_groups = 1  # (not an engine option: the plain path's splits win below it)
         real = decode.shared_prefix_attention
         monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: launches.append(1) or real(*a))
         if graphs:  # graphs captured after the bar came down (on a CPU the graph path is emulated)

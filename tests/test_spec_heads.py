@@ -518,7 +518,7 @@ def test_dflash_drafts_equal_a_dense_reference_of_the_block(saved, tmp_path, gra
     if grouped:
         from foveal.attention.kernels import decode
 
-        llm.engine.runner.backend.request_min_rows = 2  # steps of any size (the default: 64 rows)
+        llm.engine.runner.backend.request_min_groups = 1  # steps of any size (the default: 32 requests)
         real = decode.shared_prefix_attention
         monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: launches.append(1) or real(*a))
     if graphs:  # the static-buffer path (eager on a CPU); a long context (a prompt) runs without it

@@ -35,7 +35,7 @@ lengths, so a graph captured for `padded` rows replays with any batch that fits.
 
 Shared prefixes: when >= shared_min_rows decode rows hold the same leading blocks (the prefix cache's
 sharing) for >= shared_min_prefix keys, or a request's own rows (speculation's verify rows, DFlash's and
-block diffusion's block rows) hold >= request_min_prefix keys in a step of >= request_min_rows rows,
+block diffusion's block rows) hold >= request_min_prefix keys in a step of >= request_min_groups such,
 plan() groups them
 (kernels/shared_prefix.py) and packs [prefix lens | grouped rows | tiles] after the other segments:
 the prefix is attended once per tile of rows, each row's decode starts past it, and the combine merges
@@ -170,7 +170,7 @@ class TritonAttentionBackend:
         shared_min_rows: int = 64,
         shared_min_prefix: int = 1024,
         request_min_prefix: int = 0,
-        request_min_rows: int = 64,
+        request_min_groups: int = 32,
     ):
         self.split_tokens = split_tokens  # fewest keys worth a decode split of their own
         self.max_splits = max_splits
@@ -179,8 +179,9 @@ class TritonAttentionBackend:
         # until a GPU sweep sets it (a grouped step pads to a bucket of 64, 128, ... rows under graphs)
         self.shared_min_rows, self.shared_min_prefix = shared_min_rows, shared_min_prefix
         # a request's several decode rows read its keys once when it has >= request_min_prefix (0: never)
-        # in steps of >= request_min_rows decode rows (a smaller step keeps the plain kernel's splits)
-        self.request_min_prefix, self.request_min_rows = request_min_prefix, request_min_rows
+        # in steps with >= request_min_groups such requests (their programs, x the KV heads, then fill
+        # the GPU; fewer keep the plain kernel's splits)
+        self.request_min_prefix, self.request_min_groups = request_min_prefix, request_min_groups
         # (batch, bar, its groups, its tables as arrays or None): shares_prefixes() plans a batch, plan()
         # or the graph fill reuse it (and the fill the arrays)
         self._memo: tuple | None = None
@@ -188,12 +189,12 @@ class TritonAttentionBackend:
     def _batch_plan(self, batch: AttentionBatch, tables: np.ndarray | None = None, lens=None):
         """The decode rows' groups (plan_groups' arrays) or None when none qualify, planned once per
         batch. `tables` / `lens`: its block tables as numpy arrays, where the caller has them."""
-        bar = (self.shared_min_rows, self.shared_min_prefix, self.request_min_prefix, self.request_min_rows)
+        bar = (self.shared_min_rows, self.shared_min_prefix, self.request_min_prefix, self.request_min_groups)
         if self._memo is not None and self._memo[0] is batch and self._memo[1] == bar:
             return self._memo[2]
         nd, plan, arrays = batch.num_decodes, None, None
         firsts = np.fromiter((t[0] if t else -1 for t in batch.block_tables[:nd]), dtype=np.int64, count=nd)
-        requests = self.request_min_rows if self.request_min_prefix else 0
+        requests = 2 * max(self.request_min_groups, 1) if self.request_min_prefix else 0
         if may_share(firsts, self.shared_min_rows, requests):  # else: no tables built
             if tables is None:
                 width = max(1, max((len(t) for t in batch.block_tables[:nd]), default=1))

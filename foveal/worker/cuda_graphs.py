@@ -90,7 +90,8 @@ class DecodeGraphs:
         # from its bar for a request's own rows (verify rows, block rows) when they group
         bar = getattr(backend, "shared_min_rows", 0) if self.shared_prefixes else 0
         if self.shared_prefixes and getattr(backend, "request_min_prefix", 0):
-            bar = min(bar or backend.request_min_rows, backend.request_min_rows)
+            least = 2 * max(backend.request_min_groups, 1)  # rows of the fewest requests that group
+            bar = min(bar or least, least)
         self.shared_buckets = [
             b for b in self.buckets if bar and b >= bar and (b & (b - 1) == 0 or b % 64 == 0 or b == max_seqs)
         ]  # powers of two and multiples of 64

@@ -10,8 +10,9 @@ of Hydragen / FlashInfer):
                     table has in common with its group's first row (below its own last key), kept when
                     >= min_prefix keys and the group has >= min_rows such rows; among the rows left, a
                     request's own rows (neighbours with one table) grouped when they hold >=
-                    min_request_prefix keys, in a step of >= min_request_rows rows (one program a
-                    request and KV head: "multi-query" attention for its verify or block rows); each
+                    min_request_prefix keys, in a step with >= min_request_groups such requests (one
+                    program a request and KV head: "multi-query" attention for its verify or block
+                    rows, worth it once they fill the GPU); each
                     group's rows sorted by that length and cut into tiles of ROWS rows
     this kernel     grid (tile, kv head): the tile's rows x the KV group's query heads as the rows of
                     one Q tile [ROWS * GROUP, D], against the prefix keys through the group's first
@@ -85,7 +86,7 @@ def plan_groups(
     min_rows: int,
     min_prefix: int,
     min_request_prefix: int = 0,
-    min_request_rows: int = 2,
+    min_request_groups: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prefix_lens [D], rows [R], tiles [n, 4]) int32 for decode rows with block tables `tables` [D, W]
     (`lens` blocks each) and `seq_lens` keys (the new one included); empty rows / tiles: no sharing.
@@ -93,8 +94,8 @@ def plan_groups(
     Two kinds of group: the rows behind one first block when >= min_rows of them share >= min_prefix
     keys (min_rows 0: none), then, among the rows left, a request's own rows (neighbours with one
     table: verify rows, block rows) when >= 2 of them hold >= min_request_prefix keys (0: none) and the
-    step has >= min_request_rows rows (fewer: the plain kernel's key splits use the GPU better than
-    one program a request and KV head)."""
+    step has >= min_request_groups such requests (fewer: the plain kernel's key splits keep more of
+    the GPU busy than one program a request and KV head)."""
     D = tables.shape[0]
     keep = np.zeros(D, dtype=np.int64)
     gid = np.full(D, -1, dtype=np.int64)  # each grouped row's group; its leader's table is read
@@ -115,7 +116,7 @@ def plan_groups(
         sizes = np.bincount(group, weights=common > 0, minlength=len(leader_of))
         hit = (sizes[group] >= min_rows) & (common > 0)
         keep[hit], gid[hit], leader[hit] = common[hit], group[hit], lead[hit]
-    if min_request_prefix and D >= max(min_request_rows, 2):
+    if min_request_prefix and D >= 2 * max(min_request_groups, 1):
         last = tables[every, np.maximum(lens - 1, 0)]
         free = gid < 0
         same = (first[1:] == first[:-1]) & (lens[1:] == lens[:-1]) & (last[1:] == last[:-1])
@@ -128,8 +129,10 @@ def plan_groups(
             common = np.where(common >= min_request_prefix, common, 0)
             sizes = np.bincount(run[rows], weights=common > 0, minlength=run[-1] + 1)
             hit = (sizes[run[rows]] >= 2) & (common > 0)
-            rows = rows[hit]
-            keep[rows], gid[rows], leader[rows] = common[hit], D + run[rows], lead[rows]
+            runs = run[rows[hit]]  # nondecreasing: its distinct values are its changes + 1
+            if len(runs) and np.count_nonzero(runs[1:] != runs[:-1]) + 1 >= min_request_groups:
+                rows = rows[hit]
+                keep[rows], gid[rows], leader[rows] = common[hit], D + run[rows], lead[rows]
     grouped = np.flatnonzero(gid >= 0)
     if not len(grouped):
         return np.zeros(D, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros((0, 4), dtype=np.int32)
