@@ -4,8 +4,8 @@ A decode batch of `--rows` rows with `--blocks`-block tables, block size 16: the
 calls of (a) shares_prefixes() on a batch with no block in common (the check every graph step pays),
 (b) the plain graph fill, (c) shares_prefixes() + the fill with groups on a batch whose rows share their
 first 3 blocks (what a grouped graph step pays); with a request's own rows grouping on (speculation's
-verify rows: request_min_prefix 256 keys, steps with >= 32 such requests): (d) the check on the plain batch, (e)
-the check + the grouped fill on a batch of rows / 4 requests of 4 verify rows each.
+verify rows: request_min_prefix 256 keys, steps with >= 32 such requests): (d) the check on the plain
+batch, (e) the check + the grouped fill on a batch of rows / 4 requests of 4 verify rows each.
 
     python benchmarks/shared_prefix_host.py [--rows 256] [--blocks 40] [--calls 200]
 
