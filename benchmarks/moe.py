@@ -70,10 +70,11 @@ def _route_then_align(logits, k, bm):
 
 
 # -- the experts on their own -------------------------------------------------------------------------
-def kernel(smoke: bool) -> None:
+def _layers(smoke: bool):
+    """Per shape of SHAPES and token count (1, 64, 256): (name, E, k, H, I, T, generator, w13, w2, x,
+    weights, ids) of one random bf16 layer (CUDA; float32 on the CPU), the same ones for every part."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    out = {}
     for name, (E, k, H, inter) in SHAPES.items():
         if smoke:
             E, H, inter = min(E, 16), 64, 32
@@ -83,31 +84,38 @@ def kernel(smoke: bool) -> None:
         for T in (1, 64, 256):
             x = torch.randn(T, H, generator=g).to(dtype).to(dev)
             weights, ids = route(torch.randn(T, E, generator=g).to(dev), k)
-            touched = len(torch.unique(ids))
-            nbytes = touched * 3 * H * inter * w13.element_size()
-            args = (x, w13, w2, weights, ids, silu_glu)
-            paths = {"grouped": partial(experts_grouped, *args), "loop": partial(experts_reference, *args)}
-            if dev == "cuda":
-                from foveal.layers.moe_triton import experts_triton
+            yield name, E, k, H, inter, T, g, w13, w2, x, weights, ids
 
-                paths["triton"] = partial(experts_triton, *args)
-            row = {"experts_touched": touched, "MB": round(nbytes / 1e6, 1)}
-            for p, fn in paths.items():
-                s = _time(fn, 3 if smoke else 20)
-                row[f"{p}_us"] = round(s * 1e6, 1)
-                row[f"{p}_GBps"] = round(nbytes / s / 1e9, 1)
-            if dev == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # the routing and row layout
-                from foveal.layers.moe_triton import block_m, route_align
 
-                logits = torch.randn(T, E, generator=g).to(dtype).to(dev)
-                routing = {
-                    "route_align_torch": partial(_route_then_align, logits, k, block_m(T * k, w13)),
-                    "route_align_fused": partial(route_align, logits, k, True, block_m(T * k, w13)),
-                }
-                for p, fn in routing.items():
-                    row[f"{p}_us"] = round(_time(fn, 3 if smoke else 20) * 1e6, 1)
-            out[f"{name}/T{T}"] = row
-            log(f"kernel {name} T={T}: {row}")
+def kernel(smoke: bool) -> None:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {}
+    for name, E, k, H, inter, T, g, w13, w2, x, weights, ids in _layers(smoke):
+        touched = len(torch.unique(ids))
+        nbytes = touched * 3 * H * inter * w13.element_size()
+        args = (x, w13, w2, weights, ids, silu_glu)
+        paths = {"grouped": partial(experts_grouped, *args), "loop": partial(experts_reference, *args)}
+        if dev == "cuda":
+            from foveal.layers.moe_triton import experts_triton
+
+            paths["triton"] = partial(experts_triton, *args)
+        row = {"experts_touched": touched, "MB": round(nbytes / 1e6, 1)}
+        for p, fn in paths.items():
+            s = _time(fn, 3 if smoke else 20)
+            row[f"{p}_us"] = round(s * 1e6, 1)
+            row[f"{p}_GBps"] = round(nbytes / s / 1e9, 1)
+        if dev == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # the routing and row layout
+            from foveal.layers.moe_triton import block_m, route_align
+
+            logits = torch.randn(T, E, generator=g).to(w13.dtype).to(dev)
+            routing = {
+                "route_align_torch": partial(_route_then_align, logits, k, block_m(T * k, w13)),
+                "route_align_fused": partial(route_align, logits, k, True, block_m(T * k, w13)),
+            }
+            for p, fn in routing.items():
+                row[f"{p}_us"] = round(_time(fn, 3 if smoke else 20) * 1e6, 1)
+        out[f"{name}/T{T}"] = row
+        log(f"kernel {name} T={T}: {row}")
     RESULTS["kernel"] = out
 
 
@@ -116,48 +124,38 @@ def tiles(smoke: bool) -> None:
 
     from foveal.layers import moe_triton as mt
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     out = {}
-    for name, (E, k, H, inter) in SHAPES.items():
-        if smoke:
-            E, H, inter = min(E, 16), 64, 32
-        g = torch.Generator().manual_seed(0)
-        w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.02).to(dtype).to(dev)
-        w2 = (torch.randn(E, H, inter, generator=g) * 0.02).to(dtype).to(dev)
-        for T in (1, 64, 256):
-            x = torch.randn(T, H, generator=g).to(dtype).to(dev)
-            weights, ids = route(torch.randn(T, E, generator=g).to(dev), k)
-            n = T * k
-            h = torch.randn(n, 2 * inter, generator=g).to(dtype).to(dev)
-            d = torch.empty(n, H, dtype=dtype, device=dev)
-            scale = weights.reshape(-1).float().contiguous()
-            gemms = {  # (a, w, c, scale, gather, act, N, K)
-                "gate_up": (x, w13, h.clone(), None, True, (0, 0.0, 0.0), 2 * inter, H),
-                "down": (h, w2, d, scale, False, (1, 0.0, 0.0), H, inter),
-            }
-            for gemm, (a, w, c, sc, gather, act, N, K) in gemms.items():
-                default = mt._tiles(n, N, K)
-                ms = (default.block_m,) if T == 1 else (16, 32, 64)
-                shapes = [default] + [
-                    mt.Tiles(*t)
-                    for t in itertools.product(ms, (32, 64, 128), (64, 128), (4, 8), (2, 3))
-                    if mt.Tiles(*t) != default
-                ]
-                if smoke:
-                    shapes = shapes[:3]
-                aligned = {}
-                times = []
-                for t in shapes:
-                    if t.block_m not in aligned:
-                        aligned[t.block_m] = mt.align(ids, E, t.block_m)
-                    rows, experts = aligned[t.block_m]
-                    run = partial(mt._gemm, a, w, None, c, sc, rows, experts, n, k, gather, t, act)
-                    times.append((round(_time(run, 3 if smoke else 30) * 1e6, 1), t))
-                best = sorted(times)[:3]
-                row = {"default": [times[0][0], list(times[0][1])], "best": [[us, list(t)] for us, t in best]}
-                out[f"{name}/T{T}/{gemm}"] = row
-                log(f"tiles {name} T={T} {gemm}: default {row['default']}, best {row['best']}")
+    for name, E, k, H, inter, T, g, w13, w2, x, weights, ids in _layers(smoke):
+        n = T * k
+        h = torch.randn(n, 2 * inter, generator=g).to(w13)
+        d = torch.empty(n, H, dtype=w13.dtype, device=w13.device)
+        scale = weights.reshape(-1).float().contiguous()
+        gemms = {  # (a, w, c, scale, gather, act, N, K)
+            "gate_up": (x, w13, h.clone(), None, True, (0, 0.0, 0.0), 2 * inter, H),
+            "down": (h, w2, d, scale, False, (1, 0.0, 0.0), H, inter),
+        }
+        for gemm, (a, w, c, sc, gather, act, N, K) in gemms.items():
+            default = mt._tiles(n, N, K)
+            ms = (default.block_m,) if T == 1 else (16, 32, 64)
+            shapes = [default] + [
+                mt.Tiles(*t)
+                for t in itertools.product(ms, (32, 64, 128), (64, 128), (4, 8), (2, 3))
+                if mt.Tiles(*t) != default
+            ]
+            if smoke:
+                shapes = shapes[:3]
+            aligned = {}
+            times = []
+            for t in shapes:
+                if t.block_m not in aligned:
+                    aligned[t.block_m] = mt.align(ids, E, t.block_m)
+                rows, experts = aligned[t.block_m]
+                run = partial(mt._gemm, a, w, None, c, sc, rows, experts, n, k, gather, t, act)
+                times.append((round(_time(run, 3 if smoke else 30) * 1e6, 1), t))
+            best = sorted(times)[:3]
+            row = {"default": [times[0][0], list(times[0][1])], "best": [[us, list(t)] for us, t in best]}
+            out[f"{name}/T{T}/{gemm}"] = row
+            log(f"tiles {name} T={T} {gemm}: default {row['default']}, best {row['best']}")
     RESULTS["tiles"] = out
 
 

@@ -34,7 +34,6 @@ from foveal.attention.kernels.tile import (
     load_kv,
     pool_args,
     scales,
-    slots_at,
     softmax_step,
 )
 
@@ -128,11 +127,9 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        slots = slots_at(table, pos, pos_ok, BLOCK_SIZE)
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
         k, v = load_kv(
-            k_base, s_base, slots, d, kv_mask, q, stride_kv, stride_slot, stride_skv, stride_sslot,
-            GROUP_SIZE, QUANT,
+            k_base, s_base, table, pos, pos_ok, d, d_ok, q, stride_kv, stride_slot, stride_skv, stride_sslot,
+            BLOCK_SIZE, GROUP_SIZE, QUANT,
         )  # fmt: skip
         allowed = pos_ok
         if USE_WINDOW:

@@ -42,7 +42,6 @@ from foveal.attention.kernels.tile import (
     load_kv,
     pool_args,
     scales,
-    slots_at,
     softmax_step,
 )
 
@@ -86,14 +85,11 @@ def _tile(
     pos = n0 + tl.arange(0, BLOCK_N)
     if CAUSAL:
         pos_ok = pos < hi  # the table may end inside this tile
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
     else:
         pos_ok = pos >= 0
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-    slots = slots_at(table, pos, pos_ok, BLOCK_SIZE)
     k, v = load_kv(
-        k_base, s_base, slots, d, kv_mask, q, stride_kv, stride_slot, stride_skv, stride_sslot, GROUP_SIZE,
-        QUANT, not (EVEN_D and not CAUSAL),
+        k_base, s_base, table, pos, pos_ok, d, d_ok, q, stride_kv, stride_slot, stride_skv, stride_sslot,
+        BLOCK_SIZE, GROUP_SIZE, QUANT, not (EVEN_D and not CAUSAL),
     )  # fmt: skip
     if CAUSAL:
         allowed = pos[None, :] <= qlim[:, None]

@@ -42,24 +42,32 @@ def slots_at(table_ptr, pos, pos_ok, BLOCK_SIZE: tl.constexpr):
 def load_kv(
     k_base,
     s_base,
-    slots,
+    table_ptr,
+    pos,
+    pos_ok,
     d,
-    mask,
+    d_ok,
     like,
     stride_kv,
     stride_slot,
     stride_skv,
     stride_sslot,
+    BLOCK_SIZE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
     MASKED: tl.constexpr = True,
 ):
-    """A tile of K and V [N, D] at `slots` [N] (k_base: the pool's K half at this KV head's channels d;
-    V is stride_kv further). QUANT: the pool holds fp8 / int8 codes and s_base its scales (kv_quant.py:
-    one per token, KV head and GROUP_SIZE channels): dequantized to `like`'s dtype as the torch backend's
-    gather does (codes x scale in float32, then rounded). MASKED False: every slot valid, no mask."""
-    m = mask if MASKED else None
-    other = 0.0 if MASKED else None
+    """The tile of K and V [N, D] at positions `pos` of the sequence whose block-table row starts at
+    table_ptr (k_base: the pool's K half at this KV head's channels d; V is stride_kv further); rows
+    outside pos_ok and channels outside d_ok read 0. QUANT: the pool holds fp8 / int8 codes and s_base
+    its scales (kv_quant.py: one per token, KV head and GROUP_SIZE channels): dequantized to `like`'s
+    dtype as the torch backend's gather does (codes x scale in float32, then rounded). MASKED False:
+    every position and channel valid, no mask."""
+    slots = slots_at(table_ptr, pos, pos_ok, BLOCK_SIZE)
+    if MASKED:
+        m, other = pos_ok[:, None] & d_ok[None, :], 0.0
+    else:
+        m, other = None, None
     offs = slots[:, None] * stride_slot
     k = tl.load(k_base + offs, mask=m, other=other)
     v = tl.load(k_base + stride_kv + offs, mask=m, other=other)
