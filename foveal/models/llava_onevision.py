@@ -30,7 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from foveal.models.llava import projector_for, tower_features
-from foveal.models.vlm import LLAVA_STYLE_PREFIXES, ImageAdapter, MediaInput, VisionLanguageModel, hf_module
+from foveal.models.vlm import (
+    LLAVA_STYLE_PREFIXES,
+    ImageAdapter,
+    MediaInput,
+    VisionLanguageModel,
+    hf_module,
+    uniform_frames,
+)
 from foveal.models.weights import ParamFiller
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # transformers' OPENAI_CLIP_MEAN / STD (the video defaults)
@@ -115,18 +122,10 @@ class LlavaOnevisionAdapter(ImageAdapter):
         i of n is i * total // n), else the checkpoint's number (or rate), capped by max_frames."""
         if total_frames < 1:
             raise ValueError("the video has no frames")
-        if fps is not None and num_frames is not None:
-            raise ValueError("pass fps or num_frames, not both")
-        if num_frames is None and fps is None and self.video_fps:
-            fps = float(self.video_fps)
-        if num_frames is not None:
-            n = num_frames
-        elif fps is not None and video_fps > 0:
-            n = int(total_frames / video_fps * fps)
-        else:
-            n = self.video_frames
-        n = max(1, min(n, total_frames, max_frames or total_frames))
-        return [i * total_frames // n for i in range(n)]
+        if num_frames is None and fps is None:
+            fps, num_frames = (float(self.video_fps), None) if self.video_fps else (None, self.video_frames)
+        cap = max_frames or total_frames
+        return uniform_frames(total_frames, video_fps, fps=fps, num_frames=num_frames, max_frames=cap)
 
     def video_inputs(self, clip, processor) -> MediaInput:
         from foveal.models.qwen_video import resize_uint8

@@ -52,6 +52,27 @@ def hf_module(factory, device: torch.device, dtype: torch.dtype) -> nn.Module:
     return module.to(dtype).eval()
 
 
+def uniform_frames(
+    total: int, video_fps: float, *, fps: float | None = None, num_frames: int | None = None, max_frames: int
+) -> list[int]:
+    """`num_frames` of a clip's `total` frames spread evenly over it, or `fps` frames a second of it
+    (every frame when neither is given), capped by `max_frames` and by the clip's frames, at least one.
+
+    transformers' `default_sample_indices_fn` rule: n = int(total / video_fps * fps), frame i is
+    i*total//n. Exact in integers; the float form floor(arange(0, total, total/n)) that Qwen2-VL's sampler
+    uses rounds some i*step just below an integer (one frame early, or one index too many)."""
+    if fps is not None and num_frames is not None:
+        raise ValueError("pass fps or num_frames, not both")
+    if num_frames is not None:
+        n = num_frames
+    elif fps is not None and video_fps > 0:
+        n = int(total / video_fps * fps)
+    else:
+        n = total
+    n = max(1, min(n, max_frames, total))
+    return [i * total // n for i in range(n)]
+
+
 class MediaInput(NamedTuple):
     """One video's or audio clip's encoder inputs, its number of embeddings, and (None: a run of
     placeholder tokens) the text that replaces its placeholder, the placeholders inside it."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import av
 import numpy as np
 
+from foveal.models.vlm import uniform_frames
 from foveal.server import av_errors
 from foveal.server.media import MediaError, _fmt_bytes
 
@@ -67,22 +68,10 @@ def uniform_indices(
     """`num_frames` frames spread evenly over the clip, or `fps` frames a second of it (every frame when
     neither is given), capped by `max_frames` and by the clip's frames, at least one.
 
-    transformers' `default_sample_indices_fn` rule: n = int(total / video_fps * fps), frame i is
-    i*total//n. Exact in integers; the float form floor(arange(0, total, total/n)) that Qwen2-VL's sampler
-    uses rounds some i*step just below an integer (one frame early, or one index too many)."""
-    if fps is not None and num_frames is not None:
-        raise ValueError("uniform_indices: pass fps or num_frames, not both")
-    total = meta.total_frames
-    if total <= 0:
+    transformers' `default_sample_indices_fn` rule (models/vlm.py uniform_frames)."""
+    if meta.total_frames <= 0:
         return []
-    if num_frames is not None:
-        n = num_frames
-    elif fps is not None and meta.fps > 0:
-        n = int(total / meta.fps * fps)
-    else:
-        n = total
-    n = max(1, min(n, max_frames, total))
-    return [i * total // n for i in range(n)]
+    return uniform_frames(meta.total_frames, meta.fps, fps=fps, num_frames=num_frames, max_frames=max_frames)
 
 
 def decode_video(
