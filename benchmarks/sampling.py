@@ -11,7 +11,7 @@ mixed   256 requests x (512 in / 256 out), greedy and mixed sampling alternating
 kernel  the sampler alone on [256, 128256] random logits with the mixed rows' parameters (no penalties,
         no logprobs): Sampler.sample (CUDA: the Triton kernel) against the torch path (sort_filter and
         the noise), CUDA events, median of 20 after 3 warm-ups, at two logit scales.
-tiles   the Triton kernel alone at several (column block, warps per program) shapes.
+tiles   the Triton kernel alone at several (column block, warps per program) shapes, by filter.
 prefix  256 requests sharing a 3,584-token prefix, each with 512 tokens of its own, 128 out, greedy,
         prefix caching on (the shared blocks are computed once): output tok/s.
 
@@ -189,34 +189,50 @@ def median_ms(run, reps: int = 10) -> float:
 
 
 def tiles(a) -> dict:
-    """The Triton sampling kernel alone (triton_sample.sample_rows on the mixed rows' parameters, no
-    penalties) at several (column block, warps per program) shapes: one program a row, so its warps
-    are what keeps loads in flight. CUDA events, median of 10 after 3 warm-ups, two logit scales."""
+    """The Triton kernel alone at several (column block, warps per program) shapes, for the filters
+    whose cost the shape moves (temperature only, top_k 50, top_p 0.9, both, the mixed rows): one
+    program a row, its warps keep loads in flight, and its block is also how many lanes hold top_k's
+    candidates (4 registers of values and 4 of columns each). CUDA events, median of 10 after 3
+    warm-ups, fp32 logits of scale 1; with each shape, the compiled kernel's registers a thread and
+    spills (CUDA)."""
     from foveal.sample import noise
     from foveal.sample import triton_sample as ts
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     V, n = (128256, 256) if dev == "cuda" else (4096, 4)
+    keys = noise.key_halves(noise.row_keys(list(range(n)), [0] * n), dev)
     ps = mixed_params(n, 1)
-    cols = torch.tensor(
-        [[p.temperature for p in ps], [p.min_p for p in ps], [p.top_k for p in ps], [p.top_p for p in ps]],
-        dtype=torch.float32,
-        device=dev,
-    )
-    keys = noise.key_halves(noise.row_keys([p.seed for p in ps], [0] * n), dev)
-    shapes = [(2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16)]
+    cases = {  # name: per-row (temperature, min_p, top_k, top_p)
+        "temperature": [(0.7, 0.0, 0, 1.0)] * n,
+        "top_k 50": [(0.7, 0.0, 50, 1.0)] * n,
+        "top_p 0.9": [(0.7, 0.0, 0, 0.9)] * n,
+        "top_k 50 + top_p 0.9": [(0.7, 0.0, 50, 0.9)] * n,
+        "mixed rows": [(p.temperature, p.min_p, p.top_k, p.top_p) for p in ps],
+    }
+    shapes = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
     shapes = shapes if dev == "cuda" else [(512, 4)]
     saved, res = (ts._BLOCK, ts._WARPS), {}
-    g = torch.Generator().manual_seed(0)
-    for scale in (1.0, 4.0):
-        x = (torch.randn(n, V, generator=g) * scale).to(dev)
-        for block, warps in shapes:
-            ts._BLOCK, ts._WARPS = block, warps
-            run = lambda x=x: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], keys, V)  # noqa: E731
-            res[f"scale {scale} block {block} warps {warps}"] = median_ms(run)
-            gw.log(f"kernel, scale {scale}, block {block}, warps {warps}: {res[list(res)[-1]]:.3f} ms")
+    x = (torch.randn(n, V, generator=torch.Generator().manual_seed(0))).to(dev)
+    for block, warps in shapes:
+        ts._BLOCK, ts._WARPS = block, warps
+        for name, rows in cases.items():
+            c = torch.tensor(list(zip(*rows)), dtype=torch.float32, device=dev)
+            run = lambda c=c: ts.sample_rows(x, c[0], c[1], c[2], c[3], keys, V)  # noqa: E731
+            res[f"block {block} warps {warps} {name}"] = median_ms(run)
+        row = {name: res[f"block {block} warps {warps} {name}"] for name in cases}
+        gw.log(f"kernel, block {block}, warps {warps}: {row} ms; {_registers(ts)}")
     ts._BLOCK, ts._WARPS = saved
     return res
+
+
+def _registers(ts) -> str:
+    """The sampling kernel's compiled variants' registers a thread and spilled bytes (CUDA; Triton's
+    cache of the jit function, newest last)."""
+    try:
+        compiled = list(ts._kernel.device_caches[0][0].values())
+        return ", ".join(f"{k.n_regs} regs / {k.n_spills} spilled" for k in compiled[-1:])
+    except Exception as e:  # the cache's layout is Triton's own: report what failed, never stop the sweep
+        return f"registers unknown ({type(e).__name__})"
 
 
 def filters(a) -> dict:

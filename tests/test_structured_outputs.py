@@ -136,7 +136,7 @@ def corpus_llm(request, tiny):
 
 
 @pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/heldout is not here")
-def test_every_accepted_maskbench_schema_gives_valid_json(corpus_llm):
+def test_every_accepted_maskbench_schema_gives_valid_json(corpus_llm, request):
     """All accepted schemas of the held-out sample in one batch, sampled at temperature 1: every output
     parses and validates with jsonschema; the refused schemas are 400-worthy ValueErrors, counted.
     Plain, and with each proposer drafting on every step (a draft the grammar forbids ends its row's
@@ -144,7 +144,9 @@ def test_every_accepted_maskbench_schema_gives_valid_json(corpus_llm):
     (closing.py: finish_reason "length"); some schemas need it, a `pattern` whose literal (search
     semantics: "data:image/png;base64,") a random byte stream never writes. The closing search runs
     without its budget here (`_unbudgeted`): random-byte answers need plans of up to seconds, which
-    the model thread's budget gives up (benchmarks/closing.py counts how many)."""
+    the model thread's budget gives up (benchmarks/closing.py counts how many). For time, each proposer
+    takes a third of the schemas (every third, from an offset that turns with the proposer: the five
+    together cover each schema at least once); the plain run takes them all."""
     tiny = corpus_llm
     rows = [json.loads(line) for line in MASKBENCH.read_text().splitlines()]
     proc = tiny.processor
@@ -164,10 +166,12 @@ def test_every_accepted_maskbench_schema_gives_valid_json(corpus_llm):
         from foveal.structured.closing import prepare  # fit cannot be closed; the plain run has it
 
         budget = SPEC_TOKENS
+        method = request.node.callspec.params["corpus_llm"]
+        accepted = accepted[("ngram", "draft_model", "eagle3", "mtp", "dflash").index(method) % 3 :: 3]
         fits = [prepare(g).plan(g.matcher(), "", budget) is not None
                 for g in (proc.grammars.get(spec) for _, spec in accepted)]  # fmt: skip
+        assert sum(fits) >= len(fits) - 6, (sum(fits), len(fits))  # all but 6 of the 435 fit
         accepted = [a for a, ok in zip(accepted, fits) if ok]
-        assert len(accepted) >= 425, len(accepted)
     bias = closing_bias(tiny)
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=budget, structured=spec, logit_bias=bias)
