@@ -201,6 +201,46 @@ def test_penalties_in_one_pass_equal_the_torch_ops():
     assert not torch.equal(want[pen], x[pen]) and torch.equal(got.cpu()[[1, 3]], x[[1, 3]])
 
 
+@pytest.mark.parametrize("block", [None, 16])
+def test_penalties_read_as_the_rows_load_equal_the_penalized_copy(block, monkeypatch):
+    """sample_rows with `penalties` (the raw bf16 rows read once, the device history applied as they
+    load) draws what it draws from penalize()'s float32 copy: every mix, greedy rows included, rows with
+    and without a slot, two rows on one slot; block 16 takes the radix select and the top_p rounds
+    through the penalized loads too."""
+    from foveal.sample import triton_sample
+    from foveal.sample.triton_sample import penalize
+
+    if block:
+        monkeypatch.setattr(triton_sample, "_BLOCK", block)
+    dev = _device()
+    V, W = 600, 640
+    g = torch.Generator().manual_seed(21)
+    hist = Sampler(V, "cpu").history
+    for slot in range(5):
+        prompt = torch.randint(0, V, (60,), generator=g).tolist()
+        out = torch.randint(0, 40, (30,), generator=g).tolist()  # the likely tokens, counted often
+        hist.start(slot, prompt, out, True)
+    n = len(MIXES)
+    x = (torch.randn(n, W, generator=g) * 2).to(torch.bfloat16)
+    x[:, :40] += 3.0  # the counted tokens lead: the penalties change the draws
+    slots = [i % 6 - 1 if i != 4 else 2 for i in range(n)]  # -1: no penalties; rows 3 and 4 share slot 2
+    vals = torch.tensor([[1.0 + 0.1 * (i % 4), 0.3 * (i % 3), 0.5 - 0.2 * (i % 2)] for i in range(n)])
+    at = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
+    pen = [i for i in range(n) if slots[i] >= 0]
+    want_x = x[:, :V].float().to(dev)
+    counts, prompt = hist.counts.to(dev), hist.prompt.to(dev)
+    penalize(want_x, at(pen), at([slots[i] for i in pen]), vals[pen].to(dev), counts, prompt)
+    cols = torch.tensor([[m[i] for m in MIXES] for i in range(4)], dtype=torch.float32, device=dev)
+    keys = noise.key_halves(noise.row_keys(list(range(n)), [0] * n), dev)
+    want = sample_rows(want_x, cols[0], cols[1], cols[2], cols[3], keys, V)
+    slot_t = at(slots) if block is None else at(slots).float()  # the Sampler packs them as float32
+    got = sample_rows(x.to(dev), cols[0], cols[1], cols[2], cols[3], keys, V,
+                      penalties=(slot_t, vals.T.contiguous().to(dev), counts, prompt))  # fmt: skip
+    assert got.tolist() == want.tolist()
+    plain = sample_rows(x[:, :V].float().to(dev), cols[0], cols[1], cols[2], cols[3], keys, V)
+    assert plain.tolist() != want.tolist()  # the penalties changed some draws: the test can fail
+
+
 def test_bf16_logits_padded_columns_and_masked_rows():
     """bf16 rows wider than the vocabulary (an LM head's padding is never drawn), a row with all but
     three tokens at -inf (a grammar's mask) whose top_k is larger than what is left, ties at the top."""
@@ -278,6 +318,47 @@ def test_cuda_sampler_draws_what_the_cpu_sampler_draws(penalized):
     from foveal.sample import sampler
 
     assert sampler._kernel_ok.get("sample") is True  # the kernel drew them, not the torch ops' fallback
+    assert gpu.cpu().tolist() == cpu.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sampler_applies_history_penalties_in_the_kernel(monkeypatch):
+    """Rows whose penalties read the device history: the CUDA Sampler draws from the raw bf16 logits with
+    the kernel applying the penalties (no penalize() pass, no float32 copy) and gets the CPU Sampler's
+    tokens on the same histories; a row with a logit bias sends the batch the processed way, same tokens."""
+    from foveal.sample import triton_sample
+
+    V = 500
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(len(MIXES), V + 12, generator=g) * 2).to(torch.bfloat16)
+    x[:, :20] += 2.0  # the prompt's and outputs' tokens lead: the penalties change draws
+    cpu_s, gpu_s = Sampler(V, "cpu"), Sampler(V, "cuda")
+    rows = []
+    for i, (t, mp, k, p) in enumerate(MIXES):
+        pen = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2) if i % 3 else {}
+        params = SamplingParams(temperature=t, min_p=mp, top_k=k, top_p=p, seed=i, **pen)
+        prompt, out = [1, 2, 3, i], [4, 5, 5, 6 + i % 5]
+        slot = i if pen else None
+        if pen:
+            cpu_s.history.start(slot, prompt, out, True)
+            gpu_s.history.start(slot, prompt, out, True)
+        rows.append(SamplingRow(params, prompt, out, frozenset(), None, slot))
+    calls = []
+    monkeypatch.setattr(triton_sample, "penalize", lambda *a: calls.append(a) or a[0])
+    cpu, _ = cpu_s.sample(x.float(), rows)
+    gpu, _ = gpu_s.sample(x.cuda(), rows)
+    assert gpu.cpu().tolist() == cpu.tolist() and not calls
+    monkeypatch.undo()
+    bare = [
+        SamplingParams(temperature=t, min_p=mp, top_k=k, top_p=p, seed=i)
+        for i, (t, mp, k, p) in enumerate(MIXES)
+    ]
+    plain, _ = gpu_s.sample(x.cuda(), [SamplingRow(b, [1], [], frozenset()) for b in bare])
+    assert plain.cpu().tolist() != cpu.tolist()  # the penalties changed some draws
+    biased = SamplingParams(temperature=1.0, seed=99, logit_bias={7: 0.5})
+    rows[0] = SamplingRow(biased, [1], [], frozenset())
+    cpu, _ = cpu_s.sample(x.float(), rows)
+    gpu, _ = gpu_s.sample(x.cuda(), rows)
     assert gpu.cpu().tolist() == cpu.tolist()
 
 

@@ -71,9 +71,12 @@ def _min_tokens_active(row: SamplingRow) -> bool:
     return row.draw_index < row.params.min_tokens
 
 
-def _processed(r: SamplingRow) -> bool:
-    """Whether process_logits changes this row: min_tokens holding stops back, a logit bias, penalties."""
-    return _min_tokens_active(r) or bool(r.params.bias_token_ids) or r.params.needs_penalties
+def _loads_raw(r: SamplingRow) -> bool:
+    """Whether CUDA's kernel can draw this row from the raw logits: nothing to apply in place but
+    penalties over the row's device history, which the kernel applies as it loads."""
+    p = r.params
+    in_history = not p.needs_penalties or r.slot is not None
+    return in_history and not _min_tokens_active(r) and not p.bias_token_ids
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
@@ -118,10 +121,10 @@ class Sampler:
                 raw = raw.float()  # same maximum, same first index; bf16 argmax ran 2x slower here
             return raw.argmax(-1), PendingLogprobs(len(rows))
 
-        if raw.is_cuda and masks is None and not any(_processed(r) for r in rows):
+        if raw.is_cuda and masks is None and all(_loads_raw(r) for r in rows):
             # nothing to apply in place: the kernel reads the raw rows (bf16 widens exactly, as the
-            # float32 copy would), one copy of the logits less
-            tokens = self._draw_kernel(raw, rows)
+            # float32 copy would) and the penalties' device counts, a copy of the logits and a pass less
+            tokens = self._draw_kernel(raw, rows, penalties=True)
             if tokens is not None:
                 return tokens, self.logprobs(raw, rows, tokens)
         x = self.process_logits(logits, rows, masks)
@@ -300,31 +303,39 @@ class Sampler:
         e = noise.exponentials(noise.key_halves(keys, probs.device), probs.shape[1])
         return probs.div_(e).argmax(-1)
 
-    def _draw_kernel(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
-        """CUDA: sample/triton_sample.py's kernel over processed logits x; the same kept sets as
+    def _draw_kernel(self, x: torch.Tensor, rows: list[SamplingRow], penalties: bool = False):
+        """CUDA: sample/triton_sample.py's kernel over logits x (processed, or raw with `penalties`: the
+        rows' penalties applied by the kernel from their device history); the same kept sets as
         filter() (ties at a boundary aside) and the same noise as _draw. None where the kernel failed
         to build on this machine (logged once; the torch ops sample instead)."""
         keys = noise.row_keys([r.params.seed for r in rows], [r.draw_index for r in rows])
-        return self._kernel(x, [r.params for r in rows], keys)
+        pen = penalties and self.history is not None and any(r.params.needs_penalties for r in rows)
+        return self._kernel(x, [r.params for r in rows], keys, rows if pen else None)
 
-    def _kernel(self, x: torch.Tensor, params: list[SamplingParams], keys: list[int] | None):
+    def _kernel(self, x, params: list[SamplingParams], keys: list[int] | None, penalized=None):
         """The kernel's tokens for rows of x (keys None: their thresholds), or None where it failed to
-        build."""
+        build. penalized: the rows, when the kernel applies their penalties (slots in self.history)."""
         V = self.vocab_size
-        cols = torch.tensor(
-            [
-                [p.temperature if not p.greedy else 0.0 for p in params],
-                [p.min_p for p in params],
-                [p.top_k if 0 < p.top_k < V else 0 for p in params],
-                [p.top_p if p.top_p < 1 else 1.0 for p in params],
-            ],
-            dtype=torch.float32,
-        )
-        cols = to_device(cols, x.device)
+        table = [
+            [p.temperature if not p.greedy else 0.0 for p in params],
+            [p.min_p for p in params],
+            [p.top_k if 0 < p.top_k < V else 0 for p in params],
+            [p.top_p if p.top_p < 1 else 1.0 for p in params],
+        ]
+        if penalized is not None:  # the same copy carries each row's slot (-1: none) and penalties
+            on = [r.params.needs_penalties for r in penalized]
+            table.append([r.slot if o else -1 for r, o in zip(penalized, on)])
+            table.append([p.repetition_penalty for p in params])
+            table.append([p.frequency_penalty for p in params])
+            table.append([p.presence_penalty for p in params])
+        cols = to_device(torch.tensor(table, dtype=torch.float32), x.device)
         if keys is None:
             return _triton("thresholds", lambda ts: ts.thresholds(x, cols[0], cols[1], cols[2], cols[3], V))
         halves = noise.key_halves(keys, x.device)
-        return _triton("sample", lambda ts: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V))
+        pen = None if penalized is None else (cols[4], cols[5:8], self.history.counts, self.history.prompt)
+        return _triton(
+            "sample", lambda ts: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V, pen)
+        )
 
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
 

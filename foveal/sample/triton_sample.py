@@ -48,7 +48,7 @@ _kernel = _noise = _penalty = None
 def _triton_kernel():
     global _kernel, _noise, _penalty, tl  # @triton.jit resolves the helpers below as module globals
     global _mix32, _uniform, _key, _unkey, _kth_largest, _race, _count_mass, _bisect, _insert4, _radix_byte
-    global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes
+    global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes, _load_x
     if _kernel is not None:
         return _kernel
     import triton
@@ -80,6 +80,19 @@ def _triton_kernel():
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _load_x(x_row, cols, ok, c_row, p_row, pen, rep, freq, pres, PENALTY: tl.constexpr):
+        """The row's logits at cols as float32 (-inf where not ok), with its penalties applied when
+        `pen` (PENALTY: some row has them): _penalty_kernel's formula on the same values."""
+        x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if PENALTY:
+            if pen:
+                c = tl.load(c_row + cols, mask=ok, other=0)
+                seen = (tl.load(p_row + cols, mask=ok, other=0) != 0) | (c > 0)
+                x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+                x = x - (freq * c.to(tl.float32) + pres * (c > 0).to(tl.float32))
+        return x
+
+    @triton.jit
     def _radix_byte(hist, need, prefix):
         """One radix-select step: the byte b of the need-th largest key (the largest b with count(byte
         >= b) >= need) from this byte's histogram; (need among the keys with that byte, prefix + b)."""
@@ -90,7 +103,8 @@ def _triton_kernel():
         return need, (prefix << 8) | b.to(tl.uint32)
 
     @triton.jit
-    def _kth_largest(x_row, V, inv_t, k, BLOCK: tl.constexpr):
+    def _kth_largest(x_row, V, inv_t, k, c_row, p_row, pen, rep, freq, pres, PENALTY: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
         """The k-th largest finite y, counting ties (k <= the finite count): radix select on _key(y), a
         byte a pass."""
         need = k
@@ -99,7 +113,7 @@ def _triton_kernel():
             hist = tl.zeros([256], dtype=tl.int32)
             for start in range(0, V, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                y = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
+                y = _load_x(x_row, cols, cols < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
                 key = _key(y)
                 ok = y > float("-inf")
                 if d > 0:
@@ -163,7 +177,8 @@ def _triton_kernel():
         return _unkey(prefix)
 
     @triton.jit
-    def _race(x_row, V, inv_t, m, lo, strict, k0, k1, BLOCK: tl.constexpr):
+    def _race(x_row, V, inv_t, m, lo, strict, k0, k1, c_row, p_row, pen, rep, freq, pres,
+              PENALTY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         """(the race winner, Z) over the set {y >= lo} (strict: {y > lo}): the first column with the
         largest y - log E, and sum e^(y - m) over the set."""
         best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -171,7 +186,7 @@ def _triton_kernel():
         mass = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            y = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
+            y = _load_x(x_row, cols, cols < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
             keep = (y > lo) | ((y == lo) & (strict == 0))
             mass += tl.where(keep, tl.exp(y - m), 0.0)
             score = tl.where(keep, y - tl.log(-tl.log(_uniform(cols, k0, k1))), float("-inf"))
@@ -226,21 +241,38 @@ def _triton_kernel():
         top_p_ptr,
         keys_ptr,
         out_ptr,
+        slots_ptr,
+        pvals_ptr,
+        counts_ptr,
+        prompt_ptr,
         THRESH: tl.constexpr,
+        PENALTY: tl.constexpr,
         BLOCK: tl.constexpr,
         MAX_STEPS: tl.constexpr,
     ):
-        """THRESH: each row's threshold tau* into out (float32); else its token (int64)."""
+        """THRESH: each row's threshold tau* into out (float32); else its token (int64). PENALTY: rows
+        with a slot >= 0 read their penalties' counts there (the device history) as they load."""
         row = tl.program_id(0)
         x_row = x_ptr + row.to(tl.int64) * x_stride
         temp = tl.load(temp_ptr + row)
         neg_inf = float("-inf")
+        if PENALTY:
+            slot = tl.load(slots_ptr + row).to(tl.int64)
+            pen = slot >= 0
+            c_row = counts_ptr + tl.maximum(slot, 0) * V
+            p_row = prompt_ptr + tl.maximum(slot, 0) * V
+            B = tl.num_programs(0)
+            rep = tl.load(pvals_ptr + row)
+            freq = tl.load(pvals_ptr + B + row)
+            pres = tl.load(pvals_ptr + 2 * B + row)
+        else:
+            pen, c_row, p_row, rep, freq, pres = False, counts_ptr, prompt_ptr, 1.0, 0.0, 0.0
         if temp == 0.0:  # greedy: the first largest logit
             best = tl.full([BLOCK], neg_inf, tl.float32)
             best_i = tl.zeros([BLOCK], dtype=tl.int32)
             for start in range(0, V, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32)
+                y = _load_x(x_row, cols, cols < V, c_row, p_row, pen, rep, freq, pres, PENALTY)
                 better = y > best
                 best = tl.where(better, y, best)
                 best_i = tl.where(better, cols, best_i)
@@ -266,7 +298,7 @@ def _triton_kernel():
             lanes = (k > 0) | ((top_p < 1.0) & (not THRESH))  # the candidates serve top_k and the draws
             for start in range(0, V, BLOCK):  # pass 1
                 cols = start + tl.arange(0, BLOCK)
-                y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32) * inv_t
+                y = _load_x(x_row, cols, cols < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
                 if lanes:
                     c0, c1, c2, c3, j0, j1, j2, j3 = _insert4(c0, c1, c2, c3, j0, j1, j2, j3, y, cols)
                     finite += (y > neg_inf).to(tl.int32)
@@ -287,7 +319,8 @@ def _triton_kernel():
                         kth = _kth_of_lanes(c0, c1, c2, c3, k)
                         exact = tl.max(c3, 0) <= kth  # no lane hides a value above it
                     if not exact:
-                        kth = _kth_largest(x_row, V, inv_t, k, BLOCK)
+                        kth = _kth_largest(x_row, V, inv_t, k, c_row, p_row, pen, rep, freq, pres, PENALTY,
+                                           BLOCK)  # fmt: skip
                     floor = tl.maximum(floor, kth)
             if THRESH:
                 if top_p < 1.0:
@@ -309,16 +342,18 @@ def _triton_kernel():
                 if lanes & _lanes_hold(c3, floor, 0):
                     w, z = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, floor, 0, k0, k1, V)
                 else:
-                    w, z = _race(x_row, V, inv_t, m, floor, 0, k0, k1, BLOCK)
+                    w, z = _race(x_row, V, inv_t, m, floor, 0, k0, k1, c_row, p_row, pen, rep, freq, pres,
+                                 PENALTY, BLOCK)  # fmt: skip
                 if top_p < 1.0:
                     need = top_p * z
                     above = need
                     while above >= need:  # w is in the top_p set iff the mass above it is < need
-                        wy = tl.load(x_row + w).to(tl.float32) * inv_t
+                        wy = _load_x(x_row, w, w < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
                         if _lanes_hold(c3, wy, 1):
                             w2, above = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, wy, 1, k0, k1, V)
                         else:
-                            w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, BLOCK)
+                            w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, c_row, p_row, pen, rep, freq,
+                                              pres, PENALTY, BLOCK)  # fmt: skip
                         if above >= need:
                             w = w2
                 tl.store(out_ptr + row, w.to(tl.int64))
@@ -357,22 +392,29 @@ def _triton_kernel():
     return _kernel
 
 
-def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool) -> torch.Tensor:
+def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool, penalties=None):
     B = x.shape[0]
     out = torch.empty(B, dtype=torch.float32 if thresh else torch.long, device=x.device)
     if B:
+        slots, vals, counts, prompt = penalties if penalties is not None else (keys, temperature, keys, keys)
+        if penalties is not None:
+            vals, prompt = vals.contiguous(), prompt.view(torch.uint8)
         _triton_kernel()[(B,)](
-            x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out,
-            THRESH=thresh, BLOCK=_BLOCK, MAX_STEPS=_MAX_STEPS, num_warps=_WARPS,
+            x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out, slots, vals, counts, prompt,
+            THRESH=thresh, PENALTY=penalties is not None, BLOCK=_BLOCK, MAX_STEPS=_MAX_STEPS,
+            num_warps=_WARPS,
         )  # fmt: skip
     return out
 
 
-def sample_rows(x, temperature, min_p, top_k, top_p, keys, vocab: int) -> torch.Tensor:
+def sample_rows(x, temperature, min_p, top_k, top_p, keys, vocab: int, penalties=None) -> torch.Tensor:
     """Tokens int64 [B] for logits x [B, >= vocab] (fp32 or bf16, rows contiguous); per-row float32
     temperature (0: greedy), min_p (0: off), top_k (0: off), top_p (1: off) and the noise keys (int64
-    [B, 2], noise.key_halves)."""
-    return _launch(x, temperature, min_p, top_k, top_p, keys, vocab, thresh=False)
+    [B, 2], noise.key_halves). penalties: None, or (the rows' history slots [B], -1 for a row without,
+    int64 or float32 (exact below 2**24); their repetition, frequency and presence penalties float32
+    [3, B]; the device history's counts int32 [slots, vocab] and prompt marks bool [slots, vocab]):
+    applied as the rows load (penalize()'s values, no copy)."""
+    return _launch(x, temperature, min_p, top_k, top_p, keys, vocab, thresh=False, penalties=penalties)
 
 
 def thresholds(x, temperature, min_p, top_k, top_p, vocab: int) -> torch.Tensor:
