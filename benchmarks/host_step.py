@@ -2,11 +2,13 @@
 compute is small, so what shows is the scheduler's and runner's Python per row), 256 requests decoding,
 60 steps timed after the prefills; `Scheduler.schedule` and `advance` are timed by wrapping them.
 
-    python benchmarks/host_step.py [--rows 256] [--steps 60] [--mixed]
+    python benchmarks/host_step.py [--rows 256] [--steps 60] [--mixed] [--profile N]
 
 --mixed: every row with its own sampling parameters as benchmarks/sampling.py's mixed workload
 (temperatures, top_p / top_k / min_p, penalties, seeds on half, logprobs on a quarter); else
 temperature 0.6 on every row (nano-vllm's workload, W3).
+
+--profile N: after the timed steps, a cProfile table (the N functions of most own time) of as many more.
 
 Run it from another checkout's root (PYTHONPATH=that root) for a before/after; alternate the runs.
 Ends with one JSON line.
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="print the N functions of most own time")
     a = ap.parse_args()
     from transformers import Qwen3Config
 
@@ -46,13 +49,14 @@ def main() -> None:
               max_num_batched_tokens=16384, num_blocks=20000, block_size=16)  # fmt: skip
     eng, sch = llm.engine, llm.engine.scheduler
     rng = random.Random(0)
+    extra = a.steps if a.profile else 0
     if a.mixed:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from sampling import mixed_params
 
-        per_row = mixed_params(a.rows, a.steps + 40)
+        per_row = mixed_params(a.rows, a.steps + extra + 40)
     else:
-        per_row = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=a.steps + 40)] * a.rows
+        per_row = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=a.steps + extra + 40)] * a.rows
     for params in per_row:
         ids = [rng.randint(0, 999) for _ in range(rng.randint(100, 1024))]
         eng.add_request(llm.processor.request(ids, params))
@@ -78,6 +82,13 @@ def main() -> None:
     step = (time.perf_counter() - t0) / a.steps
     res = {"benchmark": "host_step", "rows": a.rows, "mixed": a.mixed, "step_ms": round(step * 1e3, 2)}
     res.update({f"{k}_ms": round(v / a.steps * 1e3, 3) for k, v in spent.items()})
+    if a.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [eng.step() for _ in range(a.steps)])
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(a.profile)
     print(json.dumps(res))
 
 
