@@ -101,13 +101,14 @@ def test_top_k_radix_select_with_ties_signs_and_zeros(block, monkeypatch):
     dev = _device()
     V = 160
     g = torch.Generator().manual_seed(21)
-    x = (torch.randint(-6, 7, (8, V), generator=g) / 4.0).float()
+    x = (torch.randint(-6, 7, (10, V), generator=g) / 4.0).float()
     x[0, ::3] = -0.0
     x[1, :150] = float("-inf")  # 10 finite values left: k >= 10 keeps them all
     x[2] = x[2].abs().neg()  # all <= 0
-    ks = [1, 7, 10, 12, 33, 64, 159, 5]
+    x[8:, 80:] = float("-inf")  # 80 finite values, 5 in each lane of 16: past the candidates, k 100 keeps all
+    ks = [1, 7, 10, 12, 33, 64, 159, 5, 100, 70]
     mixes = [(0.9, 0.0, k, 1.0) if i % 2 else (1.0, 0.02, k, 1.0) for i, k in enumerate(ks)]
-    tokens, tau = _run(x.to(dev), mixes, list(range(8)), V)
+    tokens, tau = _run(x.to(dev), mixes, list(range(10)), V)
     s = Sampler(V)
     for i, mix in enumerate(mixes):
         want = s.sort_filter(x[i : i + 1].clone(), [_params(mix)])[0]

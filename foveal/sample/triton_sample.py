@@ -105,10 +105,11 @@ def _triton_kernel():
     @triton.jit
     def _kth_largest(x_row, V, inv_t, k, c_row, p_row, pen, rep, freq, pres, PENALTY: tl.constexpr,
                      BLOCK: tl.constexpr):  # fmt: skip
-        """The k-th largest finite y, counting ties (k <= the finite count): radix select on _key(y), a
-        byte a pass."""
+        """The k-th largest finite y, counting ties: radix select on _key(y), a byte a pass; -inf when k
+        reaches the finite count (every finite value stays)."""
         need = k
         prefix = tl.full((), 0, tl.uint32)
+        stays = False
         for d in tl.static_range(4):
             hist = tl.zeros([256], dtype=tl.int32)
             for start in range(0, V, BLOCK):
@@ -119,8 +120,10 @@ def _triton_kernel():
                 if d > 0:
                     ok = ok & ((key >> (32 - 8 * d)) == prefix)
                 hist += tl.histogram(((key >> (24 - 8 * d)) & 255).to(tl.int32), 256, mask=ok)
+            if d == 0:
+                stays = k >= tl.sum(hist, 0)  # the first byte's histogram counts every finite value
             need, prefix = _radix_byte(hist, need, prefix)
-        return _unkey(prefix)
+        return tl.where(stays, float("-inf"), _unkey(prefix))
 
     @triton.jit
     def _insert4(c0, c1, c2, c3, j0, j1, j2, j3, y, col):
@@ -293,7 +296,6 @@ def _triton_kernel():
             j1 = tl.zeros([BLOCK], dtype=tl.int32)
             j2 = tl.zeros([BLOCK], dtype=tl.int32)
             j3 = tl.zeros([BLOCK], dtype=tl.int32)
-            finite = tl.zeros([BLOCK], dtype=tl.int32)
             top_p = tl.load(top_p_ptr + row)
             lanes = (k > 0) | ((top_p < 1.0) & (not THRESH))  # the candidates serve top_k and the draws
             for start in range(0, V, BLOCK):  # pass 1
@@ -301,7 +303,6 @@ def _triton_kernel():
                 y = _load_x(x_row, cols, cols < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
                 if lanes:
                     c0, c1, c2, c3, j0, j1, j2, j3 = _insert4(c0, c1, c2, c3, j0, j1, j2, j3, y, cols)
-                    finite += (y > neg_inf).to(tl.int32)
                 else:
                     c0 = tl.maximum(c0, y)
                 if THRESH:
@@ -312,9 +313,12 @@ def _triton_kernel():
             if min_p > 0.0:
                 floor = m + tl.log(min_p)
             if k > 0:
-                if k < tl.sum(finite, 0):  # else every finite value stays
+                held = (c0 > neg_inf).to(tl.int32) + (c1 > neg_inf).to(tl.int32)
+                held = tl.sum(held + (c2 > neg_inf).to(tl.int32) + (c3 > neg_inf).to(tl.int32), 0)
+                full = tl.max(c3, 0) > neg_inf  # some lane may have more finite values than it holds
+                if (k < held) | full:  # else the candidates are every finite value, <= k: all stay
                     kth = neg_inf
-                    exact = k <= tl.sum(tl.minimum(finite, 4), 0)  # the candidates' finite count
+                    exact = k <= held
                     if exact:
                         kth = _kth_of_lanes(c0, c1, c2, c3, k)
                         exact = tl.max(c3, 0) <= kth  # no lane hides a value above it
