@@ -246,6 +246,8 @@ def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, bar=BAR, **k
     opts = dict(dtype="float32", num_blocks=160, block_size=4, max_num_seqs=16, max_model_len=128)
     if monkeypatch is not None:  # the engine options reach the backend
         opts.update(bar)
+        # eager steps call the kernel's Python function (CUDA's own graphs would replay it uncounted)
+        opts["enforce_eager"] = not graphs
     llm = LLM(str(folder), load_format="dummy", enable_prefix_caching=True, **{**opts, **kw})
     launches = []
     if monkeypatch is not None:

@@ -36,12 +36,12 @@ class AttentionBatch:
 
 
 def graph_slots(batch: AttentionBatch) -> torch.Tensor:
-    """The slots of a decode-only batch for graph metadata: a host tensor in `slot_mapping` as given
-    (rows that write elsewhere than their context position: a DFlash block), else each row's token at
-    position ctx goes to table[ctx // bs] * bs + ctx % bs."""
+    """The slots of a decode-only batch for graph metadata: `slot_mapping` as given (rows that write
+    elsewhere than their context position: a DFlash block; the engine gives a host tensor, a device one
+    is read back), else each row's token at position ctx goes to table[ctx // bs] * bs + ctx % bs."""
     sm = batch.slot_mapping
-    if sm is not None and sm.device.type == "cpu":
-        return sm
+    if sm is not None:
+        return sm.cpu()
     bs = batch.block_size
     return torch.tensor([t[c // bs] * bs + c % bs for c, t in zip(batch.context_lens, batch.block_tables)])
 

@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import torch
 
-# One program a row over column blocks of _BLOCK: 8192 x 16 warps measured best of 2048-8192 x 4-16 on an
-# H100 ([256, 128256] rows: 0.99 ms against 1.69 at 2048 x 4; RESULTS, session 26).
-_BLOCK = 8192
+# One program a row over column blocks of _BLOCK (also its lanes: 4 candidates each): 4096 x 16 warps
+# measured best of 1024-8192 x 4-16 on an H100 ([256, 128256] mixed rows: 0.385 ms against 0.645 at
+# 8192 x 16, whose lanes' registers spilled three times as much; RESULTS, session 28).
+_BLOCK = 4096
 _WARPS = 16  # per program (one program a row)
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 

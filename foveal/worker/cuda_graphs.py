@@ -128,7 +128,7 @@ class DecodeGraphs:
                 context_lens=[0] * b,
                 block_tables=[[0]] * b,
                 num_decodes=b,
-                slot_mapping=torch.full((b,), -1, dtype=torch.long, device=self.device),  # writes nothing
+                slot_mapping=torch.full((b,), -1, dtype=torch.long),  # writes nothing (a host tensor)
                 block_size=self.block_size,
             )
             meta = self.backend.fill_graph_metadata(self.meta, batch, b)
