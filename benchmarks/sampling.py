@@ -189,12 +189,12 @@ def median_ms(run, reps: int = 10) -> float:
 
 
 def tiles(a) -> dict:
-    """The Triton kernel alone at several (column block, warps per program) shapes, for the filters
-    whose cost the shape moves (temperature only, top_k 50, top_p 0.9, both, the mixed rows): one
-    program a row, its warps keep loads in flight, and its block is also how many lanes hold top_k's
-    candidates (4 registers of values and 4 of columns each). CUDA events, median of 10 after 3
-    warm-ups, fp32 logits of scale 1; with each shape, the compiled kernel's registers a thread and
-    spills (CUDA)."""
+    """The Triton kernel alone at several (column block, warps per program, lanes) shapes, for the
+    filters whose cost the shape moves (temperature only, top_k 50, top_p 0.9, both, the mixed rows):
+    one program a row, its warps keep loads in flight, and its lanes (the block unless set apart) hold
+    top_k's and the draws' candidates (4 registers of values and 4 of columns each). CUDA events, median
+    of 10 after 3 warm-ups, fp32 logits of scale 1; with each shape, the compiled kernel's registers a
+    thread and spills (CUDA)."""
     from foveal.sample import noise
     from foveal.sample import triton_sample as ts
 
@@ -209,19 +209,21 @@ def tiles(a) -> dict:
         "top_k 50 + top_p 0.9": [(0.7, 0.0, 50, 0.9)] * n,
         "mixed rows": [(p.temperature, p.min_p, p.top_k, p.top_p) for p in ps],
     }
-    shapes = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
-    shapes = shapes if dev == "cuda" else [(512, 4)]
-    saved, res = (ts._BLOCK, ts._WARPS), {}
+    shapes = [(1024, 4, 0), (2048, 8, 0), (4096, 16, 0), (8192, 16, 0)]  # (block, warps, lanes; 0: block)
+    shapes += [(4096, 16, 1024), (4096, 16, 2048), (8192, 16, 1024), (8192, 16, 2048), (4096, 8, 1024)]
+    shapes = shapes if dev == "cuda" else [(512, 4, 0), (512, 4, 128)]
+    saved, res = (ts._BLOCK, ts._WARPS, ts._LANES), {}
     x = (torch.randn(n, V, generator=torch.Generator().manual_seed(0))).to(dev)
-    for block, warps in shapes:
-        ts._BLOCK, ts._WARPS = block, warps
+    for block, warps, lanes in shapes:
+        ts._BLOCK, ts._WARPS, ts._LANES = block, warps, lanes
+        shape = f"block {block} warps {warps} lanes {lanes or block}"
         for name, rows in cases.items():
             c = torch.tensor(list(zip(*rows)), dtype=torch.float32, device=dev)
             run = lambda c=c: ts.sample_rows(x, c[0], c[1], c[2], c[3], keys, V)  # noqa: E731
-            res[f"block {block} warps {warps} {name}"] = median_ms(run)
-        row = {name: res[f"block {block} warps {warps} {name}"] for name in cases}
-        gw.log(f"kernel, block {block}, warps {warps}: {row} ms; {_registers(ts)}")
-    ts._BLOCK, ts._WARPS = saved
+            res[f"{shape} {name}"] = median_ms(run)
+        row = {name: round(res[f"{shape} {name}"], 3) for name in cases}
+        gw.log(f"kernel, {shape}: {row} ms; {_registers(ts)}")
+    ts._BLOCK, ts._WARPS, ts._LANES = saved
     return res
 
 

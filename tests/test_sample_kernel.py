@@ -49,6 +49,20 @@ def _params(mix) -> SamplingParams:
     return SamplingParams(temperature=t, min_p=mp, top_k=k, top_p=p)
 
 
+# the kernel's tiles the tests take: its default; 16 columns a block (each a lane); 64 columns a block
+# with 16 lanes apart (pass 1's candidates 16 columns a step, the other passes 64)
+TILES = [None, 16, (64, 16)]
+
+
+def _set_tile(monkeypatch, tile) -> None:
+    from foveal.sample import triton_sample
+
+    if tile is not None:
+        block, lanes = tile if isinstance(tile, tuple) else (tile, 0)
+        monkeypatch.setattr(triton_sample, "_BLOCK", block)
+        monkeypatch.setattr(triton_sample, "_LANES", lanes)
+
+
 def _run(x: torch.Tensor, mixes, seeds, vocab: int):
     """(the kernel's tokens, its thresholds) for rows x of the mixes."""
     dev = x.device
@@ -58,15 +72,12 @@ def _run(x: torch.Tensor, mixes, seeds, vocab: int):
     return tokens, thresholds(x, cols[0], cols[1], cols[2], cols[3], vocab)
 
 
-@pytest.mark.parametrize("block", [None, 16])
+@pytest.mark.parametrize("block", TILES, ids=["default", "16", "64-lanes-16"])
 @pytest.mark.parametrize("scale", [0.5, 3.0])
 def test_kept_sets_and_tokens_equal_the_torch_path(scale, block, monkeypatch):
     """At the default block every lane holds one column, so each draw races over the lanes' candidates
     in registers; at 16 columns a block the lanes are full and most races take passes over the row."""
-    from foveal.sample import triton_sample
-
-    if block:
-        monkeypatch.setattr(triton_sample, "_BLOCK", block)
+    _set_tile(monkeypatch, block)
     dev = _device()
     V = 300
     g = torch.Generator().manual_seed(int(scale * 10))
@@ -87,17 +98,14 @@ def test_kept_sets_and_tokens_equal_the_torch_path(scale, block, monkeypatch):
         assert tokens[i].item() == drawn.item(), mix
 
 
-@pytest.mark.parametrize("block", [None, 16])
+@pytest.mark.parametrize("block", TILES, ids=["default", "16", "64-lanes-16"])
 def test_top_k_radix_select_with_ties_signs_and_zeros(block, monkeypatch):
     """top_k's k-th largest by radix select on the float keys: logits from a few values (ties across
     the k-th), negative and positive, +0.0 and -0.0 (equal as numbers), -inf masked columns; each k
     keeps what the sort keeps (every tie at the k-th value) and the tokens are the torch path's. At 16
     columns a block each lane sees 10 values, so both the lanes' candidates and the row's passes
     (k past the 64 candidates, or a lane hiding values above the candidates' k-th) find it."""
-    from foveal.sample import triton_sample
-
-    if block:
-        monkeypatch.setattr(triton_sample, "_BLOCK", block)
+    _set_tile(monkeypatch, block)
     dev = _device()
     V = 160
     g = torch.Generator().manual_seed(21)
@@ -143,16 +151,13 @@ def test_top_k_when_one_lane_holds_the_largest_values(monkeypatch):
         assert tokens[i].item() == s._draw(want[None].softmax(-1), [row]).item(), mix
 
 
-@pytest.mark.parametrize("block", [None, 16])
+@pytest.mark.parametrize("block", TILES, ids=["default", "16", "64-lanes-16"])
 def test_top_p_rounds_on_flat_rows(block, monkeypatch):
     """Near-flat rows with a small top_p: the winner of the first race is almost never in the kept set,
     so the draw takes several rounds, each on the set above the last winner: every token is in the
     kept set and is the one the torch path draws from it. At 16 columns a block the first rounds pass
     over the row and the last ones race over the lanes' candidates."""
-    from foveal.sample import triton_sample
-
-    if block:
-        monkeypatch.setattr(triton_sample, "_BLOCK", block)
+    _set_tile(monkeypatch, block)
     dev = _device()
     V, n = 400, 12
     g = torch.Generator().manual_seed(8)
@@ -202,17 +207,15 @@ def test_penalties_in_one_pass_equal_the_torch_ops():
     assert not torch.equal(want[pen], x[pen]) and torch.equal(got.cpu()[[1, 3]], x[[1, 3]])
 
 
-@pytest.mark.parametrize("block", [None, 16])
+@pytest.mark.parametrize("block", TILES, ids=["default", "16", "64-lanes-16"])
 def test_penalties_read_as_the_rows_load_equal_the_penalized_copy(block, monkeypatch):
     """sample_rows with `penalties` (the raw bf16 rows read once, the device history applied as they
     load) draws what it draws from penalize()'s float32 copy: every mix, greedy rows included, rows with
     and without a slot, two rows on one slot; block 16 takes the radix select and the top_p rounds
     through the penalized loads too."""
-    from foveal.sample import triton_sample
     from foveal.sample.triton_sample import penalize
 
-    if block:
-        monkeypatch.setattr(triton_sample, "_BLOCK", block)
+    _set_tile(monkeypatch, block)
     dev = _device()
     V, W = 600, 640
     g = torch.Generator().manual_seed(21)

@@ -8,14 +8,14 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
 -log U(key, j) (sample/noise.py: Gumbel-max, token j wins with probability softmax(y)_j on the set).
 
     pass 1     m = max(y); with top_k or top_p, each lane's 4 largest y and their columns (lane c: the
-               columns c, c + BLOCK, ...)
+               columns c, c + LANES, ...; LANES is the block unless set apart)
     min_p      floor = m + log(min_p)                        (keep p >= min_p * p_max)
-    top_k      floor = max(floor, the k-th largest y): the k-th largest of the 4 * BLOCK lane
+    top_k      floor = max(floor, the k-th largest y): the k-th largest of the 4 * LANES lane
                candidates, its order-preserving key found a bit a count, in registers (no pass). It is
                the row's k-th largest when no lane's 4th largest exceeds it (a lane can then hold no
-               uncounted value above it): so unless one lane of 8,192 holds 4 values above the k-th
-               (for k = 50 about 3 rows in 10,000), else radix select over the row, a byte a pass (4
-               passes; ties at the k-th all stay either way)
+               uncounted value above it): so unless one lane holds 4 values above the k-th (for k = 50
+               and 4,096 lanes, by chance C(49, 4) / 4096^3: ~3 rows in a million), else radix select
+               over the row, a byte a pass (4 passes; ties at the k-th all stay either way)
     draw       the race winner w over {y >= floor}, and Z = sum_{y >= floor} e^(y - m): over the lanes'
                candidates in registers when they hold that whole set (top_k's rows, with their
                columns kept beside them), else a pass
@@ -41,6 +41,10 @@ import torch
 # 8192 x 16, whose lanes' registers spilled three times as much; RESULTS, session 28).
 _BLOCK = 4096
 _WARPS = 16  # per program (one program a row)
+# the lanes of top_k's and the draws' candidates (pass 1 loads this many columns a step); 0: _BLOCK. Set
+# apart so few lanes (small top_k rows' registers) need not mean short loads in the other passes: the
+# tiles sweep of benchmarks/sampling.py measures it; the default stays until it has
+_LANES = 0
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
 _kernel = _noise = _penalty = None
@@ -252,6 +256,7 @@ def _triton_kernel():
         THRESH: tl.constexpr,
         PENALTY: tl.constexpr,
         BLOCK: tl.constexpr,
+        LANES: tl.constexpr,
         MAX_STEPS: tl.constexpr,
     ):
         """THRESH: each row's threshold tau* into out (float32); else its token (int64). PENALTY: rows
@@ -288,27 +293,40 @@ def _triton_kernel():
         else:
             inv_t = 1.0 / temp
             k = tl.load(top_k_ptr + row).to(tl.int32)
-            lo = tl.full([BLOCK], float("inf"), tl.float32)
-            c0 = tl.full([BLOCK], neg_inf, tl.float32)  # each lane's 4 largest (c0: its maximum)
-            c1 = tl.full([BLOCK], neg_inf, tl.float32)
-            c2 = tl.full([BLOCK], neg_inf, tl.float32)
-            c3 = tl.full([BLOCK], neg_inf, tl.float32)
-            j0 = tl.zeros([BLOCK], dtype=tl.int32)  # their columns
-            j1 = tl.zeros([BLOCK], dtype=tl.int32)
-            j2 = tl.zeros([BLOCK], dtype=tl.int32)
-            j3 = tl.zeros([BLOCK], dtype=tl.int32)
+            c0 = tl.full([LANES], neg_inf, tl.float32)  # each lane's 4 largest (c0: its maximum)
+            c1 = tl.full([LANES], neg_inf, tl.float32)
+            c2 = tl.full([LANES], neg_inf, tl.float32)
+            c3 = tl.full([LANES], neg_inf, tl.float32)
+            j0 = tl.zeros([LANES], dtype=tl.int32)  # their columns
+            j1 = tl.zeros([LANES], dtype=tl.int32)
+            j2 = tl.zeros([LANES], dtype=tl.int32)
+            j3 = tl.zeros([LANES], dtype=tl.int32)
             top_p = tl.load(top_p_ptr + row)
             lanes = (k > 0) | ((top_p < 1.0) & (not THRESH))  # the candidates serve top_k and the draws
-            for start in range(0, V, BLOCK):  # pass 1
-                cols = start + tl.arange(0, BLOCK)
-                y = _load_x(x_row, cols, cols < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
-                if lanes:
-                    c0, c1, c2, c3, j0, j1, j2, j3 = _insert4(c0, c1, c2, c3, j0, j1, j2, j3, y, cols)
-                else:
-                    c0 = tl.maximum(c0, y)
-                if THRESH:
-                    lo = tl.minimum(lo, tl.where(y == neg_inf, float("inf"), y))
-            m = tl.max(c0, 0)
+            # pass 1: the maximum, lo_min the smallest finite y (where the threshold mode's bisection
+            # starts); with lanes, their candidates too, LANES columns a step (names apart per branch:
+            # Triton unifies what both branches define, and the shapes differ)
+            if lanes:
+                lo_l = tl.full([LANES], float("inf"), tl.float32)
+                for start in range(0, V, LANES):
+                    col_l = start + tl.arange(0, LANES)
+                    yl = _load_x(x_row, col_l, col_l < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
+                    c0, c1, c2, c3, j0, j1, j2, j3 = _insert4(c0, c1, c2, c3, j0, j1, j2, j3, yl, col_l)
+                    if THRESH:
+                        lo_l = tl.minimum(lo_l, tl.where(yl == neg_inf, float("inf"), yl))
+                m = tl.max(c0, 0)
+                lo_min = tl.min(lo_l, 0)
+            else:
+                top_b = tl.full([BLOCK], neg_inf, tl.float32)
+                lo_b = tl.full([BLOCK], float("inf"), tl.float32)
+                for start in range(0, V, BLOCK):
+                    col_b = start + tl.arange(0, BLOCK)
+                    yb = _load_x(x_row, col_b, col_b < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
+                    top_b = tl.maximum(top_b, yb)
+                    if THRESH:
+                        lo_b = tl.minimum(lo_b, tl.where(yb == neg_inf, float("inf"), yb))
+                m = tl.max(top_b, 0)
+                lo_min = tl.min(lo_b, 0)
             floor = tl.full((), neg_inf, tl.float32)
             min_p = tl.load(min_p_ptr + row)
             if min_p > 0.0:
@@ -329,7 +347,7 @@ def _triton_kernel():
                     floor = tl.maximum(floor, kth)
             if THRESH:
                 if top_p < 1.0:
-                    a = tl.maximum(floor, tl.min(lo, 0))
+                    a = tl.maximum(floor, lo_min)
                     ca, z = _count_mass(x_row, V, inv_t, m, a, neg_inf, BLOCK)  # z: the kept set's mass
                     need = top_p * z
                     cb, mb = _count_mass(x_row, V, inv_t, m, m, neg_inf, BLOCK)
@@ -406,8 +424,8 @@ def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool,
             vals, prompt = vals.contiguous(), prompt.view(torch.uint8)
         _triton_kernel()[(B,)](
             x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out, slots, vals, counts, prompt,
-            THRESH=thresh, PENALTY=penalties is not None, BLOCK=_BLOCK, MAX_STEPS=_MAX_STEPS,
-            num_warps=_WARPS,
+            THRESH=thresh, PENALTY=penalties is not None, BLOCK=_BLOCK, LANES=_LANES or _BLOCK,
+            MAX_STEPS=_MAX_STEPS, num_warps=_WARPS,
         )  # fmt: skip
     return out
 
