@@ -8,8 +8,10 @@ plus logprobs taken from the raw logits (before the mask too). Every row uses it
 own SamplingParams, packed into per-row tensors once per call: nothing is inherited from another row.
 The draw's randomness is counter-based noise keyed per row (sample/noise.py): a seeded row's key comes
 only from (seed, draw index), so its tokens do not depend on the batch it happens to share. On CUDA
-temperature, the filters and the draw are one Triton kernel with no sort (sample/triton_sample.py); on
-the CPU they are torch ops: top_p looks at each row's TOP_P_WINDOW largest logits (topk, not a sort of
+temperature, the filters and the draw are one Triton kernel with no sort (sample/triton_sample.py),
+which also applies the penalties of rows kept in the device history as it reads the raw logits (a step
+with a logit bias, min_tokens or grammar masks processes a float32 copy first); on the CPU they are
+torch ops: top_p looks at each row's TOP_P_WINDOW largest logits (topk, not a sort of
 the vocabulary) and sorts a whole row only where its kept set may reach past them. Columns past
 vocab_size (padding of the LM head) are never sampled.
 
