@@ -245,6 +245,29 @@ def test_penalties_read_as_the_rows_load_equal_the_penalized_copy(block, monkeyp
     assert plain.tolist() != want.tolist()  # the penalties changed some draws: the test can fail
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_logprobs_equal_logsumexp_and_the_chosen_logit(dtype):
+    """triton_sample.row_logprobs (CUDA's logprobs: one pass over each asked row) against torch's
+    logsumexp and gather on a float copy: a subset of rows in any order, columns past the vocabulary in
+    the rows' stride (the view the Sampler passes), -inf entries, a row wide in scale."""
+    from foveal.sample.triton_sample import row_logprobs
+
+    dev = _device()
+    V, W = 700, 768
+    g = torch.Generator().manual_seed(17)
+    x = (torch.randn(6, W, generator=g) * torch.tensor([1, 3, 30, 1, 0.1, 5])[:, None]).to(dtype)
+    x[1, ::3] = float("-inf")  # a grammar-masked row
+    x[:, V:] = 100.0  # padding: never counted
+    tokens = torch.randint(0, V, (6,), generator=g)
+    tokens[1] = 1  # a live token of the masked row
+    rows = torch.tensor([4, 1, 2, 0])
+    got = row_logprobs(x.to(dev)[:, :V], rows.to(dev), tokens.to(dev)).cpu()
+    sub = x[rows, :V].float()
+    lse = torch.logsumexp(sub, dim=-1)
+    torch.testing.assert_close(got[:, 0], lse, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got[:, 1], sub.gather(1, tokens[rows, None])[:, 0] - lse, rtol=1e-6, atol=1e-5)
+
+
 def test_bf16_logits_padded_columns_and_masked_rows():
     """bf16 rows wider than the vocabulary (an LM head's padding is never drawn), a row with all but
     three tokens at -inf (a grammar's mask) whose top_k is larger than what is left, ties at the top."""
@@ -364,6 +387,32 @@ def test_cuda_sampler_applies_history_penalties_in_the_kernel(monkeypatch):
     cpu, _ = cpu_s.sample(x.float(), rows)
     gpu, _ = gpu_s.sample(x.cuda(), rows)
     assert gpu.cpu().tolist() == cpu.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_logprobs_equal_the_cpu_samplers():
+    """The Sampler's logprobs on CUDA (row_logprobs' one pass, then torch.topk) against the CPU's torch
+    ops: rows wider than the vocabulary, greedy and sampled rows, top-k of 0, 3 and 20, rows that ask
+    none (float32 logits: bf16's ties would let the two topk orders differ)."""
+    V = 300
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(6, V + 20, generator=g) * 3
+    x[:, V:] = 60.0
+    asks = [None, 0, 3, 20, 3, None]
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.8 * (i % 2), seed=i, logprobs=k), [1], [], frozenset())
+        for i, k in enumerate(asks)
+    ]
+    s = Sampler(V)
+    cpu_t, cpu_lp = s.sample(x, rows)
+    gpu_t, gpu_lp = s.sample(x.cuda(), rows)
+    assert gpu_t.cpu().tolist() == cpu_t.tolist()
+    for a, b, k in zip(cpu_lp.values(), gpu_lp.values(), asks):
+        assert (a is None) == (b is None) == (k is None)
+        if a is not None:
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t.token_id for t in a.top] == [t.token_id for t in b.top] and len(b.top) == k
+            assert all(abs(p.logprob - q.logprob) < 1e-4 for p, q in zip(a.top, b.top))
 
 
 def test_noise_is_the_same_bits_by_every_implementation():

@@ -62,8 +62,8 @@ class TokenHistory:
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """One more occurrence of each row's token (on the device: the tokens need not be on the host)."""
-        ones = torch.ones_like(tokens, dtype=torch.int32)
-        self.counts.index_put_((slots, tokens), ones, accumulate=True)
+        flat = slots * self.vocab + tokens  # index_add_ adds atomically: no sort, as index_put_'s has
+        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output counts int32 [n, vocab], prompt bool [n, vocab]) of the slots."""

@@ -47,11 +47,11 @@ _WARPS = 16  # per program (one program a row)
 _LANES = 0
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
-_kernel = _noise = _penalty = None
+_kernel = _noise = _penalty = _lse = None
 
 
 def _triton_kernel():
-    global _kernel, _noise, _penalty, tl  # @triton.jit resolves the helpers below as module globals
+    global _kernel, _noise, _penalty, _lse, tl  # @triton.jit resolves the helpers below as module globals
     global _mix32, _uniform, _key, _unkey, _kth_largest, _race, _count_mass, _bisect, _insert4, _radix_byte
     global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes, _load_x
     if _kernel is not None:
@@ -411,7 +411,30 @@ def _triton_kernel():
         x = x - (freq * c.to(tl.float32) + pres * (c > 0).to(tl.float32))
         tl.store(at, x, mask=ok)
 
-    _kernel, _noise, _penalty = _sample_kernel, _fill_kernel, _penalty_kernel
+    @triton.jit
+    def _lse_kernel(x_ptr, x_stride, rows_ptr, tokens_ptr, out_ptr, V, BLOCK: tl.constexpr):
+        """Row rows[i]'s log-sum-exp over its V logits in one pass (each lane's running max and sum,
+        merged at the end) and its drawn token's logit minus it: out[i] = (lse, logprob)."""
+        i = tl.program_id(0)
+        row = tl.load(rows_ptr + i)
+        x_row = x_ptr + row * x_stride
+        neg_inf = float("-inf")
+        m = tl.full([BLOCK], neg_inf, tl.float32)
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32)
+            m_new = tl.maximum(m, y)
+            kept = tl.where(m == neg_inf, 0.0, s * tl.exp(m - m_new))  # the lane's sum so far, rescaled
+            s = kept + tl.where(y == neg_inf, 0.0, tl.exp(y - m_new))
+            m = m_new
+        top = tl.max(m, 0)
+        lse = top + tl.log(tl.sum(tl.where(m == neg_inf, 0.0, s * tl.exp(m - top)), 0))
+        tok = tl.load(tokens_ptr + row)
+        tl.store(out_ptr + i * 2, lse)
+        tl.store(out_ptr + i * 2 + 1, tl.load(x_row + tok).to(tl.float32) - lse)
+
+    _kernel, _noise, _penalty, _lse = _sample_kernel, _fill_kernel, _penalty_kernel, _lse_kernel
     return _kernel
 
 
@@ -455,6 +478,17 @@ def fill_noise(halves: torch.Tensor, vocab: int, uniform: bool) -> torch.Tensor:
         _noise[(halves.shape[0], -(-vocab // _BLOCK))](
             halves.contiguous(), out, vocab, UNIFORM=uniform, BLOCK=_BLOCK
         )
+    return out
+
+
+def row_logprobs(x, rows, tokens) -> torch.Tensor:
+    """float32 [n, 2]: for each of `rows` (int64 [n]) of logits x [B, >= V] (fp32 or bf16, rows
+    contiguous; V = x.shape[1]: pass the vocabulary's columns), its log-sum-exp and the logprob of its
+    token in `tokens` (int64 [B]): one pass over each row, no copy of it."""
+    out = torch.empty(rows.numel(), 2, dtype=torch.float32, device=x.device)
+    if rows.numel():
+        _triton_kernel()
+        _lse[(rows.numel(),)](x, x.stride(0), rows, tokens, out, x.shape[1], BLOCK=_BLOCK, num_warps=_WARPS)
     return out
 
 
