@@ -73,11 +73,12 @@ def _min_tokens_active(row: SamplingRow) -> bool:
     return row.draw_index < row.params.min_tokens
 
 
-def _loads_raw(r: SamplingRow) -> bool:
+def _loads_raw(r: SamplingRow, history: bool) -> bool:
     """Whether CUDA's kernel can draw this row from the raw logits: nothing to apply in place but
-    penalties over the row's device history, which the kernel applies as it loads."""
+    penalties over the row's device history (`history`: the sampler keeps one), which the kernel
+    applies as it loads."""
     p = r.params
-    in_history = not p.needs_penalties or r.slot is not None
+    in_history = not p.needs_penalties or (history and r.slot is not None)
     return in_history and not _min_tokens_active(r) and not p.bias_token_ids
 
 
@@ -123,7 +124,7 @@ class Sampler:
                 raw = raw.float()  # same maximum, same first index; bf16 argmax ran 2x slower here
             return raw.argmax(-1), PendingLogprobs(len(rows))
 
-        if raw.is_cuda and masks is None and all(_loads_raw(r) for r in rows):
+        if raw.is_cuda and masks is None and all(_loads_raw(r, self.history is not None) for r in rows):
             # nothing to apply in place: the kernel reads the raw rows (bf16 widens exactly, as the
             # float32 copy would) and the penalties' device counts, a copy of the logits and a pass less
             tokens = self._draw_kernel(raw, rows, penalties=True)
@@ -311,7 +312,7 @@ class Sampler:
         filter() (ties at a boundary aside) and the same noise as _draw. None where the kernel failed
         to build on this machine (logged once; the torch ops sample instead)."""
         keys = noise.row_keys([r.params.seed for r in rows], [r.draw_index for r in rows])
-        pen = penalties and self.history is not None and any(r.params.needs_penalties for r in rows)
+        pen = penalties and any(r.params.needs_penalties for r in rows)
         return self._kernel(x, [r.params for r in rows], keys, rows if pen else None)
 
     def _kernel(self, x, params: list[SamplingParams], keys: list[int] | None, penalized=None):
