@@ -248,24 +248,40 @@ def test_penalties_read_as_the_rows_load_equal_the_penalized_copy(block, monkeyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_row_logprobs_equal_logsumexp_and_the_chosen_logit(dtype):
     """triton_sample.row_logprobs (CUDA's logprobs: one pass over each asked row) against torch's
-    logsumexp and gather on a float copy: a subset of rows in any order, columns past the vocabulary in
-    the rows' stride (the view the Sampler passes), -inf entries, a row wide in scale."""
-    from foveal.sample.triton_sample import row_logprobs
+    logsumexp, gather and topk on a float copy: a subset of rows in any order, columns past the
+    vocabulary in the rows' stride (the view the Sampler passes), -inf entries, a row wide in scale, a
+    row whose largest values crowd one lane; the top ones for k up to TOP_SLOTS, none past it."""
+    from foveal.sample.triton_sample import TOP_SLOTS, row_logprobs
 
     dev = _device()
-    V, W = 700, 768
+    V, W = 1100, 1152  # past the 512 lanes of the top-k pass: each lane sees two or three values
     g = torch.Generator().manual_seed(17)
-    x = (torch.randn(6, W, generator=g) * torch.tensor([1, 3, 30, 1, 0.1, 5])[:, None]).to(dtype)
+    x = torch.randn(6, W, generator=g) * torch.tensor([1, 3, 30, 1, 0.1, 5])[:, None]
     x[1, ::3] = float("-inf")  # a grammar-masked row
+    x[3, 7::512] += torch.tensor([60.0, 55.0, 50.0])  # row 3's three largest in one lane, falling
+    x = x.to(dtype)
     x[:, V:] = 100.0  # padding: never counted
     tokens = torch.randint(0, V, (6,), generator=g)
     tokens[1] = 1  # a live token of the masked row
-    rows = torch.tensor([4, 1, 2, 0])
-    got = row_logprobs(x.to(dev)[:, :V], rows.to(dev), tokens.to(dev)).cpu()
+    rows = torch.tensor([4, 1, 2, 0, 3])
     sub = x[rows, :V].float()
     lse = torch.logsumexp(sub, dim=-1)
-    torch.testing.assert_close(got[:, 0], lse, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(got[:, 1], sub.gather(1, tokens[rows, None])[:, 0] - lse, rtol=1e-6, atol=1e-5)
+    chosen = sub.gather(1, tokens[rows, None])[:, 0] - lse
+    for k in (0, 3, TOP_SLOTS, TOP_SLOTS + 1):
+        both, pack = row_logprobs(x.to(dev)[:, :V], rows.to(dev), tokens.to(dev), k)
+        both = both.cpu()
+        torch.testing.assert_close(both[:, 0], lse, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(both[:, 1], chosen, rtol=1e-6, atol=1e-5)
+        if not 0 < k <= TOP_SLOTS:
+            assert pack is None
+            continue
+        pack = pack.cpu()
+        top_v, top_i = sub.topk(k, dim=-1)
+        assert pack[:, 0].tolist() == tokens[rows].double().tolist()
+        torch.testing.assert_close(pack[:, 1], chosen.double(), rtol=1e-6, atol=1e-5)
+        if dtype == torch.float32:  # bf16's ties leave the order among equal values open
+            assert pack[:, 2 + k :].long().tolist() == top_i.tolist()
+        torch.testing.assert_close(pack[:, 2 : 2 + k], (top_v - lse[:, None]).double(), rtol=1e-6, atol=1e-5)
 
 
 def test_bf16_logits_padded_columns_and_masked_rows():

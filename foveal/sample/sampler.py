@@ -349,22 +349,28 @@ class Sampler:
         if not want:
             return PendingLogprobs(len(rows))
         idx = _long(want, raw.device)
-        picked = tokens[idx]
-        # logprob = logit - logsumexp: only the chosen and the top logits are subtracted. CUDA: both from
-        # one pass over each raw row (no copies); else the torch ops on a float copy of the rows
-        both = _triton("logprobs", lambda ts: ts.row_logprobs(raw, idx, tokens)) if raw.is_cuda else None
         kmax = max(rows[i].params.logprobs for i in want)
-        sub = raw[idx] if kmax or both is None else None
-        if both is not None:
-            lse, chosen = both[:, :1], both[:, 1:]
-        else:
-            lse = torch.logsumexp(sub.float(), dim=-1, keepdim=True)
-            chosen = sub.gather(1, picked.unsqueeze(1)).float() - lse
-        empty = lse[:, :0]
-        top_v, top_i = sub.topk(kmax, dim=-1) if kmax else (empty, empty.long())
-        top_v = top_v.float() - lse
-        # one float64 matrix (ids are exact in float64), one copy: [token, logprob, top values, top ids]
-        pack = torch.cat([picked.unsqueeze(1).double(), chosen.double(), top_v.double(), top_i.double()], 1)
+        # one float64 matrix (ids are exact in float64), one copy: [token, logprob, top values, top ids].
+        # logprob = logit - logsumexp: only the chosen and the top logits are subtracted. CUDA: one pass
+        # over each raw row gives them (the top ones up to TOP_SLOTS; more: torch.topk); else the torch
+        # ops on a float copy of the rows
+        both = pack = None
+        if raw.is_cuda:
+            got = _triton("logprobs", lambda ts: ts.row_logprobs(raw, idx, tokens, kmax))
+            both, pack = got if got is not None else (None, None)
+        if pack is None:
+            picked = tokens[idx]
+            sub = raw[idx] if kmax or both is None else None
+            if both is not None:
+                lse, chosen = both[:, :1], both[:, 1:]
+            else:
+                lse = torch.logsumexp(sub.float(), dim=-1, keepdim=True)
+                chosen = sub.gather(1, picked.unsqueeze(1)).float() - lse
+            empty = lse[:, :0]
+            top_v, top_i = sub.topk(kmax, dim=-1) if kmax else (empty, empty.long())
+            top_v = top_v.float() - lse
+            parts = [picked.unsqueeze(1).double(), chosen.double(), top_v.double(), top_i.double()]
+            pack = torch.cat(parts, 1)
         if pack.is_cuda:
             host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
             host.copy_(pack, non_blocking=True)  # ordered before the step's event (ModelRunner)

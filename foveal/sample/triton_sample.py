@@ -47,6 +47,11 @@ _WARPS = 16  # per program (one program a row)
 _LANES = 0
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
+# logprobs: the top alternatives row_logprobs finds itself (more: the caller's torch.topk), over this many
+# lanes of TOP_SLOTS candidates each
+TOP_SLOTS = 8
+_TOP_LANES = 512
+
 _kernel = _noise = _penalty = _lse = None
 
 
@@ -412,15 +417,23 @@ def _triton_kernel():
         tl.store(at, x, mask=ok)
 
     @triton.jit
-    def _lse_kernel(x_ptr, x_stride, rows_ptr, tokens_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    def _lse_kernel(x_ptr, x_stride, rows_ptr, tokens_ptr, out_ptr, pack_ptr, V, K, BLOCK: tl.constexpr,
+                    TOP: tl.constexpr, SLOTS: tl.constexpr):  # fmt: skip
         """Row rows[i]'s log-sum-exp over its V logits in one pass (each lane's running max and sum,
-        merged at the end) and its drawn token's logit minus it: out[i] = (lse, logprob)."""
+        merged at the end) and its drawn token's logit minus it: out[i] = (lse, logprob). TOP: also
+        pack row i = [token, logprob, the K (<= SLOTS) largest logits minus lse, their columns]
+        (float64): each lane keeps its SLOTS largest values (so the row's K largest are among them),
+        then K rounds take the largest left (ties: the smaller column first)."""
         i = tl.program_id(0)
         row = tl.load(rows_ptr + i)
         x_row = x_ptr + row * x_stride
         neg_inf = float("-inf")
         m = tl.full([BLOCK], neg_inf, tl.float32)
         s = tl.zeros([BLOCK], dtype=tl.float32)
+        if TOP:
+            cand = tl.full([BLOCK, SLOTS], neg_inf, tl.float32)
+            cidx = tl.zeros([BLOCK, SLOTS], dtype=tl.int32)
+            slot = tl.arange(0, SLOTS)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32)
@@ -428,11 +441,27 @@ def _triton_kernel():
             kept = tl.where(m == neg_inf, 0.0, s * tl.exp(m - m_new))  # the lane's sum so far, rescaled
             s = kept + tl.where(y == neg_inf, 0.0, tl.exp(y - m_new))
             m = m_new
+            if TOP:  # y replaces its lane's smallest kept value when larger
+                hit = (slot[None, :] == tl.argmin(cand, 1)[:, None]) & (y > tl.min(cand, 1))[:, None]
+                cand = tl.where(hit, y[:, None], cand)
+                cidx = tl.where(hit, cols[:, None], cidx)
         top = tl.max(m, 0)
         lse = top + tl.log(tl.sum(tl.where(m == neg_inf, 0.0, s * tl.exp(m - top)), 0))
         tok = tl.load(tokens_ptr + row)
+        chosen = tl.load(x_row + tok).to(tl.float32) - lse
         tl.store(out_ptr + i * 2, lse)
-        tl.store(out_ptr + i * 2 + 1, tl.load(x_row + tok).to(tl.float32) - lse)
+        tl.store(out_ptr + i * 2 + 1, chosen)
+        if TOP:
+            at = pack_ptr + i * (2 + 2 * K)
+            tl.store(at, tok.to(tl.float64))
+            tl.store(at + 1, chosen.to(tl.float64))
+            for t in tl.static_range(SLOTS):
+                if t < K:
+                    v = tl.max(tl.max(cand, 1), 0)
+                    col = tl.min(tl.min(tl.where(cand == v, cidx, V), 1), 0)
+                    tl.store(at + 2 + t, (v - lse).to(tl.float64))
+                    tl.store(at + 2 + K + t, col.to(tl.float64))
+                    cand = tl.where((cand == v) & (cidx == col), neg_inf, cand)
 
     _kernel, _noise, _penalty, _lse = _sample_kernel, _fill_kernel, _penalty_kernel, _lse_kernel
     return _kernel
@@ -481,15 +510,22 @@ def fill_noise(halves: torch.Tensor, vocab: int, uniform: bool) -> torch.Tensor:
     return out
 
 
-def row_logprobs(x, rows, tokens) -> torch.Tensor:
-    """float32 [n, 2]: for each of `rows` (int64 [n]) of logits x [B, >= V] (fp32 or bf16, rows
-    contiguous; V = x.shape[1]: pass the vocabulary's columns), its log-sum-exp and the logprob of its
-    token in `tokens` (int64 [B]): one pass over each row, no copy of it."""
-    out = torch.empty(rows.numel(), 2, dtype=torch.float32, device=x.device)
-    if rows.numel():
+def row_logprobs(x, rows, tokens, k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For each of `rows` (int64 [n]) of logits x [B, >= V] (fp32 or bf16, rows contiguous; V =
+    x.shape[1]: pass the vocabulary's columns), one pass over the row, no copy of it: (float32 [n, 2]:
+    its log-sum-exp and the logprob of its token in `tokens` (int64 [B]); with 0 < k <= TOP_SLOTS, the
+    Sampler's logprobs pack float64 [n, 2 + 2k]: token, logprob, the k largest logits' logprobs and
+    their columns, else None: the caller finds those)."""
+    n, top = rows.numel(), 0 < k <= TOP_SLOTS
+    out = torch.empty(n, 2, dtype=torch.float32, device=x.device)
+    pack = torch.empty(n, 2 + 2 * k, dtype=torch.float64, device=x.device) if top else None
+    if n:
         _triton_kernel()
-        _lse[(rows.numel(),)](x, x.stride(0), rows, tokens, out, x.shape[1], BLOCK=_BLOCK, num_warps=_WARPS)
-    return out
+        _lse[(n,)](
+            x, x.stride(0), rows, tokens, out, out if pack is None else pack, x.shape[1], k,
+            BLOCK=_TOP_LANES if top else _BLOCK, TOP=top, SLOTS=TOP_SLOTS, num_warps=_WARPS,
+        )  # fmt: skip
+    return out, pack
 
 
 def penalize(x, rows, slots, vals, counts, prompt) -> torch.Tensor:
