@@ -20,6 +20,7 @@ It must not know about requests, schedulers or models: callers hand it SamplingR
 
 from __future__ import annotations
 
+import array
 import logging
 from dataclasses import dataclass, field
 
@@ -319,19 +320,18 @@ class Sampler:
         """The kernel's tokens for rows of x (keys None: their thresholds), or None where it failed to
         build. penalized: the rows, when the kernel applies their penalties (slots in self.history)."""
         V = self.vocab_size
-        table = [
-            [p.temperature if not p.greedy else 0.0 for p in params],
-            [p.min_p for p in params],
-            [p.top_k if 0 < p.top_k < V else 0 for p in params],
-            [p.top_p if p.top_p < 1 else 1.0 for p in params],
-        ]
+        table = array.array("f")  # the columns row after row (half the time of torch.tensor(lists))
+        table.fromlist([p.temperature if not p.greedy else 0.0 for p in params])
+        table.fromlist([p.min_p for p in params])
+        table.fromlist([p.top_k if 0 < p.top_k < V else 0 for p in params])
+        table.fromlist([p.top_p if p.top_p < 1 else 1.0 for p in params])
         if penalized is not None:  # the same copy carries each row's slot (-1: none) and penalties
             on = [r.params.needs_penalties for r in penalized]
-            table.append([r.slot if o else -1 for r, o in zip(penalized, on)])
-            table.append([p.repetition_penalty for p in params])
-            table.append([p.frequency_penalty for p in params])
-            table.append([p.presence_penalty for p in params])
-        cols = to_device(torch.tensor(table, dtype=torch.float32), x.device)
+            table.fromlist([r.slot if o else -1 for r, o in zip(penalized, on)])
+            table.fromlist([p.repetition_penalty for p in params])
+            table.fromlist([p.frequency_penalty for p in params])
+            table.fromlist([p.presence_penalty for p in params])
+        cols = to_device(torch.frombuffer(table, dtype=torch.float32).view(-1, len(params)), x.device)
         if keys is None:
             return _triton("thresholds", lambda ts: ts.thresholds(x, cols[0], cols[1], cols[2], cols[3], V))
         halves = noise.key_halves(keys, x.device)
