@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Run on the GPU machine (device tool): the tests with CUDA paths first (the kernels, the sampler, graphs,
+# Run on the GPU machine: the tests with CUDA paths first (the kernels, the sampler, graphs,
 # speculation heads, MoE), then the rest of the CPU suite that has CUDA cases, minus the embedded-model
 # tests (the 98 MB model cannot travel). A fresh machine spends minutes compiling Triton kernels: give
 # it the whole call (T_CHECK seconds, 560 by default); a timeout cuts the list's tail, not its head.
 # Wheels for packages missing there travel in .whl/ (git-ignored; see the device README); make them
 # with scripts/device_wheels.sh.
-# Usage (device tool, carry [".whl"]): bash scripts/device_check.sh [pytest args, e.g. -x]
+# Usage (on the GPU machine, with .whl/ beside the tree): bash scripts/device_check.sh [pytest args, e.g. -x]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh

@@ -320,7 +320,7 @@ class Sampler:
         """The kernel's tokens for rows of x (keys None: their thresholds), or None where it failed to
         build. penalized: the rows, when the kernel applies their penalties (slots in self.history)."""
         V = self.vocab_size
-        table = array.array("f")  # the columns row after row (half the time of torch.tensor(lists))
+        table = array.array("f")  # the columns row after row, one buffer (torch.tensor of lists is slower)
         table.fromlist([p.temperature if not p.greedy else 0.0 for p in params])
         table.fromlist([p.min_p for p in params])
         table.fromlist([p.top_k if 0 < p.top_k < V else 0 for p in params])
