@@ -25,11 +25,11 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
                pass accepts with probability >= top_p; an LLM's peaked rows take one or two (a round
                whose set the candidates hold runs in registers).
 
-So a row costs 1 pass (top_k: its draw in registers), 2 (temperature, min_p) plus one per top_p round
-the candidates cannot hold, where the bisection this replaced took ~30 per filter. The threshold mode
-finds top_p's tau by bisection on the mass (`_bisect`: a pass a step; only filter() pays it). Triton is
-imported at the first call (the CPU never needs it); under TRITON_INTERPRET=1 the kernels run on CPU
-tensors, which is how they are tested.
+So a row costs 1 pass (top_k: its draw in registers; temperature alone: the race, which needs no m), 2
+(min_p) plus one per top_p round the candidates cannot hold, where the bisection this replaced took ~30
+per filter. The threshold mode finds top_p's tau by bisection on the mass (`_bisect`: a pass a step;
+only filter() pays it). Triton is imported at the first call (the CPU never needs it); under
+TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how they are tested.
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ def _triton_kernel():
                         lo_l = tl.minimum(lo_l, tl.where(yl == neg_inf, float("inf"), yl))
                 m = tl.max(c0, 0)
                 lo_min = tl.min(lo_l, 0)
-            else:
+            elif (tl.load(min_p_ptr + row) > 0.0) | (top_p < 1.0):
                 top_b = tl.full([BLOCK], neg_inf, tl.float32)
                 lo_b = tl.full([BLOCK], float("inf"), tl.float32)
                 for start in range(0, V, BLOCK):
@@ -332,6 +332,9 @@ def _triton_kernel():
                         lo_b = tl.minimum(lo_b, tl.where(yb == neg_inf, float("inf"), yb))
                 m = tl.max(top_b, 0)
                 lo_min = tl.min(lo_b, 0)
+            else:  # temperature alone: the race needs no maximum (its mass goes unused), so no pass 1
+                m = tl.full((), 0.0, tl.float32)
+                lo_min = m
             floor = tl.full((), neg_inf, tl.float32)
             min_p = tl.load(min_p_ptr + row)
             if min_p > 0.0:
