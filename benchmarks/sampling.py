@@ -212,6 +212,8 @@ def tiles(a) -> dict:
         "top_k 50 + top_p 0.9": [(0.7, 0.0, 50, 0.9)] * n,
         "mixed rows": [(p.temperature, p.min_p, p.top_k, p.top_p) for p in ps],
     }
+    cases["mixed, heavy first"] = cases["mixed rows"]
+    heavy = torch.tensor(ts.row_order(*zip(*cases["mixed rows"])), dtype=torch.float32, device=dev)
     shapes = [(1024, 4, 0), (2048, 8, 0), (4096, 16, 0), (8192, 16, 0)]  # (block, warps, lanes; 0: block)
     shapes += [(4096, 16, 1024), (4096, 16, 2048), (8192, 16, 1024), (8192, 16, 2048), (4096, 8, 1024)]
     shapes = shapes if dev == "cuda" else [(512, 4, 0), (512, 4, 128)]
@@ -222,7 +224,8 @@ def tiles(a) -> dict:
         shape = f"block {block} warps {warps} lanes {lanes or block}"
         for name, rows in cases.items():
             c = torch.tensor(list(zip(*rows)), dtype=torch.float32, device=dev)
-            run = lambda c=c: ts.sample_rows(x, c[0], c[1], c[2], c[3], keys, V)  # noqa: E731
+            o = heavy if name.endswith("first") else None
+            run = lambda c=c, o=o: ts.sample_rows(x, c[0], c[1], c[2], c[3], keys, V, order=o)  # noqa: E731
             res[f"{shape} {name}"] = median_ms(run)
         row = {name: round(res[f"{shape} {name}"], 3) for name in cases}
         gw.log(f"kernel, {shape}: {row} ms; {_registers(ts)}")
@@ -242,8 +245,9 @@ def _registers(ts) -> str:
 
 def filters(a) -> dict:
     """The Triton sampling kernel alone with every row on one filter (temperature 0.7 and the named
-    filter; fp32 and bf16 logits), then the mixed rows: where the kernel's time goes by filter. CUDA
-    events, median of 10 after 3 warm-ups, logits of scale 1 and 4."""
+    filter; fp32 and bf16 logits), then the mixed rows in their order and in the Sampler's (row_order:
+    the heavy rows' programs first): where the kernel's time goes by filter. CUDA events, median of 10
+    after 3 warm-ups, logits of scale 1 and 4."""
     from foveal.sample import noise
     from foveal.sample import triton_sample as ts
 
@@ -262,15 +266,17 @@ def filters(a) -> dict:
     ps = mixed_params(n, 1)
     mixed_cols = [[p.temperature for p in ps], [p.min_p for p in ps], [p.top_k for p in ps]]
     mixed_cols.append([p.top_p for p in ps])
+    heavy = torch.tensor(ts.row_order(*mixed_cols), dtype=torch.float32, device=dev)  # the Sampler's order
     res = {}
     g = torch.Generator().manual_seed(0)
     for scale in (1.0, 4.0):
         x32 = (torch.randn(n, V, generator=g) * scale).to(dev)
         for dtype, x in (("fp32", x32), ("bf16", x32.to(torch.bfloat16))):
-            for name, vals in [*cases.items(), ("mixed rows", None)]:
+            for name, vals in [*cases.items(), ("mixed rows", None), ("mixed rows, heavy first", None)]:
                 cols = mixed_cols if vals is None else [[v] * n for v in vals]
                 c = torch.tensor(cols, dtype=torch.float32, device=dev)
-                run = lambda x=x, c=c: ts.sample_rows(x, c[0], c[1], c[2], c[3], keys, V)  # noqa: E731
+                order = heavy if name.endswith("first") else None
+                run = lambda x=x, c=c, o=order: ts.sample_rows(x, c[0], c[1], c[2], c[3], keys, V, order=o)  # noqa: E731
                 key = f"scale {scale} {dtype} {name}"
                 res[key] = median_ms(run)
                 gw.log(f"kernel, {key}: {res[key]:.3f} ms")

@@ -213,7 +213,7 @@ def test_penalties_read_as_the_rows_load_equal_the_penalized_copy(block, monkeyp
     load) draws what it draws from penalize()'s float32 copy: every mix, greedy rows included, rows with
     and without a slot, two rows on one slot; block 16 takes the radix select and the top_p rounds
     through the penalized loads too."""
-    from foveal.sample.triton_sample import penalize
+    from foveal.sample.triton_sample import penalize, row_order
 
     _set_tile(monkeypatch, block)
     dev = _device()
@@ -243,6 +243,13 @@ def test_penalties_read_as_the_rows_load_equal_the_penalized_copy(block, monkeyp
     assert got.tolist() == want.tolist()
     plain = sample_rows(x[:, :V].float().to(dev), cols[0], cols[1], cols[2], cols[3], keys, V)
     assert plain.tolist() != want.tolist()  # the penalties changed some draws: the test can fail
+    # the heavy rows' programs first (the Sampler's order): each row reads and writes its own
+    heavy = row_order(*cols.tolist())
+    assert heavy is not None and heavy != sorted(heavy)
+    ordered = sample_rows(x.to(dev), cols[0], cols[1], cols[2], cols[3], keys, V,
+                          penalties=(slot_t, vals.T.contiguous().to(dev), counts, prompt),
+                          order=torch.tensor(heavy, dtype=torch.float32, device=dev))  # fmt: skip
+    assert ordered.tolist() == want.tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -28,7 +28,7 @@ import torch
 
 from foveal.device import to_device
 from foveal.request import Logprob, SamplingParams, TokenLogprobs
-from foveal.sample import noise
+from foveal.sample import noise, triton_sample
 from foveal.sample.history import TokenHistory, occurrence_counts
 from foveal.structured.bitmask import apply_bitmask
 
@@ -321,23 +321,29 @@ class Sampler:
         build. penalized: the rows, when the kernel applies their penalties (slots in self.history)."""
         V = self.vocab_size
         table = array.array("f")  # the columns row after row, one buffer (torch.tensor of lists is slower)
-        table.fromlist([p.temperature if not p.greedy else 0.0 for p in params])
-        table.fromlist([p.min_p for p in params])
-        table.fromlist([p.top_k if 0 < p.top_k < V else 0 for p in params])
-        table.fromlist([p.top_p if p.top_p < 1 else 1.0 for p in params])
+        temps = [p.temperature if not p.greedy else 0.0 for p in params]
+        min_p = [p.min_p for p in params]
+        top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+        top_p = [p.top_p if p.top_p < 1 else 1.0 for p in params]
+        for column in (temps, min_p, top_k, top_p):
+            table.fromlist(column)
         if penalized is not None:  # the same copy carries each row's slot (-1: none) and penalties
             on = [r.params.needs_penalties for r in penalized]
             table.fromlist([r.slot if o else -1 for r, o in zip(penalized, on)])
             table.fromlist([p.repetition_penalty for p in params])
             table.fromlist([p.frequency_penalty for p in params])
             table.fromlist([p.presence_penalty for p in params])
+        order = None if keys is None else triton_sample.row_order(temps, min_p, top_k, top_p)
+        if order is not None:
+            table.fromlist(order)
         cols = to_device(torch.frombuffer(table, dtype=torch.float32).view(-1, len(params)), x.device)
         if keys is None:
             return _triton("thresholds", lambda ts: ts.thresholds(x, cols[0], cols[1], cols[2], cols[3], V))
         halves = noise.key_halves(keys, x.device)
         pen = None if penalized is None else (cols[4], cols[5:8], self.history.counts, self.history.prompt)
+        at = None if order is None else cols[-1]
         return _triton(
-            "sample", lambda ts: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V, pen)
+            "sample", lambda ts: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V, pen, at)
         )
 
     # ---- step 8: logprobs from the raw logits -------------------------------------------------------
@@ -404,8 +410,6 @@ def _triton(name: str, call):
     failed to build on this machine (logged once; the torch ops run instead from then on)."""
     if _kernel_ok.get(name) is False:
         return None
-    from foveal.sample import triton_sample
-
     try:  # its first launch compiles it
         out = call(triton_sample)
     except Exception:

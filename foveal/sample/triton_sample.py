@@ -258,15 +258,20 @@ def _triton_kernel():
         pvals_ptr,
         counts_ptr,
         prompt_ptr,
+        order_ptr,
         THRESH: tl.constexpr,
         PENALTY: tl.constexpr,
+        ORDER: tl.constexpr,
         BLOCK: tl.constexpr,
         LANES: tl.constexpr,
         MAX_STEPS: tl.constexpr,
     ):
         """THRESH: each row's threshold tau* into out (float32); else its token (int64). PENALTY: rows
-        with a slot >= 0 read their penalties' counts there (the device history) as they load."""
+        with a slot >= 0 read their penalties' counts there (the device history) as they load. ORDER:
+        program i draws row order[i] (float32, exact), the heavy rows first (row_order)."""
         row = tl.program_id(0)
+        if ORDER:
+            row = tl.load(order_ptr + row).to(tl.int32)
         x_row = x_ptr + row.to(tl.int64) * x_stride
         temp = tl.load(temp_ptr + row)
         neg_inf = float("-inf")
@@ -470,7 +475,20 @@ def _triton_kernel():
     return _kernel
 
 
-def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool, penalties=None):
+def row_order(temperature: list[float], min_p: list[float], top_k: list[int], top_p: list[float]):
+    """The rows' indices, those the kernel spends longest on first (None: all alike, any order). The
+    GPU starts programs in order as earlier ones end, so the last to start should be short, not a
+    top_p row's several passes (the costs: top_p without top_k > min_p > one pass > greedy)."""
+    buckets: tuple[list[int], ...] = ([], [], [], [])
+    for i, (t, mp, k, p) in enumerate(zip(temperature, min_p, top_k, top_p)):
+        cost = 0 if t == 0 else 1 if k > 0 else 3 if p < 1 else 2 if mp > 0 else 1
+        buckets[3 - cost].append(i)
+    if max(len(b) for b in buckets) == len(temperature):
+        return None
+    return buckets[0] + buckets[1] + buckets[2] + buckets[3]
+
+
+def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool, penalties=None, order=None):
     B = x.shape[0]
     out = torch.empty(B, dtype=torch.float32 if thresh else torch.long, device=x.device)
     if B:
@@ -479,20 +497,22 @@ def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool,
             vals, prompt = vals.contiguous(), prompt.view(torch.uint8)
         _triton_kernel()[(B,)](
             x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out, slots, vals, counts, prompt,
-            THRESH=thresh, PENALTY=penalties is not None, BLOCK=_BLOCK, LANES=_LANES or _BLOCK,
+            keys if order is None else order, THRESH=thresh, PENALTY=penalties is not None,
+            ORDER=order is not None, BLOCK=_BLOCK, LANES=_LANES or _BLOCK,
             MAX_STEPS=_MAX_STEPS, num_warps=_WARPS,
         )  # fmt: skip
     return out
 
 
-def sample_rows(x, temperature, min_p, top_k, top_p, keys, vocab: int, penalties=None) -> torch.Tensor:
+def sample_rows(x, temperature, min_p, top_k, top_p, keys, vocab: int, penalties=None, order=None):
     """Tokens int64 [B] for logits x [B, >= vocab] (fp32 or bf16, rows contiguous); per-row float32
     temperature (0: greedy), min_p (0: off), top_k (0: off), top_p (1: off) and the noise keys (int64
     [B, 2], noise.key_halves). penalties: None, or (the rows' history slots [B], -1 for a row without,
     int64 or float32 (exact below 2**24); their repetition, frequency and presence penalties float32
     [3, B]; the device history's counts int32 [slots, vocab] and prompt marks bool [slots, vocab]):
-    applied as the rows load (penalize()'s values, no copy)."""
-    return _launch(x, temperature, min_p, top_k, top_p, keys, vocab, thresh=False, penalties=penalties)
+    applied as the rows load (penalize()'s values, no copy). order: None, or float32 [B] (exact), the
+    rows in the order their programs take them (row_order's): the same tokens, sooner."""
+    return _launch(x, temperature, min_p, top_k, top_p, keys, vocab, False, penalties, order)
 
 
 def thresholds(x, temperature, min_p, top_k, top_p, vocab: int) -> torch.Tensor:
