@@ -23,7 +23,9 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
                race over that set has the same winner, the set being inside the one raced over); else
                the set shrinks to {y > y_w} and its winner, found in the same pass, is the next w. Each
                pass accepts with probability >= top_p; an LLM's peaked rows take one or two (a round
-               whose set the candidates hold runs in registers).
+               whose set the candidates hold runs in registers). A race that took a pass also counts
+               its set in bins of m - y: their bound on the mass above w, when below top_p * Z,
+               accepts w with no pass (a flat row's usual case).
 
 So a row costs 1 pass (top_k: its draw in registers; temperature alone: the race, which needs no m), 2
 (min_p) plus one per top_p round the candidates cannot hold, where the bisection this replaced took ~30
@@ -45,6 +47,10 @@ _WARPS = 16  # per program (one program a row)
 # apart so few lanes (small top_k rows' registers) need not mean short loads in the other passes: the
 # tiles sweep of benchmarks/sampling.py measures it; the default stays until it has
 _LANES = 0
+# top_p's first check: the raced set's counts in bins of m - y (_BINS of 1 / _PER_UNIT each; 0: none) bound
+# the mass above the winner; when the bound is below the need the winner stays with no pass over the row
+_BINS = 512
+_PER_UNIT = 32
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
 # logprobs: the top alternatives row_logprobs finds itself (more: the caller's torch.topk), over this many
@@ -58,7 +64,7 @@ _kernel = _noise = _penalty = _lse = None
 def _triton_kernel():
     global _kernel, _noise, _penalty, _lse, tl  # @triton.jit resolves the helpers below as module globals
     global _mix32, _uniform, _key, _unkey, _kth_largest, _race, _count_mass, _bisect, _insert4, _radix_byte
-    global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes, _load_x
+    global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes, _load_x, _mass_above
     if _kernel is not None:
         return _kernel
     import triton
@@ -190,13 +196,16 @@ def _triton_kernel():
         return _unkey(prefix)
 
     @triton.jit
-    def _race(x_row, V, inv_t, m, lo, strict, k0, k1, c_row, p_row, pen, rep, freq, pres,
-              PENALTY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        """(the race winner, Z) over the set {y >= lo} (strict: {y > lo}): the first column with the
-        largest y - log E, and sum e^(y - m) over the set."""
+    def _race(x_row, V, inv_t, m, lo, strict, k0, k1, c_row, p_row, pen, rep, freq, pres, binned,
+              PENALTY: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr, BINS: tl.constexpr,
+              PER_UNIT: tl.constexpr):  # fmt: skip
+        """(the race winner, Z, bins) over the set {y >= lo} (strict: {y > lo}): the first column with
+        the largest y - log E, and sum e^(y - m) over the set; with `binned` (and HIST), the set's count
+        in each bin of m - y (PER_UNIT bins a unit, the last also holding all below: _mass_above)."""
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.zeros([BLOCK], dtype=tl.int32)
         mass = tl.zeros([BLOCK], dtype=tl.float32)
+        bins = tl.zeros([BINS], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             y = _load_x(x_row, cols, cols < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
@@ -206,8 +215,23 @@ def _triton_kernel():
             better = score > best
             best = tl.where(better, score, best)
             best_i = tl.where(better, cols, best_i)
+            if HIST:
+                if binned:
+                    at = tl.minimum((m - y) * PER_UNIT, BINS - 1).to(tl.int32)
+                    bins += tl.histogram(at, BINS, mask=keep)
         top = tl.max(best, 0)
-        return tl.min(tl.where(best == top, best_i, V), 0), tl.sum(mass, 0)
+        return tl.min(tl.where(best == top, best_i, V), 0), tl.sum(mass, 0), bins
+
+    @triton.jit
+    def _mass_above(bins, m, wy, BINS: tl.constexpr, PER_UNIT: tl.constexpr):
+        """An upper bound on sum e^(y - m) over {y > wy} from _race's bins of a set holding wy's column
+        and the values above it: a value in bin b (m - y >= b / PER_UNIT) adds at most e^(-b /
+        PER_UNIT); wy's own bin counts all but wy itself."""
+        at = tl.minimum((m - wy) * PER_UNIT, BINS - 1).to(tl.int32)
+        b = tl.arange(0, BINS)
+        weight = tl.exp(-b.to(tl.float32) / PER_UNIT)
+        n = tl.where(b == at, bins - 1, tl.where(b < at, bins, 0))
+        return tl.sum(n.to(tl.float32) * weight, 0)
 
     @triton.jit
     def _count_mass(x_row, V, inv_t, m, t, floor, BLOCK: tl.constexpr):
@@ -263,6 +287,9 @@ def _triton_kernel():
         PENALTY: tl.constexpr,
         ORDER: tl.constexpr,
         BLOCK: tl.constexpr,
+        HIST: tl.constexpr,
+        BINS: tl.constexpr,
+        PER_UNIT: tl.constexpr,
         LANES: tl.constexpr,
         MAX_STEPS: tl.constexpr,
     ):
@@ -375,11 +402,14 @@ def _triton_kernel():
                 k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
                 # each race in registers when the lanes' candidates hold its whole set (top_k's, a late
                 # top_p round's), else a pass over the row
+                binned = False  # whether `bins` counts the raced set (top_p rows whose race took a pass)
                 if lanes & _lanes_hold(c3, floor, 0):
                     w, z = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, floor, 0, k0, k1, V)
+                    bins = tl.zeros([BINS], dtype=tl.int32)
                 else:
-                    w, z = _race(x_row, V, inv_t, m, floor, 0, k0, k1, c_row, p_row, pen, rep, freq, pres,
-                                 PENALTY, BLOCK)  # fmt: skip
+                    binned = top_p < 1.0
+                    w, z, bins = _race(x_row, V, inv_t, m, floor, 0, k0, k1, c_row, p_row, pen, rep, freq,
+                                       pres, binned, PENALTY, BLOCK, HIST, BINS, PER_UNIT)  # fmt: skip
                 if top_p < 1.0:
                     need = top_p * z
                     above = need
@@ -388,8 +418,16 @@ def _triton_kernel():
                         if _lanes_hold(c3, wy, 1):
                             w2, above = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, wy, 1, k0, k1, V)
                         else:
-                            w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, c_row, p_row, pen, rep, freq,
-                                              pres, PENALTY, BLOCK)  # fmt: skip
+                            sure = False  # the bins' bound (with room for float sums' rounding) below need
+                            if HIST:
+                                if binned:
+                                    sure = _mass_above(bins, m, wy, BINS, PER_UNIT) * 1.001 < need
+                            if sure:  # w stays
+                                w2, above = w, tl.full((), 0.0, tl.float32)
+                            else:
+                                w2, above, _ = _race(x_row, V, inv_t, m, wy, 1, k0, k1, c_row, p_row, pen,
+                                                     rep, freq, pres, False, PENALTY, BLOCK, HIST, BINS,
+                                                     PER_UNIT)  # fmt: skip
                         if above >= need:
                             w = w2
                 tl.store(out_ptr + row, w.to(tl.int64))
@@ -498,7 +536,8 @@ def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool,
         _triton_kernel()[(B,)](
             x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out, slots, vals, counts, prompt,
             keys if order is None else order, THRESH=thresh, PENALTY=penalties is not None,
-            ORDER=order is not None, BLOCK=_BLOCK, LANES=_LANES or _BLOCK,
+            ORDER=order is not None, BLOCK=_BLOCK, HIST=_BINS > 0,
+            BINS=max(_BINS, 32), PER_UNIT=_PER_UNIT, LANES=_LANES or _BLOCK,
             MAX_STEPS=_MAX_STEPS, num_warps=_WARPS,
         )  # fmt: skip
     return out
