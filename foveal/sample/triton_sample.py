@@ -7,8 +7,8 @@ as the last one a sort would keep (ties at a boundary all stay, where a sort kee
 The draw is the exponential race in log form, argmax over the kept set of y - log E_j with E_j =
 -log U(key, j) (sample/noise.py: Gumbel-max, token j wins with probability softmax(y)_j on the set).
 
-    pass 1     m = max(y); with top_k or top_p, each lane's 4 largest y and their columns (lane c: the
-               columns c, c + LANES, ...; LANES is the block unless set apart)
+    pass 1     m = max(y); with top_k, top_p or min_p, each lane's 4 largest y and their columns (lane
+               c: the columns c, c + LANES, ...; LANES is the block unless set apart)
     min_p      floor = m + log(min_p)                        (keep p >= min_p * p_max)
     top_k      floor = max(floor, the k-th largest y): the k-th largest of the 4 * LANES lane
                candidates, its order-preserving key found a bit a count, in registers (no pass). It is
@@ -27,11 +27,11 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
                its set in bins of m - y: their bound on the mass above w, when below top_p * Z,
                accepts w with no pass (a flat row's usual case).
 
-So a row costs 1 pass (top_k: its draw in registers; temperature alone: the race, which needs no m), 2
-(min_p) plus one per top_p round the candidates cannot hold, where the bisection this replaced took ~30
-per filter. The threshold mode finds top_p's tau by bisection on the mass (`_bisect`: a pass a step;
-only filter() pays it). Triton is imported at the first call (the CPU never needs it); under
-TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how they are tested.
+So a row costs 1 pass (top_k, min_p: the draw in registers when the candidates hold its set; temperature
+alone: the race, which needs no m), 2 where they do not, plus one per top_p round they cannot hold, where
+the bisection this replaced took ~30 per filter. The threshold mode finds top_p's tau by bisection on the
+mass (`_bisect`: a pass a step; only filter() pays it). Triton is imported at the first call (the CPU never
+needs it); under TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how they are tested.
 """
 
 from __future__ import annotations
@@ -339,7 +339,9 @@ def _triton_kernel():
             j2 = tl.zeros([LANES], dtype=tl.int32)
             j3 = tl.zeros([LANES], dtype=tl.int32)
             top_p = tl.load(top_p_ptr + row)
-            lanes = (k > 0) | ((top_p < 1.0) & (not THRESH))  # the candidates serve top_k and the draws
+            min_p = tl.load(min_p_ptr + row)
+            # the candidates serve top_k and the draws (min_p's set, top_p's rounds: held when small)
+            lanes = (k > 0) | (((top_p < 1.0) | (min_p > 0.0)) & (not THRESH))
             # pass 1: the maximum, lo_min the smallest finite y (where the threshold mode's bisection
             # starts); with lanes, their candidates too, LANES columns a step (names apart per branch:
             # Triton unifies what both branches define, and the shapes differ)
@@ -353,7 +355,7 @@ def _triton_kernel():
                         lo_l = tl.minimum(lo_l, tl.where(yl == neg_inf, float("inf"), yl))
                 m = tl.max(c0, 0)
                 lo_min = tl.min(lo_l, 0)
-            elif (tl.load(min_p_ptr + row) > 0.0) | (top_p < 1.0):
+            elif (min_p > 0.0) | (top_p < 1.0):
                 top_b = tl.full([BLOCK], neg_inf, tl.float32)
                 lo_b = tl.full([BLOCK], float("inf"), tl.float32)
                 for start in range(0, V, BLOCK):
@@ -368,7 +370,6 @@ def _triton_kernel():
                 m = tl.full((), 0.0, tl.float32)
                 lo_min = m
             floor = tl.full((), neg_inf, tl.float32)
-            min_p = tl.load(min_p_ptr + row)
             if min_p > 0.0:
                 floor = m + tl.log(min_p)
             if k > 0:
