@@ -188,11 +188,15 @@ def test_the_plan_from_the_start_is_made_in_the_input_pool(backend, monkeypatch)
     assert closing.closer_for(long).plan(long.matcher(), "", 64) is None  # 1,000 items never fit 64
 
 
-def test_an_answer_past_max_tokens_ends_complete_with_length(tiny):
+def test_an_answer_past_max_tokens_ends_complete_with_length(tiny, monkeypatch):
     """A random model writes strings that never close (the image's pattern needs a literal it does not
     write); at max_tokens the answer still parses and validates, finish_reason "length", within the
-    budget. With close_on_length=False it is cut where it falls (not JSON)."""
+    budget's expansions (its time limits set wide: a slower host must not cut a plan). With
+    close_on_length=False it is cut where it falls (not JSON)."""
+    from foveal.structured import closing
     from tests.test_structured_outputs import assert_idle, closing_bias
+
+    monkeypatch.setattr(closing, "BUDGET", closing.Budget(plan_s=10.0, step_s=10.0))
 
     spec = OutputConstraint.json_schema(IMAGE)
     for max_tokens in (60, 150):

@@ -109,7 +109,7 @@ def test_shared_prefixes_equal_the_oracle_and_the_plain_path(num_kv, group, head
     assert ROWS_PER_TILE < 18
     compare(case, shared)
     plain = case.run(TritonAttentionBackend(shared_min_rows=0), case.cache.clone())
-    torch.testing.assert_close(case.run(shared, case.cache.clone()), plain, **tolerance(case.q.dtype))
+    torch.testing.assert_close(case.run(shared, case.cache.clone()), plain, **tolerance(case.q.dtype, 2))
     assert meta.shared.prefix_lens.count_nonzero().item() == 21  # every row of both groups
 
 
@@ -167,7 +167,7 @@ def test_a_requests_own_rows_equal_the_oracle_and_the_plain_path(num_kv, group, 
     assert backend.plan(case.batch, case.device).shared is None
     compare(case, backend)
     plain = case.run(TritonAttentionBackend(shared_min_rows=0), case.cache.clone())
-    torch.testing.assert_close(case.run(backend, case.cache.clone()), plain, **tolerance(case.q.dtype))
+    torch.testing.assert_close(case.run(backend, case.cache.clone()), plain, **tolerance(case.q.dtype, 2))
 
 
 def _graph_run(backend, case, static, padded: int):

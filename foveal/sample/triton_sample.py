@@ -217,8 +217,8 @@ def _triton_kernel():
             best_i = tl.where(better, cols, best_i)
             if HIST:
                 if binned:
-                    at = tl.minimum((m - y) * PER_UNIT, BINS - 1).to(tl.int32)
-                    bins += tl.histogram(at, BINS, mask=keep)
+                    at = tl.maximum(tl.minimum((m - y) * PER_UNIT, BINS - 1), 0).to(tl.int32)
+                    bins += tl.histogram(at, BINS, mask=keep & (y > float("-inf")))
         top = tl.max(best, 0)
         return tl.min(tl.where(best == top, best_i, V), 0), tl.sum(mass, 0), bins
 
