@@ -340,6 +340,25 @@ def test_seeded_rows_draw_the_same_token_in_any_batch():
         assert alone.item() == full[i].item()
 
 
+def test_the_samplers_packing_and_row_order_draw_what_the_cpu_sampler_draws():
+    """Sampler._draw_kernel (CUDA's draw: the rows' columns and the heavy-first order packed into one
+    host copy, then the kernel) on CPU tensors in the interpreter, against the CPU Sampler's sort-based
+    draw of the same seeded rows."""
+    from foveal.sample import triton_sample
+
+    if _device() != "cpu":
+        pytest.skip("CUDA runs the Sampler end to end (below)")
+    V = 300
+    x = torch.randn(len(MIXES), V, generator=torch.Generator().manual_seed(4)) * 2
+    params = [SamplingParams(temperature=t, min_p=mp, top_k=k, top_p=p, seed=i) for i, (t, mp, k, p) in
+              enumerate(MIXES)]  # fmt: skip
+    assert triton_sample.row_order(*[[m[i] for m in MIXES] for i in range(4)]) is not None
+    rows = [SamplingRow(p, [], [], frozenset()) for p in params]
+    s = Sampler(V, "cpu")
+    cpu, _ = s.sample(x.clone(), rows)
+    assert s._draw_kernel(x.clone(), rows).tolist() == cpu.tolist()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("penalized", [True, False])
 def test_cuda_sampler_draws_what_the_cpu_sampler_draws(penalized):
