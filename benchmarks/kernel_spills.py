@@ -1,0 +1,83 @@
+"""The sampling kernel's registers and spills at several tiles, compiled here for a GPU this machine need
+not have: Triton lowers `_sample_kernel` to PTX for the target (sm_90: H100 / H200) and its bundled ptxas
+reports what each thread uses. A CPU-only host can screen tiles before GPU time measures them (the
+installed Triton's compiler: the GPU machine's may differ, so the counts are a guide, not its figures).
+
+    python benchmarks/kernel_spills.py [--tiles 4096x16x0x512,4096x16x1024x512] [--arch 90]
+
+A tile: block x warps x lanes (0: the block) x top_p's bins (0: none); each with and without penalties,
+bf16 logits, the rows' order on (the Sampler's variant). Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.getcwd())
+
+POINTERS = {  # _sample_kernel's pointer arguments as the Sampler passes them
+    "x_ptr": "*bf16", "temp_ptr": "*fp32", "min_p_ptr": "*fp32", "top_k_ptr": "*fp32", "top_p_ptr": "*fp32",
+    "keys_ptr": "*i64", "out_ptr": "*i64", "slots_ptr": "*fp32", "pvals_ptr": "*fp32", "counts_ptr": "*i32",
+    "prompt_ptr": "*u8", "order_ptr": "*fp32",
+}  # fmt: skip
+
+
+def spills(kernel, arch: int, block: int, warps: int, lanes: int, bins: int, penalty: bool) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from foveal.sample import triton_sample as ts
+
+    const = dict(THRESH=False, PENALTY=penalty, ORDER=True, BLOCK=block, HIST=bins > 0, BINS=max(bins, 32),
+                 PER_UNIT=ts._PER_UNIT, LANES=lanes or block, MAX_STEPS=ts._MAX_STEPS)  # fmt: skip
+    names = kernel.arg_names
+    sig = {n: POINTERS.get(n, "constexpr" if n in const else "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    found = [os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")]  # the newer PTX first
+    ptxas = next(p for p in found if os.path.exists(p))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        r = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                           text=True)  # fmt: skip
+    text = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if regs is None:
+        return {"error": text.strip()[-300:]}
+    return {"registers": int(regs.group(1)), "spill_stores": int(spill.group(1)) if spill else 0,
+            "spill_loads": int(spill.group(2)) if spill else 0}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiles", default="4096x16x0x512,4096x16x0x0,4096x16x1024x512,4096x16x2048x512,"
+                    "2048x8x0x512,1024x4x0x512,4096x8x1024x512")  # fmt: skip
+    ap.add_argument("--arch", type=int, default=90)
+    a = ap.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    from foveal.sample import triton_sample as ts
+
+    kernel, res = ts._triton_kernel(), {}
+    for tile in a.tiles.split(","):
+        block, warps, lanes, bins = (int(v) for v in tile.split("x"))
+        for penalty in (False, True):
+            name = f"{tile} {'penalties' if penalty else 'plain'}"
+            res[name] = spills(kernel, a.arch, block, warps, lanes, bins, penalty)
+            print(f"{name}: {res[name]}", flush=True)
+    import triton
+
+    print(json.dumps({"benchmark": "kernel_spills", "triton": triton.__version__, "arch": a.arch, **res}))
+
+
+if __name__ == "__main__":
+    main()
