@@ -353,6 +353,7 @@ def test_the_samplers_packing_and_row_order_draw_what_the_cpu_sampler_draws():
     params = [SamplingParams(temperature=t, min_p=mp, top_k=k, top_p=p, seed=i) for i, (t, mp, k, p) in
               enumerate(MIXES)]  # fmt: skip
     assert triton_sample.row_order(*[[m[i] for m in MIXES] for i in range(4)]) is not None
+    assert triton_sample.row_order([0.7, 0.6], [0.0] * 2, [0] * 2, [1.0] * 2) is None  # alike: any order
     rows = [SamplingRow(p, [], [], frozenset()) for p in params]
     s = Sampler(V, "cpu")
     cpu, _ = s.sample(x.clone(), rows)

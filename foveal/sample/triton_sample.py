@@ -518,8 +518,11 @@ def row_order(temperature: list[float], min_p: list[float], top_k: list[int], to
     """The rows' indices, those the kernel spends longest on first (None: all alike, any order). The
     GPU starts programs in order as earlier ones end, so the last to start should be short, not a
     top_p row's several passes (the costs: top_p without top_k > min_p > one pass > greedy)."""
+    columns = (temperature, min_p, top_k, top_p)
+    if all(c.count(c[0]) == len(c) for c in columns if c):  # one mix (nano-vllm's rows): no loop per row
+        return None
     buckets: tuple[list[int], ...] = ([], [], [], [])
-    for i, (t, mp, k, p) in enumerate(zip(temperature, min_p, top_k, top_p)):
+    for i, (t, mp, k, p) in enumerate(zip(*columns)):
         cost = 0 if t == 0 else 1 if k > 0 else 3 if p < 1 else 2 if mp > 0 else 1
         buckets[3 - cost].append(i)
     if max(len(b) for b in buckets) == len(temperature):
