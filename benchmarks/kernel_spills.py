@@ -3,9 +3,9 @@ not have: Triton lowers `_sample_kernel` to PTX for the target (sm_90: H100 / H2
 reports what each thread uses. A CPU-only host can screen tiles before GPU time measures them (the
 installed Triton's compiler: the GPU machine's may differ, so the counts are a guide, not its figures).
 
-    python benchmarks/kernel_spills.py [--tiles 4096x16x0x512,4096x16x1024x512] [--arch 90]
+    python benchmarks/kernel_spills.py [--tiles 4096x16x0,4096x16x1024] [--arch 90]
 
-A tile: block x warps x lanes (0: the block) x top_p's bins (0: none); each with and without penalties,
+A tile: block x warps x lanes (0: the block); each with and without penalties,
 bf16 logits, the rows' order on (the Sampler's variant). Ends with one JSON line.
 """
 
@@ -28,15 +28,15 @@ POINTERS = {  # _sample_kernel's pointer arguments as the Sampler passes them
 }  # fmt: skip
 
 
-def spills(kernel, arch: int, block: int, warps: int, lanes: int, bins: int, penalty: bool) -> dict:
+def spills(kernel, arch: int, block: int, warps: int, lanes: int, penalty: bool) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from foveal.sample import triton_sample as ts
 
-    const = dict(THRESH=False, PENALTY=penalty, ORDER=True, BLOCK=block, HIST=bins > 0, BINS=max(bins, 32),
-                 PER_UNIT=ts._PER_UNIT, LANES=lanes or block, MAX_STEPS=ts._MAX_STEPS)  # fmt: skip
+    const = dict(THRESH=False, PENALTY=penalty, ORDER=True, BLOCK=block, LANES=lanes or block,
+                 MAX_STEPS=ts._MAX_STEPS)  # fmt: skip
     names = kernel.arg_names
     sig = {n: POINTERS.get(n, "constexpr" if n in const else "i32") for n in names}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()})
@@ -60,8 +60,7 @@ def spills(kernel, arch: int, block: int, warps: int, lanes: int, bins: int, pen
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiles", default="4096x16x0x512,4096x16x0x0,4096x16x1024x512,4096x16x2048x512,"
-                    "2048x8x0x512,1024x4x0x512,4096x8x1024x512")  # fmt: skip
+    ap.add_argument("--tiles", default="4096x16x0,4096x16x1024,4096x16x2048,2048x8x0,1024x4x0,4096x8x1024")
     ap.add_argument("--arch", type=int, default=90)
     a = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -69,10 +68,10 @@ def main() -> None:
 
     kernel, res = ts._triton_kernel(), {}
     for tile in a.tiles.split(","):
-        block, warps, lanes, bins = (int(v) for v in tile.split("x"))
+        block, warps, lanes = (int(v) for v in tile.split("x"))
         for penalty in (False, True):
             name = f"{tile} {'penalties' if penalty else 'plain'}"
-            res[name] = spills(kernel, a.arch, block, warps, lanes, bins, penalty)
+            res[name] = spills(kernel, a.arch, block, warps, lanes, penalty)
             print(f"{name}: {res[name]}", flush=True)
     import triton
 

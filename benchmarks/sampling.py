@@ -192,11 +192,11 @@ def median_ms(run, reps: int = 10) -> float:
 
 
 def tiles(a) -> dict:
-    """The Triton kernel alone at several (column block, warps per program, lanes, top_p's bins) shapes,
+    """The Triton kernel alone at several (column block, warps per program, lanes) shapes,
     for the filters whose cost the shape moves (temperature only, top_k 50, top_p 0.9, both, the mixed
     rows in their order and heavy first): one program a row, its warps keep loads in flight, its lanes
     (the block unless set apart) hold top_k's and the draws' candidates (4 registers of values and 4 of
-    columns each), and top_p's bins may spare its first check a pass. CUDA events, median
+    columns each). CUDA events, median
     of 10 after 3 warm-ups, fp32 logits of scale 1; with each shape, the compiled kernel's registers a
     thread and spills (CUDA)."""
     from foveal.sample import noise
@@ -215,15 +215,17 @@ def tiles(a) -> dict:
     }
     cases["mixed, heavy first"] = cases["mixed rows"]
     heavy = torch.tensor(ts.row_order(*zip(*cases["mixed rows"])), dtype=torch.float32, device=dev)
-    # (block, warps, lanes (0: the block), top_p's bins (0: none))
-    shapes = [(4096, 16, 0, 0), (4096, 16, 0, 256), (4096, 16, 0, 512), (1024, 4, 0, 512), (2048, 8, 0, 512)]
-    shapes += [(4096, 16, 1024, 512), (4096, 16, 2048, 512), (8192, 16, 1024, 512), (4096, 8, 1024, 512)]
-    shapes = shapes if dev == "cuda" else [(512, 4, 0, 0), (512, 4, 128, 512)]
-    saved, res = (ts._BLOCK, ts._WARPS, ts._LANES, ts._BINS), {}
+    # (block, warps, lanes (0: the block))
+    shapes = [(4096, 16, 0), (4096, 16, 1024), (4096, 16, 2048), (8192, 16, 1024), (2048, 8, 0)]
+    shapes += [(4096, 8, 1024)]
+    shapes = shapes if dev == "cuda" else [(512, 4, 0), (512, 4, 128)]
+    if os.environ.get("SAMPLING_TILES"):  # "block,warps,lanes;...": these shapes instead
+        shapes = [tuple(int(v) for v in s.split(",")) for s in os.environ["SAMPLING_TILES"].split(";")]
+    saved, res = (ts._BLOCK, ts._WARPS, ts._LANES), {}
     x = (torch.randn(n, V, generator=torch.Generator().manual_seed(0))).to(dev)
-    for block, warps, lanes, bins in shapes:
-        ts._BLOCK, ts._WARPS, ts._LANES, ts._BINS = block, warps, lanes, bins
-        shape = f"block {block} warps {warps} lanes {lanes or block} bins {bins}"
+    for block, warps, lanes in shapes:
+        ts._BLOCK, ts._WARPS, ts._LANES = block, warps, lanes
+        shape = f"block {block} warps {warps} lanes {lanes or block}"
         for name, rows in cases.items():
             c = torch.tensor(list(zip(*rows)), dtype=torch.float32, device=dev)
             o = heavy if name.endswith("first") else None
@@ -231,7 +233,7 @@ def tiles(a) -> dict:
             res[f"{shape} {name}"] = median_ms(run)
         row = {name: round(res[f"{shape} {name}"], 3) for name in cases}
         gw.log(f"kernel, {shape}: {row} ms; {_registers(ts)}")
-    ts._BLOCK, ts._WARPS, ts._LANES, ts._BINS = saved
+    ts._BLOCK, ts._WARPS, ts._LANES = saved
     return res
 
 

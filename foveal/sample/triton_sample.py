@@ -23,9 +23,7 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
                race over that set has the same winner, the set being inside the one raced over); else
                the set shrinks to {y > y_w} and its winner, found in the same pass, is the next w. Each
                pass accepts with probability >= top_p; an LLM's peaked rows take one or two (a round
-               whose set the candidates hold runs in registers). A race that took a pass also counts
-               its set in bins of m - y: their bound on the mass above w, when below top_p * Z,
-               accepts w with no pass (a flat row's usual case).
+               whose set the candidates hold runs in registers).
 
 So a row costs 1 pass (top_k, min_p: the draw in registers when the candidates hold its set; temperature
 alone: the race, which needs no m), 2 where they do not, plus one per top_p round they cannot hold, where
@@ -44,13 +42,10 @@ import torch
 _BLOCK = 4096
 _WARPS = 16  # per program (one program a row)
 # the lanes of top_k's and the draws' candidates (pass 1 loads this many columns a step); 0: _BLOCK. Set
-# apart so few lanes (small top_k rows' registers) need not mean short loads in the other passes: the
-# tiles sweep of benchmarks/sampling.py measures it; the default stays until it has
+# apart so few lanes (small top_k rows' registers) need not mean short loads in the other passes. The tiles
+# sweep of benchmarks/sampling.py on an H100 (RESULTS.md, session 30): 1,024 or 2,048 lanes spill less but
+# ran the mixed rows no faster (0.389 / 0.373 ms against 0.367)
 _LANES = 0
-# top_p's first check: the raced set's counts in bins of m - y (_BINS of 1 / _PER_UNIT each; 0: none) bound
-# the mass above the winner; when the bound is below the need the winner stays with no pass over the row
-_BINS = 512
-_PER_UNIT = 32
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
 # logprobs: the top alternatives row_logprobs finds itself (more: the caller's torch.topk), over this many
@@ -64,7 +59,7 @@ _kernel = _noise = _penalty = _lse = None
 def _triton_kernel():
     global _kernel, _noise, _penalty, _lse, tl  # @triton.jit resolves the helpers below as module globals
     global _mix32, _uniform, _key, _unkey, _kth_largest, _race, _count_mass, _bisect, _insert4, _radix_byte
-    global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes, _load_x, _mass_above
+    global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes, _load_x
     if _kernel is not None:
         return _kernel
     import triton
@@ -196,16 +191,13 @@ def _triton_kernel():
         return _unkey(prefix)
 
     @triton.jit
-    def _race(x_row, V, inv_t, m, lo, strict, k0, k1, c_row, p_row, pen, rep, freq, pres, binned,
-              PENALTY: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr, BINS: tl.constexpr,
-              PER_UNIT: tl.constexpr):  # fmt: skip
-        """(the race winner, Z, bins) over the set {y >= lo} (strict: {y > lo}): the first column with
-        the largest y - log E, and sum e^(y - m) over the set; with `binned` (and HIST), the set's count
-        in each bin of m - y (PER_UNIT bins a unit, the last also holding all below: _mass_above)."""
+    def _race(x_row, V, inv_t, m, lo, strict, k0, k1, c_row, p_row, pen, rep, freq, pres,
+              PENALTY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """(the race winner, Z) over the set {y >= lo} (strict: {y > lo}): the first column with the
+        largest y - log E, and sum e^(y - m) over the set."""
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.zeros([BLOCK], dtype=tl.int32)
         mass = tl.zeros([BLOCK], dtype=tl.float32)
-        bins = tl.zeros([BINS], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             y = _load_x(x_row, cols, cols < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
@@ -215,23 +207,8 @@ def _triton_kernel():
             better = score > best
             best = tl.where(better, score, best)
             best_i = tl.where(better, cols, best_i)
-            if HIST:
-                if binned:
-                    at = tl.maximum(tl.minimum((m - y) * PER_UNIT, BINS - 1), 0).to(tl.int32)
-                    bins += tl.histogram(at, BINS, mask=keep & (y > float("-inf")))
         top = tl.max(best, 0)
-        return tl.min(tl.where(best == top, best_i, V), 0), tl.sum(mass, 0), bins
-
-    @triton.jit
-    def _mass_above(bins, m, wy, BINS: tl.constexpr, PER_UNIT: tl.constexpr):
-        """An upper bound on sum e^(y - m) over {y > wy} from _race's bins of a set holding wy's column
-        and the values above it: a value in bin b (m - y >= b / PER_UNIT) adds at most e^(-b /
-        PER_UNIT); wy's own bin counts all but wy itself."""
-        at = tl.minimum((m - wy) * PER_UNIT, BINS - 1).to(tl.int32)
-        b = tl.arange(0, BINS)
-        weight = tl.exp(-b.to(tl.float32) / PER_UNIT)
-        n = tl.where(b == at, bins - 1, tl.where(b < at, bins, 0))
-        return tl.sum(n.to(tl.float32) * weight, 0)
+        return tl.min(tl.where(best == top, best_i, V), 0), tl.sum(mass, 0)
 
     @triton.jit
     def _count_mass(x_row, V, inv_t, m, t, floor, BLOCK: tl.constexpr):
@@ -287,9 +264,6 @@ def _triton_kernel():
         PENALTY: tl.constexpr,
         ORDER: tl.constexpr,
         BLOCK: tl.constexpr,
-        HIST: tl.constexpr,
-        BINS: tl.constexpr,
-        PER_UNIT: tl.constexpr,
         LANES: tl.constexpr,
         MAX_STEPS: tl.constexpr,
     ):
@@ -403,14 +377,11 @@ def _triton_kernel():
                 k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
                 # each race in registers when the lanes' candidates hold its whole set (top_k's, a late
                 # top_p round's), else a pass over the row
-                binned = False  # whether `bins` counts the raced set (top_p rows whose race took a pass)
                 if lanes & _lanes_hold(c3, floor, 0):
                     w, z = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, floor, 0, k0, k1, V)
-                    bins = tl.zeros([BINS], dtype=tl.int32)
                 else:
-                    binned = top_p < 1.0
-                    w, z, bins = _race(x_row, V, inv_t, m, floor, 0, k0, k1, c_row, p_row, pen, rep, freq,
-                                       pres, binned, PENALTY, BLOCK, HIST, BINS, PER_UNIT)  # fmt: skip
+                    w, z = _race(x_row, V, inv_t, m, floor, 0, k0, k1, c_row, p_row, pen, rep, freq, pres,
+                                 PENALTY, BLOCK)  # fmt: skip
                 if top_p < 1.0:
                     need = top_p * z
                     above = need
@@ -419,16 +390,8 @@ def _triton_kernel():
                         if _lanes_hold(c3, wy, 1):
                             w2, above = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, wy, 1, k0, k1, V)
                         else:
-                            sure = False  # the bins' bound (with room for float sums' rounding) below need
-                            if HIST:
-                                if binned:
-                                    sure = _mass_above(bins, m, wy, BINS, PER_UNIT) * 1.001 < need
-                            if sure:  # w stays
-                                w2, above = w, tl.full((), 0.0, tl.float32)
-                            else:
-                                w2, above, _ = _race(x_row, V, inv_t, m, wy, 1, k0, k1, c_row, p_row, pen,
-                                                     rep, freq, pres, False, PENALTY, BLOCK, HIST, BINS,
-                                                     PER_UNIT)  # fmt: skip
+                            w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, c_row, p_row, pen, rep, freq,
+                                              pres, PENALTY, BLOCK)  # fmt: skip
                         if above >= need:
                             w = w2
                 tl.store(out_ptr + row, w.to(tl.int64))
@@ -540,8 +503,7 @@ def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool,
         _triton_kernel()[(B,)](
             x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out, slots, vals, counts, prompt,
             keys if order is None else order, THRESH=thresh, PENALTY=penalties is not None,
-            ORDER=order is not None, BLOCK=_BLOCK, HIST=_BINS > 0,
-            BINS=max(_BINS, 32), PER_UNIT=_PER_UNIT, LANES=_LANES or _BLOCK,
+            ORDER=order is not None, BLOCK=_BLOCK, LANES=_LANES or _BLOCK,
             MAX_STEPS=_MAX_STEPS, num_warps=_WARPS,
         )  # fmt: skip
     return out
