@@ -63,13 +63,21 @@ def _set_tile(monkeypatch, tile) -> None:
         monkeypatch.setattr(triton_sample, "_LANES", lanes)
 
 
+def _columns(x: torch.Tensor, mixes) -> torch.Tensor:
+    return torch.tensor([[m[i] for m in mixes] for i in range(4)], dtype=torch.float32, device=x.device)
+
+
+def _draw(x: torch.Tensor, mixes, seeds, vocab: int) -> torch.Tensor:
+    """The kernel's tokens for rows x of the mixes."""
+    cols = _columns(x, mixes)
+    keys = noise.key_halves(noise.row_keys(seeds, [0] * len(mixes)), x.device)
+    return sample_rows(x, cols[0], cols[1], cols[2], cols[3], keys, vocab)
+
+
 def _run(x: torch.Tensor, mixes, seeds, vocab: int):
     """(the kernel's tokens, its thresholds) for rows x of the mixes."""
-    dev = x.device
-    cols = torch.tensor([[m[i] for m in mixes] for i in range(4)], dtype=torch.float32, device=dev)
-    keys = noise.key_halves(noise.row_keys(seeds, [0] * len(mixes)), dev)
-    tokens = sample_rows(x, cols[0], cols[1], cols[2], cols[3], keys, vocab)
-    return tokens, thresholds(x, cols[0], cols[1], cols[2], cols[3], vocab)
+    cols = _columns(x, mixes)
+    return _draw(x, mixes, seeds, vocab), thresholds(x, cols[0], cols[1], cols[2], cols[3], vocab)
 
 
 @pytest.mark.parametrize("block", TILES, ids=["default", "16", "64-lanes-16"])
@@ -318,7 +326,7 @@ def test_draws_follow_the_filtered_distribution():
     V, n = 12, 300  # the interpreter runs ~40 programs a second
     logits = torch.linspace(-1.0, 1.5, V)
     mix = (1.2, 0.0, 8, 0.95)
-    tokens, _ = _run(logits.repeat(n, 1).to(dev), [mix] * n, [None] * n, V)
+    tokens = _draw(logits.repeat(n, 1).to(dev), [mix] * n, [None] * n, V)  # no thresholds: half the time
     probs = Sampler(V).filter(logits[None].clone(), [_params(mix)]).softmax(-1)[0]
     counts = torch.bincount(tokens.cpu(), minlength=V).tolist()
     kept = [t for t in range(V) if probs[t] > 0]
