@@ -117,6 +117,15 @@ def random_point(backend, grammar, seed: int, steps: int):
     return m, out
 
 
+def accepted_schemas(backend, every: int):
+    """(row, compiled grammar) for every `every`-th maskbench schema the backend accepts."""
+    for r in [json.loads(line) for line in MASKBENCH.read_text().splitlines()][::every]:
+        try:
+            yield r, backend.compile(OutputConstraint.json_schema(r["schema"]))
+        except ValueError:
+            continue
+
+
 @pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/heldout is not here")
 def test_plans_from_random_points_of_maskbench_schemas_validate(backend, unbudgeted):
     """Every 5th accepted schema, three random walks under its mask (5, 30, 300 one-byte tokens, biased
@@ -124,13 +133,8 @@ def test_plans_from_random_points_of_maskbench_schemas_validate(backend, unbudge
     jsonschema accepts, within the budget."""
     from foveal.structured.closing import nesting, prepare
 
-    rows = [json.loads(line) for line in MASKBENCH.read_text().splitlines()]
     tried = 0
-    for r in rows[::5]:
-        try:
-            g = backend.compile(OutputConstraint.json_schema(r["schema"]))
-        except ValueError:
-            continue
+    for r, g in accepted_schemas(backend, 5):
         for seed, steps in enumerate((5, 30, 300)):
             m, out = random_point(backend, g, seed, steps)
             plan = prepare(g).plan(m, nesting("", backend.token_bytes(out)), 8000)
@@ -139,6 +143,61 @@ def test_plans_from_random_points_of_maskbench_schemas_validate(backend, unbudge
             jsonschema.validate(json.loads(backend.token_bytes(out + plan)), r["schema"])
             tried += 1
     assert tried >= 240
+
+
+@pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/heldout is not here")
+def test_a_states_probes_read_from_its_mask_equal_its_validates(backend):
+    """The search reads a state's one-byte probes from one mask or by a validate per byte (closing._Bits,
+    whichever is cheaper on the grammar): the same bits wherever nothing is forced (every 10th accepted
+    schema, random points of 5, 30 and 300 tokens, both alphabets)."""
+    from foveal.structured import closing
+    from foveal.structured.bitmask import bitmask_words
+
+    byte = backend.byte_tokens
+    readers = [
+        closing._Bits(bitmask_words(backend.vocab_size), [byte[b] for b in closing._PROBE if b in byte],
+                      [byte[b] for b in alphabet if b in byte], [0, 0.0, 0.0], closing.Budget())
+        for alphabet in (closing._STRING, closing._VALUE)
+    ]  # fmt: skip
+    read = 0
+    for r, g in accepted_schemas(backend, 10):
+        for seed, steps in enumerate((5, 30, 300)):
+            m, _ = random_point(backend, g, seed, steps)
+            if m.forced():
+                continue
+            for bits in readers:
+                masked = bits._masked(m)
+                assert masked == bits._validated(m), r["id"]
+                read += sum(masked) > 0
+    assert read >= 40
+
+
+def test_the_search_keeps_the_cheaper_way_to_read_probes(monkeypatch):
+    """After TRIALS states read both ways, the search reads the rest the way that cost less."""
+    from foveal.structured import closing
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(closing.time, "perf_counter", lambda: next(ticks))
+    calls = []
+
+    class M:
+        def validate(self, tokens):
+            calls.append("v")
+            return 1
+
+        def fill_bitmask(self, row):
+            calls.append("m")
+            row.fill_(-1)
+
+    for slow, cheap in (("m", "v"), ("v", "m")):
+        bits = closing._Bits(1, [1, 2], [3], [0, 0.0, 0.0], closing.Budget())
+        real = getattr(bits, "_masked" if slow == "m" else "_validated")
+        monkeypatch.setattr(bits, "_masked" if slow == "m" else "_validated",
+                            lambda m, real=real: [next(ticks) for _ in range(50)] and real(m))  # fmt: skip
+        for _ in range(bits.TRIALS):
+            assert bits.read(M()) == ((1, 1), (1,))
+        calls.clear()
+        assert bits.read(M()) == ((1, 1), (1,)) and set(calls) == {cheap}, (slow, calls)
 
 
 # -- through the engine ---------------------------------------------------------------------------
