@@ -10,7 +10,8 @@ mixed   256 requests x (512 in / 256 out), greedy and mixed sampling alternating
         no prefill, no first-use costs).
 kernel  the sampler alone on [256, 128256] random logits with the mixed rows' parameters (no penalties,
         no logprobs): Sampler.sample (CUDA: the Triton kernel) against the torch path (sort_filter and
-        the noise), CUDA events, median of 20 after 3 warm-ups, at two logit scales.
+        the noise), CUDA events, median of 20 after 3 warm-ups, at two logit scales; and (CUDA) the
+        logprobs' pass alone (row_logprobs: every 4th row, 5 alternatives).
 tiles   the Triton kernel alone at several (column block, warps per program) shapes, by filter.
 prefix  256 requests sharing a 3,584-token prefix, each with 512 tokens of its own, 128 out, greedy,
         prefix caching on (the shared blocks are computed once): output tok/s.
@@ -167,6 +168,12 @@ def kernel(a) -> dict:
             "torch_ms": timed(torch_path, x),
             "greedy_ms": timed(lambda x: x.argmax(-1), x),
         }
+        if dev == "cuda":  # the logprobs of a quarter of the rows with 5 alternatives (the mixed workload's)
+            from foveal.sample.triton_sample import row_logprobs
+
+            asked, drawn = torch.arange(0, n, 4, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
+            lp = lambda x, a=asked, d=drawn: row_logprobs(x, a, d, 5)  # noqa: E731
+            res[f"scale_{scale}"]["logprobs_ms"] = timed(lp, x)
         gw.log(f"sampler alone, scale {scale}: {res[f'scale_{scale}']}")
     return res
 

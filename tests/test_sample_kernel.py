@@ -265,7 +265,8 @@ def test_row_logprobs_equal_logsumexp_and_the_chosen_logit(dtype):
     """triton_sample.row_logprobs (CUDA's logprobs: one pass over each asked row) against torch's
     logsumexp, gather and topk on a float copy: a subset of rows in any order, columns past the
     vocabulary in the rows' stride (the view the Sampler passes), -inf entries, a row wide in scale, a
-    row whose largest values crowd one lane; the top ones for k up to TOP_SLOTS, none past it."""
+    row whose largest values crowd one lane, one whose largest tie across lanes; the top ones for k up
+    to TOP_SLOTS, none past it."""
     from foveal.sample.triton_sample import TOP_SLOTS, row_logprobs
 
     dev = _device()
@@ -274,11 +275,12 @@ def test_row_logprobs_equal_logsumexp_and_the_chosen_logit(dtype):
     x = torch.randn(6, W, generator=g) * torch.tensor([1, 3, 30, 1, 0.1, 5])[:, None]
     x[1, ::3] = float("-inf")  # a grammar-masked row
     x[3, 7::512] += torch.tensor([60.0, 55.0, 50.0])  # row 3's three largest in one lane, falling
+    x[5, [600, 10, 530, 20, 1000]] = 40.0  # row 5's largest tie across lanes: the smaller columns first
     x = x.to(dtype)
     x[:, V:] = 100.0  # padding: never counted
     tokens = torch.randint(0, V, (6,), generator=g)
     tokens[1] = 1  # a live token of the masked row
-    rows = torch.tensor([4, 1, 2, 0, 3])
+    rows = torch.tensor([4, 1, 2, 0, 3, 5])
     sub = x[rows, :V].float()
     lse = torch.logsumexp(sub, dim=-1)
     chosen = sub.gather(1, tokens[rows, None])[:, 0] - lse
@@ -294,8 +296,9 @@ def test_row_logprobs_equal_logsumexp_and_the_chosen_logit(dtype):
         top_v, top_i = sub.topk(k, dim=-1)
         assert pack[:, 0].tolist() == tokens[rows].double().tolist()
         torch.testing.assert_close(pack[:, 1], chosen.double(), rtol=1e-6, atol=1e-5)
-        if dtype == torch.float32:  # bf16's ties leave the order among equal values open
-            assert pack[:, 2 + k :].long().tolist() == top_i.tolist()
+        assert pack[-1, 2 + k :].long().tolist() == [10, 20, 530, 600, 1000, *top_i[-1, 5:].tolist()][:k]
+        if dtype == torch.float32:  # bf16's ties leave the order among equal values open (torch's too)
+            assert pack[:-1, 2 + k :].long().tolist() == top_i[:-1].tolist()
         torch.testing.assert_close(pack[:, 2 : 2 + k], (top_v - lse[:, None]).double(), rtol=1e-6, atol=1e-5)
 
 

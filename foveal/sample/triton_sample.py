@@ -432,18 +432,16 @@ def _triton_kernel():
         """Row rows[i]'s log-sum-exp over its V logits in one pass (each lane's running max and sum,
         merged at the end) and its drawn token's logit minus it: out[i] = (lse, logprob). TOP: also
         pack row i = [token, logprob, the K (<= SLOTS) largest logits minus lse, their columns]
-        (float64): each lane keeps its SLOTS largest values (so the row's K largest are among them),
-        then K rounds take the largest left (ties: the smaller column first)."""
+        (float64). The lanes' maxima are K distinct values of the row, so the row's K largest are at
+        least the K-th largest of them (t): a second pass keeps, per lane, the SLOTS largest values
+        >= t (the blocks holding none, nearly all, skip the update), then K rounds take the largest
+        left (ties: the smaller column first)."""
         i = tl.program_id(0)
         row = tl.load(rows_ptr + i)
         x_row = x_ptr + row * x_stride
         neg_inf = float("-inf")
         m = tl.full([BLOCK], neg_inf, tl.float32)
         s = tl.zeros([BLOCK], dtype=tl.float32)
-        if TOP:
-            cand = tl.full([BLOCK, SLOTS], neg_inf, tl.float32)
-            cidx = tl.zeros([BLOCK, SLOTS], dtype=tl.int32)
-            slot = tl.arange(0, SLOTS)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32)
@@ -451,10 +449,6 @@ def _triton_kernel():
             kept = tl.where(m == neg_inf, 0.0, s * tl.exp(m - m_new))  # the lane's sum so far, rescaled
             s = kept + tl.where(y == neg_inf, 0.0, tl.exp(y - m_new))
             m = m_new
-            if TOP:  # y replaces its lane's smallest kept value when larger
-                hit = (slot[None, :] == tl.argmin(cand, 1)[:, None]) & (y > tl.min(cand, 1))[:, None]
-                cand = tl.where(hit, y[:, None], cand)
-                cidx = tl.where(hit, cols[:, None], cidx)
         top = tl.max(m, 0)
         lse = top + tl.log(tl.sum(tl.where(m == neg_inf, 0.0, s * tl.exp(m - top)), 0))
         tok = tl.load(tokens_ptr + row)
@@ -462,15 +456,33 @@ def _triton_kernel():
         tl.store(out_ptr + i * 2, lse)
         tl.store(out_ptr + i * 2 + 1, chosen)
         if TOP:
+            lane = tl.arange(0, BLOCK)
+            t = top
+            left = m
+            for r in tl.static_range(SLOTS):  # t: the K-th largest lane maximum
+                if r < K:
+                    t = tl.max(left, 0)
+                    left = tl.where(lane == tl.min(tl.where(left == t, lane, BLOCK), 0), neg_inf, left)
+            cand = tl.full([BLOCK, SLOTS], neg_inf, tl.float32)
+            cidx = tl.zeros([BLOCK, SLOTS], dtype=tl.int32)
+            slot = tl.arange(0, SLOTS)
+            for start in range(0, V, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32)
+                if tl.max((y >= t).to(tl.int32), 0) > 0:  # y replaces its lane's smallest kept when larger
+                    hit = (slot[None, :] == tl.argmin(cand, 1)[:, None]) & (y > tl.min(cand, 1))[:, None]
+                    hit = hit & (y >= t)[:, None]
+                    cand = tl.where(hit, y[:, None], cand)
+                    cidx = tl.where(hit, cols[:, None], cidx)
             at = pack_ptr + i * (2 + 2 * K)
             tl.store(at, tok.to(tl.float64))
             tl.store(at + 1, chosen.to(tl.float64))
-            for t in tl.static_range(SLOTS):
-                if t < K:
+            for r in tl.static_range(SLOTS):
+                if r < K:
                     v = tl.max(tl.max(cand, 1), 0)
                     col = tl.min(tl.min(tl.where(cand == v, cidx, V), 1), 0)
-                    tl.store(at + 2 + t, (v - lse).to(tl.float64))
-                    tl.store(at + 2 + K + t, col.to(tl.float64))
+                    tl.store(at + 2 + r, (v - lse).to(tl.float64))
+                    tl.store(at + 2 + K + r, col.to(tl.float64))
                     cand = tl.where((cand == v) & (cidx == col), neg_inf, cand)
 
     _kernel, _noise, _penalty, _lse = _sample_kernel, _fill_kernel, _penalty_kernel, _lse_kernel
