@@ -469,6 +469,23 @@ def test_cuda_logprobs_equal_the_cpu_samplers():
             assert all(abs(p.logprob - q.logprob) < 1e-4 for p, q in zip(a.top, b.top))
 
 
+def test_row_keys_are_draw_seed_of_each_row_and_the_generators_draws():
+    """row_keys computes draw_seed on arrays (numpy's wrapping uint64): equal to it row by row for seeds
+    of any size and sign, with a salt; the unseeded rows take the global generator's one draw, in order
+    (torch.manual_seed still fixes a run)."""
+    seeds = [0, 1, -7, 2**64 + 5, None, 2**80 - 3, None, 12345]
+    indices = [0, 3, 9, 100000, 4, 2**31, 1, 17]
+    for salt in (0, 0x5EED):
+        torch.manual_seed(3)
+        keys = noise.row_keys(seeds, indices, salt)
+        torch.manual_seed(3)
+        drawn = iter(torch.randint(0, 1 << 62, (2,)).tolist())
+        want = [next(drawn) if s is None else noise.draw_seed(s ^ salt, i) for s, i in zip(seeds, indices)]
+        assert keys.tolist() == want
+        assert all(0 <= k < 2**63 for k in want)
+    assert noise.row_keys([], []).tolist() == []
+
+
 def test_noise_is_the_same_bits_by_every_implementation():
     """The C fill (the CPU's) and the torch integer ops (CUDA's rejection sampler, any device without
     a compiler) give bit-identical uniforms; their exponentials agree to float rounding; a row's noise

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from foveal.device import to_device
@@ -30,28 +31,44 @@ INV_2_23 = 1.0 / (1 << 23)
 
 
 def draw_seed(seed: int, index: int) -> int:
-    """A 63-bit key that depends only on (request seed, draw index): splitmix64 of both."""
+    """A 63-bit key that depends only on (request seed, draw index): splitmix64 of both (row_keys: the
+    same on arrays)."""
     z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
 
 
-def row_keys(seeds: list[int | None], indices: list[int], salt: int = 0) -> list[int]:
-    """One key per row: seeded rows from (seed ^ salt, index); unseeded rows from the global generator
-    (one call for all of them)."""
-    free = sum(s is None for s in seeds)
-    drawn = torch.randint(0, 1 << 62, (free,)).tolist() if free else []
-    out, it = [], iter(drawn)
-    for s, i in zip(seeds, indices):
-        out.append(next(it) if s is None else draw_seed(s ^ salt, i))
-    return out
+_G1, _G2, _G3, _G4 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xBF58476D1CE4E5B9,
+                                              0x94D049BB133111EB))  # fmt: skip
+_U1, _U27, _U30, _U31 = (np.uint64(c) for c in (1, 27, 30, 31))
 
 
-def key_halves(keys: list[int], device) -> torch.Tensor:
-    """int64 [n, 2]: each key's low and high 32 bits (what the hash takes). Keys are below 2^63 (row_keys'
-    are), so one int64 tensor holds them and tensor ops split them (no per-key Python)."""
-    k = torch.tensor(keys, dtype=torch.long).reshape(len(keys))
+def row_keys(seeds: list[int | None], indices: list[int], salt: int = 0) -> np.ndarray:
+    """One key per row (int64 [n]): seeded rows from (seed ^ salt, index), draw_seed's splitmix64 on
+    all of them at once (numpy's uint64 arithmetic wraps as the masks do); unseeded rows from the
+    global generator (one call for all of them)."""
+    n = len(seeds)
+    out = np.empty(n, dtype=np.uint64)
+    seeded = [i for i, s in enumerate(seeds) if s is not None]
+    if len(seeded) < n:
+        free = np.ones(n, dtype=bool)
+        free[seeded] = False
+        out[free] = torch.randint(0, 1 << 62, (n - len(seeded),)).numpy().astype(np.uint64)
+    if seeded:
+        s = np.array([(seeds[i] ^ salt) & _MASK64 for i in seeded], dtype=np.uint64)
+        at = np.array([indices[i] + 1 for i in seeded], dtype=np.uint64)
+        z = s * _G1 + at * _G2
+        z = (z ^ (z >> _U30)) * _G3
+        z = (z ^ (z >> _U27)) * _G4
+        out[seeded] = (z ^ (z >> _U31)) >> _U1
+    return out.view(np.int64)
+
+
+def key_halves(keys, device) -> torch.Tensor:
+    """int64 [n, 2]: each key's low and high 32 bits (what the hash takes), for row_keys' array (or a
+    list of keys below 2^63)."""
+    k = torch.from_numpy(np.asarray(keys, dtype=np.int64).reshape(len(keys)))
     return to_device(torch.stack([k & M32, k >> 32], 1), device)
 
 

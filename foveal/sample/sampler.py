@@ -316,9 +316,10 @@ class Sampler:
         pen = penalties and any(r.params.needs_penalties for r in rows)
         return self._kernel(x, [r.params for r in rows], keys, rows if pen else None)
 
-    def _kernel(self, x, params: list[SamplingParams], keys: list[int] | None, penalized=None):
-        """The kernel's tokens for rows of x (keys None: their thresholds), or None where it failed to
-        build. penalized: the rows, when the kernel applies their penalties (slots in self.history)."""
+    def _kernel(self, x, params: list[SamplingParams], keys, penalized=None):
+        """The kernel's tokens for rows of x (keys: row_keys' array; None: their thresholds), or None
+        where it failed to build. penalized: the rows, when the kernel applies their penalties (slots
+        in self.history)."""
         V = self.vocab_size
         table = array.array("f")  # the columns row after row, one buffer (torch.tensor of lists is slower)
         temps = [p.temperature if not p.greedy else 0.0 for p in params]
