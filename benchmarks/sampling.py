@@ -13,6 +13,7 @@ kernel  the sampler alone on [256, 128256] random logits with the mixed rows' pa
         the noise), CUDA events, median of 20 after 3 warm-ups, at two logit scales; and (CUDA) the
         logprobs' pass alone (row_logprobs: every 4th row, 5 alternatives).
 tiles   the Triton kernel alone at several (column block, warps per program) shapes, by filter.
+host    the Sampler's host work a step for the mixed rows, the kernel's launch stubbed (any machine).
 prefix  256 requests sharing a 3,584-token prefix, each with 512 tokens of its own, 128 out, greedy,
         prefix caching on (the shared blocks are computed once): output tok/s.
 
@@ -355,6 +356,32 @@ def prefix_sweep(a) -> dict:
     return res
 
 
+def host(a) -> dict:
+    """The Sampler's host work a step for the mixed rows (256, penalties in the device history), its
+    kernel launch stubbed: the Python a GPU step waits on (CPU; median of 5 rounds of 200 calls)."""
+    from foveal.sample import sampler as sm
+    from foveal.sample.sampler import Sampler, SamplingRow
+
+    prompt, out = list(range(512)), list(range(100))
+    rows = [SamplingRow(p, prompt, out, frozenset([2]), 100, i if p.needs_penalties else None)
+            for i, p in enumerate(mixed_params(256, 1))]  # fmt: skip
+    s, x = Sampler(8, "cpu"), torch.zeros(len(rows), 8)
+    saved, sm.triton_sample.sample_rows = sm.triton_sample.sample_rows, lambda *a, **k: None
+    sm._kernel_ok["sample"] = True
+    try:
+        rounds = []
+        for _ in range(6):
+            t = time.perf_counter()
+            for _ in range(200):
+                s._draw_kernel(x, rows, penalties=True)
+            rounds.append((time.perf_counter() - t) / 200 * 1e6)
+    finally:
+        sm.triton_sample.sample_rows = saved
+    res = {"draw_kernel_host_us": sorted(rounds[1:])[2]}
+    gw.log(f"sampler host work, 256 mixed rows: {res}")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mixed,prefix")
@@ -366,7 +393,7 @@ def main() -> None:
     out: dict = {"benchmark": "sampling", "commit": os.environ.get("FOVEAL_COMMIT", "?")}
     parts = (
         ("kernel", kernel), ("tiles", tiles), ("filters", filters), ("mixed", mixed), ("prefix", prefix),
-        ("prefix_sweep", prefix_sweep),
+        ("prefix_sweep", prefix_sweep), ("host", host),
     )  # fmt: skip
     for name, fn in parts:
         if name in a.workloads.split(","):
