@@ -5,7 +5,11 @@
 #               rejection sampler on CUDA) and the engine tests that sample on CUDA
 #   mixed       benchmarks/sampling.py --workloads mixed in base36/ (`git archive <base> foveal benchmarks`)
 #               and in this checkout, alternating, one process per tree
-#   kernel      the sampler alone: the Triton kernel against the torch path on [256, 128256] logits
+#   kernel      the sampler alone: the Triton kernel against the torch path on [256, 128256] logits, and
+#               the logprobs' pass alone (logprobs_ms)
+#   kernel_ab   the same in before/ and here, alternating (carry "before"; before/ holds the base's foveal
+#               and this checkout's benchmarks: `mkdir before && git archive <base> foveal | tar -x -C
+#               before && git archive HEAD benchmarks | tar -x -C before`)
 #   tiles       the Triton kernel alone at several (column block, warps per program) shapes
 #   filters     the Triton kernel alone with all rows on one filter each (fp32 / bf16 logits): its time by filter
 #   decode      mixed --reps 1 --profile: decode steps of both modes timed, then traced ($OUT/prof)
@@ -47,6 +51,16 @@ for part in "$@"; do
       ;;
     kernel)
       timeout ${T_KERNEL:-150} python3 benchmarks/sampling.py --workloads kernel 2>&1 | quiet | grep -v '^{' | tail -3
+      ;;
+    kernel_ab)  # the kernel workload in before/ and here, alternating (each tree's own foveal)
+      for i in 1 2; do
+        for t in before after; do
+          d=$R; c=$FOVEAL_COMMIT; [ $t = before ] && d=$R/before && c=before
+          echo "-- $t $i"
+          in_tree "$d" "$c" timeout ${T_KERNEL:-120} python3 benchmarks/sampling.py --workloads kernel 2>&1 \
+            | quiet | grep -v '^{' | tail -2
+        done
+      done
       ;;
     tiles)
       timeout ${T_TILES:-150} python3 benchmarks/sampling.py --workloads tiles 2>&1 | quiet | grep -v '^{' | tail -14
