@@ -21,9 +21,11 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
                columns kept beside them), else a pass
     top_p      accept w when the mass above it is below top_p * Z (then w is in the top_p set, and the
                race over that set has the same winner, the set being inside the one raced over); else
-               the set shrinks to {y > y_w} and its winner, found in the same pass, is the next w. Each
-               pass accepts with probability >= top_p; an LLM's peaked rows take one or two (a round
-               whose set the candidates hold runs in registers).
+               the set shrinks to {y > y_w} and its race's winner is the next w. A round's pass sums
+               the mass alone (an exp a value, no noise); only a round that rejects w (at most 1 -
+               top_p of them) races the set in a second pass. Each round accepts with probability >=
+               top_p; an LLM's peaked rows take one or two (a round whose set the candidates hold runs
+               in registers).
 
 So a row costs 1 pass (top_k, min_p: the draw in registers when the candidates hold its set; temperature
 alone: the race, which needs no m), 2 where they do not, plus one per top_p round they cannot hold, where
@@ -192,9 +194,10 @@ def _triton_kernel():
 
     @triton.jit
     def _race(x_row, V, inv_t, m, lo, strict, k0, k1, c_row, p_row, pen, rep, freq, pres,
-              PENALTY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+              PENALTY: tl.constexpr, BLOCK: tl.constexpr, RACE: tl.constexpr = True):  # fmt: skip
         """(the race winner, Z) over the set {y >= lo} (strict: {y > lo}): the first column with the
-        largest y - log E, and sum e^(y - m) over the set."""
+        largest y - log E, and sum e^(y - m) over the set. RACE False: Z alone (no noise; the winner
+        returned is V), the same sum as the race's."""
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.zeros([BLOCK], dtype=tl.int32)
         mass = tl.zeros([BLOCK], dtype=tl.float32)
@@ -203,10 +206,11 @@ def _triton_kernel():
             y = _load_x(x_row, cols, cols < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
             keep = (y > lo) | ((y == lo) & (strict == 0))
             mass += tl.where(keep, tl.exp(y - m), 0.0)
-            score = tl.where(keep, y - tl.log(-tl.log(_uniform(cols, k0, k1))), float("-inf"))
-            better = score > best
-            best = tl.where(better, score, best)
-            best_i = tl.where(better, cols, best_i)
+            if RACE:
+                score = tl.where(keep, y - tl.log(-tl.log(_uniform(cols, k0, k1))), float("-inf"))
+                better = score > best
+                best = tl.where(better, score, best)
+                best_i = tl.where(better, cols, best_i)
         top = tl.max(best, 0)
         return tl.min(tl.where(best == top, best_i, V), 0), tl.sum(mass, 0)
 
@@ -389,9 +393,13 @@ def _triton_kernel():
                         wy = _load_x(x_row, w, w < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
                         if _lanes_hold(c3, wy, 1):
                             w2, above = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, wy, 1, k0, k1, V)
-                        else:
+                        else:  # the mass above w first (an exp a value); the race (its noise) only when
+                            # w is out, about 1 - top_p of the time
                             w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, c_row, p_row, pen, rep, freq,
-                                              pres, PENALTY, BLOCK)  # fmt: skip
+                                              pres, PENALTY, BLOCK, False)  # fmt: skip
+                            if above >= need:
+                                w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, c_row, p_row, pen, rep,
+                                                  freq, pres, PENALTY, BLOCK)  # fmt: skip
                         if above >= need:
                             w = w2
                 tl.store(out_ptr + row, w.to(tl.int64))
