@@ -197,7 +197,7 @@ def _triton_kernel():
               PENALTY: tl.constexpr, BLOCK: tl.constexpr, RACE: tl.constexpr = True):  # fmt: skip
         """(the race winner, Z) over the set {y >= lo} (strict: {y > lo}): the first column with the
         largest y - log E, and sum e^(y - m) over the set. RACE False: Z alone (no noise; the winner
-        returned is V), the same sum as the race's."""
+        returned means nothing), the same sum as the race's."""
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.zeros([BLOCK], dtype=tl.int32)
         mass = tl.zeros([BLOCK], dtype=tl.float32)
@@ -394,7 +394,7 @@ def _triton_kernel():
                         if _lanes_hold(c3, wy, 1):
                             w2, above = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, wy, 1, k0, k1, V)
                         else:  # the mass above w first (an exp a value); the race (its noise) only when
-                            # w is out, about 1 - top_p of the time
+                            # w is out, at most 1 - top_p of the time
                             w2, above = _race(x_row, V, inv_t, m, wy, 1, k0, k1, c_row, p_row, pen, rep, freq,
                                               pres, PENALTY, BLOCK, False)  # fmt: skip
                             if above >= need:
