@@ -6,7 +6,7 @@
 #   serve    W5: `foveal serve` on the W2 model, 256 streams of 512/256 (benchmarks/serving.py)
 #   gemv     skinny-GEMM micro-benchmark: cuBLAS vs a Triton GEMV on the decode projection shapes
 #   hf       transformers on the same workloads (benchmarks/hf_baseline.py; reduced request counts)
-# Usage (device tool, carry [".whl"]): FOVEAL_COMMIT=<sha> bash scripts/gpu_bench.sh tests foveal serve
+# Usage (on the GPU machine, .whl/ beside the tree): FOVEAL_COMMIT=<sha> bash scripts/gpu_bench.sh tests foveal serve
 # Wheels for packages the GPU image lacks travel in .whl/ (make them with scripts/device_wheels.sh).
 # Logs go to $OUT (when set) as well as stdout. Check the scripts on CPU first:
 #   .venv/bin/python benchmarks/gpu_workloads.py --smoke --profile

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21 on the H200 (device tool, carry [".whl"]; .whl from scripts/device_wheels.sh has peft):
+# Issue 21 on the H200 (.whl/ beside the tree, from scripts/device_wheels.sh: it has peft):
 #   tests   the LoRA tests on CUDA (Triton shrink/expand, mixed adapters through captured graphs and async
 #           scheduling == each request alone == PEFT) and the graph/async tests beside them
 #   kernels benchmarks/lora.py --kernels: each 8B projection with LoRA vs its plain GEMM (graph replay)

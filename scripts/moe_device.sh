@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues 34, 35 and 37 on the GPU machine (device tool, carry [".whl", "before"]), parts that each fit a call:
+# Issues 34, 35 and 37 on the GPU machine (.whl/ and before/ beside the tree), parts that each fit a call:
 #   tests   the CUDA tests at this commit: the mixtures on CUDA (Triton experts kernel, graphs == eager,
 #           == transformers), attention sinks in the Triton kernels, graphs, async scheduling, LoRA,
 #           speculation, structured outputs, video inputs against transformers' video processor (it

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 36 (and 34's TPOT re-run) on the GPU machine (device tool; carry [".whl", ".vocab", "base36",
-# "before34", "before"]): parts, each fitting one call.
+# Issue 36 (and 34's TPOT re-run) on the GPU machine (.whl/, .vocab/, base36/,
+# before34/ and before/ beside the tree as a part needs them): parts, each fitting one call.
 #   tests       the sampler's CUDA tests (the Triton sampling kernel, the Sampler end to end, the
 #               rejection sampler on CUDA) and the engine tests that sample on CUDA
 #   mixed       benchmarks/sampling.py --workloads mixed in base36/ (`git archive <base> foveal benchmarks`)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 on the H200 (device tool, carry [".whl", "before"]): parts, each fitting one device call.
+# Issue 17 on the H200 (.whl/ and before/ beside the tree): parts, each fitting one call.
 #   tests    the speculative tests (greedy with speculation == plain greedy, draft = target accepts all,
 #            the rejection sampler's statistics) and the CUDA/async/graph tests, on CUDA
 #   oracle   benchmarks/speculative.py --oracle: k = 4, acceptance 100/70/40%, batch 1/8/64, in float32

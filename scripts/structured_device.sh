@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 on the H200 (device tool, carry [".whl", ".vocab", "before"]): parts, each fitting one call.
+# Issue 18 on the H200 (.whl/, .vocab/ and before/ beside the tree): parts, each fitting one call.
 #   tests   the structured-output tests on CUDA (the bitmask kernel, guided decoding through the engine with
 #           async scheduling and CUDA graphs, the think block), plus the async/speculative/graph tests
 #   bench   benchmarks/structured.py: JSON-schema vs unconstrained TPOT at batch 1 and 64 on the dummy
