@@ -107,6 +107,7 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
     count: dict[str, int] = dict.fromkeys(ids, 0)
     all_in = None  # (time, step) once every request has its first token: decode steps only after it
     n_steps = 0
+    ends: list[float] = []  # each step's end, once every request is decoding
     while eng.has_unfinished():
         for d in eng.step():
             if d.token_ids:
@@ -117,6 +118,8 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
         n_steps += 1
         if all_in is None and len(first) == len(ids):
             all_in = (time.perf_counter(), n_steps)
+        elif all_in is not None:
+            ends.append(time.perf_counter())
     wall = time.perf_counter() - t0
     end = max(last.values(), default=t0)
     decode_steps = n_steps - all_in[1] if all_in else 0
@@ -137,7 +140,17 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
         "ms_per_step": phases,
         # wall time per engine step once every request was decoding (no prefill, no first-use costs)
         "decode_step_ms": (end - all_in[0]) / decode_steps * 1e3 if decode_steps > 0 else None,
+        # the median decode step of each quarter of them (does a step's cost grow with the outputs?)
+        "decode_step_ms_quarters": _quarter_medians(all_in[0] if all_in else t0, ends),
     }
+
+
+def _quarter_medians(start: float, ends: list[float]) -> list[float]:
+    steps = [(b - a) * 1e3 for a, b in zip([start] + ends, ends)]
+    q = len(steps) // 4
+    if not q:
+        return []
+    return [round(sorted(part)[len(part) // 2], 2) for part in (steps[i * q : (i + 1) * q] for i in range(4))]
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -189,7 +202,8 @@ def report(name: str, r: dict, extra: str = "") -> None:
     log(
         f"{name}: {r['output_tok_s']:.1f} out tok/s, {r['output_tokens']} tokens in {r['wall_s']:.2f} s, "
         f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms p99 {r['ttft_p99_s'] * 1e3:.1f} ms, {r['steps']} steps, "
-        f"host ms/step {r['ms_per_step']}, decode step {r.get('decode_step_ms') or 0:.2f} ms {extra}"
+        f"host ms/step {r['ms_per_step']}, decode step {r.get('decode_step_ms') or 0:.2f} ms "
+        f"(quarters' medians {r.get('decode_step_ms_quarters')}) {extra}"
     )
 
 

@@ -5,7 +5,7 @@ installed Triton's compiler: the GPU machine's may differ, so the counts are a g
 
     python benchmarks/kernel_spills.py [--tiles 4096x16x0,4096x16x1024] [--arch 90]
 
-A tile: block x warps x lanes (0: the block); each with and without penalties,
+A tile: block x warps x lanes (0: the block) [x registers a thread at most]; each with and without penalties,
 bf16 logits, the rows' order on (the Sampler's variant). Ends with one JSON line.
 """
 
@@ -28,7 +28,7 @@ POINTERS = {  # _sample_kernel's pointer arguments as the Sampler passes them
 }  # fmt: skip
 
 
-def spills(kernel, arch: int, block: int, warps: int, lanes: int, penalty: bool) -> dict:
+def spills(kernel, arch: int, block: int, warps: int, lanes: int, penalty: bool, maxnreg: int = 0) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -40,7 +40,8 @@ def spills(kernel, arch: int, block: int, warps: int, lanes: int, penalty: bool)
     names = kernel.arg_names
     sig = {n: POINTERS.get(n, "constexpr" if n in const else "i32") for n in names}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    opts = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     found = [os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")]  # the newer PTX first
     ptxas = next(p for p in found if os.path.exists(p))
@@ -68,10 +69,10 @@ def main() -> None:
 
     kernel, res = ts._triton_kernel(), {}
     for tile in a.tiles.split(","):
-        block, warps, lanes = (int(v) for v in tile.split("x"))
+        block, warps, lanes, maxnreg = (*(int(v) for v in tile.split("x")), 0)[:4]
         for penalty in (False, True):
             name = f"{tile} {'penalties' if penalty else 'plain'}"
-            res[name] = spills(kernel, a.arch, block, warps, lanes, penalty)
+            res[name] = spills(kernel, a.arch, block, warps, lanes, penalty, maxnreg)
             print(f"{name}: {res[name]}", flush=True)
     import triton
 

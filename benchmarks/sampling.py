@@ -175,6 +175,17 @@ def kernel(a) -> dict:
             asked, drawn = torch.arange(0, n, 4, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
             lp = lambda x, a=asked, d=drawn: row_logprobs(x, a, d, 5)  # noqa: E731
             res[f"scale_{scale}"]["logprobs_ms"] = timed(lp, x)
+            from foveal.sample import triton_sample as ts
+
+            if scale == 1.0 and hasattr(ts, "_LSE_PARTS"):  # parts a row x warps a part, bf16 logits
+                xb, sweep, keep = x.bfloat16(), {}, (ts._LSE_PARTS, ts._LSE_WARPS)
+                for parts in (8, 16, 32):
+                    for warps in (4, 8, 16):
+                        ts._LSE_PARTS, ts._LSE_WARPS = parts, warps
+                        sweep[f"{parts}x{warps}"] = round(timed(lp, xb), 4)
+                ts._LSE_PARTS, ts._LSE_WARPS = keep
+                res["logprobs_parts_x_warps_ms"] = sweep
+                gw.log(f"logprobs' pass, bf16, parts x warps: {sweep} ms")
         gw.log(f"sampler alone, scale {scale}: {res[f'scale_{scale}']}")
     return res
 
@@ -223,17 +234,17 @@ def tiles(a) -> dict:
     }
     cases["mixed, heavy first"] = cases["mixed rows"]
     heavy = torch.tensor(ts.row_order(*zip(*cases["mixed rows"])), dtype=torch.float32, device=dev)
-    # (block, warps, lanes (0: the block))
-    shapes = [(4096, 16, 0), (4096, 16, 1024), (4096, 16, 2048), (8192, 16, 1024), (2048, 8, 0)]
-    shapes += [(4096, 8, 1024)]
-    shapes = shapes if dev == "cuda" else [(512, 4, 0), (512, 4, 128)]
-    if os.environ.get("SAMPLING_TILES"):  # "block,warps,lanes;...": these shapes instead
-        shapes = [tuple(int(v) for v in s.split(",")) for s in os.environ["SAMPLING_TILES"].split(";")]
-    saved, res = (ts._BLOCK, ts._WARPS, ts._LANES), {}
+    # (block, warps, lanes (0: the block), registers a thread at most (0: Triton's choice))
+    shapes = [(4096, 16, 0, 0), (4096, 16, 1024, 0), (4096, 16, 2048, 0), (8192, 16, 1024, 0)]
+    shapes += [(2048, 8, 0, 0), (4096, 8, 1024, 0)]
+    shapes = shapes if dev == "cuda" else [(512, 4, 0, 0), (512, 4, 128, 0)]
+    if os.environ.get("SAMPLING_TILES"):  # "block,warps,lanes[,maxnreg];...": these shapes instead
+        shapes = [(*(int(v) for v in s.split(",")), 0)[:4] for s in os.environ["SAMPLING_TILES"].split(";")]
+    saved, res = (ts._BLOCK, ts._WARPS, ts._LANES, ts._MAXNREG), {}
     x = (torch.randn(n, V, generator=torch.Generator().manual_seed(0))).to(dev)
-    for block, warps, lanes in shapes:
-        ts._BLOCK, ts._WARPS, ts._LANES = block, warps, lanes
-        shape = f"block {block} warps {warps} lanes {lanes or block}"
+    for block, warps, lanes, maxnreg in shapes:
+        ts._BLOCK, ts._WARPS, ts._LANES, ts._MAXNREG = block, warps, lanes, maxnreg
+        shape = f"block {block} warps {warps} lanes {lanes or block}" + (f" regs <= {maxnreg}" if maxnreg else "")
         for name, rows in cases.items():
             c = torch.tensor(list(zip(*rows)), dtype=torch.float32, device=dev)
             o = heavy if name.endswith("first") else None
@@ -241,7 +252,7 @@ def tiles(a) -> dict:
             res[f"{shape} {name}"] = median_ms(run)
         row = {name: round(res[f"{shape} {name}"], 3) for name in cases}
         gw.log(f"kernel, {shape}: {row} ms; {_registers(ts)}")
-    ts._BLOCK, ts._WARPS, ts._LANES = saved
+    ts._BLOCK, ts._WARPS, ts._LANES, ts._MAXNREG = saved
     return res
 
 

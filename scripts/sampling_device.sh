@@ -58,7 +58,7 @@ for part in "$@"; do
           d=$R; c=$FOVEAL_COMMIT; [ $t = before ] && d=$R/before && c=before
           echo "-- $t $i"
           in_tree "$d" "$c" timeout ${T_KERNEL:-120} python3 benchmarks/sampling.py --workloads kernel 2>&1 \
-            | quiet | grep -v '^{' | tail -2
+            | quiet | grep -v '^{' | tail -3
         done
       done
       ;;

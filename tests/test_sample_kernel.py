@@ -260,15 +260,21 @@ def test_penalties_read_as_the_rows_load_equal_the_penalized_copy(block, monkeyp
     assert ordered.tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("lanes", [None, 16], ids=["default", "16-lanes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_row_logprobs_equal_logsumexp_and_the_chosen_logit(dtype):
-    """triton_sample.row_logprobs (CUDA's logprobs: one pass over each asked row) against torch's
-    logsumexp, gather and topk on a float copy: a subset of rows in any order, columns past the
+def test_row_logprobs_equal_logsumexp_and_the_chosen_logit(dtype, lanes, monkeypatch):
+    """triton_sample.row_logprobs (CUDA's logprobs: one pass over each asked row, in parts) against
+    torch's logsumexp, gather and topk on a float copy: a subset of rows in any order, columns past the
     vocabulary in the rows' stride (the view the Sampler passes), -inf entries, a row wide in scale, a
     row whose largest values crowd one lane, one whose largest tie across lanes; the top ones for k up
-    to TOP_SLOTS, none past it."""
+    to TOP_SLOTS, none past it. The default lanes make 3 parts of a row (13 empty), 16 lanes 14 parts
+    (the crowded lane's values and the ties in parts of their own, merged)."""
+    from foveal.sample import triton_sample
     from foveal.sample.triton_sample import TOP_SLOTS, row_logprobs
 
+    if lanes is not None:
+        monkeypatch.setattr(triton_sample, "_TOP_LANES", lanes)
+        monkeypatch.setattr(triton_sample, "_LSE_LANES", lanes)
     dev = _device()
     V, W = 1100, 1152  # past the 512 lanes of the top-k pass: each lane sees two or three values
     g = torch.Generator().manual_seed(17)

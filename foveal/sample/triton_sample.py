@@ -48,12 +48,18 @@ _WARPS = 16  # per program (one program a row)
 # sweep of benchmarks/sampling.py on an H100 (RESULTS.md, session 30): 1,024 or 2,048 lanes spill less but
 # ran the mixed rows no faster (0.389 / 0.373 ms against 0.367)
 _LANES = 0
+_MAXNREG = 0  # registers a thread at most (0: Triton's choice; fewer can fit two programs on an SM)
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
 # logprobs: the top alternatives row_logprobs finds itself (more: the caller's torch.topk), over this many
 # lanes of TOP_SLOTS candidates each
 TOP_SLOTS = 8
 _TOP_LANES = 512
+# a row's parts (a program each: 64 asked rows of 128,256 make 1,024 programs, not 64 long ones), the
+# lanes of the parts without the top ones, and the warps of a part's program
+_LSE_PARTS = 16
+_LSE_LANES = 1024
+_LSE_WARPS = 4
 
 _kernel = _noise = _penalty = _lse = None
 
@@ -435,34 +441,35 @@ def _triton_kernel():
         tl.store(at, x, mask=ok)
 
     @triton.jit
-    def _lse_kernel(x_ptr, x_stride, rows_ptr, tokens_ptr, out_ptr, pack_ptr, V, K, BLOCK: tl.constexpr,
-                    TOP: tl.constexpr, SLOTS: tl.constexpr):  # fmt: skip
-        """Row rows[i]'s log-sum-exp over its V logits in one pass (each lane's running max and sum,
-        merged at the end) and its drawn token's logit minus it: out[i] = (lse, logprob). TOP: also
-        pack row i = [token, logprob, the K (<= SLOTS) largest logits minus lse, their columns]
-        (float64). The lanes' maxima are K distinct values of the row, so the row's K largest are at
-        least the K-th largest of them (t): a second pass keeps, per lane, the SLOTS largest values
+    def _lse_part_kernel(x_ptr, x_stride, rows_ptr, part_ptr, cols_ptr, V, CHUNK, K, BLOCK: tl.constexpr,
+                         TOP: tl.constexpr, SLOTS: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
+        """Part s of row rows[i]: columns [s * CHUNK, (s + 1) * CHUNK) in one pass (each lane's running
+        max and sum); part[i, s] = [max, sum of e^(x - max), its SLOTS largest (-inf past K)] and cols[i,
+        s] their columns. TOP: the lanes' maxima are distinct values of the part, so its K largest are
+        at least the K-th largest of them (t): a second pass keeps, per lane, the SLOTS largest values
         >= t (the blocks holding none, nearly all, skip the update), then K rounds take the largest
         left (ties: the smaller column first)."""
         i = tl.program_id(0)
+        s = tl.program_id(1)
         row = tl.load(rows_ptr + i)
         x_row = x_ptr + row * x_stride
+        lo = s * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
         neg_inf = float("-inf")
         m = tl.full([BLOCK], neg_inf, tl.float32)
-        s = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32)
+            y = tl.load(x_row + cols, mask=cols < hi, other=neg_inf).to(tl.float32)
             m_new = tl.maximum(m, y)
-            kept = tl.where(m == neg_inf, 0.0, s * tl.exp(m - m_new))  # the lane's sum so far, rescaled
-            s = kept + tl.where(y == neg_inf, 0.0, tl.exp(y - m_new))
+            kept = tl.where(m == neg_inf, 0.0, acc * tl.exp(m - m_new))  # the lane's sum so far, rescaled
+            acc = kept + tl.where(y == neg_inf, 0.0, tl.exp(y - m_new))
             m = m_new
         top = tl.max(m, 0)
-        lse = top + tl.log(tl.sum(tl.where(m == neg_inf, 0.0, s * tl.exp(m - top)), 0))
-        tok = tl.load(tokens_ptr + row)
-        chosen = tl.load(x_row + tok).to(tl.float32) - lse
-        tl.store(out_ptr + i * 2, lse)
-        tl.store(out_ptr + i * 2 + 1, chosen)
+        total = tl.sum(tl.where(m == neg_inf, 0.0, acc * tl.exp(m - top)), 0)
+        at = part_ptr + (i * PARTS + s) * (2 + SLOTS)
+        tl.store(at, top)
+        tl.store(at + 1, total)
         if TOP:
             lane = tl.arange(0, BLOCK)
             t = top
@@ -474,26 +481,61 @@ def _triton_kernel():
             cand = tl.full([BLOCK, SLOTS], neg_inf, tl.float32)
             cidx = tl.zeros([BLOCK, SLOTS], dtype=tl.int32)
             slot = tl.arange(0, SLOTS)
-            for start in range(0, V, BLOCK):
+            for start in range(lo, hi, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                y = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32)
+                y = tl.load(x_row + cols, mask=cols < hi, other=neg_inf).to(tl.float32)
                 if tl.max((y >= t).to(tl.int32), 0) > 0:  # y replaces its lane's smallest kept when larger
                     hit = (slot[None, :] == tl.argmin(cand, 1)[:, None]) & (y > tl.min(cand, 1))[:, None]
                     hit = hit & (y >= t)[:, None]
                     cand = tl.where(hit, y[:, None], cand)
                     cidx = tl.where(hit, cols[:, None], cidx)
-            at = pack_ptr + i * (2 + 2 * K)
-            tl.store(at, tok.to(tl.float64))
-            tl.store(at + 1, chosen.to(tl.float64))
+            c_at = cols_ptr + (i * PARTS + s) * SLOTS
+            for r in tl.static_range(SLOTS):
+                v = neg_inf
+                col = 0
+                if r < K:
+                    v = tl.max(tl.max(cand, 1), 0)
+                    col = tl.min(tl.min(tl.where(cand == v, cidx, V), 1), 0)
+                    cand = tl.where((cand == v) & (cidx == col), neg_inf, cand)
+                tl.store(at + 2 + r, v)
+                tl.store(c_at + r, col)
+
+    @triton.jit
+    def _lse_kernel(x_ptr, x_stride, rows_ptr, tokens_ptr, part_ptr, cols_ptr, out_ptr, pack_ptr, V, K,
+                    TOP: tl.constexpr, SLOTS: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
+        """Row rows[i] from its parts (_lse_part_kernel): out[i] = (its log-sum-exp, its drawn token's
+        logit minus it). TOP: also pack row i = [token, logprob, the K (<= SLOTS) largest logits minus
+        lse, their columns] (float64), the parts' largest merged (ties: the smaller column first)."""
+        i = tl.program_id(0)
+        row = tl.load(rows_ptr + i)
+        neg_inf = float("-inf")
+        part = tl.arange(0, PARTS)
+        at = part_ptr + i * PARTS * (2 + SLOTS) + part * (2 + SLOTS)
+        m = tl.load(at)
+        acc = tl.load(at + 1)
+        top = tl.max(m, 0)
+        lse = top + tl.log(tl.sum(tl.where(m == neg_inf, 0.0, acc * tl.exp(m - top)), 0))
+        tok = tl.load(tokens_ptr + row)
+        chosen = tl.load(x_ptr + row * x_stride + tok).to(tl.float32) - lse
+        tl.store(out_ptr + i * 2, lse)
+        tl.store(out_ptr + i * 2 + 1, chosen)
+        if TOP:
+            slot = tl.arange(0, SLOTS)
+            cand = tl.load(at[:, None] + 2 + slot[None, :])
+            cidx = tl.load(cols_ptr + (i * PARTS + part)[:, None] * SLOTS + slot[None, :])
+            out = pack_ptr + i * (2 + 2 * K)
+            tl.store(out, tok.to(tl.float64))
+            tl.store(out + 1, chosen.to(tl.float64))
             for r in tl.static_range(SLOTS):
                 if r < K:
                     v = tl.max(tl.max(cand, 1), 0)
                     col = tl.min(tl.min(tl.where(cand == v, cidx, V), 1), 0)
-                    tl.store(at + 2 + r, (v - lse).to(tl.float64))
-                    tl.store(at + 2 + K + r, col.to(tl.float64))
+                    tl.store(out + 2 + r, (v - lse).to(tl.float64))
+                    tl.store(out + 2 + K + r, col.to(tl.float64))
                     cand = tl.where((cand == v) & (cidx == col), neg_inf, cand)
 
-    _kernel, _noise, _penalty, _lse = _sample_kernel, _fill_kernel, _penalty_kernel, _lse_kernel
+    _kernel, _noise, _penalty = _sample_kernel, _fill_kernel, _penalty_kernel
+    _lse = (_lse_part_kernel, _lse_kernel)
     return _kernel
 
 
@@ -524,7 +566,7 @@ def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool,
             x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out, slots, vals, counts, prompt,
             keys if order is None else order, THRESH=thresh, PENALTY=penalties is not None,
             ORDER=order is not None, BLOCK=_BLOCK, LANES=_LANES or _BLOCK,
-            MAX_STEPS=_MAX_STEPS, num_warps=_WARPS,
+            MAX_STEPS=_MAX_STEPS, num_warps=_WARPS, **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
         )  # fmt: skip
     return out
 
@@ -560,18 +602,27 @@ def fill_noise(halves: torch.Tensor, vocab: int, uniform: bool) -> torch.Tensor:
 
 def row_logprobs(x, rows, tokens, k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """For each of `rows` (int64 [n]) of logits x [B, >= V] (fp32 or bf16, rows contiguous; V =
-    x.shape[1]: pass the vocabulary's columns), one pass over the row, no copy of it: (float32 [n, 2]:
-    its log-sum-exp and the logprob of its token in `tokens` (int64 [B]); with 0 < k <= TOP_SLOTS, the
-    Sampler's logprobs pack float64 [n, 2 + 2k]: token, logprob, the k largest logits' logprobs and
-    their columns, else None: the caller finds those)."""
-    n, top = rows.numel(), 0 < k <= TOP_SLOTS
+    x.shape[1]: pass the vocabulary's columns), one pass over the row in _LSE_PARTS parts (programs of
+    their own), no copy of it: (float32 [n, 2]: its log-sum-exp and the logprob of its token in `tokens`
+    (int64 [B]); with 0 < k <= TOP_SLOTS, the Sampler's logprobs pack float64 [n, 2 + 2k]: token,
+    logprob, the k largest logits' logprobs and their columns, else None: the caller finds those)."""
+    n, top, V = rows.numel(), 0 < k <= TOP_SLOTS, x.shape[1]
     out = torch.empty(n, 2, dtype=torch.float32, device=x.device)
     pack = torch.empty(n, 2 + 2 * k, dtype=torch.float64, device=x.device) if top else None
     if n:
         _triton_kernel()
-        _lse[(n,)](
-            x, x.stride(0), rows, tokens, out, out if pack is None else pack, x.shape[1], k,
-            BLOCK=_TOP_LANES if top else _BLOCK, TOP=top, SLOTS=TOP_SLOTS, num_warps=_WARPS,
+        lanes = _TOP_LANES if top else _LSE_LANES
+        chunk = -(-V // _LSE_PARTS)
+        chunk = max(lanes, -(-chunk // lanes) * lanes)  # whole blocks; parts past V hold nothing
+        part = torch.empty(n, _LSE_PARTS, 2 + TOP_SLOTS, dtype=torch.float32, device=x.device)
+        cols = torch.empty(n, _LSE_PARTS, TOP_SLOTS, dtype=torch.int32, device=x.device) if top else part
+        _lse[0][(n, _LSE_PARTS)](
+            x, x.stride(0), rows, part, cols, V, chunk, k,
+            BLOCK=lanes, TOP=top, SLOTS=TOP_SLOTS, PARTS=_LSE_PARTS, num_warps=_LSE_WARPS,
+        )  # fmt: skip
+        _lse[1][(n,)](
+            x, x.stride(0), rows, tokens, part, cols, out, out if pack is None else pack, V, k,
+            TOP=top, SLOTS=TOP_SLOTS, PARTS=_LSE_PARTS, num_warps=1,
         )  # fmt: skip
     return out, pack
 
