@@ -235,8 +235,8 @@ def tiles(a) -> dict:
     cases["mixed, heavy first"] = cases["mixed rows"]
     heavy = torch.tensor(ts.row_order(*zip(*cases["mixed rows"])), dtype=torch.float32, device=dev)
     # (block, warps, lanes (0: the block), registers a thread at most (0: Triton's choice))
-    shapes = [(4096, 16, 0, 0), (4096, 16, 1024, 0), (4096, 16, 2048, 0), (8192, 16, 1024, 0)]
-    shapes += [(2048, 8, 0, 0), (4096, 8, 1024, 0)]
+    shapes = [(2048, 16, 512, 64), (4096, 16, 0, 0), (2048, 16, 1024, 64), (1024, 16, 1024, 64)]
+    shapes += [(4096, 16, 1024, 0), (2048, 8, 1024, 128)]
     shapes = shapes if dev == "cuda" else [(512, 4, 0, 0), (512, 4, 128, 0)]
     if os.environ.get("SAMPLING_TILES"):  # "block,warps,lanes[,maxnreg];...": these shapes instead
         shapes = [(*(int(v) for v in s.split(",")), 0)[:4] for s in os.environ["SAMPLING_TILES"].split(";")]
@@ -244,7 +244,8 @@ def tiles(a) -> dict:
     x = (torch.randn(n, V, generator=torch.Generator().manual_seed(0))).to(dev)
     for block, warps, lanes, maxnreg in shapes:
         ts._BLOCK, ts._WARPS, ts._LANES, ts._MAXNREG = block, warps, lanes, maxnreg
-        shape = f"block {block} warps {warps} lanes {lanes or block}" + (f" regs <= {maxnreg}" if maxnreg else "")
+        cap = f" regs <= {maxnreg}" if maxnreg else ""
+        shape = f"block {block} warps {warps} lanes {lanes or block}{cap}"
         for name, rows in cases.items():
             c = torch.tensor(list(zip(*rows)), dtype=torch.float32, device=dev)
             o = heavy if name.endswith("first") else None

@@ -38,28 +38,29 @@ from __future__ import annotations
 
 import torch
 
-# One program a row over column blocks of _BLOCK (also its lanes: 4 candidates each): 4096 x 16 warps
-# measured best of 1024-8192 x 4-16 on an H100 ([256, 128256] mixed rows: 0.385 ms against 0.645 at
-# 8192 x 16, whose lanes' registers spilled three times as much; RESULTS, session 28).
-_BLOCK = 4096
+# One program a row over column blocks of _BLOCK, 16 warps, each thread capped at 64 registers so two
+# programs share an SM (256 rows: one wave of the 132 SMs, not two), 512 lanes apart (4 candidates each:
+# fewer registers to spill under the cap). The tiles sweep of benchmarks/sampling.py on an H100 (RESULTS.md,
+# session 31; [256, 128256] mixed rows): 0.335 ms against 0.449 uncapped at 4096 x 16 x 4096 lanes in the
+# same run, every filter faster (top_k 50 0.108 against 0.240)
+_BLOCK = 2048
 _WARPS = 16  # per program (one program a row)
-# the lanes of top_k's and the draws' candidates (pass 1 loads this many columns a step); 0: _BLOCK. Set
-# apart so few lanes (small top_k rows' registers) need not mean short loads in the other passes. The tiles
-# sweep of benchmarks/sampling.py on an H100 (RESULTS.md, session 30): 1,024 or 2,048 lanes spill less but
-# ran the mixed rows no faster (0.389 / 0.373 ms against 0.367)
-_LANES = 0
-_MAXNREG = 0  # registers a thread at most (0: Triton's choice; fewer can fit two programs on an SM)
+# the lanes of top_k's and the draws' candidates (pass 1 loads this many columns a step); 0: _BLOCK
+_LANES = 512
+_MAXNREG = 64  # registers a thread at most (0: Triton's choice, which took all 128 and one program an SM)
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
 # logprobs: the top alternatives row_logprobs finds itself (more: the caller's torch.topk), over this many
 # lanes of TOP_SLOTS candidates each
 TOP_SLOTS = 8
 _TOP_LANES = 512
-# a row's parts (a program each: 64 asked rows of 128,256 make 1,024 programs, not 64 long ones), the
-# lanes of the parts without the top ones, and the warps of a part's program
-_LSE_PARTS = 16
+# a row's parts (a program each: 64 asked rows of 128,256 make 512 programs, not 64 long ones), the
+# lanes of the parts without the top ones, and the warps of a part's program: 8 x 8 measured best of
+# {8, 16, 32} x {4, 8, 16} on an H100 (64 bf16 rows, 5 alternatives: 0.107-0.109 ms against 0.22-0.23
+# for one program a row; RESULTS.md, session 31)
+_LSE_PARTS = 8
 _LSE_LANES = 1024
-_LSE_WARPS = 4
+_LSE_WARPS = 8
 
 _kernel = _noise = _penalty = _lse = None
 
