@@ -2,10 +2,12 @@
 (tests/test_vlm_parity.py runs those on this family too): an image small enough for one tile (no
 shrink), video against transformers on a tiny checkpoint (the clip's logits and greedy tokens alone,
 beside image and text requests, chunked inside the clip's span, an image and a clip in one prompt),
-the frame sampling rule against transformers' default sampler, and the frames' pixels against
+the frame sampling rule against transformers' video processor's sampler, and the frames' pixels against
 transformers' video processor where torchvision is installed (it needs it; ours does not)."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -101,12 +103,22 @@ def test_an_image_and_a_video_in_one_prompt(tiny):
     ],
 )
 def test_frame_indices_equal_transformers_default_sampler(tiny, total, rate, kw):
-    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+    """Against the sampler transformers' OneVision video processor runs (do_sample_frames, as
+    apply_chat_template's num_frames/fps turn on): BaseVideoProcessor.sample_frames, here with no
+    defaults of its own. From 5.18 it is video_utils.default_sample_indices_fn (i*total//n); 5.17's
+    is its own torch.arange(0, total, total/n).int(), the same frames, while that version's
+    default_sample_indices_fn (np.arange(..., dtype=int): i*int(total/n)) is a different rule that
+    no video processor calls."""
+    from transformers.models.llava_onevision.video_processing_llava_onevision import (
+        LlavaOnevisionVideoProcessor,
+    )
+    from transformers.video_utils import VideoMetadata
 
     adapter = engine_for(tiny).processor.mm_processor.adapter
     meta = VideoMetadata(total_num_frames=total, fps=rate, duration=total / rate)
     n = kw.get("num_frames", None if "fps" in kw else min(adapter.video_frames, total))
-    want = default_sample_indices_fn(meta, num_frames=n, fps=kw.get("fps")).tolist()
+    ref = types.SimpleNamespace(num_frames=None, fps=None)  # the processor's defaults: the arguments'
+    want = LlavaOnevisionVideoProcessor.sample_frames(ref, meta, num_frames=n, fps=kw.get("fps")).tolist()
     assert adapter.frame_indices(total, rate, **kw) == want
 
 

@@ -6,6 +6,7 @@ ours (Lanczos as the PIL image processor resizes); transformers' video processor
 
 from __future__ import annotations
 
+import copy
 import types
 
 import numpy as np
@@ -68,7 +69,9 @@ def test_the_prompt_equals_transformers_replace_video_token(tiny):
     c = clip(3, 40, 64, 1, fps=0.5, duration=7.9)
     media = llm.processor.mm_processor.adapter.video_inputs(c, tiny.processor)
     meta = VideoMetadata(total_num_frames=3, fps=0.5, duration=7.9, frames_indices=[0, 1, 2])
-    want = type(tiny.processor).replace_video_token(tiny.processor, {"video_metadata": [meta]}, 0)
+    # the video processor's output: transformers before 5.25 counts the frames in pixel_values [1, T, ...]
+    inputs = {"pixel_values": media.data["pixel_values"][None], "video_metadata": [meta]}
+    want = type(tiny.processor).replace_video_token(tiny.processor, inputs, 0)
     assert media.text == want and "three frames" in want and "0:00:07" in want
     assert media.num_embeds == want.count(IMAGE)  # one embedding per <image> token of the text
 
@@ -175,7 +178,11 @@ def test_frames_equal_transformers_video_processor(tiny):
         pytest.skip("transformers resizes with bicubic, not Lanczos, before torchvision 0.27")
     from transformers import SmolVLMVideoProcessor
 
-    adapter = engine_for(tiny).processor.mm_processor.adapter
+    adapter = copy.copy(engine_for(tiny).processor.mm_processor.adapter)
+    # at SmolVLMVideoProcessor's default sizes, a real checkpoint's scale, not the tiny's 56-px crops:
+    # PIL resizes this noise's 112x48 -> 56x56 height first, torchvision width first, each rounding to
+    # uint8 between its passes, which parts them by ~20 levels where one pass shrinks and the other grows
+    adapter.video_longest, adapter.video_side = 4 * 364, 364
     frames = clip(3, 70, 30, 4).frames
     vp = SmolVLMVideoProcessor(
         size={"longest_edge": adapter.video_longest}, max_image_size={"longest_edge": adapter.video_side}

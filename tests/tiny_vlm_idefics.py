@@ -38,7 +38,11 @@ def _smolvlm_processor(ip, tok, image_seq_len: int):
         image_processor=ip, tokenizer=tok, image_seq_len=image_seq_len, chat_template=tok.chat_template
     )
     if is_torchvision_available():
-        return tf.SmolVLMProcessor(video_processor=tf.SmolVLMVideoProcessor(), **kwargs)
+        # frames sized as the image processor sizes crops (a real SmolVLM2's are), not the video processor's
+        # default 364 px: the tiny's image_seq_len counts a 56-px crop's embeddings, and transformers itself
+        # fails on a clip whose frames give more
+        vp = tf.SmolVLMVideoProcessor(size=dict(ip.size), max_image_size=dict(ip.max_image_size))
+        return tf.SmolVLMProcessor(video_processor=vp, **kwargs)
     return image_only_processor_class(tf.SmolVLMProcessor)(**kwargs)
 
 

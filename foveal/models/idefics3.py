@@ -268,9 +268,16 @@ class SmolVLMAdapter(Idefics3Adapter):
         frames = np.asarray(clip.frames)
         if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
             raise ValueError(f"video frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
-        pixels = torch.stack([self._frame(f) for f in frames])
         side = self.video_side
         per_crop = tokens_per_crop(self.config, side, side)
+        seq_len = getattr(processor, "image_seq_len", None)
+        if seq_len is not None and int(seq_len) != per_crop:
+            # transformers writes image_seq_len <image> tokens per frame whatever the frame's size
+            raise ValueError(
+                f"a video frame of {side}x{side} px gives {per_crop} embeddings but the processor's "
+                f"image_seq_len is {seq_len} (the video processor's max_image_size does not match the model)"
+            )
+        pixels = torch.stack([self._frame(f) for f in frames])
         times = clip.timestamps or tuple(j / clip.fps for j in range(len(frames)))
         duration = int(clip.duration) if clip.duration is not None else int(times[-1])
         text = _VIDEO_INTRO.format(count=num2words(len(frames)), duration=str(timedelta(seconds=duration)))

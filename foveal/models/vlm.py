@@ -58,9 +58,11 @@ def uniform_frames(
     """`num_frames` of a clip's `total` frames spread evenly over it, or `fps` frames a second of it
     (every frame when neither is given), capped by `max_frames` and by the clip's frames, at least one.
 
-    transformers' `default_sample_indices_fn` rule: n = int(total / video_fps * fps), frame i is
-    i*total//n. Exact in integers; the float form floor(arange(0, total, total/n)) that Qwen2-VL's sampler
-    uses rounds some i*step just below an integer (one frame early, or one index too many)."""
+    transformers' rule (a video processor's `sample_frames`; from 5.18 `default_sample_indices_fn`):
+    n = int(total / video_fps * fps), frame i is i*total//n. Exact in integers; the float form
+    floor(arange(0, total, total/n)) that Qwen2-VL's sampler and 5.17's `sample_frames` use rounds some
+    i*step just below an integer (one frame early), or its length up (one index too many, == total: past
+    the clip). 5.17's `default_sample_indices_fn`, which no video processor calls, steps by int(total/n)."""
     if fps is not None and num_frames is not None:
         raise ValueError("pass fps or num_frames, not both")
     if num_frames is not None:
