@@ -191,3 +191,15 @@ def test_frames_equal_transformers_video_processor(tiny):
     ours = torch.stack([adapter._frame(f) for f in frames])
     assert ref.shape == ours.shape
     assert (ref - ours).abs().max().item() < 3 * 2 / 255  # 3 levels of 255 over the [-1, 1] range
+
+
+def test_frames_whose_embeddings_differ_from_image_seq_len_are_refused(tiny):
+    """A checkpoint whose processor writes more or fewer <image> tokens a frame than a frame gives
+    embeddings (its video max_image_size against the tower's crop): a clear error, not a prompt
+    transformers would reject."""
+    adapter = engine_for(tiny).processor.mm_processor.adapter
+    wrong = copy.copy(tiny.processor)
+    wrong.image_seq_len = tiny.processor.image_seq_len + 5
+    with pytest.raises(ValueError, match="image_seq_len"):
+        adapter.video_inputs(clip(2, 40, 64, 1), wrong)
+    assert adapter.video_inputs(clip(2, 40, 64, 1), tiny.processor).num_embeds > 0
