@@ -11,6 +11,7 @@ both sides read.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import replace
@@ -252,6 +253,14 @@ def build_engine(config: EngineConfig, progress: bool = False) -> tuple[Engine, 
     processor = InputProcessor(info, ckpt.tokenizer, mm_processor, cfg.output)
     processor.lora = lora_registry
     return engine, processor
+
+
+def freeze_startup_heap() -> None:
+    """What exists once the engine is built (the model, the tokenizer, every import) lives as long as the
+    process: out of the collector's sight, a full collection scans request-time objects only (one over
+    the ~320k start-up objects took ~140 ms with every thread stopped: a pause in every stream)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _decode_graphs(cfg: EngineConfig, info, model, kv_caches, backend, device, dtype, max_len, tap, lora):

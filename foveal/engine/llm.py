@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from foveal.config import EngineConfig
-from foveal.engine.factory import build_engine
+from foveal.engine.factory import build_engine, freeze_startup_heap
 from foveal.request import (
     FinishReason,
     MultiModalPrompt,
@@ -78,6 +78,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, progress: bool = False, **engine_options):
         config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.engine, self.processor = build_engine(config, progress=progress)
+        freeze_startup_heap()
 
     @property
     def tokenizer(self):

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from foveal.engine.factory import freeze_startup_heap
 from foveal.metrics import FanoutSink, MetricsSink, RequestStats
 from foveal.request import EngineRequest, FinishReason, TokenDelta
 
@@ -152,11 +153,7 @@ class EngineLoop:
         from foveal import native
 
         native.release_openmp_threads()  # the model was built on this thread; it runs on the new one
-        # what exists now (the model, the tokenizer, every import) lives as long as the process: out of
-        # the collector's sight, a full collection scans request-time objects only (one over the ~320k
-        # start-up objects took ~140 ms, with every thread stopped: a pause in every stream)
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()  # the server's own start-up objects too
         self._thread = threading.Thread(target=self._run, name="foveal-engine", daemon=True)
         self.state = "ready"
         self._thread.start()
