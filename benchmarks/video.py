@@ -343,6 +343,9 @@ def main() -> None:
     ap.add_argument("--video-out", type=int, default=128)
     ap.add_argument("--base-steps", type=int, default=24, help="text-only steps before the videos come")
     ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-encoder-tokens-per-step", type=int, default=None,
+                    help="the encoder's budget a step, in embeddings (default: the engine's)")  # fmt: skip
     gw.engine_options(ap)
     a = ap.parse_args()
     gw.setup(a, "video.py")
@@ -364,8 +367,11 @@ def main() -> None:
 
     llm = gw.engine(
         "qwen2.5-vl-7b.json", a, max_model_len=a.max_model_len, max_num_seqs=a.texts + a.videos,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_encoder_tokens_per_step=a.max_encoder_tokens_per_step,
     )  # fmt: skip
+    out["budgets"] = {"max_num_batched_tokens": a.max_num_batched_tokens,
+                      "max_encoder_tokens_per_step": a.max_encoder_tokens_per_step}  # fmt: skip
     V = min(150000, llm.processor.info.vocab_size - 64)  # text ids below the special ones
     decode_s, clip = median_time(lambda: decode(llm, data, a.fps))
     preprocess_s, prompt = median_time(lambda: video_prompt(llm, clip, 0))
