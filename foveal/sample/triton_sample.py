@@ -38,16 +38,16 @@ from __future__ import annotations
 
 import torch
 
-# One program a row over column blocks of _BLOCK, 16 warps, each thread capped at 64 registers so two
-# programs share an SM (256 rows: one wave of the 132 SMs, not two), 512 lanes apart (4 candidates each:
-# fewer registers to spill under the cap). The tiles sweep of benchmarks/sampling.py on an H100 (RESULTS.md,
-# session 31; [256, 128256] mixed rows): 0.335 ms against 0.449 uncapped at 4096 x 16 x 4096 lanes in the
-# same run, every filter faster (top_k 50 0.108 against 0.240)
-_BLOCK = 2048
+# One program a row over column blocks of _BLOCK (also its lanes: 4 candidates each), 16 warps. The tiles
+# sweeps of benchmarks/sampling.py on an H100 ([256, 128256] mixed rows, RESULTS.md sessions 28-31): 4096 x
+# 16 best of 1024-8192 x 4-16 (session 28); 2048 x 16 with 512 lanes and 64 registers a thread (two
+# programs an SM) ran top_k and top_p rows faster in two runs of session 31 but the mixed rows in the
+# Sampler's order 0.342 / 0.400 ms against 0.363 / 0.372, and the mixed decode step no faster: not taken
+_BLOCK = 4096
 _WARPS = 16  # per program (one program a row)
 # the lanes of top_k's and the draws' candidates (pass 1 loads this many columns a step); 0: _BLOCK
-_LANES = 512
-_MAXNREG = 64  # registers a thread at most (0: Triton's choice, which took all 128 and one program an SM)
+_LANES = 0
+_MAXNREG = 0  # registers a thread at most (0: Triton's choice: all 128 at 16 warps, one program an SM)
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
 # logprobs: the top alternatives row_logprobs finds itself (more: the caller's torch.topk), over this many
