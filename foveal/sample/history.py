@@ -2,9 +2,11 @@
 with penalties first samples, then updated by each step's tokens on the device, never rebuilt from the
 host's token lists (and never waiting for them: such rows overlap under async scheduling).
 
-    counts  int32 [slots, vocab]  each token's occurrences in the output so far (frequency, presence)
-    prompt  bool  [slots, vocab]  the tokens of the prompt (the repetition penalty's "seen" is
-                                  prompt | counts > 0)
+    counts  int32 [slots, vocab]      each token's occurrences in the output so far (frequency, presence)
+    seen    int32 [slots, vocab / 32] a bit a token, set when the token is in the prompt (marked only for
+                                      a repetition penalty) or counted: the repetition penalty's "seen",
+                                      and where counts can be nonzero (a kernel reads a row's counts
+                                      only at its seen tokens: a bit a column, not 4 bytes)
 
 A slot is the runner's row of its token buffer (one per held request); the buffers grow with it.
 """
@@ -37,11 +39,30 @@ def occurrence_counts(token_lists: list, vocab: int, dev: torch.device) -> torch
     return counts[:, :vocab]
 
 
+def pack_bits(marks: torch.Tensor) -> torch.Tensor:
+    """bool [n, V] -> int32 [n, ceil(V / 32)]: column j is bit j % 32 of word j // 32."""
+    n, V = marks.shape
+    W = -(-V // 32)
+    padded = torch.zeros(n, W * 32, dtype=torch.int64, device=marks.device)
+    padded[:, :V] = marks
+    weights = torch.ones(32, dtype=torch.int64, device=marks.device) << torch.arange(32, device=marks.device)
+    words = (padded.view(n, W, 32) * weights).sum(-1)  # < 2**32: the bits of a uint32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [n, W] -> bool [n, vocab] (pack_bits' inverse)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    return bits.view(words.shape[0], -1)[:, :vocab].bool()
+
+
 class TokenHistory:
     def __init__(self, vocab: int, device):
         self.vocab, self.device = vocab, torch.device(device)
+        self.words = -(-vocab // 32)
         self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=self.device)
-        self.prompt = torch.zeros(0, vocab, dtype=torch.bool, device=self.device)
+        self.seen = torch.zeros(0, self.words, dtype=torch.int32, device=self.device)
 
     def _fit(self, slot: int) -> None:
         n = self.counts.shape[0]
@@ -49,22 +70,27 @@ class TokenHistory:
             return
         grow = max(slot + 1, 2 * n, 16) - n
         self.counts = torch.cat([self.counts, self.counts.new_zeros(grow, self.vocab)])
-        self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(grow, self.vocab)])
+        self.seen = torch.cat([self.seen, self.seen.new_zeros(grow, self.words)])
 
     def start(self, slot: int, prompt: list | tuple, output: list, with_prompt: bool) -> None:
-        """The slot's rows for a request: its output so far counted, its prompt marked (with_prompt:
+        """The slot's rows for a request: its output so far counted, its prompt marked seen (with_prompt:
         only a repetition penalty reads it)."""
         self._fit(slot)
         lists = [output, prompt if with_prompt else []]
         both = occurrence_counts(lists, self.vocab, self.device)
         self.counts[slot] = both[0]
-        self.prompt[slot] = both[1] > 0
+        self.seen[slot] = pack_bits(((both[0] > 0) | (both[1] > 0))[None])[0]
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """One more occurrence of each row's token (on the device: the tokens need not be on the host)."""
+        """One more occurrence of each row's token, its seen bit set (on the device: the tokens need not
+        be on the host). One row a slot: two rows' bits in one word would race."""
         flat = slots * self.vocab + tokens  # index_add_ adds atomically: no sort, as index_put_'s has
         self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        at = slots * self.words + (tokens >> 5)
+        words = self.seen.view(-1)
+        bit = torch.bitwise_left_shift(torch.ones_like(tokens), tokens & 31)  # int64: 2**31 fits
+        words[at] = words[at] | torch.where(bit >= 2**31, bit - 2**32, bit).to(torch.int32)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output counts int32 [n, vocab], prompt bool [n, vocab]) of the slots."""
-        return self.counts.index_select(0, slots), self.prompt.index_select(0, slots)
+        """(output counts int32 [n, vocab], seen bool [n, vocab]) of the slots."""
+        return self.counts.index_select(0, slots), unpack_bits(self.seen.index_select(0, slots), self.vocab)
