@@ -10,8 +10,10 @@ mixed   256 requests x (512 in / 256 out), greedy and mixed sampling alternating
         no prefill, no first-use costs).
 kernel  the sampler alone on [256, 128256] random logits with the mixed rows' parameters (no penalties,
         no logprobs): Sampler.sample (CUDA: the Triton kernel) against the torch path (sort_filter and
-        the noise), CUDA events, median of 20 after 3 warm-ups, at two logit scales; and (CUDA) the
-        logprobs' pass alone (row_logprobs: every 4th row, 5 alternatives).
+        the noise), CUDA events, median of 20 after 3 warm-ups, at two logit scales; the same rows
+        with their penalties too, read from a device history (512 prompt + 256 drawn tokens a slot),
+        on bf16 logits (penalties_bf16_ms); and (CUDA) the logprobs' pass alone (row_logprobs: every
+        4th row, 5 alternatives; parts x warps swept on bf16).
 tiles   the Triton kernel alone at several (column block, warps per program) shapes, by filter.
 host    the Sampler's host work a step for the mixed rows, the kernel's launch stubbed (any machine).
 prefix  256 requests sharing a 3,584-token prefix, each with 512 tokens of its own, 128 out, greedy,
@@ -27,6 +29,7 @@ kernels; kernels launched by Triton count as "other"). --smoke runs it on the CP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -160,6 +163,20 @@ def kernel(a) -> dict:
     def timed(fn, x) -> float:
         return median_ms(lambda: fn(x), reps=20)
 
+    # the mixed workload's own rows, penalties included, their history kept on the device (a 512-token
+    # prompt and 256 drawn tokens a slot): the kernel reads it as the rows load
+    pen_s = Sampler(V, dev)
+    g = torch.Generator().manual_seed(1)
+    pen_rows = []
+    for i, p in enumerate(mixed_params(n, 1)):
+        p = dataclasses.replace(p, logprobs=None)  # the draw alone
+        prompt = torch.randint(0, V, (512,), generator=g).tolist()
+        out = torch.randint(0, V, (256,), generator=g).tolist()
+        slot = i if p.needs_penalties else None
+        if slot is not None:
+            pen_s.history.start(slot, prompt, out, p.repetition_penalty != 1.0)
+        pen_rows.append(SamplingRow(p, prompt, out, frozenset(), None, slot))
+
     res = {}
     for scale in (1.0, 4.0):
         g = torch.Generator().manual_seed(0)
@@ -168,6 +185,8 @@ def kernel(a) -> dict:
             "kernel_ms": timed(lambda x: s.sample(x, rows)[0], x),
             "torch_ms": timed(torch_path, x),
             "greedy_ms": timed(lambda x: x.argmax(-1), x),
+            # bf16 logits (the model's) with the rows' penalties from the device history
+            "penalties_bf16_ms": timed(lambda x: pen_s.sample(x, pen_rows)[0], x.bfloat16()),
         }
         if dev == "cuda":  # the logprobs of a quarter of the rows with 5 alternatives (the mixed workload's)
             from foveal.sample.triton_sample import row_logprobs

@@ -6,7 +6,7 @@
 #   mixed       benchmarks/sampling.py --workloads mixed in base36/ (`git archive <base> foveal benchmarks`)
 #               and in this checkout, alternating, one process per tree
 #   kernel      the sampler alone: the Triton kernel against the torch path on [256, 128256] logits, and
-#               the logprobs' pass alone (logprobs_ms)
+#               the logprobs' pass alone (logprobs_ms), the mixed rows with penalties (penalties_bf16_ms)
 #   kernel_ab   the same in before/ and here, alternating (before/ beside the tree holds the base's foveal
 #               and this checkout's benchmarks: `mkdir before && git archive <base> foveal | tar -x -C
 #               before && git archive HEAD benchmarks | tar -x -C before`)
