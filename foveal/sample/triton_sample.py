@@ -336,16 +336,39 @@ def _triton_kernel():
             # pass 1: the maximum, lo_min the smallest finite y (where the threshold mode's bisection
             # starts); with lanes, their candidates too, LANES columns a step (names apart per branch:
             # Triton unifies what both branches define, and the shapes differ)
+            # top_p alone (no top_k, no min_p: the first race's set is the whole row): that race rides
+            # pass 1 (each lane's winner, and its mass rescaled to the lane's running maximum)
+            fused = (top_p < 1.0) & (k == 0) & (min_p == 0.0) & (not THRESH)
+            k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
+            k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
+            w_f = 0
+            z_f = 0.0
             if lanes:
                 lo_l = tl.full([LANES], float("inf"), tl.float32)
+                best_l = tl.full([LANES], neg_inf, tl.float32)
+                best_j = tl.zeros([LANES], dtype=tl.int32)
+                mass_l = tl.zeros([LANES], dtype=tl.float32)
                 for start in range(0, V, LANES):
                     col_l = start + tl.arange(0, LANES)
                     yl = _load_x(x_row, col_l, col_l < V, c_row, p_row, pen, rep, freq, pres, PENALTY) * inv_t
+                    was = c0  # the lanes' maxima before this block (the fused race's rescale)
                     c0, c1, c2, c3, j0, j1, j2, j3 = _insert4(c0, c1, c2, c3, j0, j1, j2, j3, yl, col_l)
                     if THRESH:
                         lo_l = tl.minimum(lo_l, tl.where(yl == neg_inf, float("inf"), yl))
+                    if fused:
+                        live = yl > neg_inf
+                        score = tl.where(live, yl - tl.log(-tl.log(_uniform(col_l, k0, k1))), neg_inf)
+                        better = score > best_l
+                        best_l = tl.where(better, score, best_l)
+                        best_j = tl.where(better, col_l, best_j)
+                        kept = tl.where(was == neg_inf, 0.0, mass_l * tl.exp(was - c0))
+                        mass_l = kept + tl.where(live, tl.exp(yl - c0), 0.0)
                 m = tl.max(c0, 0)
                 lo_min = tl.min(lo_l, 0)
+                if fused:
+                    top_s = tl.max(best_l, 0)
+                    w_f = tl.min(tl.where(best_l == top_s, best_j, V), 0)
+                    z_f = tl.sum(tl.where(c0 == neg_inf, 0.0, mass_l * tl.exp(c0 - m)), 0)
             elif (min_p > 0.0) | (top_p < 1.0):
                 top_b = tl.full([BLOCK], neg_inf, tl.float32)
                 lo_b = tl.full([BLOCK], float("inf"), tl.float32)
@@ -390,11 +413,11 @@ def _triton_kernel():
                                                       BLOCK, MAX_STEPS))  # fmt: skip
                 tl.store(out_ptr + row, floor)
             else:
-                k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
-                k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
                 # each race in registers when the lanes' candidates hold its whole set (top_k's, a late
-                # top_p round's), else a pass over the row
-                if lanes & _lanes_hold(c3, floor, 0):
+                # top_p round's), else a pass over the row (top_p alone: pass 1 ran the first)
+                if fused:
+                    w, z = w_f, z_f
+                elif lanes & _lanes_hold(c3, floor, 0):
                     w, z = _race_lanes(c0, c1, c2, c3, j0, j1, j2, j3, m, floor, 0, k0, k1, V)
                 else:
                     w, z = _race(x_row, V, inv_t, m, floor, 0, k0, k1, c_row, p_row, pen, rep, freq, pres,
