@@ -18,7 +18,8 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
                over the row, a byte a pass (4 passes; ties at the k-th all stay either way)
     draw       the race winner w over {y >= floor}, and Z = sum_{y >= floor} e^(y - m): over the lanes'
                candidates in registers when they hold that whole set (top_k's rows, with their
-               columns kept beside them), else a pass
+               columns kept beside them); top_p alone (the set is the row) inside pass 1, Z summed
+               per lane against the lane's running maximum; else a pass
     top_p      accept w when the mass above it is below top_p * Z (then w is in the top_p set, and the
                race over that set has the same winner, the set being inside the one raced over); else
                the set shrinks to {y > y_w} and its race's winner is the next w. A round's pass sums
@@ -27,8 +28,9 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
                top_p; an LLM's peaked rows take one or two (a round whose set the candidates hold runs
                in registers).
 
-So a row costs 1 pass (top_k, min_p: the draw in registers when the candidates hold its set; temperature
-alone: the race, which needs no m), 2 where they do not, plus one per top_p round they cannot hold, where
+So a row costs 1 pass (top_k, min_p: the draw in registers when the candidates hold its set; top_p alone:
+the first race in pass 1; temperature alone: the race, which needs no m), 2 where they do not, plus one
+per top_p round they cannot hold, where
 the bisection this replaced took ~30 per filter. The threshold mode finds top_p's tau by bisection on the
 mass (`_bisect`: a pass a step; only filter() pays it). Triton is imported at the first call (the CPU never
 needs it); under TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how they are tested.
