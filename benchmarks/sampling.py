@@ -5,9 +5,10 @@
 mixed   256 requests x (512 in / 256 out), greedy and mixed sampling alternating (--reps each): every
         row of the mixed runs has its own temperature (0 to 1.3), top_p (1, 0.9, 0.5), top_k (0, 20, 50),
         min_p (0, 0.05), repetition / presence / frequency penalties, a seed on half of the rows and
-        logprobs=5 on a quarter. Reports both tok/s and mixed / greedy (the target: >= 0.97), and the
-        same ratio of the decode steps alone (wall time a step once every request has its first token:
-        no prefill, no first-use costs).
+        logprobs=5 on a quarter. Reports both tok/s and mixed / greedy (the target: >= 0.97): best of
+        each mode, each rep's pair and their median; and the decode steps alone (wall time a step once
+        every request has its first token: no prefill, no first-use costs): greedy's over mixed's, the
+        mean step's (best of each) and by rep the median step's in each quarter of the decode steps.
 kernel  the sampler alone on [256, 128256] random logits with the mixed rows' parameters (no penalties,
         no logprobs): Sampler.sample (CUDA: the Triton kernel) against the torch path (sort_filter and
         the noise), CUDA events, median of 20 after 3 warm-ups, at two logit scales; the same rows
@@ -81,6 +82,11 @@ def mixed(a) -> dict:
     gw.run(llm, gw.random_prompts(8, gw.L(512), V, 99), mixed_params(8, 8))
     gw.run(llm, gw.random_prompts(8, gw.L(512), V, 98), [gw.greedy(8)] * 8)
     prompts = gw.random_prompts(n, gw.L(512), V, 1)
+    # and the full batch of each mode for a few tokens: a fresh machine's first timed mixed run still
+    # compiled inside its timing (TTFT p50 11-18 s against 1.7 s after, RESULTS session 31)
+    for mode in ("greedy", "mixed"):
+        llm.engine.reset_prefix_cache()
+        gw.run(llm, prompts, [gw.greedy(4)] * n if mode == "greedy" else mixed_params(n, 4))
     res: dict = {"greedy": [], "mixed": []}
     for rep in range(a.reps):
         for mode in ("greedy", "mixed"):
@@ -94,6 +100,17 @@ def mixed(a) -> dict:
     res["mixed_over_greedy"] = best["mixed"] / best["greedy"]
     gw.log(f"mixed / greedy (best of {a.reps}): {best['mixed']:.1f} / {best['greedy']:.1f} = "
            f"{res['mixed_over_greedy']:.3f}")  # fmt: skip
+    # each rep's pair (greedy then mixed, back to back), and the decode steps' medians by quarter: the
+    # best of each mode can pair runs a few long steps favoured
+    pairs = [m["output_tok_s"] / g["output_tok_s"] for g, m in zip(res["greedy"], res["mixed"])]
+    quarters = [
+        [gq / mq for gq, mq in zip(g["decode_step_ms_quarters"], m["decode_step_ms_quarters"])]
+        for g, m in zip(res["greedy"], res["mixed"])
+    ]
+    res["pair_ratios"], res["quarter_step_ratios"] = pairs, quarters
+    mid = sorted(pairs)[len(pairs) // 2]
+    gw.log(f"mixed / greedy by rep: {[round(r, 3) for r in pairs]} (median {mid:.3f}); greedy step / "
+           f"mixed step by quarter: {[[round(q, 3) for q in qs] for qs in quarters]}")  # fmt: skip
     # the decode steps alone (every request past its first token): greedy's step time over mixed's
     step = {m: min(r["decode_step_ms"] or float("inf") for r in rs) for m, rs in res.items() if m in best}
     res["decode_step_ms"], res["decode_greedy_over_mixed"] = step, step["greedy"] / step["mixed"]
