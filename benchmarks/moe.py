@@ -9,7 +9,8 @@ kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 204
          gpt-oss-20b (E 32, k 4, H 2880, I 2880), at 1, 64 and 256 tokens: the Triton kernel
          (layers/moe_triton.py), torch's grouped GEMMs (layers/moe.py experts_grouped) and the loop over
          experts (the reference): us per call, and the bytes of the experts those tokens touch (each
-         distinct expert read once) over that time.
+         distinct expert read once) over that time; on CUDA the Triton kernel and the grouped GEMMs
+         also captured in a CUDA graph and replayed (`*_graph_us`, or why one cannot be captured).
 tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages) for gate/up and for down
          apart, at the same shapes and token counts: us per launch of each, the default's
          (moe_triton._tiles) first, then the three fastest (what a per-shape table would pick)
@@ -63,6 +64,20 @@ def _time(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _captured(fn):
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _route_then_align(logits, k, bm):
     from foveal.layers.moe_triton import align
 
@@ -104,6 +119,13 @@ def kernel(smoke: bool) -> None:
             s = _time(fn, 3 if smoke else 20)
             row[f"{p}_us"] = round(s * 1e6, 1)
             row[f"{p}_GBps"] = round(nbytes / s / 1e9, 1)
+            if dev == "cuda" and p != "loop":  # inside a CUDA graph, as the decode steps run them
+                try:
+                    s = _time(_captured(fn), 3 if smoke else 20)
+                    row[f"{p}_graph_us"] = round(s * 1e6, 1)
+                    row[f"{p}_graph_GBps"] = round(nbytes / s / 1e9, 1)
+                except Exception as e:  # a host sync inside: it cannot be captured
+                    row[f"{p}_graph"] = f"not capturable: {type(e).__name__}: {str(e)[:80]}"
         if dev == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # the routing and row layout
             from foveal.layers.moe_triton import block_m, route_align
 

@@ -162,7 +162,12 @@ def experts_grouped(x, w13, w2, weights, ids, glu=silu_glu, b13=None, b2=None) -
     token = order // k
     if not _aligned(x, w2) or two_i * x.element_size() % 16:
         return experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    # each expert's pairs counted by index_add_, not bincount (whose CUDA kernel reads the largest id on
+    # the host): no host sync, so a CUDA graph can hold it
+    per_expert = torch.zeros(E, dtype=torch.int32, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32)
+    )
+    offs = torch.cumsum(per_expert, 0, dtype=torch.int32)
     expert = flat[order]
     h = torch._grouped_mm(x[token], w13.transpose(1, 2), offs)
     if b13 is not None:
