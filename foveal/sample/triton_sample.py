@@ -30,10 +30,10 @@ The draw is the exponential race in log form, argmax over the kept set of y - lo
 
 So a row costs 1 pass (top_k, min_p: the draw in registers when the candidates hold its set; top_p alone:
 the first race in pass 1; temperature alone: the race, which needs no m), 2 where they do not, plus one
-per top_p round they cannot hold, where
-the bisection this replaced took ~30 per filter. The threshold mode finds top_p's tau by bisection on the
-mass (`_bisect`: a pass a step; only filter() pays it). Triton is imported at the first call (the CPU never
-needs it); under TRITON_INTERPRET=1 the kernels run on CPU tensors, which is how they are tested.
+per top_p round they cannot hold, where the bisection this replaced took ~30 per filter. The threshold
+mode finds top_p's tau by bisection on the mass (`_bisect`: a pass a step; only filter() pays it). Triton
+is imported at the first call (the CPU never needs it); under TRITON_INTERPRET=1 the kernels run on CPU
+tensors, which is how they are tested.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ TOP_SLOTS = 8
 _TOP_LANES = 512
 # a row's parts (a program each: 64 asked rows of 128,256 make 512 programs, not 64 long ones), the
 # lanes of the parts without the top ones, and the warps of a part's program: 8 x 8 measured best of
-# {8, 16, 32} x {4, 8, 16} on an H100 (64 bf16 rows, 5 alternatives: 0.107-0.109 ms against 0.22-0.23
-# for one program a row; RESULTS.md, session 31)
+# {8, 16, 32} x {4, 8, 16} on an H100 (64 bf16 rows of 128,256, 5 alternatives: 0.107-0.109 ms; one
+# program a row took 0.22-0.23 on the same rows in fp32; RESULTS.md, session 31)
 _LSE_PARTS = 8
 _LSE_LANES = 1024
 _LSE_WARPS = 8
