@@ -443,14 +443,15 @@ def test_seen_bits_pack_every_column_and_add_sets_the_drawn_ones():
     """The history's seen marks, a bit a column in int32 words: every column round-trips (bit 31 of a
     word, the sign, included; a vocabulary not a multiple of 32), add() sets the drawn tokens' bits and
     counts them, and two rows of one slot in one step are refused (their bits would race)."""
-    from foveal.sample.history import TokenHistory, pack_bits, unpack_bits
+    from foveal.sample.history import TokenHistory
+    from foveal.structured.bitmask import pack_bitmask, unpack_bitmask
 
     g = torch.Generator().manual_seed(5)
     marks = torch.rand(3, 77, generator=g) < 0.4
     marks[0, 31] = marks[1, 63] = marks[2, 76] = True  # top bits of their words
-    words = pack_bits(marks)
+    words = pack_bitmask(marks)
     assert words.dtype == torch.int32 and words.shape == (3, 3) and (words < 0).any()
-    assert torch.equal(unpack_bits(words, 77), marks)
+    assert torch.equal(unpack_bitmask(words, 77), marks)
     h = TokenHistory(77, "cpu")
     h.start(1, [5, 70], [3], True)
     h.add(torch.tensor([1]), torch.tensor([31]))

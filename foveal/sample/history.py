@@ -3,10 +3,11 @@ with penalties first samples, then updated by each step's tokens on the device, 
 host's token lists (and never waiting for them: such rows overlap under async scheduling).
 
     counts  int32 [slots, vocab]      each token's occurrences in the output so far (frequency, presence)
-    seen    int32 [slots, vocab / 32] a bit a token, set when the token is in the prompt (marked only for
-                                      a repetition penalty) or counted: the repetition penalty's "seen",
-                                      and where counts can be nonzero (a kernel reads a row's counts
-                                      only at its seen tokens: a bit a column, not 4 bytes)
+    seen    int32 [slots, vocab / 32] a bit a token (structured/bitmask.py's layout), set when the
+                                      token is in the prompt (marked only for a repetition penalty)
+                                      or counted: the repetition penalty's "seen", and where counts
+                                      can be nonzero (a kernel reads a row's counts only at its seen
+                                      tokens: a bit a column, not 4 bytes)
 
 A slot is the runner's row of its token buffer (one per held request); the buffers grow with it.
 """
@@ -18,6 +19,7 @@ import array
 import torch
 
 from foveal.device import to_device
+from foveal.structured.bitmask import bitmask_words, pack_bitmask, unpack_bitmask
 
 
 def occurrence_counts(token_lists: list, vocab: int, dev: torch.device) -> torch.Tensor:
@@ -39,28 +41,10 @@ def occurrence_counts(token_lists: list, vocab: int, dev: torch.device) -> torch
     return counts[:, :vocab]
 
 
-def pack_bits(marks: torch.Tensor) -> torch.Tensor:
-    """bool [n, V] -> int32 [n, ceil(V / 32)]: column j is bit j % 32 of word j // 32."""
-    n, V = marks.shape
-    W = -(-V // 32)
-    padded = torch.zeros(n, W * 32, dtype=torch.int64, device=marks.device)
-    padded[:, :V] = marks
-    weights = torch.ones(32, dtype=torch.int64, device=marks.device) << torch.arange(32, device=marks.device)
-    words = (padded.view(n, W, 32) * weights).sum(-1)  # < 2**32: the bits of a uint32
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack_bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 [n, W] -> bool [n, vocab] (pack_bits' inverse)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words.unsqueeze(-1) >> shifts) & 1
-    return bits.view(words.shape[0], -1)[:, :vocab].bool()
-
-
 class TokenHistory:
     def __init__(self, vocab: int, device):
         self.vocab, self.device = vocab, torch.device(device)
-        self.words = -(-vocab // 32)
+        self.words = bitmask_words(vocab)
         self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=self.device)
         self.seen = torch.zeros(0, self.words, dtype=torch.int32, device=self.device)
 
@@ -79,7 +63,7 @@ class TokenHistory:
         lists = [output, prompt if with_prompt else []]
         both = occurrence_counts(lists, self.vocab, self.device)
         self.counts[slot] = both[0]
-        self.seen[slot] = pack_bits(((both[0] > 0) | (both[1] > 0))[None])[0]
+        self.seen[slot] = pack_bitmask(((both[0] > 0) | (both[1] > 0))[None])[0]
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """One more occurrence of each row's token, its seen bit set (on the device: the tokens need not
@@ -93,4 +77,5 @@ class TokenHistory:
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output counts int32 [n, vocab], seen bool [n, vocab]) of the slots."""
-        return self.counts.index_select(0, slots), unpack_bits(self.seen.index_select(0, slots), self.vocab)
+        seen = unpack_bitmask(self.seen.index_select(0, slots), self.vocab)
+        return self.counts.index_select(0, slots), seen
