@@ -341,8 +341,12 @@ def _triton_kernel():
             # top_p alone (no top_k, no min_p: the first race's set is the whole row): that race rides
             # pass 1 (each lane's winner, and its mass rescaled to the lane's running maximum)
             fused = (top_p < 1.0) & (k == 0) & (min_p == 0.0) & (not THRESH)
-            k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
-            k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
+            if THRESH:  # no noise read: keys_ptr is a stand-in of B values, not [B, 2]
+                k0 = tl.full((), 0, tl.uint32)
+                k1 = tl.full((), 0, tl.uint32)
+            else:
+                k0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
+                k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
             w_f = 0
             z_f = 0.0
             if lanes:
