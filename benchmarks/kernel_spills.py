@@ -6,7 +6,10 @@ installed Triton's compiler: the GPU machine's may differ, so the counts are a g
     python benchmarks/kernel_spills.py [--tiles 4096x16x0,4096x16x1024] [--arch 90]
 
 A tile: block x warps x lanes (0: the block) [x registers a thread at most]; each with and without penalties,
-bf16 logits, the rows' order on (the Sampler's variant). Ends with one JSON line.
+the rows' order on (the Sampler's variant), for the logits' dtype (--dtype: bf16, the model's, or fp32).
+The pointers, the row stride and the vocabulary are marked divisible by 16, as a launch on [B, 128256]
+logits specializes them: without that Triton cannot vectorize the loads and compiles another kernel
+(sizePerThread 1; 128 registers for bf16 where the launched kernel gets 64). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -28,7 +31,16 @@ POINTERS = {  # _sample_kernel's pointer arguments as the Sampler passes them
 }  # fmt: skip
 
 
-def spills(kernel, arch: int, block: int, warps: int, lanes: int, penalty: bool, maxnreg: int = 0) -> dict:
+def spills(
+    kernel,
+    arch: int,
+    block: int,
+    warps: int,
+    lanes: int,
+    penalty: bool,
+    maxnreg: int = 0,
+    dtype: str = "bf16",
+) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -39,7 +51,11 @@ def spills(kernel, arch: int, block: int, warps: int, lanes: int, penalty: bool,
                  MAX_STEPS=ts._MAX_STEPS)  # fmt: skip
     names = kernel.arg_names
     sig = {n: POINTERS.get(n, "constexpr" if n in const else "i32") for n in names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()})
+    sig["x_ptr"] = f"*{dtype}"
+    wide = set(POINTERS) | {"x_stride", "V"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in wide}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs=aligned)  # fmt: skip
     opts = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -63,6 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", default="4096x16x0,4096x16x1024,4096x16x2048,2048x8x0,1024x4x0,4096x8x1024")
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the logits' dtype")
     a = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     from foveal.sample import triton_sample as ts
@@ -72,11 +89,12 @@ def main() -> None:
         block, warps, lanes, maxnreg = (*(int(v) for v in tile.split("x")), 0)[:4]
         for penalty in (False, True):
             name = f"{tile} {'penalties' if penalty else 'plain'}"
-            res[name] = spills(kernel, a.arch, block, warps, lanes, penalty, maxnreg)
+            res[name] = spills(kernel, a.arch, block, warps, lanes, penalty, maxnreg, a.dtype)
             print(f"{name}: {res[name]}", flush=True)
     import triton
 
-    print(json.dumps({"benchmark": "kernel_spills", "triton": triton.__version__, "arch": a.arch, **res}))
+    head = {"benchmark": "kernel_spills", "triton": triton.__version__, "arch": a.arch, "dtype": a.dtype}
+    print(json.dumps({**head, **res}))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ kernel  the sampler alone on [256, 128256] random logits with the mixed rows' pa
         with their penalties too, read from a device history (512 prompt + 256 drawn tokens a slot),
         on bf16 logits (penalties_bf16_ms); and (CUDA) the logprobs' pass alone (row_logprobs: every
         4th row, 5 alternatives; parts x warps swept on bf16).
-tiles   the Triton kernel alone at several (column block, warps per program) shapes, by filter.
+tiles   the Triton kernel alone at several (column block, warps per program, lanes, register cap) shapes,
+        by filter (fp32), and the mixed rows on bf16 with their penalties (the decode step's case).
+        SAMPLING_TILES="block,warps,lanes[,maxnreg];...": these shapes instead.
+SAMPLING_TILE="block,warps,lanes[,maxnreg]" sets the kernel's shape for every workload (the engine's too).
 host    the Sampler's host work a step for the mixed rows, the kernel's launch stubbed (any machine).
 prefix  256 requests sharing a 3,584-token prefix, each with 512 tokens of its own, 128 out, greedy,
         prefix caching on (the shared blocks are computed once): output tok/s.
@@ -251,9 +254,9 @@ def tiles(a) -> dict:
     for the filters whose cost the shape moves (temperature only, top_k 50, top_p 0.9, both, the mixed
     rows in their order and heavy first): one program a row, its warps keep loads in flight, its lanes
     (the block unless set apart) hold top_k's and the draws' candidates (4 registers of values and 4 of
-    columns each). CUDA events, median
-    of 10 after 3 warm-ups, fp32 logits of scale 1; with each shape, the compiled kernel's registers a
-    thread and spills (CUDA)."""
+    columns each). CUDA events, median of 10 after 3 warm-ups, fp32 logits of scale 1, and (the decode
+    step's case) the same in bf16 with the rows' penalties; with each shape, the compiled kernel's
+    registers a thread and spills (CUDA)."""
     from foveal.sample import noise
     from foveal.sample import triton_sample as ts
 
@@ -269,7 +272,11 @@ def tiles(a) -> dict:
         "mixed rows": [(p.temperature, p.min_p, p.top_k, p.top_p) for p in ps],
     }
     cases["mixed, heavy first"] = cases["mixed rows"]
+    # the decode step's case: the model's bf16 logits, the rows' penalties read from a device history
+    # (a 512-token prompt and 256 drawn tokens a penalized row), heavy first
+    cases["bf16 mixed, heavy first"] = cases["bf16 + penalties, heavy first"] = cases["mixed rows"]
     heavy = torch.tensor(ts.row_order(*zip(*cases["mixed rows"])), dtype=torch.float32, device=dev)
+    pen = _device_history(ps, V, dev)
     # (block, warps, lanes (0: the block), registers a thread at most (0: Triton's choice))
     shapes = [(2048, 16, 512, 64), (4096, 16, 0, 0), (2048, 16, 1024, 64), (1024, 16, 1024, 64)]
     shapes += [(4096, 16, 1024, 0), (2048, 8, 1024, 128)]
@@ -278,6 +285,7 @@ def tiles(a) -> dict:
         shapes = [(*(int(v) for v in s.split(",")), 0)[:4] for s in os.environ["SAMPLING_TILES"].split(";")]
     saved, res = (ts._BLOCK, ts._WARPS, ts._LANES, ts._MAXNREG), {}
     x = (torch.randn(n, V, generator=torch.Generator().manual_seed(0))).to(dev)
+    xb = x.bfloat16()
     for block, warps, lanes, maxnreg in shapes:
         ts._BLOCK, ts._WARPS, ts._LANES, ts._MAXNREG = block, warps, lanes, maxnreg
         cap = f" regs <= {maxnreg}" if maxnreg else ""
@@ -285,12 +293,30 @@ def tiles(a) -> dict:
         for name, rows in cases.items():
             c = torch.tensor(list(zip(*rows)), dtype=torch.float32, device=dev)
             o = heavy if name.endswith("first") else None
-            run = lambda c=c, o=o: ts.sample_rows(x, c[0], c[1], c[2], c[3], keys, V, order=o)  # noqa: E731
+            xs, p = (xb if name.startswith("bf16") else x), (pen if "penalties" in name else None)
+            run = lambda c=c, o=o, xs=xs, p=p: ts.sample_rows(xs, c[0], c[1], c[2], c[3], keys, V, p, o)  # noqa: E731
             res[f"{shape} {name}"] = median_ms(run)
         row = {name: round(res[f"{shape} {name}"], 3) for name in cases}
         gw.log(f"kernel, {shape}: {row} ms; {_registers(ts)}")
     ts._BLOCK, ts._WARPS, ts._LANES, ts._MAXNREG = saved
     return res
+
+
+def _device_history(params: list[SamplingParams], V: int, dev) -> tuple:
+    """sample_rows' penalties argument for rows of these params: a device history with a 512-token prompt
+    and 256 drawn tokens a penalized row (seeded), as the Sampler passes it."""
+    from foveal.sample.history import TokenHistory
+
+    hist, g = TokenHistory(V, dev), torch.Generator().manual_seed(1)
+    for i, p in enumerate(params):
+        prompt, out = (torch.randint(0, V, (n,), generator=g).tolist() for n in (512, 256))
+        if p.needs_penalties:
+            hist.start(i, prompt, out, p.repetition_penalty != 1.0)
+    slots = [float(i if p.needs_penalties else -1) for i, p in enumerate(params)]
+    vals = [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params]]
+    vals.append([p.presence_penalty for p in params])
+    as_dev = lambda v: torch.tensor(v, dtype=torch.float32, device=dev)  # noqa: E731
+    return as_dev(slots), as_dev(vals), hist.counts, hist.seen
 
 
 def _registers(ts) -> str:
@@ -438,6 +464,12 @@ def main() -> None:
     gw.engine_options(ap)
     a = ap.parse_args()
     gw.setup(a, "sampling.py")
+    if os.environ.get("SAMPLING_TILE"):  # the kernel's shape in this process (tiles sets its own)
+        from foveal.sample import triton_sample as ts
+
+        tile = [int(v) for v in os.environ["SAMPLING_TILE"].split(",")]
+        ts._BLOCK, ts._WARPS, ts._LANES, ts._MAXNREG = (*tile, 0)[:4]
+        gw.log(f"sampling kernel's shape: {tile}")
     out: dict = {"benchmark": "sampling", "commit": os.environ.get("FOVEAL_COMMIT", "?")}
     parts = (
         ("kernel", kernel), ("tiles", tiles), ("filters", filters), ("mixed", mixed), ("prefix", prefix),

@@ -11,6 +11,8 @@
 #               and this checkout's benchmarks: `mkdir before && git archive <base> foveal | tar -x -C
 #               before && git archive HEAD benchmarks | tar -x -C before`)
 #   tiles       the Triton kernel alone at several (column block, warps per program) shapes
+#   tile_pick   tiles over SAMPLING_TILES (the decode step's case: bf16 mixed rows with penalties), then
+#               the mixed workload at the default shape and at the sweep's fastest for that case
 #   filters     the Triton kernel alone with all rows on one filter each (fp32 / bf16 logits): its time by filter
 #   decode      mixed --reps 1 --profile: decode steps of both modes timed, then traced ($OUT/prof)
 #   prefix      the shared-prefix workload, this checkout only (plain and shared-prefix decode alternating)
@@ -64,6 +66,23 @@ for part in "$@"; do
       ;;
     tiles)
       timeout ${T_TILES:-150} python3 benchmarks/sampling.py --workloads tiles 2>&1 | quiet | grep -v '^{' | tail -14
+      ;;
+    tile_pick)
+      timeout ${T_TILES:-200} python3 benchmarks/sampling.py --workloads tiles > $OUT/tiles.txt 2>&1
+      grep '^kernel' $OUT/tiles.txt | sed 's/ INFO [^:]*://' | cut -c1-400
+      best=$(grep '^{' $OUT/tiles.txt | python3 -c "
+import json, re, sys
+r = json.loads(sys.stdin.read())['tiles']
+case = {k[:-len(' bf16 + penalties, heavy first')]: v for k, v in r.items() if k.endswith('penalties, heavy first')}
+s = min(case, key=case.get)
+m = re.match(r'block (\d+) warps (\d+) lanes (\d+)(?: regs <= (\d+))?', s)
+print(','.join(g or '0' for g in m.groups()))")
+      echo "-- fastest for the decode step's case: $best"
+      for tile in "" "$best"; do
+        echo "-- mixed, shape ${tile:-default}"
+        SAMPLING_TILE=$tile timeout ${T_MIXED:-200} python3 benchmarks/sampling.py --workloads mixed --reps 2 2>&1 \
+          | quiet | grep -v '^{' | tail -4
+      done
       ;;
     filters)
       timeout ${T_FILTERS:-150} python3 benchmarks/sampling.py --workloads filters 2>&1 | quiet | grep -v '^{' | tail -32
