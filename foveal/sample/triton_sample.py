@@ -40,15 +40,17 @@ from __future__ import annotations
 
 import torch
 
-# One program a row over column blocks of _BLOCK (also its lanes: 4 candidates each), 16 warps. The tiles
-# sweeps of benchmarks/sampling.py on an H100 ([256, 128256] mixed rows, RESULTS.md sessions 28-31): 4096 x
-# 16 best of 1024-8192 x 4-16 (session 28); 2048 x 16 with 512 lanes and 64 registers a thread (two
-# programs an SM) ran top_k and top_p rows faster in two runs of session 31 but the mixed rows in the
-# Sampler's order 0.342 / 0.400 ms against 0.363 / 0.372, and the mixed decode step no faster: not taken
+# One program a row over column blocks of _BLOCK, 16 warps, with _LANES lanes of 4 candidates each. The
+# tiles sweeps of benchmarks/sampling.py on an H100 ([256, 128256] mixed rows, RESULTS.md sessions 28-32):
+# 4096 x 16 best of 1024-8192 x 4-16 (session 28, fp32 logits). On the decode step's case (bf16 logits,
+# the rows' penalties, heavy rows first; session 32) 2,048 lanes took 0.438 ms against 0.515 with the lanes
+# = the block (4,096 lanes: 8 a thread, 64 registers of candidates, which spill) and 0.46-0.55 for the
+# other shapes tried; without penalties 0.301 against 0.498 (at 4,096 lanes ptxas gives that bf16 kernel
+# 64 registers and 2 KB of spills: benchmarks/kernel_spills.py)
 _BLOCK = 4096
 _WARPS = 16  # per program (one program a row)
 # the lanes of top_k's and the draws' candidates (pass 1 loads this many columns a step); 0: _BLOCK
-_LANES = 0
+_LANES = 2048
 _MAXNREG = 0  # registers a thread at most (0: Triton's choice: all 128 at 16 warps, one program an SM)
 _MAX_STEPS = 64  # top_p bisection steps at most (float32 intervals shrink to adjacent values well before)
 
