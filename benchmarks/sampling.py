@@ -316,8 +316,7 @@ def _device_history(params: list[SamplingParams], V: int, dev) -> tuple:
     vals = [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params]]
     vals.append([p.presence_penalty for p in params])
     as_dev = lambda v: torch.tensor(v, dtype=torch.float32, device=dev)  # noqa: E731
-    marks = hist.seen if hasattr(hist, "seen") else hist.prompt  # a tree before the seen bits: its bool marks
-    return as_dev(slots), as_dev(vals), hist.counts, marks
+    return as_dev(slots), as_dev(vals), hist.counts, hist.prompt
 
 
 def _registers(ts) -> str:

@@ -210,7 +210,7 @@ def test_penalties_in_one_pass_equal_the_torch_ops():
     vals = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params])
     at = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
     penalize(got, at(pen), at([r.slot for r in rows]), vals.to(dev), s.history.counts.to(dev),
-             s.history.seen.to(dev))  # fmt: skip
+             s.history.prompt.to(dev))  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
     assert not torch.equal(want[pen], x[pen]) and torch.equal(got.cpu()[[1, 3]], x[[1, 3]])
 
@@ -240,14 +240,14 @@ def test_penalties_read_as_the_rows_load_equal_the_penalized_copy(block, monkeyp
     at = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
     pen = [i for i in range(n) if slots[i] >= 0]
     want_x = x[:, :V].float().to(dev)
-    counts, seen = hist.counts.to(dev), hist.seen.to(dev)
-    penalize(want_x, at(pen), at([slots[i] for i in pen]), vals[pen].to(dev), counts, seen)
+    counts, prompt = hist.counts.to(dev), hist.prompt.to(dev)
+    penalize(want_x, at(pen), at([slots[i] for i in pen]), vals[pen].to(dev), counts, prompt)
     cols = torch.tensor([[m[i] for m in MIXES] for i in range(4)], dtype=torch.float32, device=dev)
     keys = noise.key_halves(noise.row_keys(list(range(n)), [0] * n), dev)
     want = sample_rows(want_x, cols[0], cols[1], cols[2], cols[3], keys, V)
     slot_t = at(slots) if block is None else at(slots).float()  # the Sampler packs them as float32
     got = sample_rows(x.to(dev), cols[0], cols[1], cols[2], cols[3], keys, V,
-                      penalties=(slot_t, vals.T.contiguous().to(dev), counts, seen))  # fmt: skip
+                      penalties=(slot_t, vals.T.contiguous().to(dev), counts, prompt))  # fmt: skip
     assert got.tolist() == want.tolist()
     plain = sample_rows(x[:, :V].float().to(dev), cols[0], cols[1], cols[2], cols[3], keys, V)
     assert plain.tolist() != want.tolist()  # the penalties changed some draws: the test can fail
@@ -255,7 +255,7 @@ def test_penalties_read_as_the_rows_load_equal_the_penalized_copy(block, monkeyp
     heavy = row_order(*cols.tolist())
     assert heavy is not None and heavy != sorted(heavy)
     ordered = sample_rows(x.to(dev), cols[0], cols[1], cols[2], cols[3], keys, V,
-                          penalties=(slot_t, vals.T.contiguous().to(dev), counts, seen),
+                          penalties=(slot_t, vals.T.contiguous().to(dev), counts, prompt),
                           order=torch.tensor(heavy, dtype=torch.float32, device=dev))  # fmt: skip
     assert ordered.tolist() == want.tolist()
 

@@ -132,8 +132,7 @@ def test_device_history_counts_what_the_lists_count():
             r.output_token_ids.append(t)
     # slot 3 taken by a new request: its counts start over
     s.history.start(3, [9], [], True)
-    counts, seen = s.history.read(torch.tensor([3]))
-    assert counts.sum() == 0 and seen[0].nonzero().flatten().tolist() == [9]
+    assert s.history.counts[3].sum() == 0 and s.history.prompt[3].nonzero().flatten().tolist() == [9]
 
 
 @pytest.fixture(params=[2, 4, 16, 1 << 20], ids=["window2+32", "window4", "window16", "no-window"])
@@ -437,29 +436,3 @@ def test_a_kernel_that_fails_to_build_falls_back_alone(monkeypatch):
     assert len(calls) == 1 and sampler._kernel_ok == {"penalize": True, "sample": False}
     with pytest.raises(RuntimeError):
         sampler._triton("penalize", broken)
-
-
-def test_seen_bits_pack_every_column_and_add_sets_the_drawn_ones():
-    """The history's seen marks, a bit a column in int32 words: every column round-trips (bit 31 of a
-    word, the sign, included; a vocabulary not a multiple of 32), add() sets the drawn tokens' bits and
-    counts them, and two rows of one slot in one step are refused (their bits would race)."""
-    from foveal.sample.history import TokenHistory
-    from foveal.structured.bitmask import pack_bitmask, unpack_bitmask
-
-    g = torch.Generator().manual_seed(5)
-    marks = torch.rand(3, 77, generator=g) < 0.4
-    marks[0, 31] = marks[1, 63] = marks[2, 76] = True  # top bits of their words
-    words = pack_bitmask(marks)
-    assert words.dtype == torch.int32 and words.shape == (3, 3) and (words < 0).any()
-    assert torch.equal(unpack_bitmask(words, 77), marks)
-    h = TokenHistory(77, "cpu")
-    h.start(1, [5, 70], [3], True)
-    h.add(torch.tensor([1]), torch.tensor([31]))
-    h.add(torch.tensor([1]), torch.tensor([3]))
-    counts, seen = h.read(torch.tensor([1]))
-    assert seen[0].nonzero().flatten().tolist() == [3, 5, 31, 70]
-    assert counts[0, 3] == 2 and counts[0, 31] == 1 and counts[0, 5] == 0
-    s = Sampler(77, "cpu")
-    twice = [SamplingRow(SamplingParams(presence_penalty=0.5), [], [], frozenset(), None, 2)] * 2
-    with pytest.raises(ValueError, match="counted twice"):
-        s.count(twice, torch.tensor([4, 5]))

@@ -2,12 +2,9 @@
 with penalties first samples, then updated by each step's tokens on the device, never rebuilt from the
 host's token lists (and never waiting for them: such rows overlap under async scheduling).
 
-    counts  int32 [slots, vocab]      each token's occurrences in the output so far (frequency, presence)
-    seen    int32 [slots, vocab / 32] a bit a token (structured/bitmask.py's layout), set when the
-                                      token is in the prompt (marked only for a repetition penalty)
-                                      or counted: the repetition penalty's "seen", and where counts
-                                      can be nonzero (a kernel reads a row's counts only at its seen
-                                      tokens: a bit a column, not 4 bytes)
+    counts  int32 [slots, vocab]  each token's occurrences in the output so far (frequency, presence)
+    prompt  bool  [slots, vocab]  the tokens of the prompt (the repetition penalty's "seen" is
+                                  prompt | counts > 0)
 
 A slot is the runner's row of its token buffer (one per held request); the buffers grow with it.
 """
@@ -19,7 +16,6 @@ import array
 import torch
 
 from foveal.device import to_device
-from foveal.structured.bitmask import bitmask_words, pack_bitmask, unpack_bitmask
 
 
 def occurrence_counts(token_lists: list, vocab: int, dev: torch.device) -> torch.Tensor:
@@ -44,9 +40,8 @@ def occurrence_counts(token_lists: list, vocab: int, dev: torch.device) -> torch
 class TokenHistory:
     def __init__(self, vocab: int, device):
         self.vocab, self.device = vocab, torch.device(device)
-        self.words = bitmask_words(vocab)
         self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=self.device)
-        self.seen = torch.zeros(0, self.words, dtype=torch.int32, device=self.device)
+        self.prompt = torch.zeros(0, vocab, dtype=torch.bool, device=self.device)
 
     def _fit(self, slot: int) -> None:
         n = self.counts.shape[0]
@@ -54,28 +49,22 @@ class TokenHistory:
             return
         grow = max(slot + 1, 2 * n, 16) - n
         self.counts = torch.cat([self.counts, self.counts.new_zeros(grow, self.vocab)])
-        self.seen = torch.cat([self.seen, self.seen.new_zeros(grow, self.words)])
+        self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(grow, self.vocab)])
 
     def start(self, slot: int, prompt: list | tuple, output: list, with_prompt: bool) -> None:
-        """The slot's rows for a request: its output so far counted, its prompt marked seen (with_prompt:
+        """The slot's rows for a request: its output so far counted, its prompt marked (with_prompt:
         only a repetition penalty reads it)."""
         self._fit(slot)
         lists = [output, prompt if with_prompt else []]
         both = occurrence_counts(lists, self.vocab, self.device)
         self.counts[slot] = both[0]
-        self.seen[slot] = pack_bitmask(((both[0] > 0) | (both[1] > 0))[None])[0]
+        self.prompt[slot] = both[1] > 0
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """One more occurrence of each row's token, its seen bit set (on the device: the tokens need not
-        be on the host). One row a slot: two rows' bits in one word would race."""
+        """One more occurrence of each row's token (on the device: the tokens need not be on the host)."""
         flat = slots * self.vocab + tokens  # index_add_ adds atomically: no sort, as index_put_'s has
         self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        at = slots * self.words + (tokens >> 5)
-        words = self.seen.view(-1)
-        bit = torch.bitwise_left_shift(torch.ones_like(tokens), tokens & 31)  # int64: 2**31 fits
-        words[at] = words[at] | torch.where(bit >= 2**31, bit - 2**32, bit).to(torch.int32)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output counts int32 [n, vocab], seen bool [n, vocab]) of the slots."""
-        seen = unpack_bitmask(self.seen.index_select(0, slots), self.vocab)
-        return self.counts.index_select(0, slots), seen
+        """(output counts int32 [n, vocab], prompt bool [n, vocab]) of the slots."""
+        return self.counts.index_select(0, slots), self.prompt.index_select(0, slots)

@@ -151,8 +151,6 @@ class Sampler:
         counted = [i for i, r in enumerate(rows) if r.slot is not None]
         if counted:
             slots = [rows[i].slot for i in counted]
-            if len(set(slots)) != len(slots):  # the seen bits of one slot's rows would race
-                raise ValueError(f"history slots counted twice in one step: {slots}")
             self.history.add(_long(slots, tokens.device), tokens[_long(counted, tokens.device)])
 
     # ---- steps 1-4: masking, bias, penalties -------------------------------------------------------
@@ -213,21 +211,22 @@ class Sampler:
         )
         idx = _long(pen, dev)
         slots = [r.slot for r in sub]
-        seen = None
+        prompt_seen = None
         if all(s is not None for s in slots):  # the device history: no host lists
             h, at = self.history, _long(slots, dev)
             if x.is_cuda:  # one pass in place (the torch ops below take ~15)
-                penalize = lambda ts: ts.penalize(x, idx, at, vals, h.counts, h.seen)  # noqa: E731
+                penalize = lambda ts: ts.penalize(x, idx, at, vals, h.counts, h.prompt)  # noqa: E731
                 if _triton("penalize", penalize) is not None:
                     return
-            out_counts, seen = h.read(at)
+            out_counts, prompt_seen = h.read(at)
         else:
             out_counts = occurrence_counts([r.output_token_ids for r in sub], V, dev)
         sel = x[idx]
         if any(p.repetition_penalty != 1.0 for p in ps):
-            if seen is None:  # only rows with a repetition penalty pay for scanning their prompt
+            if prompt_seen is None:  # only rows with a repetition penalty pay for scanning their prompt
                 prompts = [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(sub, ps)]
-                seen = (occurrence_counts(prompts, V, dev) > 0) | (out_counts > 0)
+                prompt_seen = occurrence_counts(prompts, V, dev) > 0
+            seen = prompt_seen | (out_counts > 0)
             rep = vals[:, 0:1]
             sel = torch.where(seen, torch.where(sel > 0, sel / rep, sel * rep), sel)
         cnt = out_counts.to(torch.float32)
@@ -342,7 +341,7 @@ class Sampler:
         if keys is None:
             return _triton("thresholds", lambda ts: ts.thresholds(x, cols[0], cols[1], cols[2], cols[3], V))
         halves = noise.key_halves(keys, x.device)
-        pen = None if penalized is None else (cols[4], cols[5:8], self.history.counts, self.history.seen)
+        pen = None if penalized is None else (cols[4], cols[5:8], self.history.counts, self.history.prompt)
         at = None if order is None else cols[-1]
         return _triton(
             "sample", lambda ts: ts.sample_rows(x, cols[0], cols[1], cols[2], cols[3], halves, V, pen, at)

@@ -72,7 +72,7 @@ _kernel = _noise = _penalty = _lse = None
 def _triton_kernel():
     global _kernel, _noise, _penalty, _lse, tl  # @triton.jit resolves the helpers below as module globals
     global _mix32, _uniform, _key, _unkey, _kth_largest, _race, _count_mass, _bisect, _insert4, _radix_byte
-    global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes, _load_x, _seen_counts
+    global _kth_of_lanes, _lanes_hold, _race_one, _race_lanes, _load_x
     if _kernel is not None:
         return _kernel
     import triton
@@ -104,20 +104,14 @@ def _triton_kernel():
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _seen_counts(c_row, s_row, cols, ok):
-        """The history's seen marks at cols (a bit a column in s_row's int32 words) and the counts,
-        read only where seen (a count is 0 elsewhere: no load for the rest of the row)."""
-        seen = ((tl.load(s_row + (cols >> 5), mask=ok, other=0) >> (cols & 31)) & 1) != 0
-        return seen, tl.load(c_row + cols, mask=ok & seen, other=0)
-
-    @triton.jit
     def _load_x(x_row, cols, ok, c_row, p_row, pen, rep, freq, pres, PENALTY: tl.constexpr):
         """The row's logits at cols as float32 (-inf where not ok), with its penalties applied when
-        `pen` (PENALTY: some row has them; p_row: its seen words): _penalty_kernel's formula."""
+        `pen` (PENALTY: some row has them): _penalty_kernel's formula on the same values."""
         x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
         if PENALTY:
             if pen:
-                seen, c = _seen_counts(c_row, p_row, cols, ok)
+                c = tl.load(c_row + cols, mask=ok, other=0)
+                seen = (tl.load(p_row + cols, mask=ok, other=0) != 0) | (c > 0)
                 x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
                 x = x - (freq * c.to(tl.float32) + pres * (c > 0).to(tl.float32))
         return x
@@ -279,7 +273,7 @@ def _triton_kernel():
         slots_ptr,
         pvals_ptr,
         counts_ptr,
-        seen_ptr,
+        prompt_ptr,
         order_ptr,
         THRESH: tl.constexpr,
         PENALTY: tl.constexpr,
@@ -301,13 +295,13 @@ def _triton_kernel():
             slot = tl.load(slots_ptr + row).to(tl.int64)
             pen = slot >= 0
             c_row = counts_ptr + tl.maximum(slot, 0) * V
-            p_row = seen_ptr + tl.maximum(slot, 0) * ((V + 31) // 32)
+            p_row = prompt_ptr + tl.maximum(slot, 0) * V
             B = tl.num_programs(0)
             rep = tl.load(pvals_ptr + row)
             freq = tl.load(pvals_ptr + B + row)
             pres = tl.load(pvals_ptr + 2 * B + row)
         else:
-            pen, c_row, p_row, rep, freq, pres = False, counts_ptr, seen_ptr, 1.0, 0.0, 0.0
+            pen, c_row, p_row, rep, freq, pres = False, counts_ptr, prompt_ptr, 1.0, 0.0, 0.0
         if temp == 0.0:  # greedy: the first largest logit
             best = tl.full([BLOCK], neg_inf, tl.float32)
             best_i = tl.zeros([BLOCK], dtype=tl.int32)
@@ -461,18 +455,19 @@ def _triton_kernel():
             tl.store(out_ptr + row.to(tl.int64) * V + cols, -tl.log(u), mask=cols < V)
 
     @triton.jit
-    def _penalty_kernel(x_ptr, x_stride, rows_ptr, slots_ptr, vals_ptr, counts_ptr, seen_ptr, V,
+    def _penalty_kernel(x_ptr, x_stride, rows_ptr, slots_ptr, vals_ptr, counts_ptr, prompt_ptr, V,
                         BLOCK: tl.constexpr):  # fmt: skip
         i = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < V
         at = x_ptr + tl.load(rows_ptr + i) * x_stride + cols
-        slot = tl.load(slots_ptr + i)
+        slot = tl.load(slots_ptr + i) * V
         rep = tl.load(vals_ptr + i * 3)
         freq = tl.load(vals_ptr + i * 3 + 1)
         pres = tl.load(vals_ptr + i * 3 + 2)
         x = tl.load(at, mask=ok)
-        seen, c = _seen_counts(counts_ptr + slot * V, seen_ptr + slot * ((V + 31) // 32), cols, ok)
+        c = tl.load(counts_ptr + slot + cols, mask=ok, other=0)
+        seen = (tl.load(prompt_ptr + slot + cols, mask=ok, other=0) != 0) | (c > 0)
         x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
         x = x - (freq * c.to(tl.float32) + pres * (c > 0).to(tl.float32))
         tl.store(at, x, mask=ok)
@@ -596,11 +591,11 @@ def _launch(x, temperature, min_p, top_k, top_p, keys, vocab: int, thresh: bool,
     B = x.shape[0]
     out = torch.empty(B, dtype=torch.float32 if thresh else torch.long, device=x.device)
     if B:
-        slots, vals, counts, seen = penalties if penalties is not None else (keys, temperature, keys, keys)
+        slots, vals, counts, prompt = penalties if penalties is not None else (keys, temperature, keys, keys)
         if penalties is not None:
-            vals = vals.contiguous()
+            vals, prompt = vals.contiguous(), prompt.view(torch.uint8)
         _triton_kernel()[(B,)](
-            x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out, slots, vals, counts, seen,
+            x, x.stride(0), vocab, temperature, min_p, top_k, top_p, keys, out, slots, vals, counts, prompt,
             keys if order is None else order, THRESH=thresh, PENALTY=penalties is not None,
             ORDER=order is not None, BLOCK=_BLOCK, LANES=_LANES or _BLOCK,
             MAX_STEPS=_MAX_STEPS, num_warps=_WARPS, **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
@@ -613,7 +608,7 @@ def sample_rows(x, temperature, min_p, top_k, top_p, keys, vocab: int, penalties
     temperature (0: greedy), min_p (0: off), top_k (0: off), top_p (1: off) and the noise keys (int64
     [B, 2], noise.key_halves). penalties: None, or (the rows' history slots [B], -1 for a row without,
     int64 or float32 (exact below 2**24); their repetition, frequency and presence penalties float32
-    [3, B]; the device history's counts int32 [slots, vocab] and seen bits int32 [slots, vocab / 32]):
+    [3, B]; the device history's counts int32 [slots, vocab] and prompt marks bool [slots, vocab]):
     applied as the rows load (penalize()'s values, no copy). order: None, or float32 [B] (exact), the
     rows in the order their programs take them (row_order's): the same tokens, sooner."""
     return _launch(x, temperature, min_p, top_k, top_p, keys, vocab, False, penalties, order)
@@ -664,14 +659,14 @@ def row_logprobs(x, rows, tokens, k: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return out, pack
 
 
-def penalize(x, rows, slots, vals, counts, seen) -> torch.Tensor:
+def penalize(x, rows, slots, vals, counts, prompt) -> torch.Tensor:
     """The penalties in place, one pass: x [B, V] float32 rows `rows` (int64 [n]) with the device
-    history's counts int32 [slots, V] and seen bits int32 [slots, V / 32] of `slots` (int64 [n]) and per
+    history's counts int32 [slots, V] and prompt marks bool [slots, V] of `slots` (int64 [n]) and per
     row (repetition, frequency, presence) in vals float32 [n, 3] (Sampler._apply_penalties' formula)."""
     V = x.shape[1]
     if rows.numel():
         _triton_kernel()
         _penalty[(rows.numel(), -(-V // _BLOCK))](
-            x, x.stride(0), rows, slots, vals.contiguous(), counts, seen, V, BLOCK=_BLOCK
+            x, x.stride(0), rows, slots, vals.contiguous(), counts, prompt.view(torch.uint8), V, BLOCK=_BLOCK
         )
     return x

@@ -68,17 +68,6 @@ def unpack_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([bits, bits.new_zeros(n, width - words * 32)], dim=1)
 
 
-def pack_bitmask(marks: torch.Tensor) -> torch.Tensor:
-    """bool [n, V] -> int32 [n, ceil(V / 32)] (unpack_bitmask's inverse): True columns as 1 bits."""
-    n, V = marks.shape
-    words = bitmask_words(V)
-    padded = torch.zeros(n, words * 32, dtype=torch.int64, device=marks.device)
-    padded[:, :V] = marks
-    shifts = torch.arange(32, dtype=torch.int64, device=marks.device)
-    packed = (padded.view(n, words, 32) << shifts).sum(-1)  # < 2**32: a uint32's bits
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
 def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows) -> None:
     if logits.dim() != 2 or bitmask.dim() != 2:
         raise ValueError("logits must be [rows, vocab] and bitmask [rows, words]")
