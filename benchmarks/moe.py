@@ -20,6 +20,8 @@ qwen3    Qwen3-30B-A3B: batch-1 decode, 512 prompt / 256 output, against its flo
          against the floor of a step that reads every expert a step's tokens touch (expected distinct
          experts of B tokens x k draws: E (1 - (1 - k/E)^B)) and the KV cache.
 gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same floors.
+--cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
+         the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to).
 
 `--smoke` runs the code paths on the CPU with tiny configs and counts: it checks the script, not the
@@ -254,6 +256,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
     a = ap.parse_args()
     gw.SMOKE = a.smoke
     parts = a.parts.split(",")
@@ -264,9 +267,14 @@ def main() -> None:
     if "tiles" in parts:
         tiles(a.smoke)
     runs = (("qwen3", "qwen3-30b-a3b.json", [1, 256]), ("gptoss", "gpt-oss-20b.json", [1, 64]))
+    from foveal.layers import moe
+
+    paths = a.cuda_experts.split(",")
     for name, config, batches in runs:
-        if name in parts:
-            model(name, _smoke_config(name) if a.smoke else config, batches, a)
+        for path in paths if name in parts else ():
+            moe.CUDA_EXPERTS = path
+            label = name if len(paths) == 1 else f"{name} {path}"
+            model(label, _smoke_config(name) if a.smoke else config, batches, a)
     print(json.dumps({"benchmark": "moe", "smoke": a.smoke, **RESULTS}))
 
 

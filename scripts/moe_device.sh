@@ -9,6 +9,8 @@
 #           batch 1 and 64 (dummy bf16 weights of the real shapes)
 #   tiles   benchmarks/moe.py: the experts kernel's tile shapes for gate/up and down at 1 / 64 / 256 tokens
 #   qwen3   benchmarks/moe.py: Qwen3-30B-A3B at batch 1 (with the step's largest kernels) and 256
+#   paths   the models' decode through each CUDA experts path (the Triton kernel, torch's grouped GEMMs:
+#           benchmarks/moe.py --cuda-experts triton,grouped), PATHS_MODELS of gptoss,qwen3 (default: both)
 #   w13     W1-W3 (benchmarks/gpu_workloads.py), this checkout then before/ (`git archive <base> foveal
 #           benchmarks scripts | tar -x -C before`), one process each
 # Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/moe_device.sh tests moe
@@ -34,6 +36,10 @@ for part in "$@"; do
     tiles)
       timeout ${T_TILES:-400} python3 benchmarks/moe.py --parts tiles 2>&1 \
         | grep -v "^\[transformers\]" | tee "$LOG/tiles.txt" | grep "^tiles"
+      ;;
+    paths)
+      timeout ${T_PATHS:-500} python3 benchmarks/moe.py --parts ceilings,${PATHS_MODELS:-gptoss,qwen3} \
+        --cuda-experts triton,grouped 2>&1 | grep -v "^\[transformers\]" | tee "$LOG/paths.txt" | grep "batch"
       ;;
     qwen3)
       timeout ${T_QWEN3:-300} python3 benchmarks/moe.py --parts ceilings,qwen3 --profile 2>&1 \

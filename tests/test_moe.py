@@ -72,6 +72,46 @@ def test_unaligned_shapes_take_the_loop():
     assert torch.allclose(experts_grouped(x, w13, w2, weights, ids), want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's experts paths")
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped-swiglu+biases"])
+@pytest.mark.parametrize("path", ["triton", "grouped"])
+def test_cuda_experts_paths_equal_the_loop_eager_and_in_a_graph(path, gpt_oss, monkeypatch):
+    """FusedMoE.routed on CUDA with bf16 weights through each experts path (moe.CUDA_EXPERTS): the loop's
+    output on the same routing, eager and replayed from a CUDA graph (no host sync inside: capture would
+    fail), for 1, 7 and 40 tokens."""
+    from foveal.layers import moe
+    from foveal.layers.moe import ClampedSwiGLU, FusedMoE
+
+    monkeypatch.setattr(moe, "CUDA_EXPERTS", path)
+    g = torch.Generator().manual_seed(11)
+    E, H, inter, k = 16, 128, 64, 4
+    layer = FusedMoE(E, H, inter, ClampedSwiGLU(1.702, 7.0) if gpt_oss else moe.silu_glu, bias=gpt_oss)
+    with torch.no_grad():
+        for prm in layer.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) / H**0.5)
+    layer = layer.to("cuda", torch.bfloat16)
+    for T in (1, 7, 40):
+        x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
+        logits = (torch.randn(T, E, generator=g) * 2).to("cuda", torch.bfloat16)
+        weights, ids = route(logits, k)
+        want = experts_reference(x, layer.w13, layer.w2, weights, ids, layer.glu, layer.gate_up_proj_bias,
+                                 layer.down_proj_bias).float()  # fmt: skip
+        tol = 5e-2 * want.abs().max().item()
+        eager = layer.routed(x, logits, k).float()
+        assert (eager - want).abs().max().item() < tol
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer.routed(x, logits, k)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer.routed(x, logits, k)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (out.float() - want).abs().max().item() < tol  # (index_add_'s atomics: not bit-equal)
+
+
 def test_routing_is_softmax_top_k():
     """Softmax over all experts, the top k, renormalized or not; renormalized equals Mixtral's way
     round (top k of the logits, softmax over those)."""

@@ -12,8 +12,9 @@ fill them whole.
 The computation sorts the (token, expert) pairs by expert and runs one grouped GEMM for gate/up and one
 for down over them, scales each row by its weight and adds the rows back per token: on CUDA one Triton
 kernel launched twice (foveal/layers/moe_triton.py: no host sync, so a CUDA graph holds it), on a CPU
-`torch._grouped_mm` (every expert's rows in one call). `experts_reference` is the plain loop over
-experts that tests compare with (what transformers computes).
+`torch._grouped_mm` (every expert's rows in one call; on CUDA too, bf16 weights, with CUDA_EXPERTS =
+"grouped": it holds no host sync either). `experts_reference` is the plain loop over experts that tests
+compare with (what transformers computes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# CUDA's experts path for bf16 weights: "triton" (moe_triton.experts_triton) or "grouped" (experts_grouped,
+# torch._grouped_mm). Captured in a CUDA graph, the grouped GEMMs took 0.71-0.99x the Triton kernel's time
+# for one layer of Qwen3-30B-A3B and gpt-oss-20b at 1, 64 and 256 tokens on an H100 (benchmarks/moe.py
+# --parts kernel, RESULTS.md session 32); the decode steps' end to end (benchmarks/moe.py --cuda-experts)
+# are not measured yet, so Triton stays the default
+CUDA_EXPERTS = "triton"
+
+
+def _grouped_on_cuda(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    return x.is_cuda and CUDA_EXPERTS == "grouped" and w13.dtype == torch.bfloat16
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -90,6 +102,8 @@ class FusedMoE(nn.Module):
             weights, ids, rows, experts = route_align(
                 logits, top_k, renormalize, block_m(x.shape[0] * top_k, self.w13)
             )
+            if _grouped_on_cuda(x, self.w13):  # the routing alone taken from the fused launch
+                return self(x, weights, ids)
             args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
             return experts_triton(x.contiguous(), *args, aligned=(rows, experts))
         return self(x, *route(logits, top_k, renormalize))
@@ -98,7 +112,7 @@ class FusedMoE(nn.Module):
         if x.is_cpu and self._quantized() is not None:  # GGUF blocks, run as stored (layers/quant.py)
             return self._experts_quantized(x, weights, ids)
         args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
-        if x.is_cuda:  # the Triton grouped-GEMM kernel (foveal/layers/moe_triton.py)
+        if x.is_cuda and not _grouped_on_cuda(x, self.w13):  # the Triton kernel (layers/moe_triton.py)
             from foveal.layers.moe_triton import experts_triton
 
             return experts_triton(x.contiguous(), *args)
