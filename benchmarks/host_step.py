@@ -2,7 +2,12 @@
 compute is small, so what shows is the scheduler's and runner's Python per row), 256 requests decoding,
 60 steps timed after the prefills; `Scheduler.schedule` and `advance` are timed by wrapping them.
 
-    python benchmarks/host_step.py [--rows 256] [--steps 60] [--mixed] [--profile N]
+    python benchmarks/host_step.py [--rows 256] [--steps 60] [--mixed] [--prompt-max 1024] [--profile N]
+
+The engine's and runner's phases are timed by wrapping them too: the runner's launch (rows built, the
+model run) and sample, the engine's _resolve (collect, the scheduler's resolve, the emit path) and
+_emit (detokenization and the deltas) alone. --prompt-max 32: short prompts, so the CPU's attention
+does not swamp the host's work.
 
 --mixed: every row with its own sampling parameters as benchmarks/sampling.py's mixed workload
 (temperatures, top_p / top_k / min_p, penalties, seeds on half, logprobs on a quarter); else
@@ -35,6 +40,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--prompt-max", type=int, default=1024, help="longest prompt (uniform lengths)")
     ap.add_argument("--profile", type=int, default=0, help="print the N functions of most own time")
     a = ap.parse_args()
     from transformers import Qwen3Config
@@ -58,13 +64,13 @@ def main() -> None:
     else:
         per_row = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=a.steps + extra + 40)] * a.rows
     for params in per_row:
-        ids = [rng.randint(0, 999) for _ in range(rng.randint(100, 1024))]
+        ids = [rng.randint(0, 999) for _ in range(rng.randint(min(100, a.prompt_max), a.prompt_max))]
         eng.add_request(llm.processor.request(ids, params))
     while sch.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in sch.running):
         eng.step()
     for _ in range(5):
         eng.step()
-    spent = {"schedule": 0.0, "advance": 0.0}
+    spent = {"schedule": 0.0, "advance": 0.0, "launch": 0.0, "sample": 0.0, "resolve": 0.0, "emit": 0.0}
 
     def timed(name, fn):
         def call(*args, **kw):
@@ -76,6 +82,9 @@ def main() -> None:
         return call
 
     sch.schedule, sch.advance = timed("schedule", sch.schedule), timed("advance", sch.advance)
+    run = eng.runner
+    run.launch, run.sample = timed("launch", run.launch), timed("sample", run.sample)
+    eng._resolve, eng._emit = timed("resolve", eng._resolve), timed("emit", eng._emit)
     t0 = time.perf_counter()
     for _ in range(a.steps):
         eng.step()

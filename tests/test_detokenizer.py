@@ -309,14 +309,26 @@ class CountingTokenizer:
 
 
 def test_fast_path_matches_tokenizer_decode_path(tok, prompt_ids, normal_ids):
+    """The Rust windows (DecodeStream, this tokenizer's path) give the Python windows' pieces token for
+    token: with and without special tokens, with kept ones, and across a run of invalid byte tokens
+    long enough to hand the request to the Python windows."""
     assert IncrementalDetokenizer(tok, []).__dict__["_window_decode"].__name__ == "<lambda>"
+    assert IncrementalDetokenizer(tok, prompt_ids)._stream is not None
+    assert IncrementalDetokenizer(CountingTokenizer(tok), prompt_ids)._stream is None
     rng = random.Random(9)
-    out = enc(tok, " ".join(MULTIBYTE)) + rng.choices(normal_ids + list(tok.all_special_ids), k=300)
-    for skip in (True, False):
-        counting = CountingTokenizer(tok)
-        slow, _ = stream(counting, prompt_ids, out, skip_special_tokens=skip, stop=["zzq"])
-        fast, _ = stream(tok, prompt_ids, out, skip_special_tokens=skip, stop=["zzq"])
-        assert counting.lengths and slow == fast
+    byte_ids = [i for i in normal_ids if tok.decode([i]).endswith("\ufffd")]
+    specials = list(tok.all_special_ids)
+    out = enc(tok, " ".join(MULTIBYTE)) + rng.choices(normal_ids + specials, k=300)
+    marked = enc(tok, "ok 世界") + specials + enc(tok, " then") + specials[::-1] + out
+    held = enc(tok, "ok 世界") + rng.choices(byte_ids, k=40) + enc(tok, " then") + specials + enc(tok, " x")
+    for ids, handed in ((out, False), (marked, False), (held + out, True)):
+        for kw in ({"skip_special_tokens": True}, {"skip_special_tokens": False},
+                   {"keep_special_token_ids": specials[:1]}):  # fmt: skip
+            counting = CountingTokenizer(tok)
+            slow, _ = stream(counting, prompt_ids, ids, stop=["zzq"], **kw)
+            fast, d = stream(tok, prompt_ids, ids, stop=["zzq"], **kw)
+            assert counting.lengths and slow == fast
+            assert (d._stream is None) is handed  # the long hold handed the request over
 
 
 @pytest.mark.parametrize("kind", ["text", "random", "bytes"])

@@ -16,8 +16,13 @@ Owns two hold-backs, applied in this order to each new token:
    more is emitted and `stop_matched` names the string.
 
 Each call decodes a window of a few tokens, never the whole sequence, so the cost per token does
-not grow with the output. Tokenizer errors propagate to the caller (the engine turns them into a
-per-request error). This module must not import torch or know about the engine's batching.
+not grow with the output. For a tokenizer that is `tokenizers`' Rust tokenizer underneath (transformers'
+TokenizersBackend, decode not overridden) the same windows run in Rust: `tokenizers.decoders.
+DecodeStream` (one call a token, ~0.6 us against ~2.2 for the windows in Python on a 256-row step's
+worth of tokens), seeded with the same prompt context; a hold of more than _MAX_HELD_TOKENS tokens
+(invalid bytes) hands the request to the Python windows, which cut it. Tokenizer errors propagate to the
+caller (the engine turns them into a per-request error). This module must not import torch or know
+about the engine's batching.
 """
 
 from __future__ import annotations
@@ -84,6 +89,13 @@ class IncrementalDetokenizer:
             # complete would make the text diff wrong. Start without context instead.
             self._ids, self._read, self._prefix_text = [], 0, ""
         self._boundaries: list[int] = [0, self._read] if self._read else [0]  # read offsets >= prefix
+        # the Rust windows (None: the Python ones above); _tail: the ids fed since the last piece, after
+        # up to _CONTEXT_TOKENS before it (what flush and the hand-over decode); _drop: special ids
+        # dropped before decoding (skip_special_tokens with kept ones)
+        self._stream, self._rust, self._drop = _decode_stream(
+            tokenizer, skip_special_tokens, frozenset(keep_special_token_ids), self._ids
+        )
+        self._tail, self._held_n = list(self._ids), 0
 
     @property
     def output_text(self) -> str:
@@ -98,8 +110,11 @@ class IncrementalDetokenizer:
             return ""
         out = []
         for token_id in token_ids:
-            self._ids.append(int(token_id))  # the Rust decode takes Python ints only
-            piece = self._next_utf8_piece()
+            if self._stream is not None:
+                piece = self._stream_piece(int(token_id))
+            else:
+                self._ids.append(int(token_id))  # the Rust decode takes Python ints only
+                piece = self._next_utf8_piece()
             if piece:
                 out.append(self._apply_stop(piece) if self.stop else piece)
                 if self.stop_matched is not None:
@@ -114,7 +129,13 @@ class IncrementalDetokenizer:
         if self.stop_matched is not None:
             return ""
         text = ""
-        if self._read < len(self._ids):
+        if self._stream is not None and self._held_n:  # the held ids' text, with the context before them
+            context = self._tail[: len(self._tail) - self._held_n]
+            piece = self._decode(self._tail)[len(self._decode(context)) if context else 0 :]
+            self._held_n = 0
+            if piece:
+                text = self._apply_stop(piece) if self.stop else piece
+        elif self._read < len(self._ids):
             new_text = self._decode(self._ids[self._prefix :])
             piece = new_text[len(self._prefix_text) :]
             self._read, self._prefix_text = len(self._ids), new_text
@@ -126,6 +147,27 @@ class IncrementalDetokenizer:
         return self._record(text)
 
     # -- UTF-8 layer ---------------------------------------------------------------------------
+
+    def _stream_piece(self, token_id: int) -> str:
+        """The Rust windows' text made final by this token ('' while held); past _MAX_HELD_TOKENS held,
+        the request goes on in the Python windows (their cut included), seeded with the same ids."""
+        if token_id in self._drop:
+            return ""
+        tail = self._tail
+        tail.append(token_id)
+        piece = self._stream.step(self._rust, token_id)
+        if piece is not None:
+            del tail[: len(tail) - _CONTEXT_TOKENS]
+            self._held_n = 0
+            return piece
+        self._held_n += 1
+        if self._held_n <= _MAX_HELD_TOKENS:
+            return ""
+        self._stream = None
+        self._ids, self._prefix, self._read = list(tail), 0, len(tail) - self._held_n
+        self._prefix_text = self._decode(tail[: self._read]) if self._read else ""
+        self._boundaries = [0, self._read] if self._read else [0]
+        return self._next_utf8_piece()
 
     def _decode(self, ids: list[int]) -> str:
         return self._window_decode(ids)
@@ -236,6 +278,44 @@ def _special_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _rust_tokenizer(tokenizer):
+    """The Rust tokenizer whose decode is exactly tokenizer.decode without clean-up (a TokenizersBackend
+    that overrides neither decode nor _decode), else None."""
+    fast = sys.modules.get("transformers.tokenization_utils_tokenizers")
+    base = sys.modules.get("transformers.tokenization_utils_base")
+    backend_cls = getattr(fast, "TokenizersBackend", None)
+    base_cls = getattr(base, "PreTrainedTokenizerBase", None)
+    cls = type(tokenizer)
+    if (
+        backend_cls is not None
+        and base_cls is not None
+        and isinstance(tokenizer, backend_cls)
+        and cls._decode is backend_cls._decode
+        and cls.decode is base_cls.decode
+    ):
+        return tokenizer.backend_tokenizer
+    return None
+
+
+def _decode_stream(tokenizer, skip_special_tokens: bool, keep: frozenset[int], context: list[int]):
+    """(DecodeStream seeded with the context ids, the Rust tokenizer, the ids to drop before it) where
+    the tokenizer allows, else (None, None, empty)."""
+    rust = _rust_tokenizer(tokenizer)
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # an older tokenizers
+        return None, None, frozenset()
+    if rust is None:
+        return None, None, frozenset()
+    drop = _special_ids(tokenizer) - keep if skip_special_tokens and keep else frozenset()
+    try:
+        stream = DecodeStream(ids=[t for t in context if t not in drop] or None,
+                              skip_special_tokens=skip_special_tokens and not keep)  # fmt: skip
+    except TypeError:  # a DecodeStream without a context argument
+        return None, None, frozenset()
+    return stream, rust, drop
+
+
 def _window_decoder(
     tokenizer, skip_special_tokens: bool, keep: frozenset[int] = frozenset()
 ) -> Callable[[list[int]], str]:
@@ -247,23 +327,13 @@ def _window_decoder(
     per-token path we skip that when the class has not overridden decode/_decode, which for
     TokenizersBackend is exactly backend_tokenizer.decode(ids, skip_special_tokens).
     """
-    fast = sys.modules.get("transformers.tokenization_utils_tokenizers")
-    base = sys.modules.get("transformers.tokenization_utils_base")
-    backend_cls = getattr(fast, "TokenizersBackend", None)
-    base_cls = getattr(base, "PreTrainedTokenizerBase", None)
-    cls = type(tokenizer)
     if skip_special_tokens and keep:
         drop = _special_ids(tokenizer) - keep
         plain = _window_decoder(tokenizer, False)
         return lambda ids: plain([t for t in ids if t not in drop])
-    if (
-        backend_cls is not None
-        and base_cls is not None
-        and isinstance(tokenizer, backend_cls)
-        and cls._decode is backend_cls._decode
-        and cls.decode is base_cls.decode
-    ):
-        rust_decode = tokenizer.backend_tokenizer.decode
+    rust = _rust_tokenizer(tokenizer)
+    if rust is not None:
+        rust_decode = rust.decode
         return lambda ids: rust_decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(
         ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
