@@ -27,7 +27,7 @@ sys.path.insert(0, os.getcwd())
 POINTERS = {  # _sample_kernel's pointer arguments as the Sampler passes them
     "x_ptr": "*bf16", "temp_ptr": "*fp32", "min_p_ptr": "*fp32", "top_k_ptr": "*fp32", "top_p_ptr": "*fp32",
     "keys_ptr": "*i64", "out_ptr": "*i64", "slots_ptr": "*fp32", "pvals_ptr": "*fp32", "counts_ptr": "*i32",
-    "prompt_ptr": "*u8", "order_ptr": "*fp32",
+    "prompt_ptr": "*i1", "order_ptr": "*fp32",
 }  # fmt: skip
 
 
