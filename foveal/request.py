@@ -88,6 +88,11 @@ class SamplingParams:
     # logit_bias as two parallel tuples (token ids, biases): made once here, read by the sampler each step
     bias_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     bias_values: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
+    # any of the three penalties is on (made once here: the sampler asks per row each step)
+    needs_penalties: bool = field(default=False, init=False, repr=False, compare=False)
+    # the sampling kernel's per-row values, made once here: (temperature, 0 when greedy; min_p; top_k,
+    # 0 when off; top_p; repetition, frequency and presence penalties) as floats
+    kernel_columns: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -101,6 +106,10 @@ class SamplingParams:
         if self.logit_bias:
             set_(self, "bias_token_ids", tuple(self.logit_bias))
             set_(self, "bias_values", tuple(float(b) for b in self.logit_bias.values()))
+        rep, freq, pres = self.repetition_penalty, self.frequency_penalty, self.presence_penalty
+        set_(self, "needs_penalties", rep != 1.0 or pres != 0.0 or freq != 0.0)
+        columns = (self.temperature, self.min_p, max(self.top_k, 0), self.top_p, rep, freq, pres)
+        set_(self, "kernel_columns", tuple(float(v) for v in columns))
 
     def choices(self) -> list[SamplingParams]:
         """n choices -> n single-sequence params; seeded choices get distinct, reproducible seeds seed+i."""
@@ -109,10 +118,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    @property
-    def needs_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def _bad(self, name: str, why: str):
         return InvalidParameter(name, f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")

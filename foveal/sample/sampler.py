@@ -322,18 +322,15 @@ class Sampler:
         in self.history)."""
         V = self.vocab_size
         table = array.array("f")  # the columns row after row, one buffer (torch.tensor of lists is slower)
-        temps = [p.temperature if not p.greedy else 0.0 for p in params]
-        min_p = [p.min_p for p in params]
-        top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
-        top_p = [p.top_p if p.top_p < 1 else 1.0 for p in params]
+        temps, min_p, top_k, top_p, rep, freq, pres = zip(*[p.kernel_columns for p in params])
+        if max(top_k) >= V:  # a top_k past the vocabulary keeps every token: off
+            top_k = tuple(k if k < V else 0.0 for k in top_k)
         for column in (temps, min_p, top_k, top_p):
-            table.fromlist(column)
+            table.fromlist(list(column))  # (array.extend of a tuple takes twice as long)
         if penalized is not None:  # the same copy carries each row's slot (-1: none) and penalties
-            on = [r.params.needs_penalties for r in penalized]
-            table.fromlist([r.slot if o else -1 for r, o in zip(penalized, on)])
-            table.fromlist([p.repetition_penalty for p in params])
-            table.fromlist([p.frequency_penalty for p in params])
-            table.fromlist([p.presence_penalty for p in params])
+            table.fromlist([r.slot if r.params.needs_penalties else -1 for r in penalized])
+            for column in (rep, freq, pres):
+                table.fromlist(list(column))
         order = None if keys is None else triton_sample.row_order(temps, min_p, top_k, top_p)
         if order is not None:
             table.fromlist(order)

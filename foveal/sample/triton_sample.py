@@ -38,6 +38,8 @@ tensors, which is how they are tested.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 # One program a row over column blocks of _BLOCK, 16 warps, with _LANES lanes of 4 candidates each. The
@@ -571,7 +573,9 @@ def _triton_kernel():
     return _kernel
 
 
-def row_order(temperature: list[float], min_p: list[float], top_k: list[int], top_p: list[float]):
+def row_order(
+    temperature: Sequence[float], min_p: Sequence[float], top_k: Sequence[float], top_p: Sequence[float]
+):
     """The rows' indices, those the kernel spends longest on first (None: all alike, any order). The
     GPU starts programs in order as earlier ones end, so the last to start should be short, not a
     top_p row's several passes (the costs: top_p without top_k > min_p > one pass > greedy)."""
