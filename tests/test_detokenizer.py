@@ -434,3 +434,20 @@ def test_sentencepiece_keeps_leading_space_and_characters(sp_tok, text):
     assert not any("\ufffd" in p for p in pieces)
     pieces, d = stream(sp_tok, prompt, out, chunk=3, stop=[text[5:9]])
     assert d.output_text == " " + text[:5]
+
+
+def test_sentencepiece_rust_windows_keep_character_boundaries(sp_tok, monkeypatch):
+    """SentencePiece byte fallback decodes a run of byte tokens all or nothing, so the context kept for
+    flush and for a hand-over to the Python windows must start at a character: past the tail's trims,
+    an output that ends inside a character (flushed) and one with a long invalid run (handed over) give
+    the Python windows' pieces token for token."""
+    monkeypatch.setattr(detok_mod, "_TAIL_MAX", 8)  # trim often
+    prompt = sp_tok.encode("Say something:", add_special_tokens=False)
+    text = sp_tok.encode(" ".join(MULTIBYTE[1:3]) * 3, add_special_tokens=False)
+    bad = sp_tok.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(0x80, 0x8C)])  # continuation bytes
+    cut = text[:-1] if sp_tok.decode(text[:-1]).endswith("\ufffd") else text[:-2]
+    for out, handed in ((cut, False), (text + bad + text, True)):
+        fast, d = stream(sp_tok, prompt, out)
+        slow, _ = stream(CountingTokenizer(sp_tok), prompt, out)
+        assert fast == slow and (d._stream is None) is handed
+        assert d.output_text.startswith(" 世界") and d.output_text.count("\ufffd") >= (12 if handed else 1)

@@ -18,11 +18,11 @@ Owns two hold-backs, applied in this order to each new token:
 Each call decodes a window of a few tokens, never the whole sequence, so the cost per token does
 not grow with the output. For a tokenizer that is `tokenizers`' Rust tokenizer underneath (transformers'
 TokenizersBackend, decode not overridden) the same windows run in Rust: `tokenizers.decoders.
-DecodeStream` (one call a token, ~0.6 us against ~2.2 for the windows in Python on a 256-row step's
-worth of tokens), seeded with the same prompt context; a hold of more than _MAX_HELD_TOKENS tokens
-(invalid bytes) hands the request to the Python windows, which cut it. Tokenizer errors propagate to the
-caller (the engine turns them into a per-request error). This module must not import torch or know
-about the engine's batching.
+DecodeStream` (one call a token: ~1.0 us a token through this class against ~2.2 for the windows in
+Python, on the embedded model's tokenizer), seeded with the same prompt context; a hold of more than
+_MAX_HELD_TOKENS tokens (invalid bytes) hands the request to the Python windows, which cut it.
+Tokenizer errors propagate to the caller (the engine turns them into a per-request error). This module
+must not import torch or know about the engine's batching.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ _MAX_HELD_TOKENS = 8
 _UTF8_LOOKAHEAD = 3
 # Ids before the prefix are never read again; drop them once this many pile up.
 _TRIM_IDS_AT = 4096
+# The Rust windows' tail of ids (flush's and a hand-over's context) is trimmed past this many.
+_TAIL_MAX = 64
 
 
 class IncrementalDetokenizer:
@@ -90,12 +92,13 @@ class IncrementalDetokenizer:
             self._ids, self._read, self._prefix_text = [], 0, ""
         self._boundaries: list[int] = [0, self._read] if self._read else [0]  # read offsets >= prefix
         # the Rust windows (None: the Python ones above); _tail: the ids fed since the last piece, after
-        # up to _CONTEXT_TOKENS before it (what flush and the hand-over decode); _drop: special ids
-        # dropped before decoding (skip_special_tokens with kept ones)
+        # the context before them (what flush and the hand-over decode), which starts at a read offset
+        # about _CONTEXT_TOKENS back (_marks: the read offsets in _tail), as the Python windows' prefix
+        # does; _drop: special ids dropped before decoding (skip_special_tokens with kept ones)
         self._stream, self._rust, self._drop = _decode_stream(
             tokenizer, skip_special_tokens, frozenset(keep_special_token_ids), self._ids
         )
-        self._tail, self._held_n = list(self._ids), 0
+        self._tail, self._marks, self._held_n = list(self._ids), list(self._boundaries), 0
 
     @property
     def output_text(self) -> str:
@@ -157,8 +160,10 @@ class IncrementalDetokenizer:
         tail.append(token_id)
         piece = self._stream.step(self._rust, token_id)
         if piece is not None:
-            del tail[: len(tail) - _CONTEXT_TOKENS]
+            self._marks.append(len(tail))
             self._held_n = 0
+            if len(tail) > _TAIL_MAX:  # trimmed now and then, not at every piece
+                self._trim_tail()
             return piece
         self._held_n += 1
         if self._held_n <= _MAX_HELD_TOKENS:
@@ -168,6 +173,16 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(tail[: self._read]) if self._read else ""
         self._boundaries = [0, self._read] if self._read else [0]
         return self._next_utf8_piece()
+
+    def _trim_tail(self) -> None:
+        """Drop the tail's ids before its latest read offset at least _CONTEXT_TOKENS from its end."""
+        tail, marks = self._tail, self._marks
+        k = len(marks) - 1
+        while k > 0 and len(tail) - marks[k] < _CONTEXT_TOKENS:
+            k -= 1
+        cut = marks[k]
+        del tail[:cut]
+        self._marks = [m - cut for m in marks[k:]]
 
     def _decode(self, ids: list[int]) -> str:
         return self._window_decode(ids)
