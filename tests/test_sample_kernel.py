@@ -8,6 +8,7 @@ the same tokens (both draw with the same counter-based noise, sample/noise.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -375,6 +376,22 @@ def test_the_samplers_packing_and_row_order_draw_what_the_cpu_sampler_draws():
     s = Sampler(V, "cpu")
     cpu, _ = s.sample(x.clone(), rows)
     assert s._draw_kernel(x.clone(), rows).tolist() == cpu.tolist()
+    # with penalties read from the device history: each row's slot and its three penalties packed too
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for i, p in enumerate(params):
+        if i % 2:
+            pen = dict(repetition_penalty=1.5, frequency_penalty=0.5 * (i % 3), presence_penalty=1.0)
+            p = dataclasses.replace(p, **pen)
+        prompt, out = (torch.randint(0, V, (n,), generator=g).tolist() for n in (40, 20))
+        slot = 10 + i if p.needs_penalties else None
+        if slot is not None:
+            s.history.start(slot, prompt, out, True)
+        rows.append(SamplingRow(p, prompt, out, frozenset(), None, slot))
+    cpu, _ = s.sample(x.clone(), rows)
+    assert s._draw_kernel(x.clone(), rows, penalties=True).tolist() == cpu.tolist()
+    plain = s._draw_kernel(x.clone(), rows)  # the same rows, their penalties not applied
+    assert plain.tolist() != cpu.tolist()  # the penalties changed some draws: the check can fail
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
