@@ -31,8 +31,12 @@ from torch import nn
 CUDA_EXPERTS = "triton"
 
 
-def _grouped_on_cuda(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    return x.is_cuda and CUDA_EXPERTS == "grouped" and w13.dtype == torch.bfloat16
+def _grouped_on_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """CUDA_EXPERTS asks for the grouped GEMMs and they can take these shapes (else experts_grouped
+    would fall back to the loop, whose host sync no CUDA graph can hold)."""
+    if not x.is_cuda or CUDA_EXPERTS != "grouped" or w13.dtype != torch.bfloat16:
+        return False
+    return _aligned(x, w2) and w13.shape[1] * x.element_size() % 16 == 0
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -102,7 +106,7 @@ class FusedMoE(nn.Module):
             weights, ids, rows, experts = route_align(
                 logits, top_k, renormalize, block_m(x.shape[0] * top_k, self.w13)
             )
-            if _grouped_on_cuda(x, self.w13):  # the routing alone taken from the fused launch
+            if _grouped_on_cuda(x, self.w13, self.w2):  # the routing alone taken from the fused launch
                 return self(x, weights, ids)
             args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
             return experts_triton(x.contiguous(), *args, aligned=(rows, experts))
@@ -112,7 +116,7 @@ class FusedMoE(nn.Module):
         if x.is_cpu and self._quantized() is not None:  # GGUF blocks, run as stored (layers/quant.py)
             return self._experts_quantized(x, weights, ids)
         args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
-        if x.is_cuda and not _grouped_on_cuda(x, self.w13):  # the Triton kernel (layers/moe_triton.py)
+        if x.is_cuda and not _grouped_on_cuda(x, self.w13, self.w2):  # the Triton kernel (moe_triton.py)
             from foveal.layers.moe_triton import experts_triton
 
             return experts_triton(x.contiguous(), *args)
