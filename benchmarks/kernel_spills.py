@@ -6,7 +6,8 @@ installed Triton's compiler: the GPU machine's may differ, so the counts are a g
     python benchmarks/kernel_spills.py [--tiles 4096x16x0,4096x16x1024] [--arch 90]
 
 A tile: block x warps x lanes (0: the block) [x registers a thread at most]; each with and without penalties,
-the rows' order on (the Sampler's variant), for the logits' dtype (--dtype: bf16, the model's, or fp32).
+the rows' order on (the Sampler's variant), for the logits' dtype (--dtype: bf16, the model's, or fp32);
+--variants: also without the order and the threshold mode.
 The pointers, the row stride and the vocabulary are marked divisible by 16, as a launch on [B, 128256]
 logits specializes them: without that Triton cannot vectorize the loads and compiles another kernel
 (sizePerThread 1; 128 registers for bf16 where the launched kernel gets 64). Ends with one JSON line.
@@ -40,6 +41,8 @@ def spills(
     penalty: bool,
     maxnreg: int = 0,
     dtype: str = "bf16",
+    thresh: bool = False,
+    order: bool = True,
 ) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -47,11 +50,13 @@ def spills(
 
     from foveal.sample import triton_sample as ts
 
-    const = dict(THRESH=False, PENALTY=penalty, ORDER=True, BLOCK=block, LANES=lanes or block,
+    const = dict(THRESH=thresh, PENALTY=penalty, ORDER=order, BLOCK=block, LANES=lanes or block,
                  MAX_STEPS=ts._MAX_STEPS)  # fmt: skip
     names = kernel.arg_names
     sig = {n: POINTERS.get(n, "constexpr" if n in const else "i32") for n in names}
     sig["x_ptr"] = f"*{dtype}"
+    if thresh:  # thresholds(): float32 out, the top_k column standing in for the keys
+        sig["out_ptr"] = sig["keys_ptr"] = "*fp32"
     wide = set(POINTERS) | {"x_stride", "V"}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in wide}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
@@ -80,6 +85,8 @@ def main() -> None:
     ap.add_argument("--tiles", default="4096x16x0,4096x16x1024,4096x16x2048,2048x8x0,1024x4x0,4096x8x1024")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the logits' dtype")
+    ap.add_argument("--variants", action="store_true",
+                    help="also the rows in their own order and the threshold mode (filter())")  # fmt: skip
     a = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     from foveal.sample import triton_sample as ts
@@ -87,9 +94,13 @@ def main() -> None:
     kernel, res = ts._triton_kernel(), {}
     for tile in a.tiles.split(","):
         block, warps, lanes, maxnreg = (*(int(v) for v in tile.split("x")), 0)[:4]
-        for penalty in (False, True):
-            name = f"{tile} {'penalties' if penalty else 'plain'}"
-            res[name] = spills(kernel, a.arch, block, warps, lanes, penalty, maxnreg, a.dtype)
+        kinds = [(False, False, True), (False, True, True)]  # (threshold mode, penalties, rows' order)
+        if a.variants:
+            kinds += [(False, False, False), (False, True, False), (True, False, True), (True, False, False)]
+        for thresh, penalty, order in kinds:
+            name = f"{tile} {'thresholds' if thresh else 'penalties' if penalty else 'plain'}"
+            name += "" if order else " (own order)"
+            res[name] = spills(kernel, a.arch, block, warps, lanes, penalty, maxnreg, a.dtype, thresh, order)
             print(f"{name}: {res[name]}", flush=True)
     import triton
 

@@ -186,16 +186,10 @@ def kernel(a) -> dict:
     # the mixed workload's own rows, penalties included, their history kept on the device (a 512-token
     # prompt and 256 drawn tokens a slot): the kernel reads it as the rows load
     pen_s = Sampler(V, dev)
-    g = torch.Generator().manual_seed(1)
-    pen_rows = []
-    for i, p in enumerate(mixed_params(n, 1)):
-        p = dataclasses.replace(p, logprobs=None)  # the draw alone
-        prompt = torch.randint(0, V, (512,), generator=g).tolist()
-        out = torch.randint(0, V, (256,), generator=g).tolist()
-        slot = i if p.needs_penalties else None
-        if slot is not None:
-            pen_s.history.start(slot, prompt, out, p.repetition_penalty != 1.0)
-        pen_rows.append(SamplingRow(p, prompt, out, frozenset(), None, slot))
+    pen_params = [dataclasses.replace(p, logprobs=None) for p in mixed_params(n, 1)]  # the draw alone
+    lists = _start_histories(pen_params, V, pen_s.history)
+    pen_rows = [SamplingRow(p, prompt, out, frozenset(), None, i if p.needs_penalties else None)
+                for i, (p, (prompt, out)) in enumerate(zip(pen_params, lists))]  # fmt: skip
 
     res = {}
     for scale in (1.0, 4.0):
@@ -302,16 +296,25 @@ def tiles(a) -> dict:
     return res
 
 
-def _device_history(params: list[SamplingParams], V: int, dev) -> tuple:
-    """sample_rows' penalties argument for rows of these params: a device history with a 512-token prompt
-    and 256 drawn tokens a penalized row (seeded), as the Sampler passes it."""
-    from foveal.sample.history import TokenHistory
-
-    hist, g = TokenHistory(V, dev), torch.Generator().manual_seed(1)
+def _start_histories(params: list[SamplingParams], V: int, hist) -> list[tuple[list[int], list[int]]]:
+    """Each row's (prompt, output) token lists, 512 and 256 seeded random ids, and slot i of `hist` (a
+    TokenHistory) started with row i's where its params have penalties."""
+    g, lists = torch.Generator().manual_seed(1), []
     for i, p in enumerate(params):
         prompt, out = (torch.randint(0, V, (n,), generator=g).tolist() for n in (512, 256))
         if p.needs_penalties:
             hist.start(i, prompt, out, p.repetition_penalty != 1.0)
+        lists.append((prompt, out))
+    return lists
+
+
+def _device_history(params: list[SamplingParams], V: int, dev) -> tuple:
+    """sample_rows' penalties argument for rows of these params (_start_histories' device history), as
+    the Sampler passes it."""
+    from foveal.sample.history import TokenHistory
+
+    hist = TokenHistory(V, dev)
+    _start_histories(params, V, hist)
     slots = [float(i if p.needs_penalties else -1) for i, p in enumerate(params)]
     vals = [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params]]
     vals.append([p.presence_penalty for p in params])
@@ -432,7 +435,12 @@ def prefix_sweep(a) -> dict:
 
 def host(a) -> dict:
     """The Sampler's host work a step for the mixed rows (256, penalties in the device history), its
-    kernel launch stubbed: the Python a GPU step waits on (CPU; median of 5 rounds of 200 calls)."""
+    kernel launch stubbed: the Python a GPU step waits on (CPU; median of 5 rounds of 200 calls); then
+    three of its parts alone the same way: the rows' noise keys (row_keys), the heavy-first order
+    (row_order) and the columns' table."""
+    import array
+
+    from foveal.sample import noise
     from foveal.sample import sampler as sm
     from foveal.sample.sampler import Sampler, SamplingRow
 
@@ -452,6 +460,26 @@ def host(a) -> dict:
     finally:
         sm.triton_sample.sample_rows = saved
     res = {"draw_kernel_host_us": sorted(rounds[1:])[2]}
+    columns = list(zip(*[r.params.kernel_columns for r in rows]))
+
+    def table():
+        t = array.array("f")
+        for c in columns:
+            t.fromlist(list(c))
+
+    parts = {
+        "row_keys": lambda: noise.row_keys([r.params.seed for r in rows], [r.draw_index for r in rows]),
+        "row_order": lambda: sm.triton_sample.row_order(*columns[:4]),
+        "table": table,
+    }
+    for name, fn in parts.items():
+        rounds = []
+        for _ in range(6):
+            t = time.perf_counter()
+            for _ in range(200):
+                fn()
+            rounds.append((time.perf_counter() - t) / 200 * 1e6)
+        res[f"{name}_us"] = sorted(rounds[1:])[2]
     gw.log(f"sampler host work, 256 mixed rows: {res}")
     return res
 

@@ -111,14 +111,20 @@ def _layer(seed: int, T: int, E: int, H: int, inter: int):
 
 
 def test_experts_on_route_align_equal_the_loop():
-    """The experts kernel on route_align's layout (aligned=) equals the loop over experts."""
+    """The experts kernel on route_align's layout (aligned=) equals the loop over experts; so do torch's
+    grouped GEMMs on its weights and ids (FusedMoE.routed's grouped CUDA path), whose int64 ids and
+    float32 weights they take as route()'s."""
+    from foveal.layers.moe import experts_grouped
     from foveal.layers.moe_triton import block_m, route_align
 
     T, k = 6, 4
     x, w13, w2, logits = _layer(12, T, 16, 32, 16)
     weights, ids, rows, experts = route_align(logits, k, True, block_m(T * k, w13))
+    want = experts_reference(x, w13, w2, weights, ids)
     got = experts_triton(x, w13, w2, weights, ids, silu_glu, aligned=(rows, experts))
-    assert (got - experts_reference(x, w13, w2, weights, ids)).abs().max().item() < 1e-5
+    assert (got - want).abs().max().item() < 1e-5
+    grouped = experts_grouped(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
+    assert (grouped - want.cpu()).abs().max().item() < 1e-5
 
 
 def test_a_glu_the_kernel_does_not_know_is_applied_apart():

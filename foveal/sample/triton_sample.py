@@ -45,10 +45,11 @@ import torch
 # One program a row over column blocks of _BLOCK, 16 warps, with _LANES lanes of 4 candidates each. The
 # tiles sweeps of benchmarks/sampling.py on an H100 ([256, 128256] mixed rows, RESULTS.md sessions 28-32):
 # 4096 x 16 best of 1024-8192 x 4-16 (session 28, fp32 logits). On the decode step's case (bf16 logits,
-# the rows' penalties, heavy rows first; session 32) 2,048 lanes took 0.438 ms against 0.515 with the lanes
-# = the block (4,096 lanes: 8 a thread, 64 registers of candidates, which spill) and 0.46-0.55 for the
-# other shapes tried; without penalties 0.301 against 0.498 (at 4,096 lanes ptxas gives that bf16 kernel
-# 64 registers and 2 KB of spills: benchmarks/kernel_spills.py)
+# the rows' penalties, heavy rows first; session 32, with the seen bits since reverted) 2,048 lanes took
+# 0.438 ms against 0.515 with the lanes = the block (4,096 lanes: 8 a thread, 64 registers of candidates,
+# which spill) and 0.46-0.55 for the other shapes tried (the bool prompt marks at 2,048 lanes: 0.448-0.473);
+# without penalties 0.301 against 0.498 (at 4,096 lanes ptxas gives that bf16 kernel 64 registers and 2 KB
+# of spills: benchmarks/kernel_spills.py)
 _BLOCK = 4096
 _WARPS = 16  # per program (one program a row)
 # the lanes of top_k's and the draws' candidates (pass 1 loads this many columns a step); 0: _BLOCK
