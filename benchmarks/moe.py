@@ -3,7 +3,7 @@ gpt-oss-20b through Foveal's engine on random weights of the real shapes (`--loa
 benchmarks/configs/*.json), against their memory floors measured in the same run.
 
     python3 benchmarks/moe.py --parts ceilings,kernel,qwen3,gptoss [--smoke] [--profile]
-    python3 benchmarks/moe.py --parts tiles
+    python3 benchmarks/moe.py --parts tiles [--tile-tokens 1,64,256]
 
 kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 2048, I 768) and
          gpt-oss-20b (E 32, k 4, H 2880, I 2880), at 1, 64 and 256 tokens: the Triton kernel
@@ -143,13 +143,15 @@ def kernel(smoke: bool) -> None:
     RESULTS["kernel"] = out
 
 
-def tiles(smoke: bool) -> None:
+def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
     import itertools
 
     from foveal.layers import moe_triton as mt
 
     out = {}
     for name, E, k, H, inter, T, g, w13, w2, x, weights, ids in _layers(smoke):
+        if T not in tokens:
+            continue
         n = T * k
         h = torch.randn(n, 2 * inter, generator=g).to(w13)
         d = torch.empty(n, H, dtype=w13.dtype, device=w13.device)
@@ -160,12 +162,11 @@ def tiles(smoke: bool) -> None:
         }
         for gemm, (a, w, c, sc, gather, act, N, K) in gemms.items():
             default = mt._tiles(n, N, K)
-            ms = (default.block_m,) if T == 1 else (16, 32, 64)
-            shapes = [default] + [
-                mt.Tiles(*t)
-                for t in itertools.product(ms, (32, 64, 128), (64, 128), (4, 8), (2, 3))
-                if mt.Tiles(*t) != default
-            ]
+            if T == 1:  # one row an expert: bytes in flight (narrow columns, deep K, more stages)
+                grid = itertools.product((default.block_m,), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
+            else:
+                grid = itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4))
+            shapes = [default] + [mt.Tiles(*t) for t in grid if mt.Tiles(*t) != default]
             if smoke:
                 shapes = shapes[:3]
             aligned = {}
@@ -256,6 +257,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--tile-tokens", default="1,64,256", help="tiles: the token counts to sweep")
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
     a = ap.parse_args()
     gw.SMOKE = a.smoke
@@ -265,7 +267,7 @@ def main() -> None:
     if "kernel" in parts:
         kernel(a.smoke)
     if "tiles" in parts:
-        tiles(a.smoke)
+        tiles(a.smoke, tuple(int(t) for t in a.tile_tokens.split(",")))
     runs = (("qwen3", "qwen3-30b-a3b.json", [1, 256]), ("gptoss", "gpt-oss-20b.json", [1, 64]))
     from foveal.layers import moe
 

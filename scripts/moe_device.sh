@@ -8,6 +8,7 @@
 #   moe     benchmarks/moe.py: the ceilings, the experts kernel at 1 / 64 / 256 tokens, gpt-oss-20b at
 #           batch 1 and 64 (dummy bf16 weights of the real shapes)
 #   tiles   benchmarks/moe.py: the experts kernel's tile shapes for gate/up and down at 1 / 64 / 256 tokens
+#           (TILE_TOKENS=1 for one of them: each shape compiles, a fresh machine takes minutes)
 #   qwen3   benchmarks/moe.py: Qwen3-30B-A3B at batch 1 (with the step's largest kernels) and 256
 #   paths   the models' decode through each CUDA experts path (the Triton kernel, torch's grouped GEMMs:
 #           benchmarks/moe.py --cuda-experts triton,grouped), PATHS_MODELS of gptoss,qwen3 (default: both)
@@ -34,7 +35,7 @@ for part in "$@"; do
         | grep -v "^\[transformers\]" | tee "$LOG/moe.txt" | tail -30
       ;;
     tiles)
-      timeout ${T_TILES:-400} python3 benchmarks/moe.py --parts tiles 2>&1 \
+      timeout ${T_TILES:-400} python3 benchmarks/moe.py --parts tiles --tile-tokens ${TILE_TOKENS:-1,64,256} 2>&1 \
         | grep -v "^\[transformers\]" | tee "$LOG/tiles.txt" | grep "^tiles"
       ;;
     paths)
