@@ -208,7 +208,8 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
                 except triton.runtime.errors.OutOfResources:  # its stages' shared memory: not a candidate
                     continue
             best = sorted(times)[:3]
-            touched = sum(len(torch.unique(ids)) for ids in routings) / len(routings) * N * K * w.element_size()
+            distinct = sum(len(torch.unique(ids)) for ids in routings) / len(routings)
+            touched = distinct * N * K * w.element_size()
             row = {"default": [times[0][0], list(times[0][1])], "best": [[us, list(t)] for us, t in best]}
             row["best_GBps"] = round(touched / best[0][0] / 1e3, 1)
             out[f"{name}/T{T}/{gemm}"] = row
