@@ -186,7 +186,7 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
             "down": (h, w2, d, scale, False, (1, 0.0, 0.0), H, inter),
         }
         for gemm, (a, w, c, sc, gather, act, N, K) in gemms.items():
-            default = mt._tiles(n, N, K)
+            default = mt._tiles(n, E, N, K, gemm == "down", w.element_size())
             if T == 1:  # one row an expert: bytes in flight (narrow columns, deep K, more stages)
                 grid = itertools.product((default.block_m,), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
             else:

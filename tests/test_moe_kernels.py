@@ -22,7 +22,14 @@ if DEVICE == "cpu":
 
 @pytest.mark.parametrize(
     "T,E,k,H,inter",
-    [(1, 8, 2, 32, 16), (5, 4, 1, 48, 40), (19, 16, 4, 64, 32), (40, 6, 3, 32, 24), (3, 32, 8, 16, 16)],
+    [
+        (1, 8, 2, 32, 16),
+        (5, 4, 1, 48, 40),
+        (19, 16, 4, 64, 32),
+        (40, 6, 3, 32, 24),
+        (3, 32, 8, 16, 16),
+        (200, 4, 2, 32, 16),
+    ],  # the last: 64-row tiles, several an expert
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_equals_the_loop(T, E, k, H, inter, dtype):

@@ -242,13 +242,20 @@ class Tiles(NamedTuple):
     stages: int = 2
 
 
-def _tiles(n_pairs: int, N: int, K: int) -> Tiles:
-    """Small row tiles for decode-sized steps (each expert sees a few rows), wider ones as the pairs per
-    expert grow. `benchmarks/moe.py --parts tiles` times the other shapes on a GPU."""
-    bm = 16 if n_pairs <= 256 else 32 if n_pairs <= 2048 else 64
-    bn = max(16, min(128, triton.next_power_of_2(N)))
-    bk = max(16, min(64, triton.next_power_of_2(K)))
-    return Tiles(bm, bn, bk)
+def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2) -> Tiles:
+    """The tiles of one GEMM (gate/up, or down when `down`) from the sweep of `benchmarks/moe.py --parts
+    tiles` (H100, bf16, Qwen3-30B-A3B's and gpt-oss-20b's shapes at 1, 64 and 256 tokens; RESULTS.md,
+    session 33): 16-row tiles while an expert gets <= 16 pairs on average, else 64; gate/up 64 (16 rows)
+    or 128 columns deep 128, down 128 columns deep 64; 4 warps, 4 stages (2 for fp32: shared memory)."""
+    per_expert = n_pairs / max(1, min(num_experts, n_pairs))
+    bm = 16 if per_expert <= 16 else 64
+    bn, bk = (128, 64) if down else (64 if bm == 16 else 128, 128)
+    stages = 4 if itemsize <= 2 else 2
+    if itemsize > 2:
+        bk = min(bk, 64)
+    bn = max(16, min(bn, triton.next_power_of_2(N)))
+    bk = max(16, min(bk, triton.next_power_of_2(K)))
+    return Tiles(bm, bn, bk, 4, stages)
 
 
 def _gemm(a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles, act=(0, 0.0, 0.0)) -> None:
@@ -275,7 +282,7 @@ def _fused_act(glu) -> tuple[int, float, float] | None:
 
 def block_m(n_pairs: int, w13: torch.Tensor) -> int:
     """The row tile experts_triton uses for n_pairs (what align / route_align must pad runs to)."""
-    return _tiles(n_pairs, w13.shape[1], w13.shape[2]).block_m
+    return _tiles(n_pairs, w13.shape[0], w13.shape[1], w13.shape[2], False, w13.element_size()).block_m
 
 
 def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=None) -> torch.Tensor:
@@ -289,13 +296,14 @@ def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=Non
     inter = two_i // 2
     assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous() and x.dtype == w13.dtype
     n = T * k
-    rows, experts = aligned if aligned is not None else align(ids, E, _tiles(n, two_i, H).block_m)
+    size = w13.element_size()
+    rows, experts = aligned if aligned is not None else align(ids, E, block_m(n, w13))
     h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, b13, h, None, rows, experts, n, k, True, _tiles(n, two_i, H))
+    _gemm(x, w13, b13, h, None, rows, experts, n, k, True, _tiles(n, E, two_i, H, False, size))
     d = torch.empty((n, H), dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     act = _fused_act(glu)
     if act is None:  # a glu the kernel does not know: applied apart
         h, act = glu(h[:, :inter], h[:, inter:]).contiguous(), (0, 0.0, 0.0)
-    _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, _tiles(n, H, inter), act)
+    _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, _tiles(n, E, H, inter, True, size), act)
     return d.view(T, k, H).sum(dim=1)
