@@ -88,7 +88,7 @@ def _route_then_align(logits, k, bm):
 
 
 # -- the experts on their own -------------------------------------------------------------------------
-def _layers(smoke: bool):
+def _layers(smoke: bool, tokens: tuple[int, ...] = (1, 64, 256)):
     """Per shape of SHAPES and token count (1, 64, 256): (name, E, k, H, I, T, generator, w13, w2, x,
     weights, ids) of one random bf16 layer (CUDA; float32 on the CPU), the same ones for every part."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,7 +99,7 @@ def _layers(smoke: bool):
         g = torch.Generator().manual_seed(0)
         w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.02).to(dtype).to(dev)
         w2 = (torch.randn(E, H, inter, generator=g) * 0.02).to(dtype).to(dev)
-        for T in (1, 64, 256):
+        for T in tokens:
             x = torch.randn(T, H, generator=g).to(dtype).to(dev)
             weights, ids = route(torch.randn(T, E, generator=g).to(dev), k)
             yield name, E, k, H, inter, T, g, w13, w2, x, weights, ids
@@ -173,9 +173,7 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
     from foveal.layers import moe_triton as mt
 
     out = {}
-    for name, E, k, H, inter, T, g, w13, w2, x, _weights, _ids in _layers(smoke):
-        if T not in tokens:
-            continue
+    for name, E, k, H, inter, T, g, w13, w2, x, _weights, _ids in _layers(smoke, tokens):
         n = T * k
         h = torch.randn(n, 2 * inter, generator=g).to(w13)
         d = torch.empty(n, H, dtype=w13.dtype, device=w13.device)
@@ -189,8 +187,10 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
             default = mt._tiles(n, E, N, K, gemm == "down", w.element_size())
             if T == 1:  # one row an expert: bytes in flight (narrow columns, deep K, more stages)
                 grid = itertools.product((default.block_m,), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
-            else:
+            elif n <= 2048:
                 grid = itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4))
+            else:  # prefill-sized: compute-bound, larger row tiles, fewer stages (shared memory, occupancy)
+                grid = itertools.product((64, 128), (128,), (64, 128), (4, 8), (2, 3, 4))
             shapes = [default] + [mt.Tiles(*t) for t in grid if mt.Tiles(*t) != default]
             if smoke:
                 shapes = shapes[:3]

@@ -246,11 +246,14 @@ def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize:
     """The tiles of one GEMM (gate/up, or down when `down`) from the sweep of `benchmarks/moe.py --parts
     tiles` (H100, bf16, Qwen3-30B-A3B's and gpt-oss-20b's shapes at 1, 64 and 256 tokens; RESULTS.md,
     session 33): 16-row tiles while an expert gets <= 16 pairs on average, else 64; gate/up 64 (16 rows)
-    or 128 columns deep 128, down 128 columns deep 64; 4 warps, 4 stages (2 for fp32: shared memory)."""
+    or 128 columns deep 128, down 128 columns deep 64; 4 warps, 4 stages (2 for fp32: shared memory).
+    Steps of more than 2,048 pairs keep the shape the kernel had before the sweep."""
     per_expert = n_pairs / max(1, min(num_experts, n_pairs))
     bm = 16 if per_expert <= 16 else 64
     bn, bk = (128, 64) if down else (64 if bm == 16 else 128, 128)
     stages = 4 if itemsize <= 2 else 2
+    if n_pairs > 2048:  # prefill-sized steps (not swept): the earlier shape, faster there end to end than
+        bm, bn, bk, stages = 64, 128, 64, 2  # the sweep's (gpt-oss-20b's TTFT at 64 x 512, session 33)
     if itemsize > 2:
         bk = min(bk, 64)
     bn = max(16, min(bn, triton.next_power_of_2(N)))
