@@ -254,7 +254,8 @@ def model(name: str, config: str, batches: list[int], a) -> None:
     llm = gw.engine(config, a, max_model_len=2048, max_num_seqs=max(batches), max_num_batched_tokens=8192)
     V = llm.processor.info.vocab_size
     top_k = llm.engine.model.config.num_experts_per_tok
-    gw.run(llm, gw.random_prompts(4, gw.L(128), V, 99), [gw.greedy(8)] * 4)  # compiles outside the timings
+    warm = max(4, 8192 // prompt)  # a full prefill step too: its kernels compile outside the timings
+    gw.run(llm, gw.random_prompts(warm, prompt, V, 99), [gw.greedy(8)] * warm)
     out = {}
     for b in batches:
         n = gw.N(b) if b > 1 else 1
