@@ -245,25 +245,19 @@ class Tiles(NamedTuple):
 def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2) -> Tiles:
     """The tiles of one GEMM (gate/up, or down when `down`) from the sweeps of `benchmarks/moe.py --parts
     tiles` (H100, bf16, Qwen3-30B-A3B's and gpt-oss-20b's shapes at 1, 64, 256 and 4,096 tokens;
-    RESULTS.md, session 33), by the pairs an expert gets on average: <= 16 (decode) 16-row tiles, gate/up
-    64 columns deep 128; <= 128: 64 rows, gate/up 128 x 128; more (prefill) 128 rows and 8 warps, gate/up
-    128 x 64 in 3 stages; down 128 columns deep 64 throughout; 4 stages where not said (2 for fp32:
-    shared memory)."""
+    RESULTS.md, session 33): 16-row tiles while an expert gets <= 16 pairs on average, else 64 (gate/up
+    and down share them: the rows are aligned once); gate/up 64 (16 rows) or 128 columns deep 128, down
+    128 columns deep 64; 4 warps, 4 stages (2 for fp32: shared memory). At 4,096 tokens gate/up alone
+    would rather take 128 rows and 8 warps (down 64 rows); not taken: untested on a GPU."""
     per_expert = n_pairs / max(1, min(num_experts, n_pairs))
-    warps, stages = 4, 4
-    if per_expert <= 16:
-        bm, bn, bk = 16, 64, 128
-    elif per_expert <= 128:
-        bm, bn, bk = 64, 128, 128
-    else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
-    if down:
-        bn, bk, stages = 128, 64, 4
+    bm = 16 if per_expert <= 16 else 64
+    bn, bk = (128, 64) if down else (64 if bm == 16 else 128, 128)
+    stages = 4 if itemsize <= 2 else 2
     if itemsize > 2:
-        bk, stages = min(bk, 64), 2
+        bk = min(bk, 64)
     bn = max(16, min(bn, triton.next_power_of_2(N)))
     bk = max(16, min(bk, triton.next_power_of_2(K)))
-    return Tiles(bm, bn, bk, warps, stages)
+    return Tiles(bm, bn, bk, 4, stages)
 
 
 def _gemm(a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles, act=(0, 0.0, 0.0)) -> None:
