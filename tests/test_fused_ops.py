@@ -142,6 +142,43 @@ def test_rotary_qk_contiguous_and_shared_row():
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h,kvh,hd", [(1, 4, 2, 64), (9, 6, 2, 32), (33, 16, 8, 128)])
+def test_rotary_qk_with_qk_norm_equals_the_norms_then_the_rotary(dtype, t, h, kvh, hd, torch_path):
+    """Qwen3's q/k norm in the rotary's launch: each head of the qkv buffer's q and k views normalized
+    with its own weight, then rotated, in place, as RMSNorm's torch code then apply_rotary; v untouched.
+    The sum of squares runs in another order (as rms_norm's), so an element may be an ulp or two off."""
+    qkv = rand(t, (h + 2 * kvh) * hd, dtype=dtype, seed=12, scale=3.0)
+    q, k, v = qkv.split([h * hd, kvh * hd, kvh * hd], dim=-1)
+    q, k, v = q.view(t, h, hd), k.view(t, kvh, hd), v.view(t, kvh, hd)
+    qn, kn = norm_layer(hd, dtype), norm_layer(hd, dtype)
+    with torch.no_grad():
+        kn.weight.mul_(-0.5)  # q's and k's weights differ
+        ref_q, ref_k = (
+            apply_rotary(qn(q), *cos_sin(t, hd, dtype)),
+            apply_rotary(kn(k), *cos_sin(t, hd, dtype)),
+        )
+    ref_v = v.clone()
+    out_q, out_k = fused.rotary_qk_(q, k, *cos_sin(t, hd, dtype), (qn.weight, kn.weight, qn.eps))
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    for got, want in ((q, ref_q), (k, ref_k)):
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 4 * torch.finfo(dtype).eps * want.float().abs().max().item(), err
+        if dtype != torch.float32:  # 16-bit: the ulp of the sum rarely survives the rounding
+            assert (got == want).float().mean().item() > 0.95
+    assert torch.equal(v, ref_v)
+
+
+def test_rotary_qk_refuses_norm_weights_of_another_shape_or_dtype():
+    q, k = rand(2, 2, 64, dtype=torch.bfloat16), rand(2, 1, 64, dtype=torch.bfloat16)
+    cos, sin = cos_sin(2, 64, torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="norm weights"):
+        fused.rotary_qk_(q, k, cos, sin, (w.float(), w, 1e-6))
+    with pytest.raises(ValueError, match="norm weights"):
+        fused.rotary_qk_(q, k, cos, sin, (w[:32], w, 1e-6))
+
+
 def test_cpu_layers_never_take_the_fused_path(monkeypatch):
     """The CPU path is the torch code, untouched: no kernel wrapper is called."""
 

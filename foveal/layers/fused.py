@@ -8,7 +8,8 @@ Each kernel reproduces the torch code it replaces step by step, rounding where t
     add_rms_norm  h = x + r (rounded to x's dtype) -> n = fp32(h) * rsqrt(mean(fp32(h)^2) + eps),
                   rounded to x's dtype -> weight * n in the weight's promoted dtype
     silu_and_mul  s = g / (1 + exp(-g)) in fp32, rounded to the dtype -> s * up, rounded
-    rotary_qk_    x * cos and rotate_half(x) * sin each rounded to the dtype, then their sum
+    rotary_qk_    x * cos and rotate_half(x) * sin each rounded to the dtype, then their sum (with
+                  Qwen3's q/k norm: each head rms_norm'ed first, in the same launch)
 
 The one step that cannot follow torch exactly is the order of the sum of squares (torch's CUDA reduction
 order depends on the shape), so the normalized value can differ by an ulp, and rms_norm's output by up to
@@ -90,10 +91,7 @@ def _norm(x, residual, weight, eps):
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
         rr, res_out = xr, out
-    if x.is_cuda:  # torch's CUDA mean multiplies by float(rows) / float(rows * n), i.e. float(1 / n)
-        mean_arg = float(np.float32(num_rows) / np.float32(num_rows * n))
-    else:
-        mean_arg = float(n)
+    mean_arg = _mean_arg(x, num_rows, n)
     block = triton_next_pow2(n)
     if num_rows:
         k._rms_norm_kernel[(num_rows,)](
@@ -118,6 +116,12 @@ def _norm(x, residual, weight, eps):
             enable_fp_fusion=False,
         )
     return out, res_out
+
+
+def _mean_arg(x: torch.Tensor, num_rows: int, n: int) -> float:
+    """What the kernels' mean of n squares takes: torch's CUDA mean multiplies by float(rows) /
+    float(rows * n), i.e. float(1 / n); its CPU mean divides by n."""
+    return float(np.float32(num_rows) / np.float32(num_rows * n)) if x.is_cuda else float(n)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,12 +164,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_qk_(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rotary on q [T, H, hd] and k [T, KVH, hd] in one launch, IN PLACE; returns (q, k).
 
     q and k may be strided views (of one qkv buffer); only their last dim must be contiguous.
     cos/sin: [T, 1, hd] (or [T, hd], or one row for all tokens) in q's dtype.
+    norms: (q weight [hd], k weight [hd], eps): each head RMS-normalized first, as rms_norm (Qwen3's q/k
+    norm), in the same launch; the weights in q's dtype.
     """
     _check(q)
     t, hd = q.shape[0], q.shape[-1]
@@ -175,6 +185,9 @@ def rotary_qk_(
         raise ValueError("q, k, cos and sin must share one dtype")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q and k need a contiguous last dim to be rotated in place")
+    qw, kw, eps = norms if norms is not None else (q, k, 0.0)
+    if norms is not None and (qw.shape != (hd,) or kw.shape != (hd,) or not qw.dtype == kw.dtype == q.dtype):
+        raise ValueError(f"q/k norm weights must be [{hd}] in {q.dtype}")
     cos = _table(cos, t, hd)
     sin = _table(sin, t, hd)
     kern = _kernels()
@@ -184,6 +197,8 @@ def rotary_qk_(
             k,
             cos,
             sin,
+            qw.contiguous(),
+            kw.contiguous(),
             q.stride(0),
             q.stride(1),
             k.stride(0),
@@ -193,9 +208,15 @@ def rotary_qk_(
             q.shape[1],
             k.shape[1],
             hd // 2,
+            float(eps),
+            _mean_arg(q, t * q.shape[1], hd),
+            _mean_arg(k, t * k.shape[1], hd),
             Q_HEADS=triton_next_pow2(q.shape[1]),
             K_HEADS=triton_next_pow2(k.shape[1]),
             HALF=triton_next_pow2(hd // 2),
+            NORM=norms is not None,
+            MEAN_BY_DIV=not q.is_cuda,
+            PRECISE=kern.PRECISE,
             num_warps=4,
             enable_fp_fusion=False,
         )

@@ -86,8 +86,28 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
-def _rotate_heads(ptr, t, s_t, s_h, heads, c1, c2, s1, s2, half, HEADS: tl.constexpr, HALF: tl.constexpr):
-    """Rotate `heads` heads of token t in place: [x1, x2] -> [x1*c1 - x2*s1, x2*c2 + x1*s2]."""
+def _rotate_heads(
+    ptr,
+    t,
+    s_t,
+    s_h,
+    heads,
+    c1,
+    c2,
+    s1,
+    s2,
+    half,
+    w_ptr,
+    eps,
+    mean_arg,
+    HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    MEAN_BY_DIV: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """Rotate `heads` heads of token t in place: [x1, x2] -> [x1*c1 - x2*s1, x2*c2 + x1*s2]; with NORM,
+    each head first RMS-normalized with weight w (Qwen3's q/k norm, _rms_norm_kernel's steps)."""
     h = tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, HALF)[None, :]
     mask = (h < heads) & (d < half)
@@ -97,6 +117,20 @@ def _rotate_heads(ptr, t, s_t, s_h, heads, c1, c2, s1, s2, half, HEADS: tl.const
     dt = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
+    if NORM:
+        total = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if MEAN_BY_DIV:
+            mean = tl.math.div_rn(total, mean_arg)
+        else:
+            mean = total * mean_arg
+        if PRECISE:
+            rstd = libdevice.rsqrt(mean + eps)[:, None]
+        else:
+            rstd = tl.math.rsqrt(mean + eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     # torch: x * cos + cat(-x2, x1) * sin, each product rounded to the dtype, then the sum
     o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
     o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
@@ -110,6 +144,8 @@ def _rotary_qk_kernel(
     k_ptr,
     cos_ptr,
     sin_ptr,
+    qw_ptr,
+    kw_ptr,
     qs_t,
     qs_h,
     ks_t,
@@ -119,9 +155,15 @@ def _rotary_qk_kernel(
     num_q,
     num_k,
     half,
+    eps,
+    q_mean,
+    k_mean,
     Q_HEADS: tl.constexpr,
     K_HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    MEAN_BY_DIV: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
@@ -130,8 +172,14 @@ def _rotary_qk_kernel(
     c2 = tl.load(cos_ptr + t * cs_t + half + d, mask=m, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + t * ss_t + d, mask=m, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t * ss_t + half + d, mask=m, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, t, qs_t, qs_h, num_q, c1, c2, s1, s2, half, Q_HEADS, HALF)
-    _rotate_heads(k_ptr, t, ks_t, ks_h, num_k, c1, c2, s1, s2, half, K_HEADS, HALF)
+    _rotate_heads(
+        q_ptr, t, qs_t, qs_h, num_q, c1, c2, s1, s2, half, qw_ptr, eps, q_mean, Q_HEADS, HALF, NORM,
+        MEAN_BY_DIV, PRECISE,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr, t, ks_t, ks_h, num_k, c1, c2, s1, s2, half, kw_ptr, eps, k_mean, K_HEADS, HALF, NORM,
+        MEAN_BY_DIV, PRECISE,
+    )  # fmt: skip
 
 
 # libdevice's accurate exp/rsqrt, as torch's CUDA kernels call them; Triton's interpreter cannot call them

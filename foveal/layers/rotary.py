@@ -172,12 +172,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def apply_rotary_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """apply_rotary on q and k. On CUDA one fused kernel rotates both IN PLACE (q and k may be views of
-    the qkv buffer, which saves a pass); the CPU path returns new tensors as apply_rotary does."""
+    """apply_rotary on q and k, after `norms` (q_norm, k_norm: RMSNorm modules over head_dim, Qwen3's)
+    where given. On CUDA one fused kernel normalizes and rotates both IN PLACE (q and k may be views of
+    the qkv buffer, which saves a pass); the CPU path returns new tensors as the modules and
+    apply_rotary do."""
     if q.is_cuda and fused.use_fused(q):
-        return fused.rotary_qk_(q, k, cos, sin)
+        if norms is None:
+            return fused.rotary_qk_(q, k, cos, sin)
+        qn, kn = norms
+        if qn.weight.dtype == kn.weight.dtype == q.dtype and qn.eps == kn.eps:
+            return fused.rotary_qk_(q, k, cos, sin, (qn.weight, kn.weight, qn.eps))
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
+        if q.is_cuda and fused.use_fused(q):
+            return fused.rotary_qk_(q, k, cos, sin)
     if cpu_fused.use(q) and (out := cpu_fused.rotary_qk(q, k, cos, sin)) is not None:
         return out
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

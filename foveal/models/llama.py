@@ -79,9 +79,8 @@ class Attention(nn.Module):
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin)  # on CUDA: in place, into the qkv buffer
+        norms = (self.q_norm, self.k_norm) if s.qk_norm else None
+        q, k = apply_rotary_qk(q, k, cos, sin, norms)  # on CUDA: in place, into the qkv buffer
         if self.window is None and self.sinks is None:
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         else:
