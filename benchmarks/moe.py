@@ -10,7 +10,9 @@ kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 204
          (layers/moe_triton.py), torch's grouped GEMMs (layers/moe.py experts_grouped) and the loop over
          experts (the reference): us per call, and the bytes of the experts those tokens touch (each
          distinct expert read once) over that time; on CUDA the Triton kernel and the grouped GEMMs
-         also captured in a CUDA graph and replayed (`*_graph_us`, or why one cannot be captured).
+         also captured in a CUDA graph and replayed (`*_graph_us`, or why one cannot be captured);
+         the routing and row layout by torch ops and by route_align's one program at 1, 2, 4 and 8
+         warps (`route_align_fused_w*`), eager and 8 launches replayed from a graph.
 tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages) for gate/up and for down
          apart, at the same shapes and token counts: us per launch of each (8 launches on 8 routings,
          disjoint experts at one token, replayed from a CUDA graph), the default's (moe_triton._tiles)
@@ -133,12 +135,14 @@ def kernel(smoke: bool) -> None:
             from foveal.layers.moe_triton import block_m, route_align
 
             logits = torch.randn(T, E, generator=g).to(w13.dtype).to(dev)
-            routing = {
-                "route_align_torch": partial(_route_then_align, logits, k, block_m(T * k, w13)),
-                "route_align_fused": partial(route_align, logits, k, True, block_m(T * k, w13)),
-            }
-            for p, fn in routing.items():
+            bm = block_m(T * k, w13)
+            routing = {"route_align_torch": partial(_route_then_align, logits, k, bm)}
+            for warps in (1, 2, 4, 8):
+                routing[f"route_align_fused_w{warps}"] = partial(route_align, logits, k, True, bm, warps)
+            for p, fn in routing.items():  # eager, and 8 launches replayed from a graph (per launch)
                 row[f"{p}_us"] = round(_time(fn, 3 if smoke else 20) * 1e6, 1)
+                if dev == "cuda":
+                    row[f"{p}_graph_us"] = round(_launches_us([fn] * 8, 20), 1)
         out[f"{name}/T{T}"] = row
         log(f"kernel {name} T={T}: {row}")
     RESULTS["kernel"] = out

@@ -207,10 +207,10 @@ def _route_align_kernel(
     )
 
 
-def route_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
+def route_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, num_warps: int = 8):
     """(weights [T, k] float32, ids [T, k] int64, rows, experts): moe.route(logits, top_k, renormalize)
     and align(ids, E, block_m), in one launch where the step is small enough (FUSED_MAX), else by
-    those two."""
+    those two. `num_warps`: the one program's (`benchmarks/moe.py --parts kernel` times 1, 2, 4, 8)."""
     from foveal.layers.moe import route
 
     T, E = logits.shape
@@ -229,7 +229,7 @@ def route_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: in
         logits, logits.stride(0), weights, ids, rows, experts, T, E, n_rows, n_rows // block_m,
         TOP_K=top_k, K_PAD=kp, RENORM=renormalize, BLOCK_T=bt, BLOCK_E=be, BLOCK_M=block_m,
         BLOCK_R=triton.next_power_of_2(n_rows), BLOCK_TILES=triton.next_power_of_2(n_rows // block_m),
-        num_warps=8,
+        num_warps=num_warps,
     )  # fmt: skip
     return weights, ids, rows, experts
 
