@@ -295,6 +295,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--batches", default="", help="qwen3/gptoss batch sizes (default: 1,256 / 1,64)")
     ap.add_argument("--tile-tokens", default="1,64,256", help="tiles: the token counts to sweep")
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
     a = ap.parse_args()
@@ -307,6 +308,8 @@ def main() -> None:
     if "tiles" in parts:
         tiles(a.smoke, tuple(int(t) for t in a.tile_tokens.split(",")))
     runs = (("qwen3", "qwen3-30b-a3b.json", [1, 256]), ("gptoss", "gpt-oss-20b.json", [1, 64]))
+    if a.batches:
+        runs = tuple((n, c, [int(b) for b in a.batches.split(",")]) for n, c, _ in runs)
     from foveal.layers import moe
 
     paths = a.cuda_experts.split(",")

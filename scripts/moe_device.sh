@@ -12,6 +12,9 @@
 #   qwen3   benchmarks/moe.py: Qwen3-30B-A3B at batch 1 (with the step's largest kernels) and 256
 #   paths   the models' decode through each CUDA experts path (the Triton kernel, torch's grouped GEMMs:
 #           benchmarks/moe.py --cuda-experts triton,grouped), PATHS_MODELS of gptoss,qwen3 (default: both)
+#   ab      Qwen3-30B-A3B batch 1 (the step's kernels profiled) in before/ then here, twice, one process
+#           each (before/: the base's foveal, this checkout's benchmarks: `mkdir before && git archive <base>
+#           foveal | tar -x -C before && git archive HEAD benchmarks | tar -x -C before`)
 #   w13     W1-W3 (benchmarks/gpu_workloads.py), this checkout then before/ (`git archive <base> foveal
 #           benchmarks scripts | tar -x -C before`), one process each
 # Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/moe_device.sh tests moe
@@ -45,6 +48,15 @@ for part in "$@"; do
     qwen3)
       timeout ${T_QWEN3:-300} python3 benchmarks/moe.py --parts ceilings,qwen3 --profile 2>&1 \
         | grep -v "^\[transformers\]" | tee "$LOG/qwen3.txt" | tail -45
+      ;;
+    ab)
+      for rep in 1 2; do
+        (cd before && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=before timeout ${T_AB:-150} python3 \
+          benchmarks/moe.py --parts ceilings,qwen3 --batches 1 --profile 2>&1 | grep -v "^\[transformers\]" \
+          | tee "$LOG/ab_before_$rep.txt" | grep "batch")
+        timeout ${T_AB:-150} python3 benchmarks/moe.py --parts ceilings,qwen3 --batches 1 --profile 2>&1 \
+          | grep -v "^\[transformers\]" | tee "$LOG/ab_after_$rep.txt" | grep "batch"
+      done
       ;;
     w13)
       timeout ${T_W13:-240} python3 benchmarks/gpu_workloads.py --workloads ceilings,w1,w2,w3 2>&1 \
