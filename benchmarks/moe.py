@@ -13,7 +13,7 @@ kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 204
          also captured in a CUDA graph and replayed (`*_graph_us`, or why one cannot be captured);
          the routing and row layout by torch ops and by route_align's one program at 1, 2, 4 and 8
          warps (`route_align_fused_w*`), eager and 8 launches replayed from a graph.
-tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages) for gate/up and for down
+tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages[, split K]) for gate/up and down
          apart, at the same shapes and token counts: us per launch of each (8 launches on 8 routings,
          disjoint experts at one token, replayed from a CUDA graph), the default's (moe_triton._tiles)
          first, then the three fastest (what a per-shape table would pick)
@@ -180,7 +180,7 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
     for name, E, k, H, inter, T, g, w13, w2, x, _weights, _ids in _layers(smoke, tokens):
         n = T * k
         h = torch.randn(n, 2 * inter, generator=g).to(w13)
-        d = torch.empty(n, H, dtype=w13.dtype, device=w13.device)
+        d = torch.empty(4 * n, H, dtype=w13.dtype, device=w13.device)  # room for down's split-K partials
         scale = torch.rand(n, generator=g).to(w13.device)
         routings = _routings(T, E, k, g, w13.device)
         gemms = {  # (a, w, c, scale, gather, act, N, K)
@@ -189,15 +189,18 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
         }
         for gemm, (a, w, c, sc, gather, act, N, K) in gemms.items():
             default = mt._tiles(n, E, N, K, gemm == "down", w.element_size())
-            if T == 1:  # one row an expert: bytes in flight (narrow columns, deep K, more stages)
+            if T == 1:  # one row an expert: bytes in flight (narrow columns, deep K, more stages, split K)
                 grid = itertools.product((default.block_m,), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
+                if gemm == "down":
+                    splits = itertools.product((default.block_m,), (64, 128), (64, 128), (4,), (3, 4), (2, 4))
+                    grid = itertools.chain(grid, splits)
             elif n <= 2048:
                 grid = itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4))
             else:  # prefill-sized: compute-bound, larger row tiles, fewer stages (shared memory, occupancy)
                 grid = itertools.product((64, 128), (128,), (64, 128), (4, 8), (2, 3, 4))
             shapes = [default] + [mt.Tiles(*t) for t in grid if mt.Tiles(*t) != default]
             if smoke:
-                shapes = shapes[:3]
+                shapes = shapes[:3] + [t for t in shapes if t.split_k > 1][:1]
             aligned = {}
             times = []
             for t in shapes:

@@ -66,6 +66,44 @@ def test_biases_and_the_clamped_swiglu(dtype):
     assert (experts_reference(x, w13, w2, weights, ids, glu) - want).abs().max().item() > 0.1  # biases count
 
 
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_down_with_biases_equals_the_loop(split, dtype, monkeypatch):
+    """Down's K in `split` runs (the last empty at 3: K = 96 is two 64-deep runs), the partial sums
+    summed with the k pairs: the bias counted once, the clamped SwiGLU on every run's columns."""
+    from foveal.layers import moe_triton as mt
+
+    tiles = mt._tiles
+
+    def split_down(n, E, N, K, down, size=2):
+        return tiles(n, E, N, K, down, size)._replace(split_k=split if down else 1)
+
+    monkeypatch.setattr(mt, "_tiles", split_down)
+    g = torch.Generator().manual_seed(5)
+    T, E, k, H, inter = 7, 8, 3, 48, 96
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.25).to(dtype).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
+    b13 = torch.randn(E, 2 * inter, generator=g).to(dtype).to(DEVICE)
+    b2 = torch.randn(E, H, generator=g).to(dtype).to(DEVICE)
+    x = (torch.randn(T, H, generator=g) * 3).to(dtype).to(DEVICE)
+    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
+    glu = ClampedSwiGLU(1.702, 7.0)
+    got = experts_triton(x, w13, w2, weights, ids, glu, b13, b2)
+    want = experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # of the largest output (bf16: the partials round too)
+    assert (got.float() - want.float()).abs().max().item() < tol * want.float().abs().max().item()
+
+
+def test_split_k_is_refused_for_gate_up():
+    from foveal.layers import moe_triton as mt
+
+    x, w13 = torch.zeros(2, 32, device=DEVICE), torch.zeros(4, 64, 32, device=DEVICE)
+    rows, experts = align(torch.zeros(2, 1, dtype=torch.long, device=DEVICE), 4, 16)
+    c = torch.empty(4, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="split-K"):
+        mt._gemm(x, w13, None, c, None, rows, experts, 2, 1, True, mt.Tiles(16, 64, 32, split_k=2))
+
+
 def test_align_sorts_pairs_by_expert_in_padded_tiles():
     """Each expert's pairs in one run of whole tiles (sentinel-padded), tiles past the runs marked -1,
     experts no token chose given no tile; every pair appears once."""

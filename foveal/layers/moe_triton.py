@@ -56,11 +56,14 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """C[p, :N] = (A[p // TOP_K if GATHER else p] @ W[e, :N, :K]^T + bias[e] if BIAS) (times scale[p] if
     SCALE) for the pairs p of this program's tile of rows, all of expert e. ACT > 0: A's row is the
     gate/up output [gate (K) | up (K)] and the kernel takes glu(gate, up) (1: silu(gate) * up, 2:
-    gpt-oss's clamped SwiGLU with alpha and limit), in float32, rounded to A's type for the dot."""
+    gpt-oss's clamped SwiGLU with alpha and limit), in float32, rounded to A's type for the dot.
+    SPLIT_K > 1: program (., ., s) takes the s-th of SPLIT_K runs of K (whole BLOCK_Ks) and writes its
+    partial product (the bias in s = 0's) to C's rows s * num_pairs + p, for the caller to sum."""
     tile = tl.program_id(0)
     e = tl.load(experts_ptr + tile)
     if e < 0:
@@ -73,7 +76,10 @@ def _moe_gemm_kernel(
     col_mask = cols < N
     w_base = w_ptr + e.to(tl.int64) * N * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    split = tl.program_id(2)
+    k_run = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_end = tl.minimum(K, (split + 1) * k_run)
+    for k0 in range(split * k_run, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         a_mask = valid[:, None] & k_mask[None, :]
@@ -100,10 +106,11 @@ def _moe_gemm_kernel(
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
     if BIAS:
-        acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
     if SCALE:
         acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-    c = c_ptr + pairs[:, None] * c_row + cols[None, :]
+    c = c_ptr + (split * num_pairs + pairs)[:, None] * c_row + cols[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
 
 
@@ -240,6 +247,7 @@ class Tiles(NamedTuple):
     block_k: int
     warps: int = 4
     stages: int = 2
+    split_k: int = 1  # down only: K in this many runs, each its own programs, partial sums summed after
 
 
 def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2) -> Tiles:
@@ -262,12 +270,14 @@ def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize:
 
 def _gemm(a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles, act=(0, 0.0, 0.0)) -> None:
     N, K = w.shape[1], w.shape[2]
-    grid = (experts.shape[0], triton.cdiv(N, tiles.block_n))
+    if tiles.split_k > 1 and (gather or c.shape[0] < tiles.split_k * n_pairs):
+        raise ValueError("split-K is for down's GEMM, whose C holds split_k x the pairs' rows")
+    grid = (experts.shape[0], triton.cdiv(N, tiles.block_n), tiles.split_k)
     _moe_gemm_kernel[grid](
         a, w, w if bias is None else bias.contiguous(), c, scale, rows, experts, n_pairs, N, K, a.stride(0),
         c.stride(0), act[1], act[2], TOP_K=top_k, ACT=act[0], GATHER=gather, SCALE=scale is not None,
         BIAS=bias is not None, **_dot_args(a.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages,
+        BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
 
@@ -302,10 +312,13 @@ def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=Non
     rows, experts = aligned if aligned is not None else align(ids, E, block_m(n, w13))
     h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
     _gemm(x, w13, b13, h, None, rows, experts, n, k, True, _tiles(n, E, two_i, H, False, size))
-    d = torch.empty((n, H), dtype=x.dtype, device=x.device)
+    down = _tiles(n, E, H, inter, True, size)
+    d = torch.empty((down.split_k * n, H), dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     act = _fused_act(glu)
     if act is None:  # a glu the kernel does not know: applied apart
         h, act = glu(h[:, :inter], h[:, inter:]).contiguous(), (0, 0.0, 0.0)
-    _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, _tiles(n, E, H, inter, True, size), act)
-    return d.view(T, k, H).sum(dim=1)
+    _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, down, act)
+    if down.split_k == 1:
+        return d.view(T, k, H).sum(dim=1)
+    return d.view(down.split_k, T, k, H).sum(dim=(0, 2))  # K's partial sums and the k pairs in one pass
