@@ -30,7 +30,8 @@ if DEVICE == "cpu":
         (3, 32, 8, 16, 16),
         (200, 4, 2, 32, 16),
         (300, 4, 2, 32, 16),
-    ],  # the last two: 64-row tiles, several an expert
+        (1100, 4, 2, 32, 16),
+    ],  # the last three: 64-row tiles, several an expert (the last a prefill-sized step's)
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_equals_the_loop(T, E, k, H, inter, dtype):

@@ -252,11 +252,18 @@ class Tiles(NamedTuple):
 
 def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2) -> Tiles:
     """The tiles of one GEMM (gate/up, or down when `down`) from the sweeps of `benchmarks/moe.py --parts
-    tiles` (H100, bf16, Qwen3-30B-A3B's and gpt-oss-20b's shapes at 1, 64, 256 and 4,096 tokens;
-    RESULTS.md, session 33): 16-row tiles while an expert gets <= 16 pairs on average, else 64 (gate/up
-    and down share them: the rows are aligned once); gate/up 64 (16 rows) or 128 columns deep 128, down
-    128 columns deep 64; 4 warps, 4 stages (2 for fp32: shared memory). At 4,096 tokens gate/up alone
-    would rather take 128 rows and 8 warps (down 64 rows); not taken: untested on a GPU."""
+    tiles` (H100, bf16, Qwen3-30B-A3B's and gpt-oss-20b's shapes at 1, 64 and 256 tokens; RESULTS.md,
+    session 33): 16-row tiles while an expert gets <= 16 pairs on average, else 64 (gate/up and down
+    share them: the rows are aligned once); gate/up 64 (16 rows) or 128 columns deep 128, down 128
+    columns deep 64; 4 warps, 4 stages (2 for fp32: shared memory). Prefill-sized steps (> 2,048 pairs)
+    keep the shape they had before the sweep: through gpt-oss-20b at 64 x 512 the 64-row shapes gave a
+    2.4x longer TTFT, and alone at 4,096 tokens gate/up's (192 KB of shared memory in 4 stages: one
+    program an SM) was not among the fastest; the fastest there (128 rows, 8 warps) are not yet tried
+    end to end."""
+    if n_pairs > 2048:
+        return Tiles(
+            64, max(16, min(128, triton.next_power_of_2(N))), max(16, min(64, triton.next_power_of_2(K)))
+        )
     per_expert = n_pairs / max(1, min(num_experts, n_pairs))
     bm = 16 if per_expert <= 16 else 64
     bn, bk = (128, 64) if down else (64 if bm == 16 else 128, 128)
