@@ -26,6 +26,8 @@ gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same flo
 --cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to).
+--prefill-tiles "128,128,64,8,3/128,128,64,8,4"  the experts' tiles for steps of more than 2,048 pairs
+         (gate/up / down; one row tile), instead of moe_triton._tiles' rule, for the model runs.
 
 `--smoke` runs the code paths on the CPU with tiny configs and counts: it checks the script, not the
 speed (GPU time is scarce; run it before a device call). Ends with one JSON line.
@@ -187,6 +189,7 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
             "gate_up": (x, w13, h.clone(), None, True, (0, 0.0, 0.0), 2 * inter, H),
             "down": (h, w2, d, scale, False, (1, 0.0, 0.0), H, inter),
         }
+        timed = {}
         for gemm, (a, w, c, sc, gather, act, N, K) in gemms.items():
             default = mt._tiles(n, E, N, K, gemm == "down", w.element_size())
             if T == 1:  # one row an expert: bytes in flight (narrow columns, deep K, more stages, split K)
@@ -221,6 +224,15 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
             row["best_GBps"] = round(touched / best[0][0] / 1e3, 1)
             out[f"{name}/T{T}/{gemm}"] = row
             log(f"tiles {name} T={T} {gemm}: default {row['default']}, best {row['best']}")
+            timed[gemm] = times
+        # the two GEMMs share the row tile (one alignment): the best pair per row tile
+        joint = {}
+        for bm in sorted({t.block_m for _, t in timed["gate_up"]} & {t.block_m for _, t in timed["down"]}):
+            up = min((us, t) for us, t in timed["gate_up"] if t.block_m == bm)
+            dn = min((us, t) for us, t in timed["down"] if t.block_m == bm)
+            joint[bm] = [round(up[0] + dn[0], 1), list(up[1]), list(dn[1])]
+        out[f"{name}/T{T}/joint"] = joint
+        log(f"tiles {name} T={T} joint (us, gate_up, down) by rows: {joint}")
     RESULTS["tiles"] = out
 
 
@@ -254,6 +266,30 @@ def _floor_row(llm, r: dict, batch: int, context: int, top_k: int) -> dict:
         got = r["decode_tok_s"] if batch == 1 else r["output_tok_s"]
         out.update(floor_tok_s=round(floor, 1), share_of_floor=round(got / floor, 3))
     return out
+
+
+def _prefill_tiles(spec: str) -> None:
+    """--prefill-tiles "bm,bn,bk,warps,stages/bm,bn,bk,warps,stages": gate/up's and down's tiles for
+    steps of more than 2,048 pairs (moe_triton._tiles' prefill branch), for this process; one row tile."""
+    import triton
+
+    from foveal.layers import moe_triton as mt
+
+    up, down = (mt.Tiles(*(int(v) for v in part.split(","))) for part in spec.split("/"))
+    if up.block_m != down.block_m:
+        raise SystemExit("--prefill-tiles: gate/up and down share the row tile (block_m)")
+    rule = mt._tiles
+
+    def tiles(n_pairs, num_experts, N, K, is_down, itemsize=2):
+        if n_pairs <= 2048:
+            return rule(n_pairs, num_experts, N, K, is_down, itemsize)
+        t = down if is_down else up
+        return t._replace(
+            block_n=min(t.block_n, triton.next_power_of_2(N)),
+            block_k=min(t.block_k, triton.next_power_of_2(K)),
+        )
+
+    mt._tiles = tiles
 
 
 def model(name: str, config: str, batches: list[int], a) -> None:
@@ -299,10 +335,15 @@ def main() -> None:
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--batches", default="", help="qwen3/gptoss batch sizes (default: 1,256 / 1,64)")
+    ap.add_argument(
+        "--prefill-tiles", default="", help="gate/up and down tiles above 2,048 pairs: a,b,c,d,e/a,b,c,d,e"
+    )
     ap.add_argument("--tile-tokens", default="1,64,256", help="tiles: the token counts to sweep")
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
     a = ap.parse_args()
     gw.SMOKE = a.smoke
+    if a.prefill_tiles:
+        _prefill_tiles(a.prefill_tiles)
     parts = a.parts.split(",")
     if "ceilings" in parts and torch.cuda.is_available():
         gw.RESULTS["ceilings"] = RESULTS["ceilings"] = gw.ceilings()

@@ -15,6 +15,8 @@
 #   ab      Qwen3-30B-A3B batch 1 (the step's kernels profiled) in before/ then here, twice, one process
 #           each (before/: the base's foveal, this checkout's benchmarks: `mkdir before && git archive <base>
 #           foveal | tar -x -C before && git archive HEAD benchmarks | tar -x -C before`)
+#   prefill gpt-oss-20b at batch 64 (its prefill steps: 32,768 pairs) with the tile rule, then with each
+#           of PREFILL_TILES (space-separated "gate_up/down" tiles: benchmarks/moe.py --prefill-tiles)
 #   w13     W1-W3 (benchmarks/gpu_workloads.py), this checkout then before/ (`git archive <base> foveal
 #           benchmarks scripts | tar -x -C before`), one process each
 # Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/moe_device.sh tests moe
@@ -56,6 +58,13 @@ for part in "$@"; do
           | tee "$LOG/ab_before_$rep.txt" | grep "batch")
         timeout ${T_AB:-150} python3 benchmarks/moe.py --parts ceilings,qwen3 --batches 1 --profile 2>&1 \
           | grep -v "^\[transformers\]" | tee "$LOG/ab_after_$rep.txt" | grep "batch"
+      done
+      ;;
+    prefill)
+      for t in "" ${PREFILL_TILES:-128,128,64,8,3/128,128,64,8,4 64,128,64,4,4/64,128,64,4,4}; do
+        echo "--- prefill tiles: ${t:-the rule}"
+        timeout ${T_PREFILL:-150} python3 benchmarks/moe.py --parts ceilings,gptoss --batches 64 \
+          ${t:+--prefill-tiles $t} 2>&1 | grep -v "^\[transformers\]" | tee -a "$LOG/prefill.txt" | grep "batch"
       done
       ;;
     w13)
