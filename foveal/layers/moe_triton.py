@@ -76,10 +76,15 @@ def _moe_gemm_kernel(
     col_mask = cols < N
     w_base = w_ptr + e.to(tl.int64) * N * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    split = tl.program_id(2)
-    k_run = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_end = tl.minimum(K, (split + 1) * k_run)
-    for k0 in range(split * k_run, k_end, BLOCK_K):
+    k_lo = 0
+    k_hi = K
+    out_rows = pairs
+    if SPLIT_K > 1:  # (compile-time: one split is the plain loop over K)
+        k_run = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = tl.program_id(2) * k_run
+        k_hi = tl.minimum(K, k_lo + k_run)
+        out_rows = pairs + tl.program_id(2) * num_pairs
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         a_mask = valid[:, None] & k_mask[None, :]
@@ -107,10 +112,12 @@ def _moe_gemm_kernel(
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
     if BIAS:
         bias = tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)
-        acc += tl.where(split == 0, bias, 0.0)[None, :]
+        if SPLIT_K > 1:
+            bias = tl.where(tl.program_id(2) == 0, bias, 0.0)
+        acc += bias[None, :]
     if SCALE:
         acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-    c = c_ptr + (split * num_pairs + pairs)[:, None] * c_row + cols[None, :]
+    c = c_ptr + out_rows[:, None] * c_row + cols[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
 
 
