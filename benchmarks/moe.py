@@ -26,8 +26,8 @@ gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same flo
 --cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to).
---prefill-tiles "128,128,64,8,3/128,128,64,8,4"  the experts' tiles for steps of more than 2,048 pairs
-         (gate/up / down; one row tile), instead of moe_triton._tiles' rule, for the model runs.
+--prefill-tiles "128,128,64,8,3/64,128,64,4,4"  the experts' tiles for steps of more than 2,048 pairs
+         (gate/up / down), instead of moe_triton._tiles' rule, for the model runs.
 
 `--smoke` runs the code paths on the CPU with tiny configs and counts: it checks the script, not the
 speed (GPU time is scarce; run it before a device call). Ends with one JSON line.
@@ -225,7 +225,7 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
             out[f"{name}/T{T}/{gemm}"] = row
             log(f"tiles {name} T={T} {gemm}: default {row['default']}, best {row['best']}")
             timed[gemm] = times
-        # the two GEMMs share the row tile (one alignment): the best pair per row tile
+        # the best pair per shared row tile (one alignment; different rows align twice)
         joint = {}
         for bm in sorted({t.block_m for _, t in timed["gate_up"]} & {t.block_m for _, t in timed["down"]}):
             up = min((us, t) for us, t in timed["gate_up"] if t.block_m == bm)
@@ -270,14 +270,13 @@ def _floor_row(llm, r: dict, batch: int, context: int, top_k: int) -> dict:
 
 def _prefill_tiles(spec: str) -> None:
     """--prefill-tiles "bm,bn,bk,warps,stages/bm,bn,bk,warps,stages": gate/up's and down's tiles for
-    steps of more than 2,048 pairs (moe_triton._tiles' prefill branch), for this process; one row tile."""
+    steps of more than 2,048 pairs (moe_triton._tiles' prefill branch), for this process (rows that differ:
+    down aligns the pairs again)."""
     import triton
 
     from foveal.layers import moe_triton as mt
 
     up, down = (mt.Tiles(*(int(v) for v in part.split(","))) for part in spec.split("/"))
-    if up.block_m != down.block_m:
-        raise SystemExit("--prefill-tiles: gate/up and down share the row tile (block_m)")
     rule = mt._tiles
 
     def tiles(n_pairs, num_experts, N, K, is_down, itemsize=2):

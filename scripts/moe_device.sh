@@ -61,7 +61,7 @@ for part in "$@"; do
       done
       ;;
     prefill)
-      for t in "" ${PREFILL_TILES:-128,128,64,8,3/128,128,64,8,4 64,128,64,4,4/64,128,64,4,4}; do
+      for t in "" ${PREFILL_TILES:-128,128,64,8,3/64,128,64,4,4 128,128,64,8,3/128,128,64,8,4}; do
         echo "--- prefill tiles: ${t:-the rule}"
         timeout ${T_PREFILL:-150} python3 benchmarks/moe.py --parts ceilings,gptoss --batches 64 \
           ${t:+--prefill-tiles $t} 2>&1 | grep -v "^\[transformers\]" | tee -a "$LOG/prefill.txt" | grep "batch"

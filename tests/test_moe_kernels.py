@@ -95,6 +95,25 @@ def test_split_k_down_with_biases_equals_the_loop(split, dtype, monkeypatch):
     assert (got.float() - want.float()).abs().max().item() < tol * want.float().abs().max().item()
 
 
+@pytest.mark.parametrize("up_rows,down_rows", [(16, 64), (64, 16)])
+def test_down_on_its_own_row_tile_equals_the_loop(up_rows, down_rows, monkeypatch):
+    """Tiles whose rows differ between the GEMMs: down's pairs aligned again, on route_align's rows too."""
+    from foveal.layers import moe_triton as mt
+
+    tiles = mt._tiles
+
+    def rows_apart(n, E, N, K, down, size=2):
+        return tiles(n, E, N, K, down, size)._replace(block_m=down_rows if down else up_rows)
+
+    monkeypatch.setattr(mt, "_tiles", rows_apart)
+    x, w13, w2, logits = _layer(11, 37, 6, 48, 24)
+    weights, ids, rows, experts = mt.route_align(logits, 2, True, mt.block_m(37 * 2, w13))
+    assert mt.block_m(37 * 2, w13) == up_rows
+    got = experts_triton(x, w13, w2, weights, ids, silu_glu, aligned=(rows, experts))
+    want = experts_reference(x, w13, w2, weights, ids)
+    assert (got - want).abs().max().item() < 1e-5
+
+
 def test_split_k_is_refused_for_gate_up():
     from foveal.layers import moe_triton as mt
 

@@ -260,13 +260,14 @@ class Tiles(NamedTuple):
 def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2) -> Tiles:
     """The tiles of one GEMM (gate/up, or down when `down`) from the sweeps of `benchmarks/moe.py --parts
     tiles` (H100, bf16, Qwen3-30B-A3B's and gpt-oss-20b's shapes at 1, 64 and 256 tokens; RESULTS.md,
-    session 33): 16-row tiles while an expert gets <= 16 pairs on average, else 64 (gate/up and down
-    share them: the rows are aligned once); gate/up 64 (16 rows) or 128 columns deep 128, down 128
-    columns deep 64; 4 warps, 4 stages (2 for fp32: shared memory). Prefill-sized steps (> 2,048 pairs)
-    keep the shape they had before the sweep: through gpt-oss-20b at 64 x 512 the 64-row shapes gave a
-    2.4x longer TTFT, and alone at 4,096 tokens gate/up's (192 KB of shared memory in 4 stages: one
-    program an SM) was not among the fastest; the fastest there (128 rows, 8 warps) are not yet tried
-    end to end."""
+    session 33): 16-row tiles while an expert gets <= 16 pairs on average, else 64 (one row tile for
+    both GEMMs, so the rows are aligned once; experts_triton aligns again for down's where they
+    differ); gate/up 64 (16 rows) or 128 columns deep 128, down 128 columns deep 64; 4 warps, 4 stages
+    (2 for fp32: shared memory). Prefill-sized steps (> 2,048 pairs) keep the shape they had before the
+    sweep: through gpt-oss-20b at 64 x 512 the 64-row shapes gave a 2.4x longer TTFT, and alone at
+    4,096 tokens gate/up's (192 KB of shared memory in 4 stages: one program an SM) was not among the
+    fastest; the fastest there (gate/up 128 rows and 8 warps, down 64 rows) are not yet tried end to
+    end (`benchmarks/moe.py --prefill-tiles`)."""
     if n_pairs > 2048:
         return Tiles(
             64, max(16, min(128, triton.next_power_of_2(N))), max(16, min(64, triton.next_power_of_2(K)))
@@ -307,7 +308,8 @@ def _fused_act(glu) -> tuple[int, float, float] | None:
 
 
 def block_m(n_pairs: int, w13: torch.Tensor) -> int:
-    """The row tile experts_triton uses for n_pairs (what align / route_align must pad runs to)."""
+    """The row tile experts_triton's gate/up uses for n_pairs (what align / route_align must pad runs
+    to; down aligns again where its tiles take other rows)."""
     return _tiles(n_pairs, w13.shape[0], w13.shape[1], w13.shape[2], False, w13.element_size()).block_m
 
 
@@ -323,10 +325,12 @@ def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=Non
     assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous() and x.dtype == w13.dtype
     n = T * k
     size = w13.element_size()
-    rows, experts = aligned if aligned is not None else align(ids, E, block_m(n, w13))
+    up, down = _tiles(n, E, two_i, H, False, size), _tiles(n, E, H, inter, True, size)
+    rows, experts = aligned if aligned is not None else align(ids, E, up.block_m)
     h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, b13, h, None, rows, experts, n, k, True, _tiles(n, E, two_i, H, False, size))
-    down = _tiles(n, E, H, inter, True, size)
+    _gemm(x, w13, b13, h, None, rows, experts, n, k, True, up)
+    if down.block_m != up.block_m:  # down's own row tile: the pairs aligned again (device ops only)
+        rows, experts = align(ids, E, down.block_m)
     d = torch.empty((down.split_k * n, H), dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     act = _fused_act(glu)
