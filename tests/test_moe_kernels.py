@@ -47,19 +47,24 @@ def test_the_kernel_equals_the_loop(T, E, k, H, inter, dtype):
     assert (got.float() - want.float()).abs().max().item() < tol
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_biases_and_the_clamped_swiglu(dtype):
-    """gpt-oss's experts: a bias after each projection, the clamped SwiGLU (large inputs, so the
-    clamps bite)."""
-    g = torch.Generator().manual_seed(4)
-    T, E, k, H, inter = 9, 8, 4, 32, 32
+def _gpt_oss_layer(seed: int, T: int, E: int, k: int, H: int, inter: int, dtype):
+    """(x, w13, w2, weights, ids, glu, b13, b2) of a gpt-oss-like layer: biases after each projection,
+    the clamped SwiGLU, inputs large enough that its clamps bite."""
+    g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.25).to(dtype).to(DEVICE)
     w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
     b13 = torch.randn(E, 2 * inter, generator=g).to(dtype).to(DEVICE)
     b2 = torch.randn(E, H, generator=g).to(dtype).to(DEVICE)
     x = (torch.randn(T, H, generator=g) * 3).to(dtype).to(DEVICE)
     weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
-    glu = ClampedSwiGLU(1.702, 7.0)
+    return x, w13, w2, weights, ids, ClampedSwiGLU(1.702, 7.0), b13, b2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_biases_and_the_clamped_swiglu(dtype):
+    """gpt-oss's experts: a bias after each projection, the clamped SwiGLU (large inputs, so the
+    clamps bite)."""
+    x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(4, 9, 8, 4, 32, 32, dtype)
     got = experts_triton(x, w13, w2, weights, ids, glu, b13, b2)
     want = experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest output (bf16: an ulp of ~2^-8)
@@ -80,15 +85,7 @@ def test_split_k_down_with_biases_equals_the_loop(split, dtype, monkeypatch):
         return tiles(n, E, N, K, down, size)._replace(split_k=split if down else 1)
 
     monkeypatch.setattr(mt, "_tiles", split_down)
-    g = torch.Generator().manual_seed(5)
-    T, E, k, H, inter = 7, 8, 3, 48, 96
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.25).to(dtype).to(DEVICE)
-    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
-    b13 = torch.randn(E, 2 * inter, generator=g).to(dtype).to(DEVICE)
-    b2 = torch.randn(E, H, generator=g).to(dtype).to(DEVICE)
-    x = (torch.randn(T, H, generator=g) * 3).to(dtype).to(DEVICE)
-    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
-    glu = ClampedSwiGLU(1.702, 7.0)
+    x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(5, 7, 8, 3, 48, 96, dtype)
     got = experts_triton(x, w13, w2, weights, ids, glu, b13, b2)
     want = experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # of the largest output (bf16: the partials round too)
