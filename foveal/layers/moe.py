@@ -26,8 +26,9 @@ from torch import nn
 # CUDA's experts path for bf16 weights: "triton" (moe_triton.experts_triton) or "grouped" (experts_grouped,
 # torch._grouped_mm). Captured in a CUDA graph, the grouped GEMMs took 0.71-0.99x the Triton kernel's time
 # for one layer of Qwen3-30B-A3B and gpt-oss-20b at 1, 64 and 256 tokens on an H100 (benchmarks/moe.py
-# --parts kernel, RESULTS.md session 32); the decode steps' end to end (benchmarks/moe.py --cuda-experts)
-# are not measured yet, so Triton stays the default
+# --parts kernel, RESULTS.md session 32), but through Qwen3-30B-A3B's batch-1 decode they ran 1.5x slower
+# than the Triton kernel with its swept tiles (benchmarks/moe.py --cuda-experts, session 33): Triton stays
+# the default
 CUDA_EXPERTS = "triton"
 
 
