@@ -12,7 +12,8 @@ kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 204
          distinct expert read once) over that time; on CUDA the Triton kernel and the grouped GEMMs
          also captured in a CUDA graph and replayed (`*_graph_us`, or why one cannot be captured);
          the routing and row layout by torch ops and by route_align's one program at 1, 2, 4 and 8
-         warps (`route_align_fused_w*`), eager and 8 launches replayed from a graph.
+         warps (`route_align_fused_w*`), the router's GEMV (cuBLAS) then route_align, and the GEMV inside
+         the routing's launch (`router_route_align`, up to 8 tokens), eager and 8 launches from a graph.
 tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages[, split K]) for gate/up and down
          apart, at the same shapes and token counts: us per launch of each (8 launches on 8 routings,
          disjoint experts at one token, replayed from a CUDA graph), the default's (moe_triton._tiles)
@@ -44,6 +45,7 @@ import time
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -134,13 +136,20 @@ def kernel(smoke: bool) -> None:
                 except Exception as e:  # a host sync inside: it cannot be captured
                     row[f"{p}_graph"] = f"not capturable: {type(e).__name__}: {str(e)[:80]}"
         if dev == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # the routing and row layout
-            from foveal.layers.moe_triton import block_m, route_align
+            from foveal.layers.moe_triton import block_m, route_align, router_route_align
 
             logits = torch.randn(T, E, generator=g).to(w13.dtype).to(dev)
             bm = block_m(T * k, w13)
             routing = {"route_align_torch": partial(_route_then_align, logits, k, bm)}
             for warps in (1, 2, 4, 8):
                 routing[f"route_align_fused_w{warps}"] = partial(route_align, logits, k, True, bm, warps)
+            # with the router's GEMV: cuBLAS's then route_align, or inside the routing's launch
+            xr = torch.randn(T, H, generator=g).to(w13.dtype).to(dev)
+            wr = (torch.randn(E, H, generator=g) / H**0.5).to(w13.dtype).to(dev)
+            done = torch.zeros((), dtype=torch.int32, device=dev)
+            routing["router_then_route_align"] = partial(_router_then_route_align, xr, wr, k, bm)
+            if router_route_align(xr, wr, None, done, k, True, bm) is not None:
+                routing["router_route_align"] = partial(router_route_align, xr, wr, None, done, k, True, bm)
             for p, fn in routing.items():  # eager, and 8 launches replayed from a graph (per launch)
                 row[f"{p}_us"] = round(_time(fn, 3 if smoke else 20) * 1e6, 1)
                 if dev == "cuda":
@@ -148,6 +157,12 @@ def kernel(smoke: bool) -> None:
         out[f"{name}/T{T}"] = row
         log(f"kernel {name} T={T}: {row}")
     RESULTS["kernel"] = out
+
+
+def _router_then_route_align(x, w, k: int, bm: int):
+    from foveal.layers.moe_triton import route_align
+
+    return route_align(F.linear(x, w), k, True, bm)
 
 
 def _routings(T: int, E: int, k: int, g, dev, count: int = 8) -> list:

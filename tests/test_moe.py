@@ -79,36 +79,40 @@ def test_unaligned_shapes_take_the_loop():
 def test_cuda_experts_paths_equal_the_loop_eager_and_in_a_graph(path, gpt_oss, H, inter, monkeypatch):
     """FusedMoE.routed on CUDA with bf16 weights through each experts path (moe.CUDA_EXPERTS): the loop's
     output on the same routing, eager and replayed from a CUDA graph (no host sync inside: capture would
-    fail), for 1, 7 and 40 tokens. Rows the grouped GEMMs cannot take (36 bf16 values: not 16-byte
-    aligned) go to the Triton kernel, not the loop."""
+    fail), for 1, 7 and 40 tokens (the router's logits inside the routing's launch for the first two,
+    by its Linear for 40). Rows the grouped GEMMs cannot take (36 bf16 values: not 16-byte aligned) go
+    to the Triton kernel, not the loop."""
     from foveal.layers import moe
+    from foveal.layers.linear import Linear
     from foveal.layers.moe import ClampedSwiGLU, FusedMoE
 
     monkeypatch.setattr(moe, "CUDA_EXPERTS", path)
     g = torch.Generator().manual_seed(11)
     E, k = 16, 4
     layer = FusedMoE(E, H, inter, ClampedSwiGLU(1.702, 7.0) if gpt_oss else moe.silu_glu, bias=gpt_oss)
+    router = Linear(H, E, bias=gpt_oss)
     with torch.no_grad():
-        for prm in layer.parameters():
+        for prm in (*layer.parameters(), *router.parameters()):
             prm.copy_(torch.randn(prm.shape, generator=g) / H**0.5)
-    layer = layer.to("cuda", torch.bfloat16)
+    layer, router = layer.to("cuda", torch.bfloat16), router.to("cuda", torch.bfloat16)
     for T in (1, 7, 40):
         x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
-        logits = (torch.randn(T, E, generator=g) * 2).to("cuda", torch.bfloat16)
-        weights, ids = route(logits, k)
+        # the logits as both routes compute them (float32 sums rounded once; near-ties decide experts)
+        b = None if router.bias is None else router.bias.float()
+        weights, ids = route(F.linear(x.float(), router.weight.float(), b).to(x.dtype), k)
         want = experts_reference(x, layer.w13, layer.w2, weights, ids, layer.glu, layer.gate_up_proj_bias,
                                  layer.down_proj_bias).float()  # fmt: skip
         tol = 5e-2 * want.abs().max().item()
-        eager = layer.routed(x, logits, k).float()
+        eager = layer.routed(x, router, k).float()
         assert (eager - want).abs().max().item() < tol
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            layer.routed(x, logits, k)
+            layer.routed(x, router, k)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = layer.routed(x, logits, k)
+            out = layer.routed(x, router, k)
         graph.replay()
         torch.cuda.synchronize()
         assert (out.float() - want).abs().max().item() < tol  # (index_add_'s atomics: not bit-equal)

@@ -165,6 +165,40 @@ def test_route_align_in_one_program_equals_route_then_align(T, E, k, bm, renorm,
     assert (pads[0] * pads[1] * pads[2] <= FUSED_MAX) == fused
 
 
+@pytest.mark.parametrize(
+    "T,E,k,H,bias,dtype",
+    [
+        (1, 128, 8, 256, False, torch.float32),  # Qwen3-30B-A3B's routing at batch 1 (a narrower H)
+        (1, 32, 4, 360, True, torch.bfloat16),  # gpt-oss-20b's (a router bias; H not a power of two)
+        (3, 8, 2, 64, False, torch.bfloat16),  # Mixtral's
+        (8, 60, 6, 96, True, torch.float32),  # ROUTER_FUSED_MAX_T tokens
+        (9, 8, 2, 64, False, torch.float32),  # past it: the caller computes the logits
+    ],
+)
+def test_router_in_route_align_equals_the_router_then_route_align(T, E, k, H, bias, dtype):
+    """router_route_align (the router's logits by ~16 programs, routed by the last) against the Linear's
+    logits rounded to x's type then route_align: the same experts, weights, rows and tile experts, twice
+    in a row on one count (the last program sets it back to 0)."""
+    from foveal.layers.moe_triton import ROUTER_FUSED_MAX_T, route_align, router_route_align
+
+    g = torch.Generator().manual_seed(T * 7 + E)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(E, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    b = torch.randn(E, generator=g).to(DEVICE, dtype) if bias else None
+    done = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    logits = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    want = route_align(logits, k, True, 16)
+    for _ in range(2):
+        got = router_route_align(x, w, b, done, k, True, 16)
+        if T > ROUTER_FUSED_MAX_T:
+            assert got is None
+            return
+        assert done.item() == 0
+        assert torch.equal(got[1], want[1]), "experts per token"
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+
+
 def _layer(seed: int, T: int, E: int, H: int, inter: int):
     """(x, w13, w2, router logits) of a float32 layer on DEVICE."""
     g = torch.Generator().manual_seed(seed)

@@ -96,22 +96,35 @@ class FusedMoE(nn.Module):
         """[E, H, I]"""
         return self.down_proj.view(self.num_experts, self.hidden, self.intermediate)
 
-    def routed(
-        self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool = True
-    ) -> torch.Tensor:
-        """The layer's output for router logits [T, E]: route() then forward(); on CUDA the routing and
-        the experts' row layout in one launch (moe_triton.route_align) for the experts kernel."""
-        if x.is_cuda:
-            from foveal.layers.moe_triton import block_m, experts_triton, route_align
+    def routed(self, x: torch.Tensor, router: nn.Module, top_k: int, renormalize: bool = True):
+        """The layer's output for the router (a Linear: logits [T, E] = router(x)): route() then
+        forward(); on CUDA the routing and the experts' row layout in one launch (moe_triton.route_align)
+        for the experts kernel, and for decode-sized steps the router's logits in that launch too
+        (moe_triton.router_route_align)."""
+        if not x.is_cuda:
+            return self(x, *route(router(x), top_k, renormalize))
+        from foveal.layers.moe_triton import block_m, experts_triton, route_align, router_route_align
 
-            weights, ids, rows, experts = route_align(
-                logits, top_k, renormalize, block_m(x.shape[0] * top_k, self.w13)
-            )
-            if _grouped_on_cuda(x, self.w13, self.w2):  # the routing alone taken from the fused launch
-                return self(x, weights, ids)
-            args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
-            return experts_triton(x.contiguous(), *args, aligned=(rows, experts))
-        return self(x, *route(logits, top_k, renormalize))
+        bm = block_m(x.shape[0] * top_k, self.w13)
+        routing = None
+        w = router.weight
+        if x.dim() == 2 and getattr(w, "_foveal_quant", None) is None:
+            routing = router_route_align(x, w, router.bias, self._router_done(x), top_k, renormalize, bm)
+        if routing is None:
+            routing = route_align(router(x), top_k, renormalize, bm)
+        weights, ids, rows, experts = routing
+        if _grouped_on_cuda(x, self.w13, self.w2):  # the routing alone taken from the fused launch
+            return self(x, weights, ids)
+        args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
+        return experts_triton(x.contiguous(), *args, aligned=(rows, experts))
+
+    def _router_done(self, x: torch.Tensor) -> torch.Tensor:
+        """The int32 count router_route_align's programs keep (this layer's: two layers' launches never
+        share one)."""
+        done = getattr(self, "_done", None)
+        if done is None or done.device != x.device:
+            done = self._done = torch.zeros((), dtype=torch.int32, device=x.device)
+        return done
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cpu and self._quantized() is not None:  # GGUF blocks, run as stored (layers/quant.py)

@@ -150,7 +150,7 @@ FUSED_MAX = 32768  # pairs (padded) x experts (padded) that route_align takes in
 
 
 @triton.jit
-def _route_align_kernel(
+def _route_align(
     logits_ptr,
     l_row,
     weights_ptr,
@@ -169,16 +169,23 @@ def _route_align_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
+    CACHE: tl.constexpr = "",
 ):
-    """route() and align() of all T tokens in one program: softmax over each row of logits, its TOP_K
+    """route() and align() of all T tokens by one program: softmax over each row of logits, its TOP_K
     largest (first index on ties) and their weights, then the pairs (t * TOP_K + j) counted per expert,
     each ranked among its expert's pairs in pair order (a cumulative sum over a one-hot matrix), and
-    written to its expert's padded run; each BLOCK_M tile's expert (-1 past the runs)."""
+    written to its expert's padded run; each BLOCK_M tile's expert (-1 past the runs). CACHE: the
+    logits' load's cache modifier (".cg" where other programs wrote them)."""
     t = tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     t_ok = t < T
     e_ok = e < E
-    x = tl.load(logits_ptr + t[:, None] * l_row + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+    x = tl.load(
+        logits_ptr + t[:, None] * l_row + e[None, :],
+        mask=t_ok[:, None] & e_ok[None, :],
+        other=0.0,
+        cache_modifier=CACHE,
+    )
     x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))  # padding rows stay finite
     p = tl.exp(x - tl.max(x, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]
@@ -221,6 +228,93 @@ def _route_align_kernel(
     )
 
 
+@triton.jit
+def _route_align_kernel(
+    logits_ptr,
+    l_row,
+    weights_ptr,
+    ids_ptr,
+    rows_ptr,
+    experts_ptr,
+    T,
+    E,
+    n_rows,
+    n_tiles,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):
+    """_route_align on router logits [T, E]: one program."""
+    _route_align(
+        logits_ptr, l_row, weights_ptr, ids_ptr, rows_ptr, experts_ptr, T, E, n_rows, n_tiles, TOP_K, K_PAD,
+        RENORM, BLOCK_T, BLOCK_E, BLOCK_M, BLOCK_R, BLOCK_TILES,
+    )  # fmt: skip
+
+
+@triton.jit
+def _router_route_align_kernel(
+    x_ptr,
+    x_row,
+    w_ptr,
+    b_ptr,
+    logits_ptr,
+    done_ptr,
+    weights_ptr,
+    ids_ptr,
+    rows_ptr,
+    experts_ptr,
+    T,
+    E,
+    H,
+    n_rows,
+    n_tiles,
+    HAS_BIAS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+    BLOCK_EP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """The router's logits and _route_align in one launch: program p computes the logits of experts
+    [p * BLOCK_EP, (p + 1) * BLOCK_EP) for all T tokens (float32 sums, plus the bias, rounded to x's
+    type as the router's Linear would give them) into logits_ptr [T, E], then counts itself done on
+    done_ptr; the program that counts last routes and aligns (and sets the count back to 0 for the
+    next launch)."""
+    t = tl.arange(0, BLOCK_T)
+    e = tl.program_id(0) * BLOCK_EP + tl.arange(0, BLOCK_EP)
+    t_ok = t < T
+    e_ok = e < E
+    acc = tl.zeros([BLOCK_T, BLOCK_EP], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        xs = tl.load(x_ptr + t[:, None] * x_row + h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        ws = tl.load(w_ptr + e[:, None].to(tl.int64) * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                     other=0.0)  # fmt: skip
+        acc += tl.sum(xs.to(tl.float32)[:, None, :] * ws.to(tl.float32)[None, :, :], 2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
+    logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + t[:, None] * E + e[None, :], logits, mask=t_ok[:, None] & e_ok[None, :])
+    tl.debug_barrier()  # every thread's logits stored before the count says so
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        _route_align(
+            logits_ptr, E, weights_ptr, ids_ptr, rows_ptr, experts_ptr, T, E, n_rows, n_tiles, TOP_K, K_PAD,
+            RENORM, BLOCK_T, BLOCK_E, BLOCK_M, BLOCK_R, BLOCK_TILES, ".cg",
+        )  # fmt: skip
+        tl.store(done_ptr, 0)
+
+
 def route_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, num_warps: int = 8):
     """(weights [T, k] float32, ids [T, k] int64, rows, experts): moe.route(logits, top_k, renormalize)
     and align(ids, E, block_m), in one launch where the step is small enough (FUSED_MAX), else by
@@ -244,6 +338,49 @@ def route_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: in
         TOP_K=top_k, K_PAD=kp, RENORM=renormalize, BLOCK_T=bt, BLOCK_E=be, BLOCK_M=block_m,
         BLOCK_R=triton.next_power_of_2(n_rows), BLOCK_TILES=triton.next_power_of_2(n_rows // block_m),
         num_warps=num_warps,
+    )  # fmt: skip
+    return weights, ids, rows, experts
+
+
+ROUTER_FUSED_MAX_T = 8  # tokens whose router logits route_align's launch computes itself (decode steps)
+
+
+def router_route_align(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    done: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    block_m: int,
+):
+    """route_align(x @ weight^T + bias, ...) with the router's GEMV inside the launch: ~16 programs
+    each take a slice of the experts' logits and the last to finish routes and aligns (no launch for
+    the router, none between). `done`: an int32 zero this layer owns (the programs count on it; the last
+    sets it back). None where the step is larger than ROUTER_FUSED_MAX_T tokens or route_align's one
+    program (the caller computes the logits then)."""
+    T, H = x.shape
+    E = weight.shape[0]
+    bt, be, kp = triton.next_power_of_2(max(T, 1)), triton.next_power_of_2(E), triton.next_power_of_2(top_k)
+    if T == 0 or T > ROUTER_FUSED_MAX_T or bt * kp * be > FUSED_MAX:
+        return None
+    if x.stride(1) != 1 or not weight.is_contiguous() or weight.dtype != x.dtype:
+        return None
+    n = T * top_k
+    n_rows = triton.cdiv(n + min(E, n) * (block_m - 1), block_m) * block_m
+    dev = x.device
+    logits = torch.empty((T, E), dtype=torch.float32, device=dev)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.long, device=dev)
+    rows = torch.empty(n_rows, dtype=torch.int32, device=dev)
+    experts = torch.empty(n_rows // block_m, dtype=torch.int32, device=dev)
+    block_ep = max(2, min(8, be // 16))  # ~16 programs share the router's weights
+    _router_route_align_kernel[(triton.cdiv(E, block_ep),)](
+        x, x.stride(0), weight, weight if bias is None else bias, logits, done, weights, ids, rows, experts,
+        T, E, H, n_rows, n_rows // block_m, HAS_BIAS=bias is not None, TOP_K=top_k, K_PAD=kp,
+        RENORM=renormalize, BLOCK_T=bt, BLOCK_E=be, BLOCK_M=block_m, BLOCK_R=triton.next_power_of_2(n_rows),
+        BLOCK_TILES=triton.next_power_of_2(n_rows // block_m), BLOCK_EP=block_ep,
+        BLOCK_H=min(triton.next_power_of_2(H), max(64, 1024 // bt)), num_warps=4,
     )  # fmt: skip
     return weights, ids, rows, experts
 

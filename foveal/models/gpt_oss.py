@@ -59,7 +59,7 @@ class GptOssMoe(nn.Module):
         self.experts = FusedMoE(experts, hidden, config.intermediate_size, glu=glu, bias=True)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        return self.experts.routed(x, self.router(x), self.top_k)  # softmax over the top k logits
+        return self.experts.routed(x, self.router, self.top_k)  # softmax over the top k logits
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

@@ -38,7 +38,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """`lora`: adapters reach the attention projections only (experts and router take none)."""
-        return self.experts.routed(x, self.gate(x), self.top_k, self.renormalize)
+        return self.experts.routed(x, self.gate, self.top_k, self.renormalize)
 
 
 class _MoeMixin:
