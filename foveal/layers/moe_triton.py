@@ -474,6 +474,34 @@ def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=Non
     if act is None:  # a glu the kernel does not know: applied apart
         h, act = glu(h[:, :inter], h[:, inter:]).contiguous(), (0, 0.0, 0.0)
     _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, down, act)
-    if down.split_k == 1:
-        return d.view(T, k, H).sum(dim=1)
-    return d.view(down.split_k, T, k, H).sum(dim=(0, 2))  # K's partial sums and the k pairs in one pass
+    return pair_sum(d, T, k, down.split_k)
+
+
+@triton.jit
+def _pair_sum_kernel(
+    d_ptr, out_ptr, num_pairs, H, TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out[t, cols] = sum over s < SPLITS, j < TOP_K of d[s * num_pairs + t * TOP_K + j, cols], in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(d_ptr + (s * num_pairs + t * TOP_K + j) * H + cols, mask=ok, other=0.0).to(
+                tl.float32
+            )
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def pair_sum(d: torch.Tensor, T: int, k: int, splits: int = 1) -> torch.Tensor:
+    """[T, H]: each token's k pair rows of down's output d [splits * T * k, H] (split-K's partial products
+    `splits` runs of T * k rows) summed in float32, in one launch (torch's reduction over the middle
+    dim of [T, k, H] took 4.5 us a layer of Qwen3-30B-A3B's batch-1 step: `benchmarks/moe.py --profile`,
+    RESULTS.md session 33). Each token's sum is the same whatever else the step holds."""
+    H = d.shape[1]
+    out = torch.empty((T, H), dtype=d.dtype, device=d.device)
+    block = min(1024, triton.next_power_of_2(max(H // 8, 32)))  # ~8 programs a token
+    if T:
+        _pair_sum_kernel[(T, triton.cdiv(H, block))](d, out, T * k, H, TOP_K=k, SPLITS=splits, BLOCK=block)
+    return out
