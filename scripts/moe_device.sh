@@ -7,6 +7,8 @@
 #           cannot travel)
 #   moe     benchmarks/moe.py: the ceilings, the experts kernel at 1 / 64 / 256 tokens, gpt-oss-20b at
 #           batch 1 and 64 (dummy bf16 weights of the real shapes)
+#   kernel  benchmarks/moe.py --parts kernel: the experts kernel, the routing (route_align's warps, the
+#           router's GEMV then route_align, and inside it) at 1 / 64 / 256 tokens
 #   tiles   benchmarks/moe.py: the experts kernel's tile shapes for gate/up and down at 1 / 64 / 256 tokens
 #           (TILE_TOKENS=1 for one of them: each shape compiles, a fresh machine takes minutes)
 #   qwen3   benchmarks/moe.py: Qwen3-30B-A3B at batch 1 (with the step's largest kernels) and 256
@@ -38,6 +40,10 @@ for part in "$@"; do
     moe)
       timeout ${T_MOE:-240} python3 benchmarks/moe.py --parts ceilings,kernel,gptoss 2>&1 \
         | grep -v "^\[transformers\]" | tee "$LOG/moe.txt" | tail -30
+      ;;
+    kernel)
+      timeout ${T_KERNEL:-150} python3 benchmarks/moe.py --parts kernel 2>&1 \
+        | grep -v "^\[transformers\]" | tee "$LOG/kernel.txt" | grep "^kernel"
       ;;
     tiles)
       timeout ${T_TILES:-400} python3 benchmarks/moe.py --parts tiles --tile-tokens ${TILE_TOKENS:-1,64,256} 2>&1 \
