@@ -15,8 +15,8 @@
 #   paths   the models' decode through each CUDA experts path (the Triton kernel, torch's grouped GEMMs:
 #           benchmarks/moe.py --cuda-experts triton,grouped), PATHS_MODELS of gptoss,qwen3 (default: both)
 #   ab      Qwen3-30B-A3B batch 1 (the step's kernels profiled) in before/ then here, AB_REPS times (2),
-#           one process each (before/: the base's foveal, this checkout's benchmarks: `mkdir before && git archive <base>
-#           foveal | tar -x -C before && git archive HEAD benchmarks | tar -x -C before`)
+#           one process each (before/: the base's foveal, this checkout's benchmarks: `mkdir before &&
+#           git archive <base> foveal | tar -x -C before && git archive HEAD benchmarks | tar -x -C before`)
 #   prefill gpt-oss-20b at batch 64 (its prefill steps: 32,768 pairs) with the tile rule, then with each
 #           of PREFILL_TILES (space-separated "gate_up/down" tiles: benchmarks/moe.py --prefill-tiles)
 #   w13     W1-W3 (benchmarks/gpu_workloads.py), this checkout then before/ (`git archive <base> foveal
