@@ -169,23 +169,22 @@ def _route_align(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
-    CACHE: tl.constexpr = "",
+    L2_ONLY: tl.constexpr,
 ):
     """route() and align() of all T tokens by one program: softmax over each row of logits, its TOP_K
     largest (first index on ties) and their weights, then the pairs (t * TOP_K + j) counted per expert,
     each ranked among its expert's pairs in pair order (a cumulative sum over a one-hot matrix), and
-    written to its expert's padded run; each BLOCK_M tile's expert (-1 past the runs). CACHE: the
-    logits' load's cache modifier (".cg" where other programs wrote them)."""
+    written to its expert's padded run; each BLOCK_M tile's expert (-1 past the runs). L2_ONLY: the
+    logits loaded past this SM's L1 (other programs wrote them)."""
     t = tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     t_ok = t < T
     e_ok = e < E
-    x = tl.load(
-        logits_ptr + t[:, None] * l_row + e[None, :],
-        mask=t_ok[:, None] & e_ok[None, :],
-        other=0.0,
-        cache_modifier=CACHE,
-    )
+    mask = t_ok[:, None] & e_ok[None, :]
+    if L2_ONLY:  # other programs wrote the logits: not from this SM's L1
+        x = tl.load(logits_ptr + t[:, None] * l_row + e[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(logits_ptr + t[:, None] * l_row + e[None, :], mask=mask, other=0.0)
     x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))  # padding rows stay finite
     p = tl.exp(x - tl.max(x, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]
@@ -252,7 +251,7 @@ def _route_align_kernel(
     """_route_align on router logits [T, E]: one program."""
     _route_align(
         logits_ptr, l_row, weights_ptr, ids_ptr, rows_ptr, experts_ptr, T, E, n_rows, n_tiles, TOP_K, K_PAD,
-        RENORM, BLOCK_T, BLOCK_E, BLOCK_M, BLOCK_R, BLOCK_TILES,
+        RENORM, BLOCK_T, BLOCK_E, BLOCK_M, BLOCK_R, BLOCK_TILES, False,
     )  # fmt: skip
 
 
@@ -310,7 +309,7 @@ def _router_route_align_kernel(
     if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         _route_align(
             logits_ptr, E, weights_ptr, ids_ptr, rows_ptr, experts_ptr, T, E, n_rows, n_tiles, TOP_K, K_PAD,
-            RENORM, BLOCK_T, BLOCK_E, BLOCK_M, BLOCK_R, BLOCK_TILES, ".cg",
+            RENORM, BLOCK_T, BLOCK_E, BLOCK_M, BLOCK_R, BLOCK_TILES, True,
         )  # fmt: skip
         tl.store(done_ptr, 0)
 
@@ -394,6 +393,9 @@ class Tiles(NamedTuple):
     split_k: int = 1  # down only: K in this many runs, each its own programs, partial sums summed after
 
 
+SPLIT_K_PROGRAMS = 256  # down's programs (one row tile an expert) up to which it splits K
+
+
 def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2) -> Tiles:
     """The tiles of one GEMM (gate/up, or down when `down`) from the sweeps of `benchmarks/moe.py --parts
     tiles` (H100, bf16, Qwen3-30B-A3B's and gpt-oss-20b's shapes at 1, 64 and 256 tokens; RESULTS.md,
@@ -404,7 +406,10 @@ def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize:
     sweep: through gpt-oss-20b at 64 x 512 the 64-row shapes gave a 2.4x longer TTFT, and alone at
     4,096 tokens gate/up's (192 KB of shared memory in 4 stages: one program an SM) was not among the
     fastest; the fastest there (gate/up 128 rows and 8 warps, down 64 rows) are not yet tried end to
-    end (`benchmarks/moe.py --prefill-tiles`)."""
+    end (`benchmarks/moe.py --prefill-tiles`). Down in 4 runs of K (3 stages) while it would have at
+    most SPLIT_K_PROGRAMS programs (a tile an expert): at one token (92 and 128 programs) that took
+    down 61.4 -> 29.6 us (gpt-oss-20b) and 20.2 -> 14.2 us (Qwen3-30B-A3B) on the H100 (session 34);
+    not swept at more tokens."""
     if n_pairs > 2048:
         return Tiles(
             64, max(16, min(128, triton.next_power_of_2(N))), max(16, min(64, triton.next_power_of_2(K)))
@@ -417,6 +422,8 @@ def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize:
         bk = min(bk, 64)
     bn = max(16, min(bn, triton.next_power_of_2(N)))
     bk = max(16, min(bk, triton.next_power_of_2(K)))
+    if down and itemsize <= 2 and min(num_experts, n_pairs) * triton.cdiv(N, bn) <= SPLIT_K_PROGRAMS:
+        return Tiles(bm, bn, bk, 4, 3, 4)
     return Tiles(bm, bn, bk, 4, stages)
 
 
