@@ -13,7 +13,8 @@ kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 204
          also captured in a CUDA graph and replayed (`*_graph_us`, or why one cannot be captured);
          the routing and row layout by torch ops and by route_align's one program at 1, 2, 4 and 8
          warps (`route_align_fused_w*`), the router's GEMV (cuBLAS) then route_align, and the GEMV inside
-         the routing's launch (`router_route_align`, up to 8 tokens), eager and 8 launches from a graph.
+         the routing's launch (`router_route_align_w*`, up to 8 tokens, 1, 2, 4 warps), eager and 8
+         launches from a graph.
 tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages[, split K]) for gate/up and down
          apart, at the same shapes and token counts: us per launch of each (8 launches on 8 routings,
          disjoint experts at one token, replayed from a CUDA graph), the default's (moe_triton._tiles)
@@ -149,7 +150,10 @@ def kernel(smoke: bool) -> None:
             done = torch.zeros((), dtype=torch.int32, device=dev)
             routing["router_then_route_align"] = partial(_router_then_route_align, xr, wr, k, bm)
             if router_route_align(xr, wr, None, done, k, True, bm) is not None:
-                routing["router_route_align"] = partial(router_route_align, xr, wr, None, done, k, True, bm)
+                for warps in (1, 2, 4):
+                    routing[f"router_route_align_w{warps}"] = partial(
+                        router_route_align, xr, wr, None, done, k, True, bm, warps
+                    )
             for p, fn in routing.items():  # eager, and 8 launches replayed from a graph (per launch)
                 row[f"{p}_us"] = round(_time(fn, 3 if smoke else 20) * 1e6, 1)
                 if dev == "cuda":
