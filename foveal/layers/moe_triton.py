@@ -9,7 +9,8 @@ and again for down, over the (token, expert) pairs sorted by expert.
 Both come from device work alone (`align`: torch ops), whose shapes depend only on T, k, E and BLOCK_M:
 no host sync, so a CUDA graph holds the whole layer. For decode-sized steps (T*k pairs x E experts up to
 FUSED_MAX) `route_align` makes them and the routing (softmax, top k, renormalization) in ONE program:
-the ~17 small launches the torch ops take a layer cost more than the experts' GEMMs at batch 1.
+the ~17 small launches the torch ops take a layer cost more than the experts' GEMMs at batch 1; up to
+ROUTER_FUSED_MAX_T tokens `router_route_align` computes the router's logits in that launch too.
 
 A GEMM program takes one tile of rows (one expert) and one tile of columns: C[p] = A[row(p)] @ W[e]^T,
 with A's row the token (gate/up: x gathered, no copy) or the pair (down: the activation's row), and for
