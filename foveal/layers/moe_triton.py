@@ -315,20 +315,13 @@ def _router_route_align_kernel(
         tl.store(done_ptr, 0)
 
 
-def _route_warps(bt: int, kp: int, be: int) -> int:
-    """route_align's warps for its padded [T, k, E] one-hot: one per 1,024 cells, 1 to 8 (benchmarks/moe.py
-    --parts kernel in CUDA graphs, H100, session 34: at one token 1 warp 3.5 us against 8 warps' 6.3
-    (Qwen3-30B-A3B) and 2.4 against 3.0 (gpt-oss-20b); gpt-oss-20b at 64 and 256 tokens 8 warps 5.2 and
-    14.8 us against 1 warp's 18.0 and 119.1)."""
-    return min(8, triton.next_power_of_2(max(1, bt * kp * be // 1024)))
-
-
 def route_align(
     logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, num_warps: int | None = None
 ):
     """(weights [T, k] float32, ids [T, k] int64, rows, experts): moe.route(logits, top_k, renormalize)
     and align(ids, E, block_m), in one launch where the step is small enough (FUSED_MAX), else by
-    those two. `num_warps`: the one program's (default _route_warps)."""
+    those two. `num_warps`: the one program's (8: the warps the GPU tests ran; fewer were faster for
+    small steps, RESULTS.md session 34, not yet tested on a GPU)."""
     from foveal.layers.moe import route
 
     T, E = logits.shape
@@ -347,7 +340,7 @@ def route_align(
         logits, logits.stride(0), weights, ids, rows, experts, T, E, n_rows, n_rows // block_m,
         TOP_K=top_k, K_PAD=kp, RENORM=renormalize, BLOCK_T=bt, BLOCK_E=be, BLOCK_M=block_m,
         BLOCK_R=triton.next_power_of_2(n_rows), BLOCK_TILES=triton.next_power_of_2(n_rows // block_m),
-        num_warps=num_warps or _route_warps(bt, kp, be),
+        num_warps=num_warps or 8,
     )  # fmt: skip
     return weights, ids, rows, experts
 
@@ -368,7 +361,8 @@ def router_route_align(
     """route_align(x @ weight^T + bias, ...) with the router's GEMV inside the launch: ~16 programs
     each take a slice of the experts' logits and the last to finish routes and aligns (no launch for
     the router, none between). `done`: an int32 zero this layer owns (the programs count on it; the last
-    sets it back). `num_warps`: each program's (4 by default). None where the step is larger than
+    sets it back). `num_warps`: each program's (4: the warps the GPU tests ran; 1 was faster at one
+    token, RESULTS.md session 34, not yet tested on a GPU). None where the step is larger than
     ROUTER_FUSED_MAX_T tokens or route_align's one program (the caller computes the logits then)."""
     T, H = x.shape
     E = weight.shape[0]
