@@ -25,6 +25,8 @@ qwen3    Qwen3-30B-A3B: batch-1 decode, 512 prompt / 256 output, against its flo
          against the floor of a step that reads every expert a step's tokens touch (expected distinct
          experts of B tokens x k draws: E (1 - (1 - k/E)^B)) and the KV cache.
 gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same floors.
+         Each model's batch runs after the same number of prompts of its length with 8 tokens out: the
+         timed run's prefill steps then compile nothing (a fresh machine's first run otherwise did).
 --cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to).
@@ -320,6 +322,9 @@ def model(name: str, config: str, batches: list[int], a) -> None:
     out = {}
     for b in batches:
         n = gw.N(b) if b > 1 else 1
+        # the same prompts' shapes first, 8 tokens out: every prefill step's kernels (a step's token and
+        # sequence counts pick the experts' tiles and Triton's specializations) compile outside the timing
+        gw.run(llm, gw.random_prompts(n, prompt, V, 1000 + b), [gw.greedy(8)] * n)
         if a.profile and b == 1:
             gw.profile(llm, V, batch=1, context=prompt)
         r = gw.run(llm, gw.random_prompts(n, prompt, V, b), [gw.greedy(output)] * n)
