@@ -17,6 +17,8 @@
 #   ab      Qwen3-30B-A3B batch 1 (the step's kernels profiled) in before/ then here, AB_REPS times (2),
 #           one process each (before/: the base's foveal, this checkout's benchmarks: `mkdir before &&
 #           git archive <base> foveal | tar -x -C before && git archive HEAD benchmarks | tar -x -C before`)
+#   gptoss  gpt-oss-20b at batch 1 and 64, here then in before/ (as for ab), GPTOSS_REPS times (2): a
+#           first run on a machine may compile inside its timing (RESULTS.md session 34)
 #   prefill gpt-oss-20b at batch 64 (its prefill steps: 32,768 pairs) with the tile rule, then with each
 #           of PREFILL_TILES (space-separated "gate_up/down" tiles: benchmarks/moe.py --prefill-tiles)
 #   w13     W1-W3 (benchmarks/gpu_workloads.py), this checkout then before/ (`git archive <base> foveal
@@ -64,6 +66,15 @@ for part in "$@"; do
           | tee "$LOG/ab_before_$rep.txt" | grep "batch")
         timeout ${T_AB:-150} python3 benchmarks/moe.py --parts ceilings,qwen3 --batches 1 --profile 2>&1 \
           | grep -v "^\[transformers\]" | tee "$LOG/ab_after_$rep.txt" | grep "batch"
+      done
+      ;;
+    gptoss)
+      for rep in $(seq ${GPTOSS_REPS:-2}); do
+        timeout ${T_GPTOSS:-150} python3 benchmarks/moe.py --parts ceilings,gptoss --batches 1,64 2>&1 \
+          | grep -v "^\[transformers\]" | tee "$LOG/gptoss_after_$rep.txt" | grep "batch"
+        [ -d before ] && (cd before && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=before timeout ${T_GPTOSS:-150} \
+          python3 benchmarks/moe.py --parts ceilings,gptoss --batches 1,64 2>&1 | grep -v "^\[transformers\]" \
+          | tee "$LOG/gptoss_before_$rep.txt" | grep "batch")
       done
       ;;
     prefill)
