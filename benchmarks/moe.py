@@ -220,6 +220,9 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
                     grid = itertools.chain(grid, splits)
             elif n <= 2048:
                 grid = itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4))
+                if gemm == "down":  # where split K stops paying (moe_triton.SPLIT_K_PROGRAMS)
+                    splits = itertools.product((16, 64), (128,), (64,), (4,), (3,), (2, 4))
+                    grid = itertools.chain(grid, splits)
             else:  # prefill-sized: compute-bound, larger row tiles, fewer stages (shared memory, occupancy)
                 grid = itertools.product((64, 128), (128,), (64, 128), (4, 8), (2, 3, 4))
             shapes = [default] + [mt.Tiles(*t) for t in grid if mt.Tiles(*t) != default]
