@@ -92,6 +92,68 @@ def test_split_k_down_with_biases_equals_the_loop(split, dtype, monkeypatch):
     assert (got.float() - want.float()).abs().max().item() < tol * want.float().abs().max().item()
 
 
+def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] as block-quantized FP8 checkpoints store it: e4m3 values and one float32 scale per
+    block x block (its largest magnitude over e4m3's 448; edge blocks partial)."""
+    E, N, K = w.shape
+    nb, kb = -(-N // block), -(-K // block)
+    padded = torch.zeros(E, nb * block, kb * block)
+    padded[:, :N, :K] = w.float()
+    blocks = padded.view(E, nb, block, kb, block)
+    scales = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    q = (blocks / scales[:, :, None, :, None]).view(E, nb * block, kb * block)[:, :N, :K]
+    return q.to(torch.float8_e4m3fn).contiguous(), scales
+
+
+@pytest.mark.parametrize(
+    "T,block,gpt_oss",
+    [(1, 16, False), (6, 16, True), (40, 32, False), (300, 16, False)],  # 1: down split in 4 runs of K
+)
+def test_fp8_block_scaled_weights_equal_the_loop_on_their_dequantized_values(T, block, gpt_oss):
+    """fp8 experts with one scale per block x block (N and K not multiples of the block: partial edge
+    blocks), dequantized tile by tile in the kernel, against the loop on the dequantized bf16 weights;
+    the same with the scales ignored is far off (they count)."""
+    from foveal.layers.moe_triton import dequantize_blocks
+
+    E, k, H, inter = 8, 2, 40, 24
+    if gpt_oss:
+        x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(9, T, E, k, H, inter, torch.float32)
+    else:
+        g = torch.Generator().manual_seed(T)
+        w13 = torch.randn(E, 2 * inter, H, generator=g) / H**0.5
+        w2 = torch.randn(E, H, inter, generator=g) / inter**0.5
+        x = torch.randn(T, H, generator=g)
+        weights, ids = route(torch.randn(T, E, generator=g), k)
+        glu, b13, b2 = silu_glu, None, None
+    w13, w2 = w13.cpu(), w2.cpu()
+    (q13, s13), (q2, s2) = _fp8_blocks(w13, block), _fp8_blocks(w2, block)
+    bf = torch.bfloat16
+    x, weights, ids = x.to(DEVICE, bf), weights.to(DEVICE), ids.to(DEVICE)
+    b13, b2 = [None if b is None else b.to(DEVICE, bf) for b in (b13, b2)]
+    q13, q2, s13, s2 = q13.to(DEVICE), q2.to(DEVICE), s13.to(DEVICE), s2.to(DEVICE)
+    got = experts_triton(x, q13, q2, weights, ids, glu, b13, b2, wq13=(s13, block), wq2=(s2, block))
+    d13, d2 = dequantize_blocks(q13, s13, block, bf), dequantize_blocks(q2, s2, block, bf)
+    want = experts_reference(x, d13, d2, weights, ids, glu, b13, b2).float()
+    scale = want.abs().max().item()
+    assert got.dtype == bf and (got.float() - want).abs().max().item() < 2e-2 * scale
+    unscaled = experts_reference(x, q13.to(bf), q2.to(bf), weights, ids, glu, b13, b2).float()
+    assert (unscaled - want).abs().max().item() > 0.5 * scale
+
+
+def test_fp8_weights_without_scales_or_scales_without_fp8_are_refused():
+    from foveal.layers.moe_triton import experts_triton
+
+    x = torch.randn(2, 32).to(DEVICE, torch.bfloat16)
+    w13 = torch.randn(4, 32, 32).to(DEVICE, torch.bfloat16)
+    w2 = torch.randn(4, 32, 16).to(DEVICE, torch.bfloat16)
+    weights, ids = route(torch.randn(2, 4).to(DEVICE), 2)
+    s = torch.ones(4, 1, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="scales go with fp8"):
+        experts_triton(x, w13.to(torch.float8_e4m3fn), w2, weights, ids, silu_glu)
+    with pytest.raises(ValueError, match="scales go with fp8"):
+        experts_triton(x, w13, w2, weights, ids, silu_glu, wq13=(s, 32))
+
+
 @pytest.mark.parametrize("up_rows,down_rows", [(16, 64), (64, 16)])
 def test_down_on_its_own_row_tile_equals_the_loop(up_rows, down_rows, monkeypatch):
     """Tiles whose rows differ between the GEMMs: down's pairs aligned again, on route_align's rows too."""

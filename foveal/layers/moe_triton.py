@@ -40,11 +40,14 @@ def _moe_gemm_kernel(
     scale_ptr,
     rows_ptr,
     experts_ptr,
+    ws_ptr,
     num_pairs,
     N,
     K,
     a_row,
     c_row,
+    ws_e,
+    ws_n,
     alpha,
     limit,
     TOP_K: tl.constexpr,
@@ -58,13 +61,17 @@ def _moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    QB: tl.constexpr,
 ):
     """C[p, :N] = (A[p // TOP_K if GATHER else p] @ W[e, :N, :K]^T + bias[e] if BIAS) (times scale[p] if
     SCALE) for the pairs p of this program's tile of rows, all of expert e. ACT > 0: A's row is the
     gate/up output [gate (K) | up (K)] and the kernel takes glu(gate, up) (1: silu(gate) * up, 2:
     gpt-oss's clamped SwiGLU with alpha and limit), in float32, rounded to A's type for the dot.
     SPLIT_K > 1: program (., ., s) takes the s-th of SPLIT_K runs of K (whole BLOCK_Ks) and writes its
-    partial product (the bias in s = 0's) to C's rows s * num_pairs + p, for the caller to sum."""
+    partial product (the bias in s = 0's) to C's rows s * num_pairs + p, for the caller to sum.
+    QB > 0: W is fp8 with one float32 scale per QB x QB block (ws[e, n // QB, k // QB], strides ws_e,
+    ws_n, 1; BLOCK_K divides QB, so a K step takes one scale a column), each W tile dequantized to A's
+    type before the dot."""
     tile = tl.program_id(0)
     e = tl.load(experts_ptr + tile)
     if e < 0:
@@ -107,6 +114,9 @@ def _moe_gemm_kernel(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0.0,
         )
+        if QB > 0:
+            ws = ws_ptr + e.to(tl.int64) * ws_e + (cols // QB) * ws_n + k0 // QB
+            w = (w.to(tl.float32) * tl.load(ws, mask=col_mask, other=0.0)[None, :]).to(a_ptr.dtype.element_ty)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -433,16 +443,28 @@ def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize:
     return Tiles(bm, bn, bk, 4, stages)
 
 
-def _gemm(a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles, act=(0, 0.0, 0.0)) -> None:
+def _gemm(
+    a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles, act=(0, 0.0, 0.0), wq=None
+) -> None:
+    """One launch of the kernel. `wq`: (scales [E, ceil(N / QB), ceil(K / QB)] float32, QB) where w is
+    fp8 with block scales, else None."""
     N, K = w.shape[1], w.shape[2]
     if tiles.split_k > 1 and (gather or c.shape[0] < tiles.split_k * n_pairs):
         raise ValueError("split-K is for down's GEMM, whose C holds split_k x the pairs' rows")
+    ws, qb = (w, 0) if wq is None else wq
+    if qb:
+        tiles = tiles._replace(block_k=min(tiles.block_k, qb))
+        if qb % tiles.block_k or ws.shape[1:] != (triton.cdiv(N, qb), triton.cdiv(K, qb)):
+            raise ValueError(
+                f"fp8 scales {tuple(ws.shape)} for [{N}, {K}] in {qb}-blocks (K tile {tiles.block_k})"
+            )
     grid = (experts.shape[0], triton.cdiv(N, tiles.block_n), tiles.split_k)
     _moe_gemm_kernel[grid](
-        a, w, w if bias is None else bias.contiguous(), c, scale, rows, experts, n_pairs, N, K, a.stride(0),
-        c.stride(0), act[1], act[2], TOP_K=top_k, ACT=act[0], GATHER=gather, SCALE=scale is not None,
-        BIAS=bias is not None, **_dot_args(a.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, num_warps=tiles.warps, num_stages=tiles.stages,
+        a, w, w if bias is None else bias.contiguous(), c, scale, rows, experts, ws, n_pairs, N, K,
+        a.stride(0), c.stride(0), ws.stride(0) if qb else 0, ws.stride(1) if qb else 0, act[1], act[2],
+        TOP_K=top_k, ACT=act[0], GATHER=gather, SCALE=scale is not None, BIAS=bias is not None,
+        **_dot_args(a.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        SPLIT_K=tiles.split_k, QB=qb, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
 
@@ -463,22 +485,41 @@ def block_m(n_pairs: int, w13: torch.Tensor) -> int:
     return _tiles(n_pairs, w13.shape[0], w13.shape[1], w13.shape[2], False, w13.element_size()).block_m
 
 
-def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=None) -> torch.Tensor:
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize_blocks(w: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 weights [E, N, K] times their block scales [E, ceil(N / block), ceil(K / block)], in dtype: what
+    the kernel computes with (tests' and CPU paths' reference)."""
+    E, N, K = w.shape
+    s = scales.repeat_interleave(block, 1)[:, :N].repeat_interleave(block, 2)[:, :, :K]
+    return (w.float() * s.float()).to(dtype)
+
+
+def experts_triton(
+    x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=None, wq13=None, wq2=None
+) -> torch.Tensor:
     """The experts' output [T, H] (foveal/layers/moe.py `experts_grouped`'s contract): gate/up by the
     kernel over x's rows (plus b13), the activation `glu(gate, up)` (inside the down kernel's loads for
     the two the kernel knows), down by the kernel (plus b2)
     scaled by each pair's weight, summed over each token's k pairs. `aligned`: (rows, experts) already
-    made for ids (route_align), else align() makes them."""
+    made for ids (route_align), else align() makes them. `wq13`, `wq2`: (scales, block) where w13 / w2
+    are fp8 with one float32 scale per block x block (the layout of block-quantized FP8 checkpoints,
+    whose `weight_scale_inv` multiplies the stored values), else None: weights in x's type."""
     T, k = ids.shape
     E, two_i, H = w13.shape
     inter = two_i // 2
-    assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous() and x.dtype == w13.dtype
+    assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
+    for w, wq in ((w13, wq13), (w2, wq2)):
+        fp8 = w.dtype in FP8
+        if fp8 != (wq is not None) or (not fp8 and w.dtype != x.dtype):
+            raise ValueError(f"experts' weights {w.dtype} for {x.dtype} activations (scales go with fp8)")
     n = T * k
-    size = w13.element_size()
+    size = x.element_size()
     up, down = _tiles(n, E, two_i, H, False, size), _tiles(n, E, H, inter, True, size)
     rows, experts = aligned if aligned is not None else align(ids, E, up.block_m)
     h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, b13, h, None, rows, experts, n, k, True, up)
+    _gemm(x, w13, b13, h, None, rows, experts, n, k, True, up, wq=wq13)
     if down.block_m != up.block_m:  # down's own row tile: the pairs aligned again (device ops only)
         rows, experts = align(ids, E, down.block_m)
     d = torch.empty((down.split_k * n, H), dtype=x.dtype, device=x.device)
@@ -486,7 +527,7 @@ def experts_triton(x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=Non
     act = _fused_act(glu)
     if act is None:  # a glu the kernel does not know: applied apart
         h, act = glu(h[:, :inter], h[:, inter:]).contiguous(), (0, 0.0, 0.0)
-    _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, down, act)
+    _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, down, act, wq2)
     return pair_sum(d, T, k, down.split_k)
 
 
