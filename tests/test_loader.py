@@ -16,6 +16,7 @@ import torch
 from foveal.config import ENV_CACHE_DIR
 from foveal.loader import ModelLoadError, load_checkpoint, read_gguf_weights
 from foveal.loader.gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_dir
+from tests.tiny import fp8_blocks
 
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -192,21 +193,6 @@ def test_hf_folder_yields_state_dict(tmp_path, family, sharded):
 
 
 # -- FP8 checkpoints (Qwen3-*-FP8, DeepSeek's layout) ----------------------------------------------
-def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 scale_inv per block, the weight they give back): each block scaled
-    to e4m3's 448 maximum."""
-    br, bc = block
-    rows, cols = w.shape
-    nr, nc = -(-rows // br), -(-cols // bc)
-    scale = torch.zeros(nr, nc)
-    for i in range(nr):
-        for j in range(nc):
-            scale[i, j] = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc].abs().max().clamp(min=1e-12) / 448
-    full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-    q = (w / full).to(torch.float8_e4m3fn)
-    return q, scale, q.float() * full
-
-
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_an_fp8_checkpoint_loads_dequantized(tmp_path, family):
     """Block-wise FP8 weights with their weight_scale_inv (blocks of 24 x 40: partial ones at the edges):

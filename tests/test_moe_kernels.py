@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from foveal.layers.moe import ClampedSwiGLU, experts_reference, route, silu_glu  # noqa: E402
 from foveal.layers.moe_triton import align, experts_triton  # noqa: E402
 from tests.interpreter import interpreter_rounds_to_nearest_even  # noqa: F401 (autouse)
+from tests.tiny import fp8_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors need the interpreter
 if DEVICE == "cpu":
@@ -92,17 +93,12 @@ def test_split_k_down_with_biases_equals_the_loop(split, dtype, monkeypatch):
     assert (got.float() - want.float()).abs().max().item() < tol * want.float().abs().max().item()
 
 
-def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, N, K] as block-quantized FP8 checkpoints store it: e4m3 values and one float32 scale per
-    block x block (its largest magnitude over e4m3's 448; edge blocks partial)."""
-    E, N, K = w.shape
-    nb, kb = -(-N // block), -(-K // block)
-    padded = torch.zeros(E, nb * block, kb * block)
-    padded[:, :N, :K] = w.float()
-    blocks = padded.view(E, nb, block, kb, block)
-    scales = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
-    q = (blocks / scales[:, :, None, :, None]).view(E, nb * block, kb * block)[:, :N, :K]
-    return q.to(torch.float8_e4m3fn).contiguous(), scales
+def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [E, N, K] as block-quantized FP8 checkpoints store it, each expert on its own (tests/tiny.py's
+    fp8_blocks): e4m3 values [E, N, K], scales [E, ceil(N / block), ceil(K / block)] and the float32
+    weights they give back."""
+    q, s, back = zip(*(fp8_blocks(w[e].float(), (block, block)) for e in range(w.shape[0])))
+    return torch.stack(q), torch.stack(s), torch.stack(back)
 
 
 @pytest.mark.parametrize(
@@ -113,8 +109,6 @@ def test_fp8_block_scaled_weights_equal_the_loop_on_their_dequantized_values(T, 
     """fp8 experts with one scale per block x block (N and K not multiples of the block: partial edge
     blocks), dequantized tile by tile in the kernel, against the loop on the dequantized bf16 weights;
     the same with the scales ignored is far off (they count)."""
-    from foveal.layers.moe_triton import dequantize_blocks
-
     E, k, H, inter = 8, 2, 40, 24
     if gpt_oss:
         x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(9, T, E, k, H, inter, torch.float32)
@@ -126,13 +120,13 @@ def test_fp8_block_scaled_weights_equal_the_loop_on_their_dequantized_values(T, 
         weights, ids = route(torch.randn(T, E, generator=g), k)
         glu, b13, b2 = silu_glu, None, None
     w13, w2 = w13.cpu(), w2.cpu()
-    (q13, s13), (q2, s2) = _fp8_blocks(w13, block), _fp8_blocks(w2, block)
+    (q13, s13, d13), (q2, s2, d2) = _fp8_blocks(w13, block), _fp8_blocks(w2, block)
     bf = torch.bfloat16
     x, weights, ids = x.to(DEVICE, bf), weights.to(DEVICE), ids.to(DEVICE)
     b13, b2 = [None if b is None else b.to(DEVICE, bf) for b in (b13, b2)]
     q13, q2, s13, s2 = q13.to(DEVICE), q2.to(DEVICE), s13.to(DEVICE), s2.to(DEVICE)
     got = experts_triton(x, q13, q2, weights, ids, glu, b13, b2, wq13=(s13, block), wq2=(s2, block))
-    d13, d2 = dequantize_blocks(q13, s13, block, bf), dequantize_blocks(q2, s2, block, bf)
+    d13, d2 = d13.to(DEVICE, bf), d2.to(DEVICE, bf)
     want = experts_reference(x, d13, d2, weights, ids, glu, b13, b2).float()
     scale = want.abs().max().item()
     assert got.dtype == bf and (got.float() - want).abs().max().item() < 2e-2 * scale

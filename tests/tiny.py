@@ -177,3 +177,18 @@ class Harness:
         req = Request(rid, list(ids), SamplingParams(temperature=0.0, max_tokens=max_tokens), lora=lora)
         self.sched.add(req)
         return req
+
+
+def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv per block, the weight they give back): each block scaled
+    to e4m3's 448 maximum."""
+    br, bc = block
+    rows, cols = w.shape
+    nr, nc = -(-rows // br), -(-cols // bc)
+    scale = torch.zeros(nr, nc)
+    for i in range(nr):
+        for j in range(nc):
+            scale[i, j] = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc].abs().max().clamp(min=1e-12) / 448
+    full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    q = (w / full).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * full

@@ -182,7 +182,8 @@ def _route_align(
     BLOCK_TILES: tl.constexpr,
     L2_ONLY: tl.constexpr,
 ):
-    """route() and align() of all T tokens by one program: softmax over each row of logits, its TOP_K
+    """route() and align() of all T tokens by one program (route_align launches it alone;
+    _router_route_align_kernel's last program calls it): softmax over each row of logits, its TOP_K
     largest (first index on ties) and their weights, then the pairs (t * TOP_K + j) counted per expert,
     each ranked among its expert's pairs in pair order (a cumulative sum over a one-hot matrix), and
     written to its expert's padded run; each BLOCK_M tile's expert (-1 past the runs). L2_ONLY: the
@@ -236,34 +237,6 @@ def _route_align(
         tl.where(ex < E, ex, -1),
         mask=tl.arange(0, BLOCK_TILES) < n_tiles,
     )
-
-
-@triton.jit
-def _route_align_kernel(
-    logits_ptr,
-    l_row,
-    weights_ptr,
-    ids_ptr,
-    rows_ptr,
-    experts_ptr,
-    T,
-    E,
-    n_rows,
-    n_tiles,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    RENORM: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_TILES: tl.constexpr,
-):
-    """_route_align on router logits [T, E]: one program."""
-    _route_align(
-        logits_ptr, l_row, weights_ptr, ids_ptr, rows_ptr, experts_ptr, T, E, n_rows, n_tiles, TOP_K, K_PAD,
-        RENORM, BLOCK_T, BLOCK_E, BLOCK_M, BLOCK_R, BLOCK_TILES, False,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -346,11 +319,11 @@ def route_align(
     ids = torch.empty((T, top_k), dtype=torch.long, device=dev)
     rows = torch.empty(n_rows, dtype=torch.int32, device=dev)
     experts = torch.empty(n_rows // block_m, dtype=torch.int32, device=dev)
-    _route_align_kernel[(1,)](
+    _route_align[(1,)](
         logits, logits.stride(0), weights, ids, rows, experts, T, E, n_rows, n_rows // block_m,
         TOP_K=top_k, K_PAD=kp, RENORM=renormalize, BLOCK_T=bt, BLOCK_E=be, BLOCK_M=block_m,
         BLOCK_R=triton.next_power_of_2(n_rows), BLOCK_TILES=triton.next_power_of_2(n_rows // block_m),
-        num_warps=num_warps or 8,
+        L2_ONLY=False, num_warps=num_warps or 8,
     )  # fmt: skip
     return weights, ids, rows, experts
 
@@ -486,14 +459,6 @@ def block_m(n_pairs: int, w13: torch.Tensor) -> int:
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def dequantize_blocks(w: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 weights [E, N, K] times their block scales [E, ceil(N / block), ceil(K / block)], in dtype: what
-    the kernel computes with (tests' and CPU paths' reference)."""
-    E, N, K = w.shape
-    s = scales.repeat_interleave(block, 1)[:, :N].repeat_interleave(block, 2)[:, :, :K]
-    return (w.float() * s.float()).to(dtype)
 
 
 def experts_triton(
