@@ -23,6 +23,7 @@
 #           of PREFILL_TILES (space-separated "gate_up/down" tiles: benchmarks/moe.py --prefill-tiles)
 #   w13     W1-W3 (benchmarks/gpu_workloads.py), this checkout then before/ (`git archive <base> foveal
 #           benchmarks scripts | tar -x -C before`), one process each
+# BEFORE names another folder than before/ for the base.
 # Usage: FOVEAL_COMMIT=$(git rev-parse --short HEAD) bash scripts/moe_device.sh tests moe
 # Logs go to $OUT (when set) as well as stdout.
 set -uo pipefail
@@ -61,7 +62,7 @@ for part in "$@"; do
       ;;
     ab)
       for rep in $(seq ${AB_REPS:-2}); do
-        (cd before && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=before timeout ${T_AB:-150} python3 \
+        (cd ${BEFORE:-before} && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=${BEFORE:-before} timeout ${T_AB:-150} python3 \
           benchmarks/moe.py --parts ceilings,qwen3 --batches 1 --profile 2>&1 | grep -v "^\[transformers\]" \
           | tee "$LOG/ab_before_$rep.txt" | grep "batch")
         timeout ${T_AB:-150} python3 benchmarks/moe.py --parts ceilings,qwen3 --batches 1 --profile 2>&1 \
@@ -72,7 +73,7 @@ for part in "$@"; do
       for rep in $(seq ${GPTOSS_REPS:-2}); do
         timeout ${T_GPTOSS:-150} python3 benchmarks/moe.py --parts ceilings,gptoss --batches 1,64 2>&1 \
           | grep -v "^\[transformers\]" | tee "$LOG/gptoss_after_$rep.txt" | grep "batch"
-        [ -d before ] && (cd before && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=before timeout ${T_GPTOSS:-150} \
+        [ -d ${BEFORE:-before} ] && (cd ${BEFORE:-before} && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=${BEFORE:-before} timeout ${T_GPTOSS:-150} \
           python3 benchmarks/moe.py --parts ceilings,gptoss --batches 1,64 2>&1 | grep -v "^\[transformers\]" \
           | tee "$LOG/gptoss_before_$rep.txt" | grep "batch")
       done
@@ -87,7 +88,7 @@ for part in "$@"; do
     w13)
       timeout ${T_W13:-240} python3 benchmarks/gpu_workloads.py --workloads ceilings,w1,w2,w3 2>&1 \
         | grep -v "^\[transformers\]" | tee "$LOG/w13_after.txt" | grep -E "^W[123]|ceil" | tail -12
-      (cd before && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=before timeout ${T_W13:-240} python3 \
+      (cd ${BEFORE:-before} && PYTHONPATH=/tmp/site:$PWD FOVEAL_COMMIT=${BEFORE:-before} timeout ${T_W13:-240} python3 \
         benchmarks/gpu_workloads.py --workloads ceilings,w1,w2,w3 2>&1 | grep -v "^\[transformers\]" \
         | tee "$LOG/w13_before.txt" | grep -E "^W[123]|ceil" | tail -12)
       ;;

@@ -298,13 +298,19 @@ def _router_route_align_kernel(
         tl.store(done_ptr, 0)
 
 
+def _route_warps(one_hot: int) -> int:
+    """route_align's warps for a one-hot of `one_hot` (tokens x top-k x experts, each a power of two)
+    elements: one warp per 1,024, from 1 to 8."""
+    return max(1, min(8, one_hot // 1024))
+
+
 def route_align(
     logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, num_warps: int | None = None
 ):
     """(weights [T, k] float32, ids [T, k] int64, rows, experts): moe.route(logits, top_k, renormalize)
     and align(ids, E, block_m), in one launch where the step is small enough (FUSED_MAX), else by
-    those two. `num_warps`: the one program's (8: the warps the GPU tests ran; fewer were faster for
-    small steps, RESULTS.md session 34, not yet tested on a GPU)."""
+    those two. `num_warps`: the one program's (by default from the one-hot's size: 1 warp up to 1,024
+    elements, 8 from 8,192; the fastest in RESULTS.md session 34's sweep at each end)."""
     from foveal.layers.moe import route
 
     T, E = logits.shape
@@ -323,7 +329,7 @@ def route_align(
         logits, logits.stride(0), weights, ids, rows, experts, T, E, n_rows, n_rows // block_m,
         TOP_K=top_k, K_PAD=kp, RENORM=renormalize, BLOCK_T=bt, BLOCK_E=be, BLOCK_M=block_m,
         BLOCK_R=triton.next_power_of_2(n_rows), BLOCK_TILES=triton.next_power_of_2(n_rows // block_m),
-        L2_ONLY=False, num_warps=num_warps or 8,
+        L2_ONLY=False, num_warps=num_warps or _route_warps(bt * kp * be),
     )  # fmt: skip
     return weights, ids, rows, experts
 
@@ -344,8 +350,8 @@ def router_route_align(
     """route_align(x @ weight^T + bias, ...) with the router's GEMV inside the launch: ~16 programs
     each take a slice of the experts' logits and the last to finish routes and aligns (no launch for
     the router, none between). `done`: an int32 zero this layer owns (the programs count on it; the last
-    sets it back). `num_warps`: each program's (4: the warps the GPU tests ran; 1 was faster at one
-    token, RESULTS.md session 34, not yet tested on a GPU). None where the step is larger than
+    sets it back). `num_warps`: each program's (by default 1 up to a one-hot of 1,024 elements, the
+    fastest at one token in RESULTS.md session 34, else 4). None where the step is larger than
     ROUTER_FUSED_MAX_T tokens or route_align's one program (the caller computes the logits then)."""
     T, H = x.shape
     E = weight.shape[0]
@@ -368,7 +374,8 @@ def router_route_align(
         T, E, H, n_rows, n_rows // block_m, HAS_BIAS=bias is not None, TOP_K=top_k, K_PAD=kp,
         RENORM=renormalize, BLOCK_T=bt, BLOCK_E=be, BLOCK_M=block_m, BLOCK_R=triton.next_power_of_2(n_rows),
         BLOCK_TILES=triton.next_power_of_2(n_rows // block_m), BLOCK_EP=block_ep,
-        BLOCK_H=min(triton.next_power_of_2(H), max(64, 1024 // bt)), num_warps=num_warps or 4,
+        BLOCK_H=min(triton.next_power_of_2(H), max(64, 1024 // bt)),
+        num_warps=num_warps or (1 if bt * kp * be <= 1024 else 4),
     )  # fmt: skip
     return weights, ids, rows, experts
 
