@@ -196,8 +196,9 @@ def test_hf_folder_yields_state_dict(tmp_path, family, sharded):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_an_fp8_checkpoint_loads_dequantized(tmp_path, family):
     """Block-wise FP8 weights with their weight_scale_inv (blocks of 24 x 40: partial ones at the edges):
-    every linear comes dequantized, exactly q * scale, the rest as stored; the scales are not tensors of
-    the model; another quantization method is refused by name."""
+    every linear comes dequantized, exactly q * scale, the rest as stored, or with keep_fp8 (the
+    default) an expert's weight as stored with its scales; the scales are not tensors of the model;
+    another quantization method is refused by name."""
     import json
 
     from safetensors.torch import save_file
@@ -234,11 +235,24 @@ def test_an_fp8_checkpoint_loads_dequantized(tmp_path, family):
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
                                   "activation_scheme": "dynamic"}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(cfg))
-    ckpt = load_checkpoint(str(folder), dtype=torch.float32, device=torch.device("cpu"))
+    ckpt = load_checkpoint(str(folder), dtype=torch.float32, device=torch.device("cpu"), keep_fp8=False)
     got = dict(ckpt.weights)
     assert set(got) == set(want) and not any(n.endswith("_scale_inv") for n in got)
     for name, tensor in got.items():
         assert torch.equal(tensor, want[name]), name
+    # kept (the default): an expert's tensors come as stored with their scales, the rest as before
+    kept = dict(load_checkpoint(str(folder), dtype=torch.float32, device=torch.device("cpu")).weights)
+    assert set(kept) == set(want)
+    experts = {n for n in kept if ".mlp.experts." in n}
+    assert (len(experts) > 0) == (family == "qwen3_moe")
+    for name, tensor in kept.items():
+        if name in experts:
+            assert tensor.dtype == torch.float8_e4m3fn and tensor.fp8_block == block
+            assert torch.equal(tensor, state[name]) and torch.equal(
+                tensor.fp8_scale_inv, state[name + "_scale_inv"]
+            )
+        else:
+            assert torch.equal(tensor, want[name]), name
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="awq"):

@@ -118,6 +118,54 @@ def test_cuda_experts_paths_equal_the_loop_eager_and_in_a_graph(path, gpt_oss, H
         assert (out.float() - want).abs().max().item() < tol  # (index_add_'s atomics: not bit-equal)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's experts kernel")
+@pytest.mark.parametrize("H,inter,b", [(256, 128, 128), (128, 64, 32)])
+def test_cuda_fp8_experts_equal_the_loop_on_their_dequantized_weights(H, inter, b):
+    """FusedMoE with FP8 experts (filled expert by expert as a Qwen3-*-FP8 checkpoint's are) routed on
+    CUDA, eager and replayed from a CUDA graph: the loop's output on the weights the blocks dequantize
+    to, for 1, 7 and 40 tokens (the router inside the routing's launch for the first two)."""
+    from foveal.layers.linear import Linear
+    from foveal.layers.moe import FusedMoE
+    from foveal.models.weights import ParamFiller
+    from tests.tiny import fp8_blocks
+
+    g = torch.Generator().manual_seed(12)
+    E, k = 16, 4
+    layer = FusedMoE(E, H, inter, fp8_block=b)
+    filler = ParamFiller(layer)
+    w13, w2 = torch.empty(E, 2 * inter, H), torch.empty(E, H, inter)
+    for e in range(E):
+        for target, want, off in (("gate_up_proj", w13[e], 2 * e * inter), ("down_proj", w2[e], e * H)):
+            q, s, deq = fp8_blocks(torch.randn(want.shape, generator=g) / want.shape[1] ** 0.5, (b, b))
+            q.fp8_scale_inv, q.fp8_block = s, (b, b)
+            filler.put(target, q, f"experts.{e}", off, len(want))
+            want.copy_(deq)
+    filler.check_complete()
+    router = Linear(H, E, bias=False)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, H, generator=g) / H**0.5)
+    layer, router = layer.to("cuda"), router.to("cuda", torch.bfloat16)
+    w13, w2 = w13.to("cuda", torch.bfloat16), w2.to("cuda", torch.bfloat16)
+    for T in (1, 7, 40):
+        x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
+        weights, ids = route(F.linear(x.float(), router.weight.float()).to(x.dtype), k)
+        want = experts_reference(x, w13, w2, weights, ids).float()
+        tol = 5e-2 * want.abs().max().item()
+        assert (layer.routed(x, router, k).float() - want).abs().max().item() < tol
+        assert (layer(x, weights, ids).float() - want).abs().max().item() < tol
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer.routed(x, router, k)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer.routed(x, router, k)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (out.float() - want).abs().max().item() < tol
+
+
 def test_routing_is_softmax_top_k():
     """Softmax over all experts, the top k, renormalized or not; renormalized equals Mixtral's way
     round (top k of the logits, softmax over those)."""
@@ -240,6 +288,165 @@ def test_a_served_moe_model_answers_like_transformers(tmp_path):
         )
         assert r.usage.completion_tokens == 12 and r.choices[0].text == outs[0].outputs[0].text
     assert s.engine.kv.num_used_blocks == 0
+
+
+# -- FP8 checkpoints: experts kept as stored ---------------------------------------------------------
+def save_fp8_moe_folder(path, block: tuple[int, int]):
+    """save_tiny_moe_folder's model with every projection block-quantized to FP8 (Qwen3-*-FP8's layout:
+    float8_e4m3fn weights and their weight_scale_inv, quantization_config fp8 with weight_block_size);
+    returns the transformers model, its weights set to what the FP8 ones dequantize to."""
+    from safetensors.torch import save_file
+
+    from tests.tiny import fp8_blocks
+
+    hf = save_tiny_moe_folder(path)
+    state, dequantized = {}, {}
+    for name, t in published_state_dict(hf).items():
+        if t.dim() == 2 and name.endswith("proj.weight"):
+            state[name], state[name + "_scale_inv"], dequantized[name] = fp8_blocks(t.float(), block)
+        else:
+            state[name] = t
+    save_file({n: t.contiguous() for n, t in state.items()}, f"{path}/model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                  "activation_scheme": "dynamic"}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg))
+    with torch.no_grad():  # transformers' stacks from the per-expert tensors
+        for name, p in hf.named_parameters():
+            if name in dequantized:
+                p.copy_(dequantized[name])
+            elif ".mlp.experts." in name:
+                prefix, stack = name.rsplit(".", 1)
+                parts = ("gate_proj", "up_proj") if stack == "gate_up_proj" else ("down_proj",)
+                per = [
+                    torch.cat([dequantized[f"{prefix}.{e}.{q}.weight"] for q in parts]) for e in range(len(p))
+                ]
+                p.copy_(torch.stack(per))
+    return hf
+
+
+@pytest.mark.parametrize("block", [(16, 16), (16, 32)], ids=["kept", "non-square-dequantized"])
+def test_an_fp8_moe_checkpoint_answers_like_transformers(tmp_path, block):
+    """A Qwen3-MoE FP8 folder: its experts stay FP8 where the blocks allow (square, whole blocks per
+    expert: uint8 stacks and their scales, the CPU running a dequantized copy), else they load
+    dequantized like every other projection; either way greedy tokens equal transformers' on the
+    dequantized weights, batched."""
+    from foveal import SamplingParams
+    from foveal.engine.llm import LLM
+
+    hf = save_fp8_moe_folder(tmp_path, block)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=256)
+    experts = llm.engine.model.layers[0].mlp.experts
+    kept = block == (16, 16)
+    assert experts.fp8_block == (16 if kept else None)
+    assert experts.gate_up_proj.dtype == (torch.uint8 if kept else torch.float32)
+    if kept:  # E x 2I / 16 rows of scales, H / 16 columns: the checkpoint's, as float32 bits
+        assert experts.gate_up_proj_scale_inv.shape == (8 * 64 // 16, 64 // 16)
+    prompts = ["hello experts", "a", "mixture of experts, routed"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = llm.processor.tokenizer(prompt)["input_ids"]
+        with torch.no_grad():  # argmax over every token, EOS included (generate's min_new_tokens masks it)
+            for _ in range(10):
+                ids = ids + [int(hf(torch.tensor([ids])).logits[0, -1].argmax())]
+        assert out.outputs[0].token_ids == ids[-10:], prompt
+
+
+def test_fp8_experts_refuse_what_they_cannot_hold():
+    """Into FP8 experts: an FP8 tensor without its scales, one in other blocks, and a dense tensor are
+    refused by name; into dense parameters an FP8 tensor comes dequantized."""
+    from foveal.layers.moe import FusedMoE
+    from foveal.models.weights import ParamFiller
+    from tests.tiny import fp8_blocks
+
+    E, H, inter = 2, 32, 16
+    moe = FusedMoE(E, H, inter, fp8_block=16)
+    filler = ParamFiller(moe)
+    w = torch.randn(inter, H)
+
+    def fp8(block):
+        q, s, deq = fp8_blocks(w, block)
+        q.fp8_scale_inv, q.fp8_block = s, block
+        return q, deq
+
+    q, deq = fp8((16, 16))
+    filler.put("gate_up_proj", q, "experts.0.gate_proj.weight", 0, inter)
+    with pytest.raises(ValueError, match="without its scales"):
+        filler.put("gate_up_proj", q.clone(), "experts.0.up_proj.weight", inter, inter)
+    with pytest.raises(ValueError, match="blocks"):
+        filler.put("gate_up_proj", fp8((16, 32))[0], "experts.0.up_proj.weight", inter, inter)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        filler.put("gate_up_proj", w, "experts.0.up_proj.weight", inter, inter)
+    with pytest.raises(ValueError, match="FP8 experts in 16-blocks"):
+        FusedMoE(E, 24, inter, fp8_block=16)
+    dense = FusedMoE(E, H, inter)
+    ParamFiller(dense).put("gate_up_proj", q, "experts.0.gate_proj.weight", 0, inter)
+    assert torch.equal(dense.gate_up_proj[:inter], deq)
+
+
+def test_fp8_experts_dequantize_to_their_checkpoint_and_dummy_weights_stay_finite():
+    """Filled expert by expert, the stacks dequantize (CPU's copy) to each expert's weight as its
+    blocks give it; the dummy loader's FP8 experts are finite with the N(0, 0.02) spread of the rest."""
+    from foveal.layers.moe import FusedMoE
+    from foveal.loader.dummy import randomize_weights
+    from foveal.models.weights import ParamFiller
+    from tests.tiny import fp8_blocks
+
+    E, H, inter, b = 3, 48, 32, 16
+    g = torch.Generator().manual_seed(5)
+    moe = FusedMoE(E, H, inter, fp8_block=b)
+    filler = ParamFiller(moe)
+    w13, w2 = torch.randn(E, 2 * inter, H, generator=g), torch.randn(E, H, inter, generator=g)
+    want13, want2 = torch.empty_like(w13), torch.empty_like(w2)
+    for e in range(E):  # up before gate, down first: rows land by offset, not by order
+        pieces = (
+            ("down_proj", w2[e], want2[e], e * H, H),
+            ("gate_up_proj", w13[e, inter:], want13[e, inter:], (2 * e + 1) * inter, inter),
+            ("gate_up_proj", w13[e, :inter], want13[e, :inter], 2 * e * inter, inter),
+        )
+        for target, w, want, off, rows in pieces:
+            q, s, deq = fp8_blocks(w.contiguous(), (b, b))
+            q.fp8_scale_inv, q.fp8_block = s, (b, b)
+            filler.put(target, q, f"experts.{e}.weight", off, rows)
+            want.copy_(deq)
+    filler.check_complete()
+    d13, d2 = moe._dense(torch.float32)
+    assert torch.equal(d13, want13) and torch.equal(d2, want2)
+    x = torch.randn(5, H, generator=g)
+    weights, ids = route(torch.randn(5, E, generator=g), 2)
+    assert torch.allclose(moe(x, weights, ids), experts_reference(x, want13, want2, weights, ids), atol=1e-5)
+    randomize_weights(moe)
+    moe._dequantized = None
+    d13, d2 = moe._dense(torch.float32)
+    assert d13.isfinite().all() and d2.isfinite().all()
+    assert 0.015 < d13.std().item() < 0.025 and 0.015 < d2.std().item() < 0.025
+
+
+@pytest.mark.parametrize(
+    "q,want",
+    [
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, 128),
+        ({"quant_method": "fp8", "weight_block_size": [128, 64]}, None),  # not square
+        ({"quant_method": "fp8", "weight_block_size": [96, 96]}, None),  # not a power of two
+        ({"quant_method": "fp8", "weight_block_size": [512, 512]}, None),  # 768 rows an expert: 1.5 blocks
+        ({"quant_method": "fp8"}, None),  # per-tensor scales
+        (
+            {
+                "quant_method": "fp8",
+                "weight_block_size": [128, 128],
+                "modules_to_not_convert": ["mlp.experts"],
+            },
+            None,
+        ),
+        (None, None),
+    ],
+)
+def test_which_fp8_experts_run_as_stored(q, want):
+    from types import SimpleNamespace
+
+    from foveal.layers.fp8 import expert_block
+
+    assert expert_block(SimpleNamespace(quantization_config=q), 2048, 768) == want
 
 
 # -- GGUF: llama.cpp's qwen3moe layout ------------------------------------------------------------------

@@ -74,12 +74,38 @@ def route(
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, glu=silu_glu, bias: bool = False):
+    """`fp8_block`: the stacks keep a block-quantized FP8 checkpoint's values (float8_e4m3fn, as uint8
+    bytes: casting the model to its dtype leaves them be) and their float32 scales, one per block x
+    block (as int32 bits, `<stack>_scale_inv`); CUDA's experts kernel dequantizes them as it reads them,
+    other devices run a dequantized copy made on first use (layers/fp8.py says when a model asks)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        glu=silu_glu,
+        bias: bool = False,
+        fp8_block: int | None = None,
+    ):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.glu = glu  # (gate, up) -> the activation the down projection takes
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts * hidden, intermediate))
+        self.fp8_block = fp8_block
+        b = fp8_block
+        if b is not None and (hidden % b or intermediate % b):  # each expert's gate, up, down: whole blocks
+            raise ValueError(f"FP8 experts in {b}-blocks: hidden {hidden}, intermediate {intermediate}")
+        shapes = {
+            "gate_up_proj": (num_experts * 2 * intermediate, hidden),
+            "down_proj": (num_experts * hidden, intermediate),
+        }
+        for name, shape in shapes.items():
+            if b is None:
+                setattr(self, name, nn.Parameter(torch.empty(shape)))
+                continue
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False))
+            scales = torch.empty(shape[0] // b, shape[1] // b, dtype=torch.int32)
+            setattr(self, name + "_scale_inv", nn.Parameter(scales, requires_grad=False))
         if bias:  # per expert, added after each projection (gpt-oss)
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
@@ -88,13 +114,45 @@ class FusedMoE(nn.Module):
 
     @property
     def w13(self) -> torch.Tensor:
-        """[E, 2I, H]: each expert's gate rows, then its up rows."""
-        return self.gate_up_proj.view(self.num_experts, 2 * self.intermediate, self.hidden)
+        """[E, 2I, H]: each expert's gate rows, then its up rows (float8_e4m3fn where fp8_block)."""
+        return self._stack(self.gate_up_proj, 2 * self.intermediate, self.hidden)
 
     @property
     def w2(self) -> torch.Tensor:
         """[E, H, I]"""
-        return self.down_proj.view(self.num_experts, self.hidden, self.intermediate)
+        return self._stack(self.down_proj, self.hidden, self.intermediate)
+
+    def _stack(self, p: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        p = p if self.fp8_block is None else p.view(torch.float8_e4m3fn)
+        return p.view(self.num_experts, rows, cols)
+
+    def _fp8_scales(self) -> tuple[tuple, tuple] | tuple[None, None]:
+        """experts_triton's (wq13, wq2): each stack's scales [E, rows / block, cols / block] and the
+        block, or None each for weights in the activations' type."""
+        b, E = self.fp8_block, self.num_experts
+        if b is None:
+            return None, None
+        s13 = self.gate_up_proj_scale_inv.view(torch.float32).view(E, 2 * self.intermediate // b, -1)
+        s2 = self.down_proj_scale_inv.view(torch.float32).view(E, self.hidden // b, -1)
+        return (s13, b), (s2, b)
+
+    def _dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in `dtype`: the FP8 stacks dequantized, made once (off CUDA, where no kernel reads
+        FP8), else the stacks themselves."""
+        if self.fp8_block is None:
+            return self.w13, self.w2
+        cached = getattr(self, "_dequantized", None)
+        if cached is None or cached[0].dtype != dtype:
+            from foveal.layers.fp8 import dequantize_blocks
+
+            b = (self.fp8_block, self.fp8_block)
+            (s13, _), (s2, _) = self._fp8_scales()
+            cached = tuple(
+                torch.stack([dequantize_blocks(w[e], s[e], b).to(dtype) for e in range(self.num_experts)])
+                for w, s in ((self.w13, s13), (self.w2, s2))
+            )
+            self._dequantized = cached
+        return cached
 
     def routed(self, x: torch.Tensor, router: nn.Module, top_k: int, renormalize: bool = True):
         """The layer's output for the router (a Linear: logits [T, E] = router(x)): route() then
@@ -116,7 +174,8 @@ class FusedMoE(nn.Module):
         if _grouped_on_cuda(x, self.w13, self.w2):  # the routing alone taken from the fused launch
             return self(x, weights, ids)
         args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
-        return experts_triton(x.contiguous(), *args, aligned=(rows, experts))
+        wq13, wq2 = self._fp8_scales()
+        return experts_triton(x.contiguous(), *args, aligned=(rows, experts), wq13=wq13, wq2=wq2)
 
     def _router_done(self, x: torch.Tensor) -> torch.Tensor:
         """The int32 count router_route_align's programs keep (this layer's: two layers' launches never
@@ -129,12 +188,15 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cpu and self._quantized() is not None:  # GGUF blocks, run as stored (layers/quant.py)
             return self._experts_quantized(x, weights, ids)
-        args = (self.w13, self.w2, weights, ids, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
+        biases = (self.glu, self.gate_up_proj_bias, self.down_proj_bias)
         if x.is_cuda and not _grouped_on_cuda(x, self.w13, self.w2):  # the Triton kernel (moe_triton.py)
             from foveal.layers.moe_triton import experts_triton
 
-            return experts_triton(x.contiguous(), *args)
-        return experts_grouped(x, *args)
+            wq13, wq2 = self._fp8_scales()
+            return experts_triton(
+                x.contiguous(), self.w13, self.w2, weights, ids, *biases, wq13=wq13, wq2=wq2
+            )
+        return experts_grouped(x, *self._dense(x.dtype), weights, ids, *biases)
 
     def _quantized(self):
         """Per expert (gate/up, down) as QuantWeight row views or dense row slices, when the stacks came

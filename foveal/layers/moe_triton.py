@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from foveal.layers.fp8 import FP8_DTYPES
 from foveal.lora.ops_triton import _dot_args
 
 
@@ -465,9 +466,6 @@ def block_m(n_pairs: int, w13: torch.Tensor) -> int:
     return _tiles(n_pairs, w13.shape[0], w13.shape[1], w13.shape[2], False, w13.element_size()).block_m
 
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def experts_triton(
     x, w13, w2, weights, ids, glu, b13=None, b2=None, aligned=None, wq13=None, wq2=None
 ) -> torch.Tensor:
@@ -483,7 +481,7 @@ def experts_triton(
     inter = two_i // 2
     assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
     for w, wq in ((w13, wq13), (w2, wq2)):
-        fp8 = w.dtype in FP8
+        fp8 = w.dtype in FP8_DTYPES
         if fp8 != (wq is not None) or (not fp8 and w.dtype != x.dtype):
             raise ValueError(f"experts' weights {w.dtype} for {x.dtype} activations (scales go with fp8)")
     n = T * k

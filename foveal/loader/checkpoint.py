@@ -44,10 +44,13 @@ def load_checkpoint(
     revision: str | None = None,
     load_format: str = "auto",
     keep_blocks: Collection[str] = (),
+    keep_fp8: bool = True,
 ) -> Checkpoint:
     """Config and tokenizer now; weights as an iterator that reads one tensor per step (none for
     load_format "dummy": see dummy.py). `keep_blocks`: GGUF weights stored in these types also carry
-    their raw blocks (gguf_loader.GGUFFile.weights)."""
+    their raw blocks (gguf_loader.GGUFFile.weights). `keep_fp8`: a safetensors checkpoint's
+    block-quantized experts come as stored, with their scales (safetensors_loader.HFFolder.weights;
+    models/weights.py keeps or dequantizes them), else dequantized."""
     device = torch.device(device)
     t0 = time.perf_counter()
     if load_format == "dummy":
@@ -67,14 +70,14 @@ def load_checkpoint(
         if os.path.exists(local):
             if revision is not None:
                 log.warning("--revision %s is ignored for the local path %s", revision, local)
-            ckpt = _load_local(local, dtype, device, progress, keep_blocks)
+            ckpt = _load_local(local, dtype, device, progress, keep_blocks, keep_fp8)
         elif model.lower().endswith(".gguf") or not _looks_like_repo_id(model):
             raise ModelLoadError(f"model path {model!r} does not exist")
         else:
             from foveal.loader.hub import download_repo
 
             folder = download_repo(model, revision)
-            ckpt = _load_folder(folder, model, dtype, device, progress)
+            ckpt = _load_folder(folder, model, dtype, device, progress, keep_fp8)
     log.info(
         "loaded %s config and tokenizer (%s) from %s in %.2f s; weights stream on first use",
         ckpt.name,
@@ -92,11 +95,18 @@ def _looks_like_repo_id(model: str) -> bool:
 
 
 def _load_local(
-    path: str, dtype: torch.dtype, device: torch.device, progress: bool, keep_blocks: Collection[str] = ()
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool,
+    keep_blocks: Collection[str] = (),
+    keep_fp8: bool = True,
 ) -> Checkpoint:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
-            return _load_folder(path, os.path.basename(path.rstrip(os.sep)), dtype, device, progress)
+            return _load_folder(
+                path, os.path.basename(path.rstrip(os.sep)), dtype, device, progress, keep_fp8
+            )
         ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
         hint = f"; for a GGUF, pass the file itself (found: {', '.join(ggufs[:4])})" if ggufs else ""
         raise ModelLoadError(f"model folder {path} has no config.json{hint}")
@@ -156,7 +166,7 @@ def _load_gguf(
 
 
 def _load_folder(
-    path: str, name: str, dtype: torch.dtype, device: torch.device, progress: bool
+    path: str, name: str, dtype: torch.dtype, device: torch.device, progress: bool, keep_fp8: bool = True
 ) -> Checkpoint:
     from foveal.loader.processors import load_hf_processor, load_video_config
     from foveal.loader.safetensors_loader import load_hf_tokenizer, open_hf_folder
@@ -164,7 +174,7 @@ def _load_folder(
     folder = open_hf_folder(path)
     tokenizer = load_hf_tokenizer(path, folder.hf_config)
     processor = load_hf_processor(path)
-    weights = _stream(folder.weights(dtype, device), folder.num_tensors, name, progress)
+    weights = _stream(folder.weights(dtype, device, keep_fp8), folder.num_tensors, name, progress)
     return Checkpoint(
         folder.hf_config,
         tokenizer,

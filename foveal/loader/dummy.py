@@ -122,12 +122,20 @@ def _first_id(config, attr: str) -> int | None:
 
 @torch.no_grad()
 def randomize_weights(model: nn.Module, seed: int = 0) -> None:
-    """Fill every parameter in place on its device: N(0, 0.02), norm scales 1."""
+    """Fill every parameter in place on its device: N(0, 0.02), norm scales 1. FP8 experts
+    (layers/moe.py FusedMoE: uint8 bytes of float8_e4m3fn, int32 bits of float32 scales): N(0, 1) in
+    float8 (finite: e4m3's range is +-448) and scales of 0.02, so their weights are N(0, 0.02) too."""
     gen = None
     for name, p in model.named_parameters():
         if gen is None or gen.device != p.device:
             gen = torch.Generator(device=p.device).manual_seed(seed)
-        if p.dim() == 1 and "norm" in name:
+        if p.dtype == torch.uint8:
+            for rows in torch.split(p, max(1, 2**26 // max(1, p.shape[-1]))):  # float32 a chunk at a time
+                values = torch.empty(rows.shape, device=p.device).normal_(0.0, 1.0, generator=gen)
+                rows.copy_(values.to(torch.float8_e4m3fn).view(torch.uint8))
+        elif p.dtype == torch.int32 and name.endswith("_scale_inv"):
+            p.view(torch.float32).fill_(0.02)
+        elif p.dim() == 1 and "norm" in name:
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)

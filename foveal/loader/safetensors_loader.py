@@ -12,6 +12,7 @@ import glob
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from foveal.layers.fp8 import FP8_DTYPES, dequantize_blocks
 from foveal.loader.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -45,10 +47,13 @@ class HFFolder:
         return sum(1 for names in self.files.values() for n in names if not _is_scale(n))
 
     def weights(
-        self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", keep_fp8: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor cast to `dtype`; an FP8 weight (a quantized checkpoint: Qwen3-*-FP8, DeepSeek's)
-        comes dequantized with its scales, which are not yielded themselves."""
+        comes dequantized with its scales, which are not yielded themselves. `keep_fp8`: an expert's
+        block-quantized weight (`...experts.<e>.<proj>.weight`) comes as stored instead, its float32
+        scales riding on it as `fp8_scale_inv` and the block as `fp8_block` (models/weights.py keeps
+        them where the model runs its experts in FP8, else dequantizes them)."""
         from safetensors import safe_open
 
         dev = _safetensors_device(torch.device(device))
@@ -61,9 +66,11 @@ class HFFolder:
                         if _is_scale(name):
                             continue
                         t = f.get_tensor(name)
-                        if t.dtype in _FP8:
-                            t = _dequantize_fp8(t, name, scales, dev, self.block_size)
-                        yield name, (t.to(dtype) if t.is_floating_point() else t)
+                        if t.dtype in FP8_DTYPES:
+                            keep = keep_fp8 and _EXPERT.search(name) is not None
+                            t = _fp8_weight(t, name, scales, dev, self.block_size, keep)
+                        kept = t.dtype in FP8_DTYPES or not t.is_floating_point()
+                        yield name, (t if kept else t.to(dtype))
             except ModelLoadError:
                 raise
             except Exception as e:
@@ -72,7 +79,7 @@ class HFFolder:
                 ) from e
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_EXPERT = re.compile(r"\.experts\.\d+\.\w+\.weight$")  # one expert's projection (a stack's rows)
 
 
 def _is_scale(name: str) -> bool:
@@ -81,9 +88,12 @@ def _is_scale(name: str) -> bool:
     return name.endswith(("weight_scale_inv", "weight_scale", "input_scale"))
 
 
-def _dequantize_fp8(w: torch.Tensor, name: str, scales: dict[str, str], dev: str, block) -> torch.Tensor:
+def _fp8_weight(
+    w: torch.Tensor, name: str, scales: dict[str, str], dev: str, block, keep: bool
+) -> torch.Tensor:
     """An FP8 weight in float32: times its per-block scale (`*_scale_inv`, one per block_size block of
-    [rows, cols]) or its per-tensor / per-row scale (`*_scale`)."""
+    [rows, cols]) or its per-tensor / per-row scale (`*_scale`). `keep`: a block-scaled one comes as
+    stored, with `fp8_scale_inv` and `fp8_block` set on it."""
     from safetensors import safe_open
 
     for suffix in ("_scale_inv", "_scale"):
@@ -92,14 +102,15 @@ def _dequantize_fp8(w: torch.Tensor, name: str, scales: dict[str, str], dev: str
             continue
         with safe_open(file, framework="pt", device=dev) as f:
             s = f.get_tensor(name + suffix).float()
-        out = w.float()
-        if suffix == "_scale_inv" and s.dim() == 2 and out.dim() == 2:
+        if suffix == "_scale_inv" and s.dim() == 2 and w.dim() == 2:
             if block is None:
                 raise ModelLoadError(f"{name}: block-wise FP8 scales but no weight_block_size in the config")
-            br, bc = block
-            rows, cols = out.shape
-            s = s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-        elif s.dim() == 1 and s.numel() == out.shape[0]:
+            if keep:
+                w.fp8_scale_inv, w.fp8_block = s, tuple(block)
+                return w
+            return dequantize_blocks(w, s, block)
+        out = w.float()
+        if s.dim() == 1 and s.numel() == out.shape[0]:
             s = s[:, None]
         return out * s
     raise ModelLoadError(f"FP8 tensor {name} has no scale ({name}_scale_inv or {name}_scale)")
@@ -135,7 +146,8 @@ def open_hf_folder(path: str) -> HFFolder:
 
 def _fp8_block(hf_config, path: str) -> tuple[int, int] | None:
     """An FP8 checkpoint's scale block (quantization_config.weight_block_size); its weights are
-    dequantized as they load (FP8 matmuls are not served: they run in the model's dtype)."""
+    dequantized as they load (dense FP8 matmuls are not served: they run in the model's dtype), but for
+    a mixture's experts, which can run as stored (layers/fp8.py)."""
     q = getattr(hf_config, "quantization_config", None)
     if q is None:
         return None
@@ -143,8 +155,7 @@ def _fp8_block(hf_config, path: str) -> tuple[int, int] | None:
     method = q.get("quant_method")
     if method != "fp8":
         raise ModelLoadError(
-            f"{path}: quantization {method!r} is not supported (FP8 checkpoints are, dequantized at load; "
-            "or a GGUF file)"
+            f"{path}: quantization {method!r} is not supported (FP8 checkpoints are; or a GGUF file)"
         )
     block = q.get("weight_block_size")
     return tuple(block) if block else None

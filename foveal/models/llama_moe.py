@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foveal.layers.fp8 import expert_block
 from foveal.layers.linear import Linear
 from foveal.layers.moe import FusedMoE
 from foveal.models.llama import DecoderLayer, DecoderSwitches, MistralForCausalLM, Qwen3ForCausalLM
@@ -30,11 +31,14 @@ _EXPERT_PROJ = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, 
 class SparseMoeBlock(nn.Module):
     """The router and the experts of one layer."""
 
-    def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int, renormalize: bool):
+    def __init__(
+        self, config, hidden: int, num_experts: int, intermediate: int, top_k: int, renormalize: bool
+    ):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = Linear(hidden, num_experts, bias=False)
-        self.experts = FusedMoE(num_experts, hidden, intermediate)
+        fp8 = expert_block(config, hidden, intermediate)  # an FP8 checkpoint's experts, run as stored
+        self.experts = FusedMoE(num_experts, hidden, intermediate, fp8_block=fp8)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """`lora`: adapters reach the attention projections only (experts and router take none)."""
@@ -95,6 +99,7 @@ class Qwen3Moe(_MoeMixin):
 
     def _moe(self, config) -> SparseMoeBlock:
         return SparseMoeBlock(
+            config,
             config.hidden_size,
             config.num_experts,
             config.moe_intermediate_size,
@@ -111,4 +116,4 @@ class MixtralForCausalLM(_MoeMixin, MistralForCausalLM):
     def _moe(self, config) -> SparseMoeBlock:
         c = config
         experts = c.num_local_experts
-        return SparseMoeBlock(c.hidden_size, experts, c.intermediate_size, c.num_experts_per_tok, True)
+        return SparseMoeBlock(c, c.hidden_size, experts, c.intermediate_size, c.num_experts_per_tok, True)

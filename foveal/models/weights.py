@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foveal.layers.fp8 import FP8_DTYPES, dequantize_blocks
+
 
 class ParamFiller:
     def __init__(self, module: nn.Module):
@@ -32,6 +34,10 @@ class ParamFiller:
             raise ValueError(f"checkpoint tensor {source!r} has no place in {self.owner}")
         if rows is None and p.shape != tensor.shape:
             raise ValueError(f"{source}: shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
+        if p.dtype == torch.uint8 or tensor.dtype in FP8_DTYPES:
+            tensor = self._fp8(target, p, tensor, source, offset, rows)
+            if tensor is None:
+                return
         if tensor.is_meta:  # raw GGUF blocks only (loader/gguf_loader.py): packed, or dequantized, below
             if getattr(tensor, "gguf_blocks", None) is None:
                 raise ValueError(f"{source}: a tensor without values")
@@ -45,6 +51,35 @@ class ParamFiller:
         self.filled[target] = self.filled.get(target, 0) + (p.shape[0] if rows is None else rows)
         if (blocks := getattr(tensor, "gguf_blocks", None)) is not None:
             self.quantized.setdefault(target, []).append((offset, *blocks))
+
+    def _fp8(self, target: str, p, tensor: torch.Tensor, source: str, offset: int, rows: int | None):
+        """A block-quantized FP8 tensor (loader/safetensors_loader.py) into a parameter that keeps FP8
+        (uint8 bytes, with an int32 `<target>_scale_inv` holding its float32 scales: FusedMoE's FP8
+        experts): its bytes and its scales' rows copied, None returned. Into any other parameter: its
+        dequantized values returned, to be copied as any tensor is."""
+        scale_inv, block = getattr(tensor, "fp8_scale_inv", None), getattr(tensor, "fp8_block", None)
+        if tensor.dtype in FP8_DTYPES and scale_inv is None:
+            raise ValueError(f"{source}: an FP8 tensor without its scales")
+        scales = self.params.get(target + "_scale_inv")
+        if p.dtype != torch.uint8 or scales is None:
+            return tensor if scale_inv is None else dequantize_blocks(tensor, scale_inv, block)
+        b = p.shape[0] // scales.shape[0]
+        n = p.shape[0] if rows is None else rows
+        if tensor.dtype != torch.float8_e4m3fn or block != (b, b) or offset % b or n % b:
+            raise ValueError(
+                f"{source}: {tensor.dtype} in blocks {block} for {target}, which keeps float8_e4m3fn in "
+                f"{b} x {b} blocks (rows {offset}-{offset + n})"
+            )
+        if tuple(scale_inv.shape) != (n // b, scales.shape[1]):
+            raise ValueError(
+                f"{source}: scales {tuple(scale_inv.shape)} for {tuple(tensor.shape)} in {block}"
+            )
+        with torch.no_grad():
+            p[offset : offset + n].copy_(tensor.view(torch.uint8))
+            scales[offset // b : (offset + n) // b].copy_(scale_inv.float().view(torch.int32))
+        self.filled[target] = self.filled.get(target, 0) + n
+        self.filled[target + "_scale_inv"] = self.filled.get(target + "_scale_inv", 0) + n // b
+        return None
 
     def check_complete(self) -> None:
         missing = [n for n, p in self.params.items() if self.filled.get(n, 0) != p.shape[0]]
