@@ -2,7 +2,7 @@
 gpt-oss-20b through Foveal's engine on random weights of the real shapes (`--load-format dummy` with
 benchmarks/configs/*.json), against their memory floors measured in the same run.
 
-    python3 benchmarks/moe.py --parts ceilings,kernel,qwen3,gptoss [--smoke] [--profile]
+    python3 benchmarks/moe.py --parts ceilings,kernel,qwen3,qwen3fp8,gptoss [--smoke] [--profile]
     python3 benchmarks/moe.py --parts tiles [--tile-tokens 1,64,256]
 
 kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 2048, I 768) and
@@ -24,6 +24,8 @@ qwen3    Qwen3-30B-A3B: batch-1 decode, 512 prompt / 256 output, against its flo
          over the measured copy bandwidth; then 256 requests of 512 / 256 at once: output tok/s
          against the floor of a step that reads every expert a step's tokens touch (expected distinct
          experts of B tokens x k draws: E (1 - (1 - k/E)^B)) and the KV cache.
+qwen3fp8 Qwen3-30B-A3B-FP8 (configs/qwen3-30b-a3b-fp8.json: the experts kept in FP8 with 128 x 128
+         block scales, layers/fp8.py; the dense weights bf16): as qwen3, its floor from the bytes it holds.
 gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same floors.
          Each model's batch runs after the same number of prompts of its length with 8 tokens out: the
          timed run's prefill steps then compile nothing (a fresh machine's first run otherwise did).
@@ -344,8 +346,11 @@ def _smoke_config(name: str) -> str:
     """A tiny config of the family (the script's code paths on CPU)."""
     from tests.tiny import tiny_config
 
-    cfg = tiny_config("qwen3_moe_unnormed" if name == "qwen3" else "gpt_oss")
-    cfg.architectures = ["Qwen3MoeForCausalLM" if name == "qwen3" else "GptOssForCausalLM"]
+    qwen3 = name.startswith("qwen3")
+    cfg = tiny_config("qwen3_moe_unnormed" if qwen3 else "gpt_oss")
+    cfg.architectures = ["Qwen3MoeForCausalLM" if qwen3 else "GptOssForCausalLM"]
+    if name == "qwen3fp8":  # 16-blocks: the tiny experts' 48 rows and 64 columns fill them
+        cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [16, 16]}
     path = os.path.join(tempfile.mkdtemp(), "config.json")
     with open(path, "w") as f:
         f.write(cfg.to_json_string())
@@ -377,7 +382,11 @@ def main() -> None:
         kernel(a.smoke)
     if "tiles" in parts:
         tiles(a.smoke, tuple(int(t) for t in a.tile_tokens.split(",")))
-    runs = (("qwen3", "qwen3-30b-a3b.json", [1, 256]), ("gptoss", "gpt-oss-20b.json", [1, 64]))
+    runs = (
+        ("qwen3", "qwen3-30b-a3b.json", [1, 256]),
+        ("qwen3fp8", "qwen3-30b-a3b-fp8.json", [1, 256]),
+        ("gptoss", "gpt-oss-20b.json", [1, 64]),
+    )
     if a.batches:
         runs = tuple((n, c, [int(b) for b in a.batches.split(",")]) for n, c, _ in runs)
     from foveal.layers import moe
