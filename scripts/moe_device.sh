@@ -12,6 +12,8 @@
 #   tiles   benchmarks/moe.py: the experts kernel's tile shapes for gate/up and down at 1 / 64 / 256 tokens
 #           (TILE_TOKENS=1 for one of them: each shape compiles, a fresh machine takes minutes)
 #   qwen3   benchmarks/moe.py: Qwen3-30B-A3B at batch 1 (with the step's largest kernels) and 256
+#   fp8     Qwen3-30B-A3B in bf16 then with its experts in FP8 (Qwen3-30B-A3B-FP8's config), at FP8_BATCHES
+#           (1,256), one process
 #   paths   the models' decode through each CUDA experts path (the Triton kernel, torch's grouped GEMMs:
 #           benchmarks/moe.py --cuda-experts triton,grouped), PATHS_MODELS of gptoss,qwen3 (default: both)
 #   ab      Qwen3-30B-A3B batch 1 (the step's kernels profiled) in before/ then here, AB_REPS times (2),
@@ -51,6 +53,10 @@ for part in "$@"; do
     tiles)
       timeout ${T_TILES:-400} python3 benchmarks/moe.py --parts tiles --tile-tokens ${TILE_TOKENS:-1,64,256} 2>&1 \
         | grep -v "^\[transformers\]" | tee "$LOG/tiles.txt" | grep "^tiles"
+      ;;
+    fp8)
+      timeout ${T_FP8:-400} python3 benchmarks/moe.py --parts ceilings,qwen3,qwen3fp8 --batches ${FP8_BATCHES:-1,256} \
+        2>&1 | grep -v "^\[transformers\]" | tee "$LOG/fp8.txt" | grep "batch"
       ;;
     paths)
       timeout ${T_PATHS:-500} python3 benchmarks/moe.py --parts ceilings,${PATHS_MODELS:-gptoss,qwen3} \
