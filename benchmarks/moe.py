@@ -31,7 +31,8 @@ gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same flo
          timed run's prefill steps then compile nothing (a fresh machine's first run otherwise did).
 --cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
---profile  the largest CUDA kernels of a decode step (what a step's time goes to).
+--profile  the largest CUDA kernels of a decode step (what a step's time goes to), at the batches of
+         --profile-batches (1).
 --prefill-tiles "128,128,64,8,3/64,128,64,4,4"  the experts' tiles for steps of more than 2,048 pairs
          (gate/up / down), instead of moe_triton._tiles' rule, for the model runs.
 
@@ -330,8 +331,8 @@ def model(name: str, config: str, batches: list[int], a) -> None:
         # the same prompts' shapes first, 8 tokens out: every prefill step's kernels (a step's token and
         # sequence counts pick the experts' tiles and Triton's specializations) compile outside the timing
         gw.run(llm, gw.random_prompts(n, prompt, V, 1000 + b), [gw.greedy(8)] * n)
-        if a.profile and b == 1:
-            gw.profile(llm, V, batch=1, context=prompt)
+        if a.profile and n in a.profile_batches:
+            gw.profile(llm, V, batch=n, context=prompt)
         r = gw.run(llm, gw.random_prompts(n, prompt, V, b), [gw.greedy(output)] * n)
         r.update(_floor_row(llm, r, n, prompt + output // 2, top_k))
         gw.report(f"{name} batch {n}", r, f"floor {r.get('floor_tok_s')} tok/s ({r.get('share_of_floor')})")
@@ -362,6 +363,7 @@ def main() -> None:
     ap.add_argument("--parts", default="ceilings,kernel,qwen3,gptoss")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-batches", default="1", help="--profile: the batches whose decode is profiled")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -372,6 +374,7 @@ def main() -> None:
     ap.add_argument("--tile-tokens", default="1,64,256", help="tiles: the token counts to sweep")
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
     a = ap.parse_args()
+    a.profile_batches = {int(b) for b in a.profile_batches.split(",")}
     gw.SMOKE = a.smoke
     if a.prefill_tiles:
         _prefill_tiles(a.prefill_tiles)
