@@ -390,7 +390,8 @@ class Tiles(NamedTuple):
     split_k: int = 1  # down only: K in this many runs, each its own programs, partial sums summed after
 
 
-SPLIT_K_PROGRAMS = 256  # down's programs (one row tile an expert) up to which it splits K
+# down's programs (row tiles x column tiles) up to which it splits K in 4 runs, and in 2 (16-row tiles)
+SPLIT_K_PROGRAMS = (128, 1024)
 
 
 def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2) -> Tiles:
@@ -403,10 +404,11 @@ def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize:
     sweep: through gpt-oss-20b at 64 x 512 the 64-row shapes gave a 2.4x longer TTFT, and alone at
     4,096 tokens gate/up's (192 KB of shared memory in 4 stages: one program an SM) was not among the
     fastest; the fastest there (gate/up 128 rows and 8 warps, down 64 rows) are not yet tried end to
-    end (`benchmarks/moe.py --prefill-tiles`). Down in 4 runs of K (3 stages) while it would have at
-    most SPLIT_K_PROGRAMS programs (a tile an expert): at one token (92 and 128 programs) that took
-    down 61.4 -> 29.6 us (gpt-oss-20b) and 20.2 -> 14.2 us (Qwen3-30B-A3B) on the H100 (session 34);
-    not swept at more tokens."""
+    end (`benchmarks/moe.py --prefill-tiles`). Down takes 3 stages, and K in 4 runs while it would have at
+    most 128 programs (one token: 92 and 128), in 2 up to 1,024 with 16-row tiles (SPLIT_K_PROGRAMS):
+    on the H100 at one token that took down 61.4 -> 29.6 us (gpt-oss-20b) and 20.2 -> 14.2 us
+    (Qwen3-30B-A3B) (session 34); at 2 and 8 tokens 2 runs were fastest or within 2% of it, 3 stages
+    took 4-24% off 4 stages' time at 8 and 64 tokens, and 3 stages were fastest at 256 (sessions 33, 35)."""
     if n_pairs > 2048:
         return Tiles(
             64, max(16, min(128, triton.next_power_of_2(N))), max(16, min(64, triton.next_power_of_2(K)))
@@ -419,8 +421,12 @@ def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize:
         bk = min(bk, 64)
     bn = max(16, min(bn, triton.next_power_of_2(N)))
     bk = max(16, min(bk, triton.next_power_of_2(K)))
-    if down and itemsize <= 2 and min(num_experts, n_pairs) * triton.cdiv(N, bn) <= SPLIT_K_PROGRAMS:
-        return Tiles(bm, bn, bk, 4, 3, 4)
+    if down and itemsize <= 2:
+        programs = min(num_experts, n_pairs) * triton.cdiv(N, bn)
+        split = (
+            4 if programs <= SPLIT_K_PROGRAMS[0] else 2 if programs <= SPLIT_K_PROGRAMS[1] and bm == 16 else 1
+        )
+        return Tiles(bm, bn, bk, 4, 3, split)
     return Tiles(bm, bn, bk, 4, stages)
 
 
