@@ -71,8 +71,8 @@ def _moe_gemm_kernel(
     SPLIT_K > 1: program (., ., s) takes the s-th of SPLIT_K runs of K (whole BLOCK_Ks) and writes its
     partial product (the bias in s = 0's) to C's rows s * num_pairs + p, for the caller to sum.
     QB > 0: W is fp8 with one float32 scale per QB x QB block (ws[e, n // QB, k // QB], strides ws_e,
-    ws_n, 1; BLOCK_K divides QB, so a K step takes one scale a column), each W tile dequantized to A's
-    type before the dot."""
+    ws_n, 1; BLOCK_K divides QB, so a K step takes one scale a column): each W tile taken in A's type
+    (e4m3 values are exact in bf16, fp16 and fp32), each K step's product scaled per column in float32."""
     tile = tl.program_id(0)
     e = tl.load(experts_ptr + tile)
     if e < 0:
@@ -115,13 +115,16 @@ def _moe_gemm_kernel(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0.0,
         )
-        if QB > 0:
-            ws = ws_ptr + e.to(tl.int64) * ws_e + (cols // QB) * ws_n + k0 // QB
-            w = (w.to(tl.float32) * tl.load(ws, mask=col_mask, other=0.0)[None, :]).to(a_ptr.dtype.element_ty)
+        if QB > 0:  # fp8 values are exact in A's type; their block's scale multiplies the partial product
+            w = w.to(a_ptr.dtype.element_ty)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        if QB > 0:
+            ws = ws_ptr + e.to(tl.int64) * ws_e + (cols // QB) * ws_n + k0 // QB
+            acc += tl.dot(a, w, input_precision=DOT_PREC) * tl.load(ws, mask=col_mask, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
     if BIAS:
         bias = tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)
         if SPLIT_K > 1:
