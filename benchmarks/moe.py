@@ -17,7 +17,8 @@ kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 204
          route_align, and the GEMV inside the routing's launch (`router_route_align_w*`, up to 8
          tokens, 1, 2, 4 warps), eager and 8 launches from a graph.
 tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages[, split K]) for gate/up and down
-         apart, at the same shapes and token counts: us per launch of each (8 launches on 8 routings,
+         apart, at the same shapes and token counts (--tile-weights bf16,fp8: FP8 experts too, in
+         128 x 128 blocks): us per launch of each (8 launches on 8 routings,
          disjoint experts at one token, replayed from a CUDA graph), the default's (moe_triton._tiles)
          first, then the three fastest (what a per-shape table would pick)
 qwen3    Qwen3-30B-A3B: batch-1 decode, 512 prompt / 256 output, against its floor: the bytes a step
@@ -196,7 +197,14 @@ def _launches_us(fns: list, reps: int) -> float:
     return _time(_captured(lambda: [f() for f in fns]), reps) * 1e6 / len(fns)
 
 
-def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
+def _fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
+    """w [E, N, K] as FP8 experts for timing: e4m3 values of w / 0.02 and every block's scale 0.02."""
+    E, N, K = w.shape
+    scales = torch.full((E, -(-N // block), -(-K // block)), 0.02, dtype=torch.float32, device=w.device)
+    return (w.float() / 0.02).to(torch.float8_e4m3fn), (scales, block)
+
+
+def tiles(smoke: bool, tokens: tuple[int, ...], kinds: tuple[str, ...] = ("bf16",)) -> None:
     import itertools
 
     import triton
@@ -204,19 +212,25 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
     from foveal.layers import moe_triton as mt
 
     out = {}
-    for name, E, k, H, inter, T, g, w13, w2, x, _weights, _ids in _layers(smoke, tokens):
+    for (name, E, k, H, inter, T, g, w13, w2, x, _weights, _ids), kind in itertools.product(
+        _layers(smoke, tokens), kinds
+    ):
         n = T * k
         h = torch.randn(n, 2 * inter, generator=g).to(w13)
         d = torch.empty(4 * n, H, dtype=w13.dtype, device=w13.device)  # room for down's split-K partials
         scale = torch.rand(n, generator=g).to(w13.device)
         routings = _routings(T, E, k, g, w13.device)
-        gemms = {  # (a, w, c, scale, gather, act, N, K)
-            "gate_up": (x, w13, h.clone(), None, True, (0, 0.0, 0.0), 2 * inter, H),
-            "down": (h, w2, d, scale, False, (1, 0.0, 0.0), H, inter),
+        (w_up, q_up), (w_down, q_down) = ((w13, None), (w2, None))
+        if kind == "fp8":  # Qwen3-30B-A3B-FP8's 128 x 128 blocks (16 on the smoke run's small shapes)
+            (w_up, q_up), (w_down, q_down) = _fp8(w13, 16 if smoke else 128), _fp8(w2, 16 if smoke else 128)
+        gemms = {  # (a, w, wq, c, scale, gather, act, N, K)
+            "gate_up": (x, w_up, q_up, h.clone(), None, True, (0, 0.0, 0.0), 2 * inter, H),
+            "down": (h, w_down, q_down, d, scale, False, (1, 0.0, 0.0), H, inter),
         }
+        label = name if kind == "bf16" else f"{name} {kind}"
         timed = {}
-        for gemm, (a, w, c, sc, gather, act, N, K) in gemms.items():
-            default = mt._tiles(n, E, N, K, gemm == "down", w.element_size())
+        for gemm, (a, w, wq, c, sc, gather, act, N, K) in gemms.items():
+            default = mt._tiles(n, E, N, K, gemm == "down", a.element_size())
             if T == 1:  # one row an expert: bytes in flight (narrow columns, deep K, more stages, split K)
                 grid = itertools.product((default.block_m,), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
                 if gemm == "down":
@@ -237,8 +251,10 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
             for t in shapes:
                 if t.block_m not in aligned:
                     aligned[t.block_m] = [mt.align(ids, E, t.block_m) for ids in routings]
+                if wq is not None and wq[1] % min(t.block_k, wq[1]):
+                    continue  # a K tile must divide the scales' block
                 runs = [
-                    partial(mt._gemm, a, w, None, c, sc, rows, experts, n, k, gather, t, act)
+                    partial(mt._gemm, a, w, None, c, sc, rows, experts, n, k, gather, t, act, wq)
                     for rows, experts in aligned[t.block_m]
                 ]
                 try:
@@ -250,8 +266,8 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
             touched = distinct * N * K * w.element_size()
             row = {"default": [times[0][0], list(times[0][1])], "best": [[us, list(t)] for us, t in best]}
             row["best_GBps"] = round(touched / best[0][0] / 1e3, 1)
-            out[f"{name}/T{T}/{gemm}"] = row
-            log(f"tiles {name} T={T} {gemm}: default {row['default']}, best {row['best']}")
+            out[f"{label}/T{T}/{gemm}"] = row
+            log(f"tiles {label} T={T} {gemm}: default {row['default']}, best {row['best']}")
             timed[gemm] = times
         # the best pair per shared row tile (one alignment; different rows align twice)
         joint = {}
@@ -259,8 +275,8 @@ def tiles(smoke: bool, tokens: tuple[int, ...]) -> None:
             up = min((us, t) for us, t in timed["gate_up"] if t.block_m == bm)
             dn = min((us, t) for us, t in timed["down"] if t.block_m == bm)
             joint[bm] = [round(up[0] + dn[0], 1), list(up[1]), list(dn[1])]
-        out[f"{name}/T{T}/joint"] = joint
-        log(f"tiles {name} T={T} joint (us, gate_up, down) by rows: {joint}")
+        out[f"{label}/T{T}/joint"] = joint
+        log(f"tiles {label} T={T} joint (us, gate_up, down) by rows: {joint}")
     RESULTS["tiles"] = out
 
 
@@ -373,6 +389,7 @@ def main() -> None:
         "--prefill-tiles", default="", help="gate/up and down tiles above 2,048 pairs: a,b,c,d,e/a,b,c,d,e"
     )
     ap.add_argument("--tile-tokens", default="1,64,256", help="tiles: the token counts to sweep")
+    ap.add_argument("--tile-weights", default="bf16", help="tiles: the experts' weights, bf16 and/or fp8")
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
     a = ap.parse_args()
     a.profile_batches = {int(b) for b in a.profile_batches.split(",")}
@@ -385,7 +402,7 @@ def main() -> None:
     if "kernel" in parts:
         kernel(a.smoke)
     if "tiles" in parts:
-        tiles(a.smoke, tuple(int(t) for t in a.tile_tokens.split(",")))
+        tiles(a.smoke, tuple(int(t) for t in a.tile_tokens.split(",")), tuple(a.tile_weights.split(",")))
     runs = (
         ("qwen3", "qwen3-30b-a3b.json", [1, 256]),
         ("qwen3fp8", "qwen3-30b-a3b-fp8.json", [1, 256]),

@@ -10,7 +10,8 @@
 #   kernel  benchmarks/moe.py --parts kernel: the experts kernel, the routing (route_align's warps, the
 #           router's GEMV then route_align, and inside it) at 1 / 64 / 256 tokens
 #   tiles   benchmarks/moe.py: the experts kernel's tile shapes for gate/up and down at 1 / 64 / 256 tokens
-#           (TILE_TOKENS=1 for one of them: each shape compiles, a fresh machine takes minutes)
+#           (TILE_TOKENS=1 for one of them: each shape compiles, a fresh machine takes minutes;
+#           TILE_WEIGHTS=fp8 or bf16,fp8: FP8 experts)
 #   qwen3   benchmarks/moe.py: Qwen3-30B-A3B at batch 1 (with the step's largest kernels) and 256
 #   fp8     Qwen3-30B-A3B in bf16 then with its experts in FP8 (Qwen3-30B-A3B-FP8's config), at FP8_BATCHES
 #           (1,256), one process
@@ -51,7 +52,8 @@ for part in "$@"; do
         | grep -v "^\[transformers\]" | tee "$LOG/kernel.txt" | grep "^kernel"
       ;;
     tiles)
-      timeout ${T_TILES:-400} python3 benchmarks/moe.py --parts tiles --tile-tokens ${TILE_TOKENS:-1,64,256} 2>&1 \
+      timeout ${T_TILES:-400} python3 benchmarks/moe.py --parts tiles --tile-tokens ${TILE_TOKENS:-1,64,256} \
+        --tile-weights ${TILE_WEIGHTS:-bf16} 2>&1 \
         | grep -v "^\[transformers\]" | tee "$LOG/tiles.txt" | grep "^tiles"
       ;;
     fp8)
