@@ -444,6 +444,21 @@ def test_metrics(srv):
         assert k in m["latest"]
 
 
+def test_a_stopped_server_lets_its_engine_go(smollm_path):
+    """After the app's shutdown nothing holds its engine (weights, KV pool): FastAPI keeps route
+    functions in module-level caches past an app's life, and the routes close over the engine loop."""
+    import gc
+    import weakref
+
+    with serving({}, {}) as s:
+        engine = weakref.ref(s.engine)
+        r = s.client().completions.create(model=s.model, prompt="hi", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    del s
+    gc.collect()
+    assert engine() is None
+
+
 def test_auth(small):
     h = httpx.get(small.url + "/health")
     assert h.status_code == 200

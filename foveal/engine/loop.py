@@ -239,6 +239,10 @@ class EngineLoop:
         self._thread.join(timeout=10)
         if self.state != "dead":
             self.state = "stopped"
+        if not self._thread.is_alive():
+            # let the engine (weights, KV pool) go with its thread: the app's route functions close over
+            # this loop, and FastAPI keeps route functions in module-level caches past the app's life
+            self.engine = None
         gc.unfreeze()  # what start() froze may be garbage now (a process that starts another engine)
 
     # -- model thread -----------------------------------------------------------------------------
