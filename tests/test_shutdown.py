@@ -77,3 +77,14 @@ def test_sigterm_drains_then_ends_open_requests_with_a_final_event(smollm_path):
     assert b.status_code == 503 and "shutting down" in b.json()["error"]["message"]
     assert "Cancel" not in log and "Traceback" not in log, log[-3000:]
     assert rc in (0, -signal.SIGTERM), rc
+
+
+def test_ctrl_c_stops_the_server_without_a_traceback(smollm_path):
+    """SIGINT (Ctrl-C) drains like SIGTERM and the process ends with status 0 and no traceback (uvicorn
+    re-raises the signal it stopped on as a KeyboardInterrupt)."""
+    with spawn_server("--drain-timeout", "1") as s:
+        r = httpx.post(s.url + "/v1/chat/completions", json={**LONG, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        rc = s.stop(signal.SIGINT)
+        log = s.log()
+    assert rc == 0 and "Traceback" not in log, (rc, log[-3000:])

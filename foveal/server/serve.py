@@ -48,4 +48,7 @@ def serve(app, *, drain_timeout: float, **uvicorn_kwargs) -> None:
     # the requests were ended by the drain: uvicorn needs only to flush their last bytes
     uvicorn_kwargs.setdefault("timeout_graceful_shutdown", 5)
     server = DrainingServer(uvicorn.Config(app, **uvicorn_kwargs), app.state.loop, drain_timeout)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the SIGINT it stopped on (uvicorn.run swallows it too): no traceback
