@@ -5,6 +5,7 @@ formula, the published per-expert checkpoint layouts, and a Qwen3-MoE folder ser
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -72,6 +73,22 @@ def test_unaligned_shapes_take_the_loop():
     assert torch.allclose(experts_grouped(x, w13, w2, weights, ids), want)
 
 
+def _replayed(fn):
+    """fn() captured in a CUDA graph (after a warm-up run on a side stream) and replayed once: its
+    output. Capture fails where fn holds a host sync."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's experts paths")
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped-swiglu+biases"])
 @pytest.mark.parametrize("path", ["triton", "grouped"])
@@ -105,16 +122,7 @@ def test_cuda_experts_paths_equal_the_loop_eager_and_in_a_graph(path, gpt_oss, H
         tol = 5e-2 * want.abs().max().item()
         eager = layer.routed(x, router, k).float()
         assert (eager - want).abs().max().item() < tol
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            layer.routed(x, router, k)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer.routed(x, router, k)
-        graph.replay()
-        torch.cuda.synchronize()
+        out = _replayed(partial(layer.routed, x, router, k))
         assert (out.float() - want).abs().max().item() < tol  # (index_add_'s atomics: not bit-equal)
 
 
@@ -153,16 +161,7 @@ def test_cuda_fp8_experts_equal_the_loop_on_their_dequantized_weights(H, inter, 
         tol = 5e-2 * want.abs().max().item()
         assert (layer.routed(x, router, k).float() - want).abs().max().item() < tol
         assert (layer(x, weights, ids).float() - want).abs().max().item() < tol
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            layer.routed(x, router, k)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer.routed(x, router, k)
-        graph.replay()
-        torch.cuda.synchronize()
+        out = _replayed(partial(layer.routed, x, router, k))
         assert (out.float() - want).abs().max().item() < tol
 
 
