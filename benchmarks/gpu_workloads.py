@@ -102,6 +102,7 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
     for k in ("schedule", "execute", "update"):
         eng.step_seconds[k] = 0.0
     eng.step_seconds["steps"] = 0
+    hits0 = eng.kv.hit_tokens
     _sync()
     t0 = time.perf_counter()
     ids = [eng.add_request(llm.processor.request(p, sp)) for p, sp in zip(prompts, params)]
@@ -134,6 +135,8 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict:
         "wall_s": wall,
         "output_tokens": sum(count.values()),
         "prompt_tokens": sum(len(getattr(p, "prompt_token_ids", p)) for p in prompts),
+        # of those, found in the prefix cache at admission (not computed; 0 with the cache off)
+        "prompt_tokens_cached": eng.kv.hit_tokens - hits0,
         "output_tok_s": sum(count.values()) / wall,
         "ttft_p50_s": ttft[len(ttft) // 2],
         "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],

@@ -391,12 +391,22 @@ def prefix(a) -> dict:
             res[mode].append(r)
             llm.engine.reset_prefix_cache()
     backend.shared_min_rows = on
+    # the prompt tokens a run computes (the cache's hits subtracted) at the matmul ceiling: a bound on
+    # its prefill's time that no attention kernel moves (2 FLOPs a weight a token)
+    r = res["plain"][-1]
+    computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
+    bound: dict = {"prompt_tokens_computed": computed}
+    if torch.cuda.is_available():
+        flops = 2 * (gw.decode_bytes(llm) // 2) * computed  # bf16 weights: 2 bytes a weight
+        bound["prefill_floor_s"] = flops / (gw.ceilings()["bf16_TFLOPs"] * 1e12)
+        gw.log(f"prefix: {computed} prompt tokens computed of {r['prompt_tokens']}; at the matmul "
+               f"ceiling {bound['prefill_floor_s']:.2f} s of a run")  # fmt: skip
     del llm
     best = {m: max(r["output_tok_s"] for r in runs) for m, runs in res.items() if runs}
     if len(best) == 2:
         gw.log(f"prefix shared / plain (best of {a.reps}): {best['shared']:.1f} / {best['plain']:.1f} = "
                f"{best['shared'] / best['plain']:.3f}")  # fmt: skip
-    return {"runs": res, "best_tok_s": best}
+    return {"runs": res, "best_tok_s": best, **bound}
 
 
 def prefix_sweep(a) -> dict:
