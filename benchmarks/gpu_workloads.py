@@ -248,16 +248,15 @@ def w1_w2(a) -> None:
         torch.cuda.empty_cache()
 
 
-def profile(llm: LLM, V: int, batch: int, context: int) -> None:
-    """torch.profiler over 8 decode steps of `batch` requests with `context`-token prompts: where the
-    device and host time go (device time per step = CUDA total / 8)."""
+def profile(llm: LLM, V: int, batch: int, context: int, prompts: list | None = None) -> None:
+    """torch.profiler over 8 decode steps of `batch` requests with `context`-token prompts (or these
+    `prompts`): where the device and host time go (device time per step = CUDA total / 8)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprof
 
     eng = llm.engine
-    ids = [
-        eng.add_request(llm.processor.request(p, greedy(40))) for p in random_prompts(batch, context, V, 7)
-    ]
+    prompts = random_prompts(batch, context, V, 7) if prompts is None else prompts
+    ids = [eng.add_request(llm.processor.request(p, greedy(40))) for p in prompts]
     while eng.num_waiting:  # prefill everything first: the profile is of decode steps
         eng.step()
     for _ in range(4):
@@ -267,7 +266,7 @@ def profile(llm: LLM, V: int, batch: int, context: int) -> None:
         for _ in range(8):
             eng.step()
         _sync()
-    log(f"profile: 8 decode steps at batch {batch}, context ~{context}")
+    log(f"profile: 8 decode steps at batch {len(prompts)}, context ~{len(prompts[0])}")
     log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
     for r in ids:

@@ -21,7 +21,9 @@ tiles   the Triton kernel alone at several (column block, warps per program, lan
 SAMPLING_TILE="block,warps,lanes[,maxnreg]" sets the kernel's shape for every workload (the engine's too).
 host    the Sampler's host work a step for the mixed rows, the kernel's launch stubbed (any machine).
 prefix  256 requests sharing a 3,584-token prefix, each with 512 tokens of its own, 128 out, greedy,
-        prefix caching on (the shared blocks are computed once): output tok/s.
+        prefix caching on (the shared blocks are computed once): output tok/s; the prompt tokens the
+        runs compute and their time at the matmul ceiling (a bound on the prefill); with --profile the
+        largest kernels of 8 decode steps, plain and shared-prefix decode.
 
 Every run goes through the engine's step loop (gpu_workloads.run: all requests at t0) and prints the
 host's time per step phase. --profile: for each mode, a few decode steps timed without a profiler
@@ -389,6 +391,12 @@ def prefix(a) -> dict:
             r = gw.run(llm, [shared + o for o in own], [gw.greedy(gw.L(128))] * n)
             gw.report(f"prefix {mode} {rep}", r)
             res[mode].append(r)
+            llm.engine.reset_prefix_cache()
+    if a.profile and torch.cuda.is_available():  # where a decode step's time goes, plain then shared
+        for mode in ("plain", "shared") if on else ("plain",):
+            backend.shared_min_rows = on if mode == "shared" else 0
+            gw.log(f"prefix, {mode} decode:")
+            gw.profile(llm, V, n, 0, prompts=[shared + o for o in own])
             llm.engine.reset_prefix_cache()
     backend.shared_min_rows = on
     # the prompt tokens a run computes (the cache's hits subtracted) at the matmul ceiling: a bound on
