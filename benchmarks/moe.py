@@ -11,10 +11,11 @@ kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 204
          experts (the reference): us per call, and the bytes of the experts those tokens touch (each
          distinct expert read once) over that time; on CUDA the Triton kernel and the grouped GEMMs
          also captured in a CUDA graph and replayed (`*_graph_us`, or why one cannot be captured);
-         the routing and row layout by torch ops and by route_align's one program at 1, 2, 4 and 8
-         warps (`route_align_fused_w*`), the router's GEMV (cuBLAS) then route_align, and the GEMV inside
-         the routing's launch (`router_route_align_w*`, up to 8 tokens, 1, 2, 4 warps), eager and 8
-         launches from a graph.
+         the routing and row layout by torch's route then align (`route_then_align`) and by route_align
+         (`route_align_fused_w*`: its one program at 1, 2, 4 and 8 warps, or past FUSED_MAX align's
+         two launches routing in the first, whatever the warps), the router's GEMV (cuBLAS) then
+         route_align, and the GEMV inside the routing's launch (`router_route_align_w*`, up to 8
+         tokens, 1, 2, 4 warps), eager and 8 launches from a graph.
 tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages[, split K]) for gate/up and down
          apart, at the same shapes and token counts (--tile-weights bf16,fp8: FP8 experts too, in
          128 x 128 blocks): us per launch of each (8 launches on 8 routings,
@@ -147,7 +148,7 @@ def kernel(smoke: bool) -> None:
 
             logits = torch.randn(T, E, generator=g).to(w13.dtype).to(dev)
             bm = block_m(T * k, w13)
-            routing = {"route_align_torch": partial(_route_then_align, logits, k, bm)}
+            routing = {"route_then_align": partial(_route_then_align, logits, k, bm)}
             for warps in (1, 2, 4, 8):
                 routing[f"route_align_fused_w{warps}"] = partial(route_align, logits, k, True, bm, warps)
             # with the router's GEMV: cuBLAS's then route_align, or inside the routing's launch

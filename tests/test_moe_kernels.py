@@ -177,6 +177,44 @@ def test_split_k_is_refused_for_gate_up():
         mt._gemm(x, w13, None, c, None, rows, experts, 2, 1, True, mt.Tiles(16, 64, 32, split_k=2))
 
 
+def align_reference(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout by its definition: pairs stably sorted by expert, each expert's run padded to whole
+    bm-row tiles with the sentinel T*k, each tile's expert (-1 for tiles past the runs)."""
+    flat = ids.reshape(-1).cpu()
+    n = flat.numel()
+    max_rows = -(-(n + min(E, n) * (bm - 1)) // bm) * bm
+    rows, tiles = [], []
+    for e in range(E):
+        run = [p for p in torch.argsort(flat, stable=True).tolist() if flat[p] == e]
+        run += [n] * (-len(run) % bm)
+        rows += run
+        tiles += [e] * (len(run) // bm)
+    rows += [n] * (max_rows - len(rows))
+    tiles += [-1] * (max_rows // bm - len(tiles))
+    return torch.tensor(rows, dtype=torch.int32), torch.tensor(tiles, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "T,E,k,bm",
+    [
+        (4, 5, 2, 4),
+        (300, 128, 8, 16),  # Qwen3-30B-A3B's shape: 75 blocks of 4 tokens, counts summed in chunks of 32
+        (257, 32, 4, 16),  # gpt-oss-20b's: 9 blocks of 32, the last of one token
+        (2048, 8, 2, 64),  # 8 blocks of 256
+        (3, 60, 6, 32),
+    ],
+)
+def test_align_equals_the_stable_sort(T, E, k, bm):
+    """align's two launches (blocks of tokens counted, then placed) against the layout's definition,
+    with experts no token chose and skewed choices (a quarter of the pairs on expert 1)."""
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids[: T // 4, 0] = 1
+    rows, experts = align(ids.to(DEVICE), E, bm)
+    want_rows, want_experts = align_reference(ids, E, bm)
+    assert torch.equal(rows.cpu(), want_rows) and torch.equal(experts.cpu(), want_experts)
+
+
 def test_align_sorts_pairs_by_expert_in_padded_tiles():
     """Each expert's pairs in one run of whole tiles (sentinel-padded), tiles past the runs marked -1,
     experts no token chose given no tile; every pair appears once."""
@@ -200,13 +238,14 @@ def test_align_sorts_pairs_by_expert_in_padded_tiles():
         (33, 32, 4, 16, False, True),
         (5, 6, 3, 4, True, True),
         (64, 60, 6, 32, True, True),  # exactly FUSED_MAX
-        (100, 128, 8, 64, True, False),  # past it: route() then align()
+        (100, 128, 8, 64, True, False),  # past it: align's two launches, the first routing
+        (257, 32, 4, 16, False, False),
     ],
 )
-def test_route_align_in_one_program_equals_route_then_align(T, E, k, bm, renorm, fused):
-    """The fused routing and layout (one program) against route() and align(): the same weights and
-    experts per token, the same rows and tile experts (align's pair order within each run); sizes
-    past FUSED_MAX take those two."""
+def test_route_align_equals_route_then_the_layout(T, E, k, bm, renorm, fused):
+    """The routing and layout (one program up to FUSED_MAX, else align's two launches routing as they
+    count) against route() and the layout's definition: the same weights and experts per token, the
+    same rows and tile experts."""
     from foveal.layers.moe_triton import FUSED_MAX, route_align
 
     g = torch.Generator().manual_seed(T * 31 + E)
@@ -215,8 +254,8 @@ def test_route_align_in_one_program_equals_route_then_align(T, E, k, bm, renorm,
     want_w, want_ids = route(logits, k, renorm)
     assert torch.equal(ids, want_ids) and ids.dtype == torch.long
     torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
-    want_rows, want_experts = align(want_ids, E, bm)
-    assert torch.equal(rows, want_rows) and torch.equal(experts, want_experts)
+    want_rows, want_experts = align_reference(want_ids, E, bm)
+    assert torch.equal(rows.cpu(), want_rows) and torch.equal(experts.cpu(), want_experts)
     pads = [1 << (n - 1).bit_length() for n in (T, k, E)]  # the kernel's power-of-two blocks
     assert (pads[0] * pads[1] * pads[2] <= FUSED_MAX) == fused
 

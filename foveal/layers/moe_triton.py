@@ -6,11 +6,12 @@ and again for down, over the (token, expert) pairs sorted by expert.
                the sentinel T*k: [max_rows], max_rows = T*k + min(E, T*k) * (BLOCK_M - 1) rounded up
     experts    per BLOCK_M tile of `rows` its expert, or -1 past the last run: [max_rows / BLOCK_M]
 
-Both come from device work alone (`align`: torch ops), whose shapes depend only on T, k, E and BLOCK_M:
-no host sync, so a CUDA graph holds the whole layer. For decode-sized steps (T*k pairs x E experts up to
-FUSED_MAX) `route_align` makes them and the routing (softmax, top k, renormalization) in ONE program:
-the ~17 small launches the torch ops take a layer cost more than the experts' GEMMs at batch 1; up to
-ROUTER_FUSED_MAX_T tokens `router_route_align` computes the router's logits in that launch too.
+Both come from device work alone, whose shapes depend only on T, k, E and BLOCK_M: no host sync, so a
+CUDA graph holds the whole layer. `align` takes two launches (blocks of tokens counted per expert, then
+placed in the order a stable sort by expert gives); `route_align` makes them and the routing (softmax,
+top k, renormalization): for decode-sized steps (T*k pairs x E experts up to FUSED_MAX) in ONE program,
+past that in align's two, the first routing its block of tokens. Up to ROUTER_FUSED_MAX_T tokens
+`router_route_align` computes the router's logits in that one program's launch too.
 
 A GEMM program takes one tile of rows (one expert) and one tile of columns: C[p] = A[row(p)] @ W[e]^T,
 with A's row the token (gate/up: x gathered, no copy) or the pair (down: the activation's row), and for
@@ -71,8 +72,8 @@ def _moe_gemm_kernel(
     SPLIT_K > 1: program (., ., s) takes the s-th of SPLIT_K runs of K (whole BLOCK_Ks) and writes its
     partial product (the bias in s = 0's) to C's rows s * num_pairs + p, for the caller to sum.
     QB > 0: W is fp8 with one float32 scale per QB x QB block (ws[e, n // QB, k // QB], strides ws_e,
-    ws_n, 1; BLOCK_K divides QB, so a K step takes one scale a column), each W tile dequantized to A's
-    type before the dot."""
+    ws_n, 1; BLOCK_K divides QB, so a K step takes one scale a column): each W tile taken in A's type
+    (e4m3 values are exact in bf16, fp16 and fp32), each K step's product scaled per column in float32."""
     tile = tl.program_id(0)
     e = tl.load(experts_ptr + tile)
     if e < 0:
@@ -115,13 +116,16 @@ def _moe_gemm_kernel(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0.0,
         )
-        if QB > 0:
-            ws = ws_ptr + e.to(tl.int64) * ws_e + (cols // QB) * ws_n + k0 // QB
-            w = (w.to(tl.float32) * tl.load(ws, mask=col_mask, other=0.0)[None, :]).to(a_ptr.dtype.element_ty)
+        if QB > 0:  # fp8 values are exact in A's type; their block's scale multiplies the partial product
+            w = w.to(a_ptr.dtype.element_ty)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        if QB > 0:
+            ws = ws_ptr + e.to(tl.int64) * ws_e + (cols // QB) * ws_n + k0 // QB
+            acc += tl.dot(a, w, input_precision=DOT_PREC) * tl.load(ws, mask=col_mask, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
     if BIAS:
         bias = tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)
         if SPLIT_K > 1:
@@ -135,30 +139,178 @@ def _moe_gemm_kernel(
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [max_rows] int32, experts [max_rows / block_m] int32) for the routing choices ids [T, k]:
-    the pairs sorted by expert, each expert's run padded to block_m with the sentinel T*k, and each
-    tile's expert (-1 past the runs). Device ops only; shapes depend on T, k, E and block_m alone."""
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
-    order = torch.argsort(flat, stable=True)
-    # a scatter, not torch.bincount: CUDA's bincount reads the largest id back to the host (a sync)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = torch.cumsum(padded, 0)
-    run_start = torch.cumsum(counts, 0) - counts
-    e_sorted = flat[order]
-    dest = (pad_end - padded)[e_sorted] + torch.arange(n, device=ids.device) - run_start[e_sorted]
-    rows = torch.full((max_rows,), n, dtype=torch.int32, device=ids.device)
-    rows[dest] = order.to(torch.int32)
-    starts = torch.arange(0, max_rows, block_m, device=ids.device)
-    experts = torch.searchsorted(pad_end, starts, right=True)
-    experts = torch.where(experts < num_experts, experts, -1).to(torch.int32)
-    return rows, experts
+    the pairs sorted by expert (pair order within each expert's run, as a stable sort gives), each run
+    padded to block_m with the sentinel T*k, and each tile's expert (-1 past the runs). Two launches
+    (blocks of tokens counted, then placed); shapes depend on T, k, E and block_m alone."""
+    T, k = ids.shape
+    return _align_launches(None, ids.contiguous(), None, T, k, num_experts, False, block_m)
 
 
 FUSED_MAX = 32768  # pairs (padded) x experts (padded) that route_align takes in one program
+
+
+@triton.jit
+def _top_k(x, e, e_ok, j, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
+           BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
+    """(weights [BLOCK_T, K_PAD] float32, ids int32): softmax over each row of the logits x [BLOCK_T,
+    BLOCK_E] (experts past e_ok left out), its TOP_K largest (first index on ties) and their weights,
+    renormalized to sum to 1 when RENORM; columns j >= TOP_K are zeros."""
+    x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))  # padding rows stay finite
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        arg = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), 1)
+        w = tl.where(j[None, :] == i, best[:, None], w)
+        ids = tl.where(j[None, :] == i, arg[:, None], ids)
+        p = tl.where(e[None, :] == arg[:, None], -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, 1)[:, None]
+    return w, ids
+
+
+@triton.jit
+def _route_count_kernel(
+    logits_ptr,
+    l_row,
+    weights_ptr,
+    ids_ptr,
+    ranks_ptr,
+    counts_ptr,
+    rows_ptr,
+    T,
+    E,
+    n_rows,
+    ROUTE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The first of align's two launches, for program p's BLOCK_T tokens: with ROUTE their softmax top
+    k (_top_k) from the logits, stored as weights and ids, else their ids loaded; each pair's rank among
+    this block's pairs of its expert (pair order) into ranks, the block's pairs per expert into
+    counts[p, :E], and the sentinel T * TOP_K into this program's BLOCK_R slice of rows."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    j = tl.arange(0, K_PAD)
+    t_ok = t < T
+    e_ok = e < E
+    ok = t_ok[:, None] & (j[None, :] < TOP_K)
+    pair = t[:, None] * TOP_K + j[None, :]
+    if ROUTE:
+        x = tl.load(
+            logits_ptr + t[:, None] * l_row + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
+        )
+        w, ids = _top_k(x, e, e_ok, j, TOP_K, RENORM, BLOCK_T, BLOCK_E, K_PAD)
+        tl.store(weights_ptr + pair, w, mask=ok)
+        tl.store(ids_ptr + pair, ids.to(tl.int64), mask=ok)
+    else:
+        ids = tl.load(ids_ptr + pair, mask=ok, other=0).to(tl.int32)
+    pair = tl.reshape(pair, [BLOCK_T * K_PAD])
+    eid = tl.reshape(ids, [BLOCK_T * K_PAD])
+    ok = tl.reshape(ok, [BLOCK_T * K_PAD])
+    hot = ((eid[:, None] == e[None, :]) & ok[:, None]).to(tl.int32)
+    rank = tl.sum(tl.where(hot != 0, tl.cumsum(hot, 0), 0), 1) - 1
+    tl.store(ranks_ptr + pair, rank, mask=ok)
+    tl.store(counts_ptr + pid * BLOCK_E + e, tl.sum(hot, 0))
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    tl.store(rows_ptr + r, tl.full([BLOCK_R], 0, tl.int32) + T * TOP_K, mask=r < n_rows)
+
+
+@triton.jit
+def _route_place_kernel(
+    ids_ptr,
+    ranks_ptr,
+    counts_ptr,
+    rows_ptr,
+    experts_ptr,
+    T,
+    E,
+    n_progs,
+    n_tiles,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):
+    """The second: every block's counts summed (whole: each expert's padded run; over blocks before this
+    one: where this block's pairs of an expert start in its run), program p's pairs written to rows at
+    run start + earlier blocks' pairs + rank (the pair order a stable sort by expert gives), and its
+    BLOCK_TILES slice of the tiles' experts (-1 past the runs)."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, n_progs, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        counts = tl.load(counts_ptr + c[:, None] * BLOCK_E + e[None, :], mask=(c < n_progs)[:, None], other=0)
+        total += tl.sum(counts, 0)
+        before += tl.sum(tl.where((c < pid)[:, None], counts, 0), 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    start = pad_end - padded + before  # this block's first row of each expert's run
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, K_PAD)
+    ok = tl.reshape((t < T)[:, None] & (j[None, :] < TOP_K), [BLOCK_T * K_PAD])
+    pair = tl.reshape(t[:, None] * TOP_K + j[None, :], [BLOCK_T * K_PAD])
+    eid = tl.load(ids_ptr + pair, mask=ok, other=0).to(tl.int32)
+    rank = tl.load(ranks_ptr + pair, mask=ok, other=0)
+    dest = tl.sum(tl.where(eid[:, None] == e[None, :], start[None, :], 0), 1) + rank
+    tl.store(rows_ptr + dest, pair, mask=ok)
+    tiles = pid * BLOCK_TILES + tl.arange(0, BLOCK_TILES)
+    ex = tl.sum(((pad_end[None, :] <= tiles[:, None] * BLOCK_M) & e_ok[None, :]).to(tl.int32), 1)
+    tl.store(experts_ptr + tiles, tl.where(ex < E, ex, -1), mask=tiles < n_tiles)
+
+
+def _route_blocks(T: int, top_k: int, E: int) -> int:
+    """Tokens a program of align's two launches takes: a one-hot of ~4,096 elements, more where the step
+    would otherwise need more than 256 programs (each placing program sums every program's counts)."""
+    kp, be = triton.next_power_of_2(top_k), triton.next_power_of_2(E)
+    bt = max(max(1, 4096 // (kp * be)), triton.next_power_of_2(triton.cdiv(T, 256)))
+    return min(bt, triton.next_power_of_2(max(T, 1)))
+
+
+def _align_launches(logits, ids, weights, T: int, top_k: int, E: int, renormalize: bool, block_m: int):
+    """align's two launches (_route_count_kernel, _route_place_kernel): with logits, the routing too into
+    weights and ids; else ids given. Returns (rows, experts)."""
+    n = T * top_k
+    n_rows = triton.cdiv(n + min(E, n) * (block_m - 1), block_m) * block_m
+    n_tiles = n_rows // block_m
+    if n == 0:
+        return torch.empty(0, dtype=torch.int32, device=ids.device), torch.empty(
+            0, dtype=torch.int32, device=ids.device
+        )
+    kp, be = triton.next_power_of_2(top_k), triton.next_power_of_2(E)
+    bt = _route_blocks(T, top_k, E)
+    progs = triton.cdiv(T, bt)
+    dev = ids.device
+    rows = torch.empty(n_rows, dtype=torch.int32, device=dev)
+    experts = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    ranks = torch.empty(n, dtype=torch.int32, device=dev)
+    counts = torch.empty((progs, be), dtype=torch.int32, device=dev)
+    route = logits is not None
+    warps = _route_warps(bt * kp * be)
+    _route_count_kernel[(progs,)](
+        logits if route else ids, logits.stride(0) if route else 0, weights if route else ranks, ids, ranks,
+        counts, rows, T, E, n_rows, ROUTE=route, TOP_K=top_k, K_PAD=kp, RENORM=renormalize, BLOCK_T=bt,
+        BLOCK_E=be, BLOCK_R=triton.next_power_of_2(triton.cdiv(n_rows, progs)), num_warps=warps,
+    )  # fmt: skip
+    _route_place_kernel[(progs,)](
+        ids, ranks, counts, rows, experts, T, E, progs, n_tiles, TOP_K=top_k, K_PAD=kp, BLOCK_T=bt,
+        BLOCK_E=be, BLOCK_M=block_m, BLOCK_C=max(1, min(triton.next_power_of_2(progs), 4096 // be)),
+        BLOCK_TILES=triton.next_power_of_2(triton.cdiv(n_tiles, progs)), num_warps=warps,
+    )  # fmt: skip
+    return rows, experts
 
 
 @triton.jit
@@ -198,20 +350,8 @@ def _route_align(
         x = tl.load(logits_ptr + t[:, None] * l_row + e[None, :], mask=mask, other=0.0, cache_modifier=".cg")
     else:
         x = tl.load(logits_ptr + t[:, None] * l_row + e[None, :], mask=mask, other=0.0)
-    x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))  # padding rows stay finite
-    p = tl.exp(x - tl.max(x, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
     j = tl.arange(0, K_PAD)
-    w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
-    for i in tl.static_range(TOP_K):
-        best = tl.max(p, 1)
-        arg = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), 1)
-        w = tl.where(j[None, :] == i, best[:, None], w)
-        ids = tl.where(j[None, :] == i, arg[:, None], ids)
-        p = tl.where(e[None, :] == arg[:, None], -1.0, p)
-    if RENORM:
-        w = w / tl.sum(w, 1)[:, None]
+    w, ids = _top_k(x, e, e_ok, j, TOP_K, RENORM, BLOCK_T, BLOCK_E, K_PAD)
     ok = t_ok[:, None] & (j[None, :] < TOP_K)
     pair = t[:, None] * TOP_K + j[None, :]
     tl.store(weights_ptr + pair, w, mask=ok)
@@ -309,21 +449,22 @@ def route_align(
     logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, num_warps: int | None = None
 ):
     """(weights [T, k] float32, ids [T, k] int64, rows, experts): moe.route(logits, top_k, renormalize)
-    and align(ids, E, block_m), in one launch where the step is small enough (FUSED_MAX), else by
-    those two. `num_warps`: the one program's (by default from the one-hot's size: 1 warp up to 1,024
-    elements, 8 from 8,192; the fastest in RESULTS.md session 34's sweep at each end)."""
-    from foveal.layers.moe import route
-
+    and align(ids, E, block_m), in one launch where the step is small enough (FUSED_MAX), else in
+    align's two (the first routing each block of tokens). `num_warps`: the one program's (by default
+    from the one-hot's size: 1 warp up to 1,024 elements, 8 from 8,192; the fastest in RESULTS.md
+    session 34's sweep at each end)."""
     T, E = logits.shape
     bt, be, kp = triton.next_power_of_2(max(T, 1)), triton.next_power_of_2(E), triton.next_power_of_2(top_k)
-    if T == 0 or bt * kp * be > FUSED_MAX:
-        weights, ids = route(logits, top_k, renormalize)
-        return (weights, ids, *align(ids, E, block_m))
     n = T * top_k
-    n_rows = triton.cdiv(n + min(E, n) * (block_m - 1), block_m) * block_m
     dev = logits.device
     weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
     ids = torch.empty((T, top_k), dtype=torch.long, device=dev)
+    if T == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        return weights, ids, empty, empty
+    if bt * kp * be > FUSED_MAX:  # larger steps: blocks of tokens routed and counted, then placed
+        return weights, ids, *_align_launches(logits, ids, weights, T, top_k, E, renormalize, block_m)
+    n_rows = triton.cdiv(n + min(E, n) * (block_m - 1), block_m) * block_m
     rows = torch.empty(n_rows, dtype=torch.int32, device=dev)
     experts = torch.empty(n_rows // block_m, dtype=torch.int32, device=dev)
     _route_align[(1,)](
