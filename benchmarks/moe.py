@@ -37,6 +37,9 @@ gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same flo
          --profile-batches (1).
 --prefill-tiles "128,128,64,8,3/64,128,64,4,4"  the experts' tiles for steps of more than 2,048 pairs
          (gate/up / down), instead of moe_triton._tiles' rule, for the model runs.
+--act-apart-above 2048,1000000000  the model runs once per value (one process, in that order):
+         steps of more pairs take the experts' activation in a pass of its own
+         (moe_triton.ACT_APART_PAIRS), the rest inside down's loads.
 
 `--smoke` runs the code paths on the CPU with tiny configs and counts: it checks the script, not the
 speed (GPU time is scarce; run it before a device call). Ends with one JSON line.
@@ -45,6 +48,7 @@ speed (GPU time is scarce; run it before a device call). Ends with one JSON line
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -391,6 +395,10 @@ def main() -> None:
     ap.add_argument("--tile-tokens", default="1,64,256", help="tiles: the token counts to sweep")
     ap.add_argument("--tile-weights", default="bf16", help="tiles: the experts' weights, bf16 and/or fp8")
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
+    ap.add_argument(
+        "--act-apart-above", default="", help="the models: steps of more pairs take the experts' activation "
+        "in a pass of its own (moe_triton.ACT_APART_PAIRS; comma-separated: a run each, in one process)"
+    )  # fmt: skip
     a = ap.parse_args()
     a.profile_batches = {int(b) for b in a.profile_batches.split(",")}
     gw.SMOKE = a.smoke
@@ -410,13 +418,16 @@ def main() -> None:
     )
     if a.batches:
         runs = tuple((n, c, [int(b) for b in a.batches.split(",")]) for n, c, _ in runs)
-    from foveal.layers import moe
+    from foveal.layers import moe, moe_triton
 
     paths = a.cuda_experts.split(",")
+    aparts = [int(v) for v in a.act_apart_above.split(",")] if a.act_apart_above else [None]
     for name, config, batches in runs:
-        for path in paths if name in parts else ():
+        for path, apart in itertools.product(paths if name in parts else (), aparts):
             moe.CUDA_EXPERTS = path
-            label = name if len(paths) == 1 else f"{name} {path}"
+            if apart is not None:
+                moe_triton.ACT_APART_PAIRS = apart
+            label = " ".join([name] + [path] * (len(paths) > 1) + [f"apart>{apart}"] * (len(aparts) > 1))
             model(label, _smoke_config(name) if a.smoke else config, batches, a)
     print(json.dumps({"benchmark": "moe", "smoke": a.smoke, **RESULTS}))
 

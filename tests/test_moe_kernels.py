@@ -319,6 +319,24 @@ def test_experts_on_route_align_equal_the_loop():
     assert (grouped - want.cpu()).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("gpt_oss", [False, True])
+@pytest.mark.parametrize("apart_above", [0, 10**9])
+def test_the_activation_inside_down_or_apart_gives_the_loop(gpt_oss, apart_above, monkeypatch):
+    """Steps of more than ACT_APART_PAIRS pairs (prefills) take the activation in a pass of its own:
+    here every step (0) or none (10**9), silu and the clamped SwiGLU with biases, bf16 (on CUDA the silu
+    pass is the fused kernel)."""
+    import foveal.layers.moe_triton as mt
+
+    monkeypatch.setattr(mt, "ACT_APART_PAIRS", apart_above)
+    x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(6, 33, 8, 4, 32, 32, torch.bfloat16)
+    if not gpt_oss:  # inputs of the usual scale: silu has no clamp to keep the gate/up rows small
+        x, w13, glu, b13, b2 = x / 3, w13 / 32**0.25, silu_glu, None, None
+    got = experts_triton(x, w13, w2, weights, ids, glu, b13, b2)
+    want = experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
+    # bf16: a few ulps of the largest output (the reference rounds silu's output before the product)
+    assert (got.float() - want.float()).abs().max().item() < 2e-2 * want.float().abs().max().item()
+
+
 def test_a_glu_the_kernel_does_not_know_is_applied_apart():
     """silu_glu and the clamped SwiGLU run inside the down kernel's loads; any other glu (here gelu(gate)
     * up) is applied to the gate/up output first, with the same result as the loop."""

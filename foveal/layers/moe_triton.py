@@ -596,6 +596,25 @@ def _gemm(
     )  # fmt: skip
 
 
+# Steps of more pairs than this take the activation in a pass of its own, not inside down's loads. Down
+# reads each pair's gate/up row once per column tile (16 times for Qwen3-30B-A3B's 2,048 columns), so
+# inside it the activation's loads and exps are done 16 times over. At prefill sizes down ran at 93-122
+# TFLOP/s against gate/up's 320-372 (RESULTS.md, session 33, 4,096 tokens); that this repetition is the
+# cause is inferred, to be measured (`benchmarks/moe.py --act-apart-above`).
+ACT_APART_PAIRS = 2048
+
+
+def _glu_apart(h: torch.Tensor, glu, inter: int) -> torch.Tensor:
+    """glu(gate, up) of gate/up's output h [pairs, 2 * inter], [pairs, inter] contiguous (the silu of
+    most families in one launch)."""
+    from foveal.layers import fused
+    from foveal.layers.moe import silu_glu
+
+    if glu is silu_glu and fused.use_fused(h):
+        return fused.silu_and_mul(h)
+    return glu(h[:, :inter], h[:, inter:]).contiguous()
+
+
 def _fused_act(glu) -> tuple[int, float, float] | None:
     """The kernel's ACT for the glu the layer uses (its alpha and limit), or None: applied apart."""
     from foveal.layers.moe import ClampedSwiGLU, silu_glu
@@ -618,7 +637,7 @@ def experts_triton(
 ) -> torch.Tensor:
     """The experts' output [T, H] (foveal/layers/moe.py `experts_grouped`'s contract): gate/up by the
     kernel over x's rows (plus b13), the activation `glu(gate, up)` (inside the down kernel's loads for
-    the two the kernel knows), down by the kernel (plus b2)
+    the two the kernel knows, up to ACT_APART_PAIRS pairs), down by the kernel (plus b2)
     scaled by each pair's weight, summed over each token's k pairs. `aligned`: (rows, experts) already
     made for ids (route_align), else align() makes them. `wq13`, `wq2`: (scales, block) where w13 / w2
     are fp8 with one float32 scale per block x block (the layout of block-quantized FP8 checkpoints,
@@ -642,8 +661,8 @@ def experts_triton(
     d = torch.empty((down.split_k * n, H), dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     act = _fused_act(glu)
-    if act is None:  # a glu the kernel does not know: applied apart
-        h, act = glu(h[:, :inter], h[:, inter:]).contiguous(), (0, 0.0, 0.0)
+    if act is None or n > ACT_APART_PAIRS:  # a glu the kernel does not know, or a prefill: applied apart
+        h, act = _glu_apart(h, glu, inter), (0, 0.0, 0.0)
     _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, down, act, wq2)
     return pair_sum(d, T, k, down.split_k)
 
