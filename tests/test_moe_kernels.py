@@ -322,9 +322,9 @@ def test_experts_on_route_align_equal_the_loop():
 @pytest.mark.parametrize("gpt_oss", [False, True])
 @pytest.mark.parametrize("apart_above", [0, 10**9])
 def test_the_activation_inside_down_or_apart_gives_the_loop(gpt_oss, apart_above, monkeypatch):
-    """Steps of more than ACT_APART_PAIRS pairs (prefills) take the activation in a pass of its own:
-    here every step (0) or none (10**9), silu and the clamped SwiGLU with biases, bf16 (on CUDA the silu
-    pass is the fused kernel)."""
+    """Steps of more than ACT_APART_PAIRS pairs (prefills) take the silu in a pass of its own (on CUDA
+    the fused kernel): here every step (0) or none (10**9), bf16; the clamped SwiGLU (with biases)
+    stays inside down's loads either way."""
     import foveal.layers.moe_triton as mt
 
     monkeypatch.setattr(mt, "ACT_APART_PAIRS", apart_above)

@@ -596,7 +596,8 @@ def _gemm(
     )  # fmt: skip
 
 
-# Steps of more pairs than this take the activation in a pass of its own, not inside down's loads. Down
+# Steps of more pairs than this take the silu in a pass of its own (one launch), not inside down's loads
+# (gpt-oss's clamped SwiGLU stays inside: apart it would be several torch ops, not measured). Down
 # reads each pair's gate/up row once per column tile (16 times for Qwen3-30B-A3B's 2,048 columns), so
 # inside it the activation's loads and exps are done 16 times over. At prefill sizes down ran at 93-122
 # TFLOP/s against gate/up's 320-372 (RESULTS.md, session 33, 4,096 tokens); that this repetition is the
@@ -604,13 +605,12 @@ def _gemm(
 ACT_APART_PAIRS = 2048
 
 
-def _glu_apart(h: torch.Tensor, glu, inter: int) -> torch.Tensor:
-    """glu(gate, up) of gate/up's output h [pairs, 2 * inter], [pairs, inter] contiguous (the silu of
-    most families in one launch)."""
+def _glu_apart(h: torch.Tensor, glu, inter: int, silu: bool) -> torch.Tensor:
+    """glu(gate, up) of gate/up's output h [pairs, 2 * inter], [pairs, inter] contiguous (`silu`: the
+    glu is silu(gate) * up, on CUDA in one launch)."""
     from foveal.layers import fused
-    from foveal.layers.moe import silu_glu
 
-    if glu is silu_glu and fused.use_fused(h):
+    if silu and fused.use_fused(h):
         return fused.silu_and_mul(h)
     return glu(h[:, :inter], h[:, inter:]).contiguous()
 
@@ -661,8 +661,8 @@ def experts_triton(
     d = torch.empty((down.split_k * n, H), dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     act = _fused_act(glu)
-    if act is None or n > ACT_APART_PAIRS:  # a glu the kernel does not know, or a prefill: applied apart
-        h, act = _glu_apart(h, glu, inter), (0, 0.0, 0.0)
+    if act is None or (n > ACT_APART_PAIRS and act[0] == 1):  # unknown, or a prefill's silu: apart
+        h, act = _glu_apart(h, glu, inter, act is not None), (0, 0.0, 0.0)
     _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, down, act, wq2)
     return pair_sum(d, T, k, down.split_k)
 
