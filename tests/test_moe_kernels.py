@@ -219,7 +219,7 @@ def test_align_sorts_pairs_by_expert_in_padded_tiles():
     """Each expert's pairs in one run of whole tiles (sentinel-padded), tiles past the runs marked -1,
     experts no token chose given no tile; every pair appears once."""
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]])  # 8 pairs: expert 0 x2, 1 x1, 2 x1, 3 x4
-    rows, experts = align(ids, 5, 4)
+    rows, experts = (t.cpu() for t in align(ids.to(DEVICE), 5, 4))
     n = ids.numel()
     assert rows.numel() % 4 == 0 and experts.numel() == rows.numel() // 4
     assert sorted(r for r in rows.tolist() if r < n) == list(range(n))
