@@ -601,7 +601,9 @@ def _gemm(
 # reads each pair's gate/up row once per column tile (16 times for Qwen3-30B-A3B's 2,048 columns), so
 # inside it the activation's loads and exps are done 16 times over. At prefill sizes down ran at 93-122
 # TFLOP/s against gate/up's 320-372 (RESULTS.md, session 33, 4,096 tokens); that this repetition is the
-# cause is inferred, to be measured (`benchmarks/moe.py --act-apart-above`).
+# cause is inferred. With it and align's two launches, Qwen3-30B-A3B at batch 256 (H200, one run each,
+# session 36) had TTFT p50 1.96 -> 1.33 s but p99 3.35 -> 4.35 s: not yet separated
+# (`benchmarks/moe.py --act-apart-above 2048,1000000000` runs both in one process).
 ACT_APART_PAIRS = 2048
 
 
