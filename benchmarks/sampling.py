@@ -404,12 +404,13 @@ def prefix(a) -> dict:
     r = res["plain"][-1]
     computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
     bound: dict = {"prompt_tokens_computed": computed}
-    if torch.cuda.is_available():
-        flops = 2 * (gw.decode_bytes(llm) // 2) * computed  # bf16 weights: 2 bytes a weight
+    flops = 2 * gw.decode_bytes(llm) / llm.engine.dtype.itemsize * computed  # as gw.prefill_rate counts
+    del llm
+    if torch.cuda.is_available():  # the ceiling's buffers measured with the engine's memory released
+        torch.cuda.empty_cache()
         bound["prefill_floor_s"] = flops / (gw.ceilings()["bf16_TFLOPs"] * 1e12)
         gw.log(f"prefix: {computed} prompt tokens computed of {r['prompt_tokens']}; at the matmul "
                f"ceiling {bound['prefill_floor_s']:.2f} s of a run")  # fmt: skip
-    del llm
     best = {m: max(r["output_tok_s"] for r in runs) for m, runs in res.items() if runs}
     if len(best) == 2:
         gw.log(f"prefix shared / plain (best of {a.reps}): {best['shared']:.1f} / {best['plain']:.1f} = "

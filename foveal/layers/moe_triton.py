@@ -459,10 +459,7 @@ def route_align(
     dev = logits.device
     weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
     ids = torch.empty((T, top_k), dtype=torch.long, device=dev)
-    if T == 0:
-        empty = torch.empty(0, dtype=torch.int32, device=dev)
-        return weights, ids, empty, empty
-    if bt * kp * be > FUSED_MAX:  # larger steps: blocks of tokens routed and counted, then placed
+    if T == 0 or bt * kp * be > FUSED_MAX:  # larger steps: blocks of tokens routed and counted, then placed
         return weights, ids, *_align_launches(logits, ids, weights, T, top_k, E, renormalize, block_m)
     n_rows = triton.cdiv(n + min(E, n) * (block_m - 1), block_m) * block_m
     rows = torch.empty(n_rows, dtype=torch.int32, device=dev)
