@@ -16,8 +16,9 @@ kernel   the experts of one layer, bf16, shapes Qwen3-30B-A3B (E 128, k 8, H 204
          two launches routing in the first, whatever the warps), the router's GEMV (cuBLAS) then
          route_align, and the GEMV inside the routing's launch (`router_route_align_w*`, up to 8
          tokens, 1, 2, 4 warps), eager and 8 launches from a graph.
-tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages[, split K]) for gate/up and down
-         apart, at the same shapes and token counts (--tile-weights bf16,fp8: FP8 experts too, in
+tiles    the Triton kernel's tile shapes (rows, columns, depth, warps, stages[, split K[, columns first]])
+         for gate/up and down apart, at the same shapes and token counts (past ACT_APART_PAIRS pairs
+         down on the silu's output, as the models run it) (--tile-weights bf16,fp8: FP8 experts too, in
          128 x 128 blocks): us per launch of each (8 launches on 8 routings,
          disjoint experts at one token, replayed from a CUDA graph), the default's (moe_triton._tiles)
          first, then the three fastest (what a per-shape table would pick)
@@ -35,8 +36,12 @@ gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same flo
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to), at the batches of
          --profile-batches (1).
+--prefill  after each model's batches, 256 prompts of 512 tokens with one token out: prompt tok/s and the
+         TFLOP/s of the weights a token touches against the bf16 ceiling (with --profile, a second such
+         run profiled: where a prefill step's time goes).
 --prefill-tiles "128,128,64,8,3/64,128,64,4,4"  the experts' tiles for steps of more than 2,048 pairs
-         (gate/up / down), instead of moe_triton._tiles' rule, for the model runs.
+         (gate/up / down: rows, columns, depth, warps, stages[, split K, columns first]), instead of
+         moe_triton._tiles' rule, for the model runs.
 --act-apart-above 2048,1000000000  the model runs once per value (one process, in that order):
          steps of more pairs take the experts' activation in a pass of its own
          (moe_triton.ACT_APART_PAIRS), the rest inside down's loads.
@@ -227,9 +232,13 @@ def tiles(smoke: bool, tokens: tuple[int, ...], kinds: tuple[str, ...] = ("bf16"
         (w_up, q_up), (w_down, q_down) = ((w13, None), (w2, None))
         if kind == "fp8":  # Qwen3-30B-A3B-FP8's 128 x 128 blocks (16 on the smoke run's small shapes)
             (w_up, q_up), (w_down, q_down) = _fp8(w13, 16 if smoke else 128), _fp8(w2, 16 if smoke else 128)
+        # down's A: gate/up's output with the silu inside its loads, or past ACT_APART_PAIRS the silu's
+        # own output [pairs, inter] (its pass not timed here)
+        apart = n > mt.ACT_APART_PAIRS
+        down_a, act = (h[:, :inter].contiguous(), (0, 0.0, 0.0)) if apart else (h, (1, 0.0, 0.0))
         gemms = {  # (a, w, wq, c, scale, gather, act, N, K)
             "gate_up": (x, w_up, q_up, h.clone(), None, True, (0, 0.0, 0.0), 2 * inter, H),
-            "down": (h, w_down, q_down, d, scale, False, (1, 0.0, 0.0), H, inter),
+            "down": (down_a, w_down, q_down, d, scale, False, act, H, inter),
         }
         label = name if kind == "bf16" else f"{name} {kind}"
         timed = {}
@@ -245,8 +254,12 @@ def tiles(smoke: bool, tokens: tuple[int, ...], kinds: tuple[str, ...] = ("bf16"
                 if gemm == "down":  # where split K stops paying (moe_triton.SPLIT_K_PROGRAMS)
                     splits = itertools.product((16, 64), (128,), (64,), (4,), (3,), (2, 4))
                     grid = itertools.chain(grid, splits)
-            else:  # prefill-sized: compute-bound, larger row tiles, fewer stages (shared memory, occupancy)
-                grid = itertools.product((64, 128), (128,), (64, 128), (4, 8), (2, 3, 4))
+            else:  # prefill-sized: compute-bound, larger row tiles, fewer stages (shared memory, occupancy),
+                # and the columns-first order (a row tile's A read once) against rows-first
+                grid = itertools.chain(
+                    itertools.product((64, 128), (128,), (64, 128), (4, 8), (2, 3, 4), (1,), (0, 1)),
+                    itertools.product((64, 128), (256,), (64,), (8,), (2, 3), (1,), (0, 1)),
+                )
             shapes = [default] + [mt.Tiles(*t) for t in grid if mt.Tiles(*t) != default]
             if smoke:
                 shapes = shapes[:3] + [t for t in shapes if t.split_k > 1][:1]
@@ -339,6 +352,41 @@ def _prefill_tiles(spec: str) -> None:
     mt._tiles = tiles
 
 
+def prefill(llm, V: int, prompt: int, profile: bool) -> dict:
+    """N(256) prompts of `prompt` tokens, one token out: the prefill's prompt tok/s and the FLOP/s of the
+    weights a token touches (2 a weight: the dense ones and its k experts a layer; attention's own
+    products left out), against the bf16 ceiling; with `profile`, the largest CUDA kernels of a second
+    such run (device time a step = CUDA total / its steps)."""
+    dense, per_expert, _E, layers = _bytes(llm)
+    top_k = llm.engine.model.config.num_experts_per_tok
+    weights = (dense + layers * top_k * per_expert) / llm.engine.dtype.itemsize
+    n = gw.N(256)
+    r = gw.run(llm, gw.random_prompts(n, prompt, V, 5), [gw.greedy(1)] * n)
+    tflops = 2 * weights * r["prompt_tokens"] / r["wall_s"] / 1e12
+    out = {
+        "prompt_tokens": r["prompt_tokens"],
+        "wall_s": round(r["wall_s"], 3),
+        "steps": r["steps"],
+        "prompt_tok_s": round(r["prompt_tokens"] / r["wall_s"], 1),
+        "TFLOPs": round(tflops, 1),
+        "host_ms_per_step": r["ms_per_step"],
+    }
+    if "ceilings" in gw.RESULTS:
+        out["share_of_bf16_ceiling"] = round(tflops / gw.RESULTS["ceilings"]["bf16_TFLOPs"], 3)
+    log(f"prefill only: {out}")
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprof
+
+        prompts = gw.random_prompts(n, prompt, V, 6)
+        with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            rp = gw.run(llm, prompts, [gw.greedy(1)] * n)
+        log(f"profile: the prefill of {n} x {prompt} tokens ({rp['steps']} steps, {rp['wall_s']:.3f} s)")
+        log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+        log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=10, max_name_column_width=60))
+    return out
+
+
 def model(name: str, config: str, batches: list[int], a) -> None:
     prompt, output = gw.L(512), gw.L(256)
     llm = gw.engine(config, a, max_model_len=2048, max_num_seqs=max(batches), max_num_batched_tokens=8192)
@@ -358,6 +406,8 @@ def model(name: str, config: str, batches: list[int], a) -> None:
         r.update(_floor_row(llm, r, n, prompt + output // 2, top_k))
         gw.report(f"{name} batch {n}", r, f"floor {r.get('floor_tok_s')} tok/s ({r.get('share_of_floor')})")
         out[f"batch{b}"] = r
+    if a.prefill:
+        out["prefill"] = prefill(llm, V, prompt, a.profile)
     RESULTS[name] = out
     del llm
     if torch.cuda.is_available():
@@ -385,6 +435,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-batches", default="1", help="--profile: the batches whose decode is profiled")
+    ap.add_argument("--prefill", action="store_true", help="a prefill-only run (profiled)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -167,6 +167,29 @@ def test_down_on_its_own_row_tile_equals_the_loop(up_rows, down_rows, monkeypatc
     assert (got - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_columns_first_order_equals_the_loop(split, monkeypatch):
+    """The grid launched columns first (a row tile's column programs side by side): the same products,
+    with down's K split too."""
+    from foveal.layers import moe_triton as mt
+
+    tiles = mt._tiles
+    seen = []
+
+    def cols_first(n, E, N, K, down, size=2):
+        t = tiles(n, E, N, K, down, size)._replace(block_n=16, cols_first=1)
+        seen.append(t)
+        return t._replace(split_k=split) if down else t
+
+    monkeypatch.setattr(mt, "_tiles", cols_first)
+    x, w13, w2, logits = _layer(5, 29, 6, 48, 40)
+    weights, ids = route(logits, 3)
+    got = experts_triton(x, w13, w2, weights, ids, silu_glu)
+    want = experts_reference(x, w13, w2, weights, ids)
+    assert seen and all(t.cols_first for t in seen)
+    assert (got - want).abs().max().item() < 1e-5
+
+
 def test_split_k_is_refused_for_gate_up():
     from foveal.layers import moe_triton as mt
 

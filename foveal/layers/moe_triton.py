@@ -64,6 +64,7 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     QB: tl.constexpr,
+    COLS_FIRST: tl.constexpr,
 ):
     """C[p, :N] = (A[p // TOP_K if GATHER else p] @ W[e, :N, :K]^T + bias[e] if BIAS) (times scale[p] if
     SCALE) for the pairs p of this program's tile of rows, all of expert e. ACT > 0: A's row is the
@@ -73,8 +74,10 @@ def _moe_gemm_kernel(
     partial product (the bias in s = 0's) to C's rows s * num_pairs + p, for the caller to sum.
     QB > 0: W is fp8 with one float32 scale per QB x QB block (ws[e, n // QB, k // QB], strides ws_e,
     ws_n, 1; BLOCK_K divides QB, so a K step takes one scale a column): each W tile taken in A's type
-    (e4m3 values are exact in bf16, fp16 and fp32), each K step's product scaled per column in float32."""
-    tile = tl.program_id(0)
+    (e4m3 values are exact in bf16, fp16 and fp32), each K step's product scaled per column in float32.
+    COLS_FIRST: the grid is (column tiles, row tiles, splits), so a row tile's column programs run side
+    by side and its A rows come from HBM once; else (row tiles, column tiles, splits)."""
+    tile = tl.program_id(1) if COLS_FIRST else tl.program_id(0)
     e = tl.load(experts_ptr + tile)
     if e < 0:
         return
@@ -82,7 +85,7 @@ def _moe_gemm_kernel(
     valid = pairs < num_pairs
     pairs = tl.where(valid, pairs, 0).to(tl.int64)
     src = pairs // TOP_K if GATHER else pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(0) if COLS_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_base = w_ptr + e.to(tl.int64) * N * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -526,6 +529,7 @@ class Tiles(NamedTuple):
     warps: int = 4
     stages: int = 2
     split_k: int = 1  # down only: K in this many runs, each its own programs, partial sums summed after
+    cols_first: int = 0  # 1: a row tile's column programs launched side by side (its A rows read once)
 
 
 # down's programs (row tiles x column tiles) up to which it splits K in 4 runs, and in 2 (16-row tiles)
@@ -584,12 +588,15 @@ def _gemm(
                 f"fp8 scales {tuple(ws.shape)} for [{N}, {K}] in {qb}-blocks (K tile {tiles.block_k})"
             )
     grid = (experts.shape[0], triton.cdiv(N, tiles.block_n), tiles.split_k)
+    cols_first = bool(tiles.cols_first) and grid[0] <= 65535  # (a grid's second dimension's limit)
+    if cols_first:
+        grid = (grid[1], grid[0], grid[2])
     _moe_gemm_kernel[grid](
         a, w, w if bias is None else bias.contiguous(), c, scale, rows, experts, ws, n_pairs, N, K,
         a.stride(0), c.stride(0), ws.stride(0) if qb else 0, ws.stride(1) if qb else 0, act[1], act[2],
         TOP_K=top_k, ACT=act[0], GATHER=gather, SCALE=scale is not None, BIAS=bias is not None,
         **_dot_args(a.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SPLIT_K=tiles.split_k, QB=qb, num_warps=tiles.warps, num_stages=tiles.stages,
+        SPLIT_K=tiles.split_k, QB=qb, COLS_FIRST=cols_first, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
 
