@@ -39,12 +39,14 @@ gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same flo
 --prefill  after each model's batches, 256 prompts of 512 tokens with one token out: prompt tok/s and the
          TFLOP/s of the weights a token touches against the bf16 ceiling (with --profile, a second such
          run profiled: where a prefill step's time goes).
---prefill-tiles "128,128,64,8,3/64,128,64,4,4"  the experts' tiles for steps of more than 2,048 pairs
-         (gate/up / down: rows, columns, depth, warps, stages[, split K, columns first]), instead of
-         moe_triton._tiles' rule, for the model runs.
---act-apart-above 2048,1000000000  the model runs once per value (one process, in that order):
-         steps of more pairs take the experts' activation in a pass of its own
-         (moe_triton.ACT_APART_PAIRS), the rest inside down's loads.
+--prefill-tiles "rule;128,128,64,8,3/64,128,64,4,4"  the experts' tiles for steps of more than 2,048
+         pairs (gate/up / down: rows, columns, depth, warps, stages[, split K, columns first]; "rule":
+         moe_triton._tiles' own; "best:qwen3-30b-a3b": the fastest of this process's tiles sweep at its
+         most tokens, with --parts tiles,...), one variant each.
+--act-apart-above 2048,1000000000  one variant per value: steps of more pairs take the experts'
+         activation in a pass of its own (moe_triton.ACT_APART_PAIRS), the rest inside down's loads.
+         The variants (apart x tiles) act on prefill steps alone (> 2,048 pairs, eager), so one engine
+         runs them all, each warmed first, in turn per batch (--reps N: the whole round N times).
 
 `--smoke` runs the code paths on the CPU with tiny configs and counts: it checks the script, not the
 speed (GPU time is scarce; run it before a device call). Ends with one JSON line.
@@ -111,12 +113,14 @@ def _route_then_align(logits, k, bm):
 
 
 # -- the experts on their own -------------------------------------------------------------------------
-def _layers(smoke: bool, tokens: tuple[int, ...] = (1, 64, 256)):
+def _layers(smoke: bool, tokens: tuple[int, ...] = (1, 64, 256), shapes: tuple[str, ...] = tuple(SHAPES)):
     """Per shape of SHAPES and token count (1, 64, 256): (name, E, k, H, I, T, generator, w13, w2, x,
     weights, ids) of one random bf16 layer (CUDA; float32 on the CPU), the same ones for every part."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     for name, (E, k, H, inter) in SHAPES.items():
+        if name not in shapes:
+            continue
         if smoke:
             E, H, inter = min(E, 16), 64, 32
         g = torch.Generator().manual_seed(0)
@@ -213,7 +217,9 @@ def _fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple[torch.Tensor,
     return (w.float() / 0.02).to(torch.float8_e4m3fn), (scales, block)
 
 
-def tiles(smoke: bool, tokens: tuple[int, ...], kinds: tuple[str, ...] = ("bf16",)) -> None:
+def tiles(
+    smoke: bool, tokens: tuple[int, ...], kinds: tuple[str, ...] = ("bf16",), shapes=tuple(SHAPES)
+) -> None:
     import itertools
 
     import triton
@@ -222,7 +228,7 @@ def tiles(smoke: bool, tokens: tuple[int, ...], kinds: tuple[str, ...] = ("bf16"
 
     out = {}
     for (name, E, k, H, inter, T, g, w13, w2, x, _weights, _ids), kind in itertools.product(
-        _layers(smoke, tokens), kinds
+        _layers(smoke, tokens, shapes), kinds
     ):
         n = T * k
         h = torch.randn(n, 2 * inter, generator=g).to(w13)
@@ -329,16 +335,33 @@ def _floor_row(llm, r: dict, batch: int, context: int, top_k: int) -> dict:
     return out
 
 
-def _prefill_tiles(spec: str) -> None:
-    """--prefill-tiles "bm,bn,bk,warps,stages/bm,bn,bk,warps,stages": gate/up's and down's tiles for
-    steps of more than 2,048 pairs (moe_triton._tiles' prefill branch), for this process (rows that differ:
-    down aligns the pairs again)."""
+RULE = None  # moe_triton._tiles as imported: the rule the prefill variants replace
+
+
+def _prefill_tiles(spec: str):
+    """moe_triton._tiles for --prefill-tiles' "bm,bn,bk,warps,stages[,split,cols_first]/..." (gate/up's /
+    down's tiles for steps of more than 2,048 pairs; rows that differ: down aligns the pairs again), or
+    the rule itself for "rule"."""
     import triton
 
     from foveal.layers import moe_triton as mt
 
+    global RULE
+    RULE = RULE or mt._tiles
+    rule = RULE
+    if spec == "rule":
+        return rule
+    if spec.startswith("best:"):  # this process's sweep: the fastest gate/up and down at its most tokens
+        sweep = RESULTS.get("tiles", {})
+        shape = spec.split(":", 1)[1]
+        T = max((int(key.split("/")[1][1:]) for key in sweep if key.startswith(shape + "/")), default=None)
+        if T is None or T * SHAPES[shape][1] <= 2048:
+            raise SystemExit(f"--prefill-tiles {spec}: --parts tiles swept no prefill-sized step of {shape}")
+        spec = "/".join(
+            ",".join(map(str, sweep[f"{shape}/T{T}/{g}"]["best"][0][1])) for g in ("gate_up", "down")
+        )
+        log(f"prefill tiles {spec} (the sweep's fastest, {shape} at {T} tokens)")
     up, down = (mt.Tiles(*(int(v) for v in part.split(","))) for part in spec.split("/"))
-    rule = mt._tiles
 
     def tiles(n_pairs, num_experts, N, K, is_down, itemsize=2):
         if n_pairs <= 2048:
@@ -349,7 +372,25 @@ def _prefill_tiles(spec: str) -> None:
             block_k=min(t.block_k, triton.next_power_of_2(K)),
         )
 
-    mt._tiles = tiles
+    return tiles
+
+
+def _variants(a) -> list[tuple[str, dict]]:
+    """The prefill variants one engine runs in turn (--act-apart-above x --prefill-tiles): (label, the
+    moe_triton attributes to set). Both act only on steps of more than 2,048 pairs, which run eagerly,
+    so the decode steps' CUDA graphs are the same for all."""
+    aparts = [int(v) for v in a.act_apart_above.split(",")] if a.act_apart_above else [None]
+    specs = a.prefill_tiles.split(";") if a.prefill_tiles else [None]
+    out = []
+    for apart, spec in itertools.product(aparts, specs):
+        knobs = {}
+        if apart is not None:
+            knobs["ACT_APART_PAIRS"] = apart
+        if spec is not None:
+            knobs["_tiles"] = _prefill_tiles(spec)
+        label = " ".join([f"apart>{apart}"] * (len(aparts) > 1) + [f"tiles {spec}"] * (spec is not None))
+        out.append((label, knobs))
+    return out
 
 
 def prefill(llm, V: int, prompt: int, profile: bool) -> dict:
@@ -388,26 +429,35 @@ def prefill(llm, V: int, prompt: int, profile: bool) -> dict:
 
 
 def model(name: str, config: str, batches: list[int], a) -> None:
+    from foveal.layers import moe_triton
+
     prompt, output = gw.L(512), gw.L(256)
     llm = gw.engine(config, a, max_model_len=2048, max_num_seqs=max(batches), max_num_batched_tokens=8192)
     V = llm.processor.info.vocab_size
     top_k = llm.engine.model.config.num_experts_per_tok
+    variants = _variants(a)
     warm = max(4, 8192 // prompt)  # a full prefill step too: its kernels compile outside the timings
-    gw.run(llm, gw.random_prompts(warm, prompt, V, 99), [gw.greedy(8)] * warm)
+    for _label, knobs in variants:
+        for attr, value in knobs.items():
+            setattr(moe_triton, attr, value)
+        gw.run(llm, gw.random_prompts(warm, prompt, V, 99), [gw.greedy(8)] * warm)
     out = {}
-    for b in batches:
+    for rep, b, (label, knobs) in itertools.product(range(a.reps), batches, variants):
+        for attr, value in knobs.items():
+            setattr(moe_triton, attr, value)
         n = gw.N(b) if b > 1 else 1
         # the same prompts' shapes first, 8 tokens out: every prefill step's kernels (a step's token and
         # sequence counts pick the experts' tiles and Triton's specializations) compile outside the timing
         gw.run(llm, gw.random_prompts(n, prompt, V, 1000 + b), [gw.greedy(8)] * n)
-        if a.profile and n in a.profile_batches:
+        if a.profile and n in a.profile_batches and rep == 0:
             gw.profile(llm, V, batch=n, context=prompt)
         r = gw.run(llm, gw.random_prompts(n, prompt, V, b), [gw.greedy(output)] * n)
         r.update(_floor_row(llm, r, n, prompt + output // 2, top_k))
-        gw.report(f"{name} batch {n}", r, f"floor {r.get('floor_tok_s')} tok/s ({r.get('share_of_floor')})")
-        out[f"batch{b}"] = r
-    if a.prefill:
-        out["prefill"] = prefill(llm, V, prompt, a.profile)
+        tag = " ".join(v for v in (name, label, f"rep {rep + 1}" if a.reps > 1 else "") if v)
+        gw.report(f"{tag} batch {n}", r, f"floor {r.get('floor_tok_s')} tok/s ({r.get('share_of_floor')})")
+        out[f"{label} batch{b} rep{rep + 1}".strip()] = r
+        if a.prefill:
+            out[f"{label} prefill rep{rep + 1}".strip()] = prefill(llm, V, prompt, a.profile and rep == 0)
     RESULTS[name] = out
     del llm
     if torch.cuda.is_available():
@@ -441,9 +491,13 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--batches", default="", help="qwen3/gptoss batch sizes (default: 1,256 / 1,64)")
     ap.add_argument(
-        "--prefill-tiles", default="", help="gate/up and down tiles above 2,048 pairs: a,b,c,d,e/a,b,c,d,e"
+        "--prefill-tiles", default="", help="gate/up/down tiles above 2,048 pairs: 'rule;a,b,c,d,e/a,b,c,d,e'"
     )
+    ap.add_argument("--reps", type=int, default=1, help="the models: each batch and variant this many times")
     ap.add_argument("--tile-tokens", default="1,64,256", help="tiles: the token counts to sweep")
+    ap.add_argument(
+        "--tile-shapes", default=",".join(SHAPES), help="tiles: the layers' shapes, of " + ",".join(SHAPES)
+    )
     ap.add_argument("--tile-weights", default="bf16", help="tiles: the experts' weights, bf16 and/or fp8")
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
     ap.add_argument(
@@ -453,15 +507,14 @@ def main() -> None:
     a = ap.parse_args()
     a.profile_batches = {int(b) for b in a.profile_batches.split(",")}
     gw.SMOKE = a.smoke
-    if a.prefill_tiles:
-        _prefill_tiles(a.prefill_tiles)
     parts = a.parts.split(",")
     if "ceilings" in parts and torch.cuda.is_available():
         gw.RESULTS["ceilings"] = RESULTS["ceilings"] = gw.ceilings()
     if "kernel" in parts:
         kernel(a.smoke)
     if "tiles" in parts:
-        tiles(a.smoke, tuple(int(t) for t in a.tile_tokens.split(",")), tuple(a.tile_weights.split(",")))
+        tokens = tuple(int(t) for t in a.tile_tokens.split(","))
+        tiles(a.smoke, tokens, tuple(a.tile_weights.split(",")), tuple(a.tile_shapes.split(",")))
     runs = (
         ("qwen3", "qwen3-30b-a3b.json", [1, 256]),
         ("qwen3fp8", "qwen3-30b-a3b-fp8.json", [1, 256]),
@@ -469,16 +522,13 @@ def main() -> None:
     )
     if a.batches:
         runs = tuple((n, c, [int(b) for b in a.batches.split(",")]) for n, c, _ in runs)
-    from foveal.layers import moe, moe_triton
+    from foveal.layers import moe
 
     paths = a.cuda_experts.split(",")
-    aparts = [int(v) for v in a.act_apart_above.split(",")] if a.act_apart_above else [None]
     for name, config, batches in runs:
-        for path, apart in itertools.product(paths if name in parts else (), aparts):
+        for path in paths if name in parts else ():
             moe.CUDA_EXPERTS = path
-            if apart is not None:
-                moe_triton.ACT_APART_PAIRS = apart
-            label = " ".join([name] + [path] * (len(paths) > 1) + [f"apart>{apart}"] * (len(aparts) > 1))
+            label = " ".join([name] + [path] * (len(paths) > 1))
             model(label, _smoke_config(name) if a.smoke else config, batches, a)
     print(json.dumps({"benchmark": "moe", "smoke": a.smoke, **RESULTS}))
 
