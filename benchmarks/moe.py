@@ -363,9 +363,9 @@ def _prefill_tiles(spec: str):
         log(f"prefill tiles {spec} (the sweep's fastest, {shape} at {T} tokens)")
     up, down = (mt.Tiles(*(int(v) for v in part.split(","))) for part in spec.split("/"))
 
-    def tiles(n_pairs, num_experts, N, K, is_down, itemsize=2):
+    def tiles(n_pairs, num_experts, N, K, is_down, itemsize=2, fused_act=False):
         if n_pairs <= 2048:
-            return rule(n_pairs, num_experts, N, K, is_down, itemsize)
+            return rule(n_pairs, num_experts, N, K, is_down, itemsize, fused_act)
         t = down if is_down else up
         return t._replace(
             block_n=min(t.block_n, triton.next_power_of_2(N)),
@@ -393,7 +393,7 @@ def _variants(a) -> list[tuple[str, dict]]:
     return out
 
 
-def prefill(llm, V: int, prompt: int, profile: bool) -> dict:
+def prefill(llm, V: int, prompt: int, profile: bool, seed: int = 5) -> dict:
     """N(256) prompts of `prompt` tokens, one token out: the prefill's prompt tok/s and the FLOP/s of the
     weights a token touches (2 a weight: the dense ones and its k experts a layer; attention's own
     products left out), against the bf16 ceiling; with `profile`, the largest CUDA kernels of a second
@@ -402,10 +402,11 @@ def prefill(llm, V: int, prompt: int, profile: bool) -> dict:
     top_k = llm.engine.model.config.num_experts_per_tok
     weights = (dense + layers * top_k * per_expert) / llm.engine.dtype.itemsize
     n = gw.N(256)
-    r = gw.run(llm, gw.random_prompts(n, prompt, V, 5), [gw.greedy(1)] * n)
+    r = gw.run(llm, gw.random_prompts(n, prompt, V, seed), [gw.greedy(1)] * n)
     tflops = 2 * weights * r["prompt_tokens"] / r["wall_s"] / 1e12
     out = {
         "prompt_tokens": r["prompt_tokens"],
+        "prompt_tokens_cached": r["prompt_tokens_cached"],  # (0: every token computed)
         "wall_s": round(r["wall_s"], 3),
         "steps": r["steps"],
         "prompt_tok_s": round(r["prompt_tokens"] / r["wall_s"], 1),
@@ -427,7 +428,7 @@ def prefill(llm, V: int, prompt: int, profile: bool) -> dict:
             with torch.profiler.record_function("experts gate_up" if args[9] else "experts down"):
                 gemm(*args, **kw)
 
-        prompts = gw.random_prompts(n, prompt, V, 6)
+        prompts = gw.random_prompts(n, prompt, V, seed + 1)
         mt._gemm = named  # the two GEMMs' launches apart in the table (one kernel name)
         try:
             with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -449,27 +450,30 @@ def model(name: str, config: str, batches: list[int], a) -> None:
     top_k = llm.engine.model.config.num_experts_per_tok
     variants = _variants(a)
     warm = max(4, 8192 // prompt)  # a full prefill step too: its kernels compile outside the timings
-    for _label, knobs in variants:
+    # every run its own prompts (seeds apart by variant and round): the prefix cache finds none of them
+    for i, (_label, knobs) in enumerate(variants):
         for attr, value in knobs.items():
             setattr(moe_triton, attr, value)
-        gw.run(llm, gw.random_prompts(warm, prompt, V, 99), [gw.greedy(8)] * warm)
+        gw.run(llm, gw.random_prompts(warm, prompt, V, 99 + 7919 * i), [gw.greedy(8)] * warm)
     out = {}
-    for rep, b, (label, knobs) in itertools.product(range(a.reps), batches, variants):
+    for rep, b, (i, (label, knobs)) in itertools.product(range(a.reps), batches, enumerate(variants)):
         for attr, value in knobs.items():
             setattr(moe_triton, attr, value)
         n = gw.N(b) if b > 1 else 1
+        salt = 7919 * (rep * len(variants) + i)
         # the same prompts' shapes first, 8 tokens out: every prefill step's kernels (a step's token and
         # sequence counts pick the experts' tiles and Triton's specializations) compile outside the timing
-        gw.run(llm, gw.random_prompts(n, prompt, V, 1000 + b), [gw.greedy(8)] * n)
+        gw.run(llm, gw.random_prompts(n, prompt, V, 1000 + b + salt), [gw.greedy(8)] * n)
         if a.profile and n in a.profile_batches and rep == 0:
             gw.profile(llm, V, batch=n, context=prompt)
-        r = gw.run(llm, gw.random_prompts(n, prompt, V, b), [gw.greedy(output)] * n)
+        r = gw.run(llm, gw.random_prompts(n, prompt, V, b + salt), [gw.greedy(output)] * n)
         r.update(_floor_row(llm, r, n, prompt + output // 2, top_k))
         tag = " ".join(v for v in (name, label, f"rep {rep + 1}" if a.reps > 1 else "") if v)
         gw.report(f"{tag} batch {n}", r, f"floor {r.get('floor_tok_s')} tok/s ({r.get('share_of_floor')})")
         out[f"{label} batch{b} rep{rep + 1}".strip()] = r
         if a.prefill:
-            out[f"{label} prefill rep{rep + 1}".strip()] = prefill(llm, V, prompt, a.profile and rep == 0)
+            cold = prefill(llm, V, prompt, a.profile and rep == 0, 5 + salt)
+            out[f"{label} prefill rep{rep + 1}".strip()] = cold
     RESULTS[name] = out
     del llm
     if torch.cuda.is_available():

@@ -61,11 +61,12 @@ def _gpt_oss_layer(seed: int, T: int, E: int, k: int, H: int, inter: int, dtype)
     return x, w13, w2, weights, ids, ClampedSwiGLU(1.702, 7.0), b13, b2
 
 
+@pytest.mark.parametrize("T", [9, 600])  # 600 x 4 pairs: a prefill's tiles (down's apart from gate/up's)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_biases_and_the_clamped_swiglu(dtype):
+def test_biases_and_the_clamped_swiglu(dtype, T):
     """gpt-oss's experts: a bias after each projection, the clamped SwiGLU (large inputs, so the
     clamps bite)."""
-    x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(4, 9, 8, 4, 32, 32, dtype)
+    x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(4, T, 8, 4, 32, 32, dtype)
     got = experts_triton(x, w13, w2, weights, ids, glu, b13, b2)
     want = experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest output (bf16: an ulp of ~2^-8)
@@ -82,8 +83,8 @@ def test_split_k_down_with_biases_equals_the_loop(split, dtype, monkeypatch):
 
     tiles = mt._tiles
 
-    def split_down(n, E, N, K, down, size=2):
-        return tiles(n, E, N, K, down, size)._replace(split_k=split if down else 1)
+    def split_down(n, E, N, K, down, size=2, **kw):
+        return tiles(n, E, N, K, down, size, **kw)._replace(split_k=split if down else 1)
 
     monkeypatch.setattr(mt, "_tiles", split_down)
     x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(5, 7, 8, 3, 48, 96, dtype)
@@ -103,7 +104,8 @@ def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
 
 @pytest.mark.parametrize(
     "T,block,gpt_oss",
-    [(1, 16, False), (6, 16, True), (40, 32, False), (300, 16, False)],  # 1: down split in 4 runs of K
+    [(1, 16, False), (6, 16, True), (40, 32, False), (300, 16, False), (1100, 16, False), (1100, 32, True)],
+    # 1: down split in 4 runs of K; 1,100 x 2 pairs: a prefill's tiles
 )
 def test_fp8_block_scaled_weights_equal_the_loop_on_their_dequantized_values(T, block, gpt_oss):
     """fp8 experts with one scale per block x block (N and K not multiples of the block: partial edge
@@ -155,8 +157,8 @@ def test_down_on_its_own_row_tile_equals_the_loop(up_rows, down_rows, monkeypatc
 
     tiles = mt._tiles
 
-    def rows_apart(n, E, N, K, down, size=2):
-        return tiles(n, E, N, K, down, size)._replace(block_m=down_rows if down else up_rows)
+    def rows_apart(n, E, N, K, down, size=2, **kw):
+        return tiles(n, E, N, K, down, size, **kw)._replace(block_m=down_rows if down else up_rows)
 
     monkeypatch.setattr(mt, "_tiles", rows_apart)
     x, w13, w2, logits = _layer(11, 37, 6, 48, 24)
@@ -176,8 +178,8 @@ def test_columns_first_order_equals_the_loop(split, monkeypatch):
     tiles = mt._tiles
     seen = []
 
-    def cols_first(n, E, N, K, down, size=2):
-        t = tiles(n, E, N, K, down, size)._replace(block_n=16, cols_first=1)
+    def cols_first(n, E, N, K, down, size=2, **kw):
+        t = tiles(n, E, N, K, down, size, **kw)._replace(block_n=16, cols_first=1)
         seen.append(t)
         return t._replace(split_k=split) if down else t
 

@@ -536,25 +536,32 @@ class Tiles(NamedTuple):
 SPLIT_K_PROGRAMS = (128, 1024)
 
 
-def _tiles(n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2) -> Tiles:
-    """The tiles of one GEMM (gate/up, or down when `down`) from the sweeps of `benchmarks/moe.py --parts
-    tiles` (H100, bf16, Qwen3-30B-A3B's and gpt-oss-20b's shapes at 1, 64 and 256 tokens; RESULTS.md,
-    session 33): 16-row tiles while an expert gets <= 16 pairs on average, else 64 (one row tile for
-    both GEMMs, so the rows are aligned once; experts_triton aligns again for down's where they
-    differ); gate/up 64 (16 rows) or 128 columns deep 128, down 128 columns deep 64; 4 warps, 4 stages
-    (2 for fp32: shared memory). Prefill-sized steps (> 2,048 pairs) keep the shape they had before the
-    sweep: through gpt-oss-20b at 64 x 512 the 64-row shapes gave a 2.4x longer TTFT, and alone at
-    4,096 tokens gate/up's (192 KB of shared memory in 4 stages: one program an SM) was not among the
-    fastest; the fastest there (gate/up 128 rows and 8 warps, down 64 rows) are not yet tried end to
-    end (`benchmarks/moe.py --prefill-tiles`). Down takes 3 stages, and K in 4 runs while it would have at
-    most 128 programs (one token: 92 and 128), in 2 up to 1,024 with 16-row tiles (SPLIT_K_PROGRAMS):
-    on the H100 at one token that took down 61.4 -> 29.6 us (gpt-oss-20b) and 20.2 -> 14.2 us
-    (Qwen3-30B-A3B) (session 34); at 2 and 8 tokens 2 runs were fastest or within 2% of it, 3 stages
-    took 4-24% off 4 stages' time at 8 and 64 tokens, and 3 stages were fastest at 256 (sessions 33, 35)."""
+def _tiles(
+    n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2, fused_act: bool = False
+) -> Tiles:
+    """The tiles of one GEMM (gate/up, or down when `down`; `fused_act`: down takes the activation inside
+    its loads) from the sweeps of `benchmarks/moe.py --parts tiles` (RESULTS.md). Decode-sized steps
+    (H100, bf16, Qwen3-30B-A3B's and gpt-oss-20b's shapes at 1, 64 and 256 tokens; session 33): 16-row
+    tiles while an expert gets <= 16 pairs on average, else 64 (one row tile for both GEMMs, so the rows
+    are aligned once; experts_triton aligns again for down's where they differ); gate/up 64 (16 rows) or
+    128 columns deep 128, down 128 columns deep 64; 4 warps, 4 stages (2 for fp32: shared memory). Down
+    takes 3 stages, and K in 4 runs while it would have at most 128 programs (one token: 92 and 128), in
+    2 up to 1,024 with 16-row tiles (SPLIT_K_PROGRAMS): on the H100 at one token that took down 61.4 ->
+    29.6 us (gpt-oss-20b) and 20.2 -> 14.2 us (Qwen3-30B-A3B) (session 34); at 2 and 8 tokens 2 runs
+    were fastest or within 2% of it, 3 stages took 4-24% off 4 stages' time at 8 and 64 tokens, and 3
+    stages were fastest at 256 (sessions 33, 35).
+
+    Prefill-sized steps (> 2,048 pairs), 16-bit activations: 128 x 256 tiles deep 64, 8 warps, 3
+    stages, launched columns first, for both GEMMs: the fastest of the sweep at 8,192 tokens (H200,
+    Qwen3-30B-A3B, down on the silu's own output; session 37): gate/up 1,179.5 -> 894.4 us, down 738.3 ->
+    467.6 us a layer, against 64 x 128 x 64, 4 warps, 2 stages, rows first, which down still takes where
+    the activation is inside its loads (gpt-oss's clamped SwiGLU: its registers were not swept) and fp32
+    takes (shared memory)."""
     if n_pairs > 2048:
-        return Tiles(
-            64, max(16, min(128, triton.next_power_of_2(N))), max(16, min(64, triton.next_power_of_2(K)))
-        )
+        bn, bk = triton.next_power_of_2(N), max(16, min(64, triton.next_power_of_2(K)))
+        if itemsize > 2 or (down and fused_act):
+            return Tiles(64, max(16, min(128, bn)), bk)
+        return Tiles(128, max(16, min(256, bn)), bk, 8, 3, 1, 1)
     per_expert = n_pairs / max(1, min(num_experts, n_pairs))
     bm = 16 if per_expert <= 16 else 64
     bn, bk = (128, 64) if down else (64 if bm == 16 else 128, 128)
@@ -658,7 +665,9 @@ def experts_triton(
             raise ValueError(f"experts' weights {w.dtype} for {x.dtype} activations (scales go with fp8)")
     n = T * k
     size = x.element_size()
-    up, down = _tiles(n, E, two_i, H, False, size), _tiles(n, E, H, inter, True, size)
+    act = _fused_act(glu)
+    apart = act is None or (n > ACT_APART_PAIRS and act[0] == 1)  # unknown, or a prefill's silu: apart
+    up, down = _tiles(n, E, two_i, H, False, size), _tiles(n, E, H, inter, True, size, fused_act=not apart)
     rows, experts = aligned if aligned is not None else align(ids, E, up.block_m)
     h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
     _gemm(x, w13, b13, h, None, rows, experts, n, k, True, up, wq=wq13)
@@ -666,8 +675,7 @@ def experts_triton(
         rows, experts = align(ids, E, down.block_m)
     d = torch.empty((down.split_k * n, H), dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
-    act = _fused_act(glu)
-    if act is None or (n > ACT_APART_PAIRS and act[0] == 1):  # unknown, or a prefill's silu: apart
+    if apart:
         h, act = _glu_apart(h, glu, inter, act is not None), (0, 0.0, 0.0)
     _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, down, act, wq2)
     return pair_sum(d, T, k, down.split_k)
