@@ -393,7 +393,7 @@ def _variants(a) -> list[tuple[str, dict]]:
     return out
 
 
-def prefill(llm, V: int, prompt: int, profile: bool, seed: int = 5) -> dict:
+def prefill(llm, V: int, prompt: int, profile: bool, seed: int = 2000) -> dict:
     """N(256) prompts of `prompt` tokens, one token out: the prefill's prompt tok/s and the FLOP/s of the
     weights a token touches (2 a weight: the dense ones and its k experts a layer; attention's own
     products left out), against the bf16 ceiling; with `profile`, the largest CUDA kernels of a second
@@ -472,7 +472,7 @@ def model(name: str, config: str, batches: list[int], a) -> None:
         gw.report(f"{tag} batch {n}", r, f"floor {r.get('floor_tok_s')} tok/s ({r.get('share_of_floor')})")
         out[f"{label} batch{b} rep{rep + 1}".strip()] = r
         if a.prefill:
-            cold = prefill(llm, V, prompt, a.profile and rep == 0, 5 + salt)
+            cold = prefill(llm, V, prompt, a.profile and rep == 0, 2000 + b + salt)
             out[f"{label} prefill rep{rep + 1}".strip()] = cold
     RESULTS[name] = out
     del llm
