@@ -45,7 +45,9 @@ gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same flo
          most tokens, with --parts tiles,...), one variant each.
 --act-apart-above 2048,1000000000  one variant per value: steps of more pairs take the experts'
          activation in a pass of its own (moe_triton.ACT_APART_PAIRS), the rest inside down's loads.
-         The variants (apart x tiles) act on prefill steps alone (> 2,048 pairs, eager), so one engine
+--silu-in-gate-up 1,0  one variant per value: past ACT_APART_PAIRS the silu in gate/up's epilogue (1) or
+         in a pass of its own (0) (moe_triton.SILU_IN_GATE_UP).
+         The variants (apart x tiles x silu) act on prefill steps alone (> 2,048 pairs, eager), so one engine
          runs them all, each warmed first, in turn per batch (--reps N: the whole round N times).
 
 `--smoke` runs the code paths on the CPU with tiny configs and counts: it checks the script, not the
@@ -363,12 +365,12 @@ def _prefill_tiles(spec: str):
         log(f"prefill tiles {spec} (the sweep's fastest, {shape} at {T} tokens)")
     up, down = (mt.Tiles(*(int(v) for v in part.split(","))) for part in spec.split("/"))
 
-    def tiles(n_pairs, num_experts, N, K, is_down, itemsize=2, fused_act=False):
+    def tiles(n_pairs, num_experts, N, K, is_down, itemsize=2, fused_act=False, glu_out=False):
         if n_pairs <= 2048:
-            return rule(n_pairs, num_experts, N, K, is_down, itemsize, fused_act)
+            return rule(n_pairs, num_experts, N, K, is_down, itemsize, fused_act, glu_out)
         t = down if is_down else up
         return t._replace(
-            block_n=min(t.block_n, triton.next_power_of_2(N)),
+            block_n=min(t.block_n, triton.next_power_of_2(N // 2 if glu_out else N)),
             block_k=min(t.block_k, triton.next_power_of_2(K)),
         )
 
@@ -381,14 +383,21 @@ def _variants(a) -> list[tuple[str, dict]]:
     so the decode steps' CUDA graphs are the same for all."""
     aparts = [int(v) for v in a.act_apart_above.split(",")] if a.act_apart_above else [None]
     specs = a.prefill_tiles.split(";") if a.prefill_tiles else [None]
+    silus = [bool(int(v)) for v in a.silu_in_gate_up.split(",")] if a.silu_in_gate_up else [None]
     out = []
-    for apart, spec in itertools.product(aparts, specs):
+    for apart, spec, silu in itertools.product(aparts, specs, silus):
         knobs = {}
         if apart is not None:
             knobs["ACT_APART_PAIRS"] = apart
         if spec is not None:
             knobs["_tiles"] = _prefill_tiles(spec)
-        label = " ".join([f"apart>{apart}"] * (len(aparts) > 1) + [f"tiles {spec}"] * (spec is not None))
+        if silu is not None:
+            knobs["SILU_IN_GATE_UP"] = silu
+        label = " ".join(
+            [f"apart>{apart}"] * (len(aparts) > 1)
+            + [f"tiles {spec}"] * (spec is not None)
+            + [f"silu {'in gate/up' if silu else 'apart'}"] * (silu is not None)
+        )
         out.append((label, knobs))
     return out
 
@@ -508,6 +517,9 @@ def main() -> None:
     ap.add_argument("--batches", default="", help="qwen3/gptoss batch sizes (default: 1,256 / 1,64)")
     ap.add_argument(
         "--prefill-tiles", default="", help="gate/up/down tiles above 2,048 pairs: 'rule;a,b,c,d,e/a,b,c,d,e'"
+    )
+    ap.add_argument(
+        "--silu-in-gate-up", default="", help="the models: 1,0 = a variant each (SILU_IN_GATE_UP)"
     )
     ap.add_argument("--reps", type=int, default=1, help="the models: each batch and variant this many times")
     ap.add_argument("--tile-tokens", default="1,64,256", help="tiles: the token counts to sweep")

@@ -345,25 +345,62 @@ def test_experts_on_route_align_equal_the_loop():
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True])
-@pytest.mark.parametrize("apart_above", [0, 10**9])
-def test_the_activation_inside_down_or_apart_gives_the_loop(gpt_oss, apart_above, monkeypatch):
-    """Steps of more than ACT_APART_PAIRS pairs (prefills) take the silu in a pass of its own (on CUDA
-    the fused kernel): here every step (0) or none (10**9), bf16; the clamped SwiGLU (with biases)
-    stays inside down's loads either way."""
+@pytest.mark.parametrize("mode", ["inside", "apart", "epilogue"])
+def test_the_activation_inside_down_apart_or_in_gate_up_gives_the_loop(gpt_oss, mode, monkeypatch):
+    """Steps of more than ACT_APART_PAIRS pairs (prefills) take the silu in gate/up's epilogue
+    (SILU_IN_GATE_UP: it writes silu(gate) * up) or in a pass of its own (on CUDA the fused kernel): here
+    every step ("apart", "epilogue": ACT_APART_PAIRS 0) or none ("inside"), bf16, with biases after both
+    projections; the clamped SwiGLU stays inside down's loads whatever the mode."""
     import foveal.layers.moe_triton as mt
 
-    monkeypatch.setattr(mt, "ACT_APART_PAIRS", apart_above)
-    passes = []  # the activation's passes of its own
-    apart = mt._glu_apart
+    monkeypatch.setattr(mt, "ACT_APART_PAIRS", 10**9 if mode == "inside" else 0)
+    monkeypatch.setattr(mt, "SILU_IN_GATE_UP", mode == "epilogue")
+    passes, epilogues = [], []  # the activation's passes of its own; gate/up launches with the silu in
+    apart, gemm = mt._glu_apart, mt._gemm
     monkeypatch.setattr(mt, "_glu_apart", lambda *args: passes.append(1) or apart(*args))
+
+    def counted(*args, **kw):
+        epilogues.append(kw.get("glu_out", False))
+        return gemm(*args, **kw)
+
+    monkeypatch.setattr(mt, "_gemm", counted)
     x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(6, 33, 8, 4, 32, 32, torch.bfloat16)
     if not gpt_oss:  # inputs of the usual scale: silu has no clamp to keep the gate/up rows small
-        x, w13, glu, b13, b2 = x / 3, w13 / 32**0.25, silu_glu, None, None
+        x, w13, glu, b13, b2 = x / 3, w13 / 32**0.25, silu_glu, b13 / 4, b2 / 4
     got = experts_triton(x, w13, w2, weights, ids, glu, b13, b2)
     want = experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
-    assert len(passes) == (not gpt_oss and apart_above < 33 * 4)
+    silu_out = not gpt_oss and mode != "inside"
+    assert len(passes) == (silu_out and mode == "apart")
+    assert epilogues == [silu_out and mode == "epilogue", False]  # gate/up's launch, then down's
     # bf16: a few ulps of the largest output (the reference rounds silu's output before the product)
     assert (got.float() - want.float()).abs().max().item() < 2e-2 * want.float().abs().max().item()
+
+
+def test_the_silu_in_gate_up_equals_gate_up_then_silu_and_mul():
+    """GLU_OUT's output is gate/up's, rounded to its type, then silu_and_mul's: fp32 (as exact as the
+    loop) and bf16, fp8 weights with block scales and biases, 16 columns a program (several tiles)."""
+    from foveal.layers import fused
+    from foveal.layers import moe_triton as mt
+
+    x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(8, 21, 6, 3, 40, 48, torch.float32)
+    n = 21 * 3
+    rows, experts = align(ids, 6, 16)
+    tiles = mt.Tiles(16, 16, 32)
+    for dtype, wq in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 16)):
+        xs, w, b = x.to(dtype), w13.to(dtype), b13.to(dtype)
+        q = None
+        if wq:
+            qs, scales, back = _fp8_blocks(w13.cpu(), wq)
+            w, q = qs.to(DEVICE), (scales.to(DEVICE), wq)
+        h = torch.empty(n, 96, dtype=dtype, device=DEVICE)
+        mt._gemm(xs, w, b, h, None, rows, experts, n, 3, True, tiles, wq=q)
+        out = torch.empty(n, 48, dtype=dtype, device=DEVICE)
+        mt._gemm(xs, w, b, out, None, rows, experts, n, 3, True, tiles, wq=q, glu_out=True)
+        want = (
+            fused.silu_and_mul(h) if fused.use_fused(h) else (torch.nn.functional.silu(h[:, :48]) * h[:, 48:])
+        )
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert (out.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
 
 
 def test_a_glu_the_kernel_does_not_know_is_applied_apart():

@@ -28,9 +28,30 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from foveal.layers.fp8 import FP8_DTYPES
+from foveal.layers.fused_kernels import PRECISE
 from foveal.lora.ops_triton import _dot_args
+
+
+@triton.jit
+def _dot_w(
+    acc, a, w_ptrs, w_mask, ws_ptrs, ws_mask, QB: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr
+):
+    """acc + a @ (the W tile at w_ptrs): fp8 W (QB > 0) taken in a's type, each K step's product times its
+    columns' block scales (at ws_ptrs)."""
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if QB > 0:  # fp8 values are exact in A's type; their block's scale multiplies the partial product
+        w = w.to(a.dtype)
+    if UPCAST:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    if QB > 0:
+        acc += tl.dot(a, w, input_precision=DOT_PREC) * tl.load(ws_ptrs, mask=ws_mask, other=0.0)[None, :]
+    else:
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    return acc
 
 
 @triton.jit
@@ -65,6 +86,8 @@ def _moe_gemm_kernel(
     SPLIT_K: tl.constexpr,
     QB: tl.constexpr,
     COLS_FIRST: tl.constexpr,
+    GLU_OUT: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
 ):
     """C[p, :N] = (A[p // TOP_K if GATHER else p] @ W[e, :N, :K]^T + bias[e] if BIAS) (times scale[p] if
     SCALE) for the pairs p of this program's tile of rows, all of expert e. ACT > 0: A's row is the
@@ -76,7 +99,11 @@ def _moe_gemm_kernel(
     ws_n, 1; BLOCK_K divides QB, so a K step takes one scale a column): each W tile taken in A's type
     (e4m3 values are exact in bf16, fp16 and fp32), each K step's product scaled per column in float32.
     COLS_FIRST: the grid is (column tiles, row tiles, splits), so a row tile's column programs run side
-    by side and its A rows come from HBM once; else (row tiles, column tiles, splits)."""
+    by side and its A rows come from HBM once; else (row tiles, column tiles, splits).
+    GLU_OUT: W is gate/up's [E, 2N, K] and C[p, :N] = silu(gate) * up of the program's columns of both
+    halves (two accumulators; bias and scales per half), each half rounded to C's type first and the
+    silu as fused.silu_and_mul takes it (libdevice's exp where PRECISE_EXP), so C is what gate/up then
+    silu_and_mul would give."""
     tile = tl.program_id(1) if COLS_FIRST else tl.program_id(0)
     e = tl.load(experts_ptr + tile)
     if e < 0:
@@ -87,8 +114,11 @@ def _moe_gemm_kernel(
     src = pairs // TOP_K if GATHER else pairs
     cols = (tl.program_id(0) if COLS_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w_base = w_ptr + e.to(tl.int64) * N * K
+    w_rows = 2 * N if GLU_OUT else N  # W's rows an expert
+    w_base = w_ptr + e.to(tl.int64) * w_rows * K
+    ws_base = ws_ptr + e.to(tl.int64) * ws_e
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GLU_OUT: the up half's
     k_lo = 0
     k_hi = K
     out_rows = pairs
@@ -114,26 +144,30 @@ def _moe_gemm_kernel(
                 up = tl.minimum(tl.maximum(up, -limit), limit)
                 act = (up + 1.0) * gate / (1.0 + tl.exp(-gate * alpha))
             a = act.to(a_ptr.dtype.element_ty)
-        w = tl.load(
-            w_base + cols[None, :].to(tl.int64) * K + ks[:, None],
-            mask=k_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        if QB > 0:  # fp8 values are exact in A's type; their block's scale multiplies the partial product
-            w = w.to(a_ptr.dtype.element_ty)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        if QB > 0:
-            ws = ws_ptr + e.to(tl.int64) * ws_e + (cols // QB) * ws_n + k0 // QB
-            acc += tl.dot(a, w, input_precision=DOT_PREC) * tl.load(ws, mask=col_mask, other=0.0)[None, :]
-        else:
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        w_ptrs = w_base + cols[None, :].to(tl.int64) * K + ks[:, None]
+        ws_ptrs = ws_base + (cols // QB if QB > 0 else cols) * ws_n + k0 // (QB if QB > 0 else 1)
+        acc = _dot_w(acc, a, w_ptrs, w_mask, ws_ptrs, col_mask, QB, UPCAST, DOT_PREC)
+        if GLU_OUT:  # the up half: rows N + cols
+            ws_up = ws_base + ((N + cols) // QB if QB > 0 else cols) * ws_n + k0 // (QB if QB > 0 else 1)
+            acc_up = _dot_w(acc_up, a, w_ptrs + N * K, w_mask, ws_up, col_mask, QB, UPCAST, DOT_PREC)
     if BIAS:
-        bias = tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)
+        b_row = bias_ptr + e.to(tl.int64) * w_rows
+        bias = tl.load(b_row + cols, mask=col_mask, other=0.0).to(tl.float32)
         if SPLIT_K > 1:
             bias = tl.where(tl.program_id(2) == 0, bias, 0.0)
         acc += bias[None, :]
+        if GLU_OUT:
+            acc_up += tl.load(b_row + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if GLU_OUT:  # as gate/up's output rounded to C's type, then silu_and_mul
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        if PRECISE_EXP:
+            ex = libdevice.exp(-gate)
+        else:
+            ex = tl.exp(-gate)
+        silu = tl.math.div_rn(gate, 1.0 + ex).to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = silu * up
     if SCALE:
         acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     c = c_ptr + out_rows[:, None] * c_row + cols[None, :]
@@ -537,7 +571,14 @@ SPLIT_K_PROGRAMS = (128, 1024)
 
 
 def _tiles(
-    n_pairs: int, num_experts: int, N: int, K: int, down: bool, itemsize: int = 2, fused_act: bool = False
+    n_pairs: int,
+    num_experts: int,
+    N: int,
+    K: int,
+    down: bool,
+    itemsize: int = 2,
+    fused_act: bool = False,
+    glu_out: bool = False,
 ) -> Tiles:
     """The tiles of one GEMM (gate/up, or down when `down`; `fused_act`: down takes the activation inside
     its loads) from the sweeps of `benchmarks/moe.py --parts tiles` (RESULTS.md). Decode-sized steps
@@ -556,11 +597,14 @@ def _tiles(
     Qwen3-30B-A3B, down on the silu's own output; session 37): gate/up 1,179.5 -> 894.4 us, down 738.3 ->
     467.6 us a layer, against 64 x 128 x 64, 4 warps, 2 stages, rows first, which down still takes where
     the activation is inside its loads (gpt-oss's clamped SwiGLU: its registers were not swept) and fp32
-    takes (shared memory)."""
+    takes (shared memory). `glu_out` (gate/up with the silu in its epilogue): 128 columns of each half,
+    the same products a program (not swept)."""
     if n_pairs > 2048:
         bn, bk = triton.next_power_of_2(N), max(16, min(64, triton.next_power_of_2(K)))
         if itemsize > 2 or (down and fused_act):
             return Tiles(64, max(16, min(128, bn)), bk)
+        if glu_out:  # two accumulators of 128 columns (gate's and up's): 128 x 256 products as below
+            return Tiles(128, max(16, min(128, bn // 2)), bk, 8, 3, 1, 1)
         return Tiles(128, max(16, min(256, bn)), bk, 8, 3, 1, 1)
     per_expert = n_pairs / max(1, min(num_experts, n_pairs))
     bm = 16 if per_expert <= 16 else 64
@@ -580,13 +624,31 @@ def _tiles(
 
 
 def _gemm(
-    a, w, bias, c, scale, rows, experts, n_pairs, top_k, gather, tiles, act=(0, 0.0, 0.0), wq=None
+    a,
+    w,
+    bias,
+    c,
+    scale,
+    rows,
+    experts,
+    n_pairs,
+    top_k,
+    gather,
+    tiles,
+    act=(0, 0.0, 0.0),
+    wq=None,
+    glu_out=False,
 ) -> None:
     """One launch of the kernel. `wq`: (scales [E, ceil(N / QB), ceil(K / QB)] float32, QB) where w is
-    fp8 with block scales, else None."""
+    fp8 with block scales, else None. `glu_out`: w is gate/up's [E, 2I, K] and c [pairs, I] takes
+    silu(gate) * up (the kernel's GLU_OUT)."""
     N, K = w.shape[1], w.shape[2]
     if tiles.split_k > 1 and (gather or c.shape[0] < tiles.split_k * n_pairs):
         raise ValueError("split-K is for down's GEMM, whose C holds split_k x the pairs' rows")
+    if glu_out and (N % 2 or act[0] or tiles.split_k > 1):
+        raise ValueError(
+            "the silu in gate/up's epilogue takes gate/up's even rows, no other activation, one K run"
+        )
     ws, qb = (w, 0) if wq is None else wq
     if qb:
         tiles = tiles._replace(block_k=min(tiles.block_k, qb))
@@ -594,16 +656,18 @@ def _gemm(
             raise ValueError(
                 f"fp8 scales {tuple(ws.shape)} for [{N}, {K}] in {qb}-blocks (K tile {tiles.block_k})"
             )
-    grid = (experts.shape[0], triton.cdiv(N, tiles.block_n), tiles.split_k)
+    n_out = N // 2 if glu_out else N  # C's columns
+    grid = (experts.shape[0], triton.cdiv(n_out, tiles.block_n), tiles.split_k)
     cols_first = bool(tiles.cols_first) and grid[0] <= 65535  # (a grid's second dimension's limit)
     if cols_first:
         grid = (grid[1], grid[0], grid[2])
     _moe_gemm_kernel[grid](
-        a, w, w if bias is None else bias.contiguous(), c, scale, rows, experts, ws, n_pairs, N, K,
+        a, w, w if bias is None else bias.contiguous(), c, scale, rows, experts, ws, n_pairs, n_out, K,
         a.stride(0), c.stride(0), ws.stride(0) if qb else 0, ws.stride(1) if qb else 0, act[1], act[2],
         TOP_K=top_k, ACT=act[0], GATHER=gather, SCALE=scale is not None, BIAS=bias is not None,
         **_dot_args(a.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SPLIT_K=tiles.split_k, QB=qb, COLS_FIRST=cols_first, num_warps=tiles.warps, num_stages=tiles.stages,
+        SPLIT_K=tiles.split_k, QB=qb, COLS_FIRST=cols_first, GLU_OUT=glu_out, PRECISE_EXP=PRECISE,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
 
@@ -616,6 +680,9 @@ def _gemm(
 # session 36) had TTFT p50 1.96 -> 1.33 s but p99 3.35 -> 4.35 s: not yet separated
 # (`benchmarks/moe.py --act-apart-above 2048,1000000000` runs both in one process).
 ACT_APART_PAIRS = 2048
+# Past ACT_APART_PAIRS, gate/up's launch takes the silu in its epilogue (GLU_OUT: it writes silu(gate) * up,
+# [pairs, I], the same values as gate/up then silu_and_mul) rather than a pass of its own over [pairs, 2I].
+SILU_IN_GATE_UP = True
 
 
 def _glu_apart(h: torch.Tensor, glu, inter: int, silu: bool) -> torch.Tensor:
@@ -650,7 +717,8 @@ def experts_triton(
 ) -> torch.Tensor:
     """The experts' output [T, H] (foveal/layers/moe.py `experts_grouped`'s contract): gate/up by the
     kernel over x's rows (plus b13), the activation `glu(gate, up)` (inside the down kernel's loads for
-    the two the kernel knows, up to ACT_APART_PAIRS pairs), down by the kernel (plus b2)
+    the two the kernel knows, up to ACT_APART_PAIRS pairs; past that the silu in gate/up's epilogue,
+    SILU_IN_GATE_UP, or in a pass of its own), down by the kernel (plus b2)
     scaled by each pair's weight, summed over each token's k pairs. `aligned`: (rows, experts) already
     made for ids (route_align), else align() makes them. `wq13`, `wq2`: (scales, block) where w13 / w2
     are fp8 with one float32 scale per block x block (the layout of block-quantized FP8 checkpoints,
@@ -666,17 +734,22 @@ def experts_triton(
     n = T * k
     size = x.element_size()
     act = _fused_act(glu)
-    apart = act is None or (n > ACT_APART_PAIRS and act[0] == 1)  # unknown, or a prefill's silu: apart
-    up, down = _tiles(n, E, two_i, H, False, size), _tiles(n, E, H, inter, True, size, fused_act=not apart)
+    prefill_silu = act is not None and act[0] == 1 and n > ACT_APART_PAIRS
+    glu_out = prefill_silu and SILU_IN_GATE_UP
+    apart = act is None or prefill_silu  # unknown, or a prefill's silu: not inside down's loads
+    up = _tiles(n, E, two_i, H, False, size, glu_out=glu_out)
+    down = _tiles(n, E, H, inter, True, size, fused_act=not apart)
     rows, experts = aligned if aligned is not None else align(ids, E, up.block_m)
-    h = torch.empty((n, two_i), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, b13, h, None, rows, experts, n, k, True, up, wq=wq13)
+    h = torch.empty((n, inter if glu_out else two_i), dtype=x.dtype, device=x.device)
+    _gemm(x, w13, b13, h, None, rows, experts, n, k, True, up, wq=wq13, glu_out=glu_out)
     if down.block_m != up.block_m:  # down's own row tile: the pairs aligned again (device ops only)
         rows, experts = align(ids, E, down.block_m)
     d = torch.empty((down.split_k * n, H), dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     if apart:
-        h, act = _glu_apart(h, glu, inter, act is not None), (0, 0.0, 0.0)
+        if not glu_out:
+            h = _glu_apart(h, glu, inter, act is not None)
+        act = (0, 0.0, 0.0)
     _gemm(h, w2, b2, d, scale, rows, experts, n, k, False, down, act, wq2)
     return pair_sum(d, T, k, down.split_k)
 
