@@ -32,7 +32,9 @@ if DEVICE == "cpu":
         (200, 4, 2, 32, 16),
         (300, 4, 2, 32, 16),
         (1100, 4, 2, 32, 16),
-    ],  # the last three: 64-row tiles, several an expert (the last a prefill-sized step's)
+        (700, 64, 4, 32, 16),
+    ],  # the last four: 64-row tiles, several an expert (the last two prefill-sized steps': 128-row tiles
+    # at 550 pairs an expert, 64-row ones at 44)
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_equals_the_loop(T, E, k, H, inter, dtype):

@@ -566,6 +566,10 @@ class Tiles(NamedTuple):
     cols_first: int = 0  # 1: a row tile's column programs launched side by side (its A rows read once)
 
 
+# Prefill-sized steps take 128-row tiles from this many pairs an expert on average (measured better at 512:
+# Qwen3-30B-A3B's 8,192-token steps; worse at 32: its 512-token ones; RESULTS.md session 37; between, not
+# measured)
+LARGE_TILE_PER_EXPERT = 128
 # down's programs (row tiles x column tiles) up to which it splits K in 4 runs, and in 2 (16-row tiles)
 SPLIT_K_PROGRAMS = (128, 1024)
 
@@ -592,21 +596,22 @@ def _tiles(
     were fastest or within 2% of it, 3 stages took 4-24% off 4 stages' time at 8 and 64 tokens, and 3
     stages were fastest at 256 (sessions 33, 35).
 
-    Prefill-sized steps (> 2,048 pairs), 16-bit activations: 128 x 256 tiles deep 64, 8 warps, 3
-    stages, launched columns first, for both GEMMs: the fastest of the sweep at 8,192 tokens (H200,
-    Qwen3-30B-A3B, down on the silu's own output; session 37): gate/up 1,179.5 -> 894.4 us, down 738.3 ->
-    467.6 us a layer, against 64 x 128 x 64, 4 warps, 2 stages, rows first, which down still takes where
-    the activation is inside its loads (gpt-oss's clamped SwiGLU: its registers were not swept) and fp32
-    takes (shared memory). `glu_out` (gate/up with the silu in its epilogue): 128 columns of each half,
-    the same products a program (not swept)."""
-    if n_pairs > 2048:
-        bn, bk = triton.next_power_of_2(N), max(16, min(64, triton.next_power_of_2(K)))
-        if itemsize > 2 or (down and fused_act):
-            return Tiles(64, max(16, min(128, bn)), bk)
-        if glu_out:  # two accumulators of 128 columns (gate's and up's): 128 x 256 products as below
-            return Tiles(128, max(16, min(128, bn // 2)), bk, 8, 3, 1, 1)
-        return Tiles(128, max(16, min(256, bn)), bk, 8, 3, 1, 1)
+    Prefill-sized steps (> 2,048 pairs), 16-bit activations, at least LARGE_TILE_PER_EXPERT pairs an
+    expert: 128 x 256 tiles deep 64, 8 warps, 3 stages, launched columns first, for both GEMMs: the
+    fastest of the sweep at 8,192 tokens (H200, Qwen3-30B-A3B: 512 pairs an expert, down on the silu's
+    own output; session 37): gate/up 1,179.5 -> 894.4 us, down 738.3 -> 467.6 us a layer, against 64 x
+    128 x 64, 4 warps, 2 stages, rows first. That shape stays for fewer pairs an expert (at 32, one
+    512-token prompt a step, the 128-row tiles are 3/4 padding), where down takes the activation inside
+    its loads (gpt-oss's clamped SwiGLU: its registers were not swept) and for fp32 (shared memory).
+    `glu_out` (gate/up with the silu in its epilogue): half the columns of each of its two halves, the
+    same products a program (not swept)."""
     per_expert = n_pairs / max(1, min(num_experts, n_pairs))
+    if n_pairs > 2048:
+        bn, bk = triton.next_power_of_2(N // 2 if glu_out else N), max(16, min(64, triton.next_power_of_2(K)))
+        if itemsize > 2 or (down and fused_act) or per_expert < LARGE_TILE_PER_EXPERT:
+            return Tiles(64, max(16, min(128, bn)), bk)
+        # glu_out: two accumulators of 128 columns (gate's and up's), the products of 128 x 256
+        return Tiles(128, max(16, min(128 if glu_out else 256, bn)), bk, 8, 3, 1, 1)
     bm = 16 if per_expert <= 16 else 64
     bn, bk = (128, 64) if down else (64 if bm == 16 else 128, 128)
     stages = 4 if itemsize <= 2 else 2
