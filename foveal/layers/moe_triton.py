@@ -681,12 +681,12 @@ def _gemm(
 # reads each pair's gate/up row once per column tile (16 times for Qwen3-30B-A3B's 2,048 columns), so
 # inside it the activation's loads and exps are done 16 times over. At prefill sizes down ran at 93-122
 # TFLOP/s against gate/up's 320-372 (RESULTS.md, session 33, 4,096 tokens); that this repetition is the
-# cause is inferred. With it and align's two launches, Qwen3-30B-A3B at batch 256 (H200, one run each,
-# session 36) had TTFT p50 1.96 -> 1.33 s but p99 3.35 -> 4.35 s: not yet separated
-# (`benchmarks/moe.py --act-apart-above 2048,1000000000` runs both in one process).
+# cause is inferred (`benchmarks/moe.py --act-apart-above 2048,1000000000` compares both in one engine).
 ACT_APART_PAIRS = 2048
 # Past ACT_APART_PAIRS, gate/up's launch takes the silu in its epilogue (GLU_OUT: it writes silu(gate) * up,
 # [pairs, I], the same values as gate/up then silu_and_mul) rather than a pass of its own over [pairs, 2I].
+# Qwen3-30B-A3B's prefill of 256 one-prompt steps of 512 tokens (H100, one run each; RESULTS.md session
+# 37): 10.69 -> 10.24 s on the 128-row tiles, 13.28 -> 10.05 s on the 64-row ones the rule now takes there.
 SILU_IN_GATE_UP = True
 
 
