@@ -22,8 +22,9 @@
 #           git archive <base> foveal | tar -x -C before && git archive HEAD benchmarks | tar -x -C before`)
 #   gptoss  gpt-oss-20b at batch 1 and 64, here then in before/ (as for ab), GPTOSS_REPS times (2): a
 #           first run on a machine may compile inside its timing (RESULTS.md session 34)
-#   prefill gpt-oss-20b at batch 64 (its prefill steps: 32,768 pairs) with the tile rule, then with each
-#           of PREFILL_TILES (space-separated "gate_up/down" tiles: benchmarks/moe.py --prefill-tiles)
+#   prefill PREFILL_MODELS (qwen3; gptoss, qwen3fp8) at PREFILL_BATCHES (256) and a prefill-only run, the
+#           tile rule against PREFILL_TILES (";"-separated "gate_up/down" tiles: benchmarks/moe.py
+#           --prefill-tiles; session 36's by default) in one engine, alternating, PREFILL_REPS (2) rounds
 #   w13     W1-W3 (benchmarks/gpu_workloads.py), this checkout then before/ (`git archive <base> foveal
 #           benchmarks scripts | tar -x -C before`), one process each
 # BEFORE names another folder than before/ for the base.
@@ -87,11 +88,10 @@ for part in "$@"; do
       done
       ;;
     prefill)
-      for t in "" ${PREFILL_TILES:-128,128,64,8,3/64,128,64,4,4 128,128,64,8,3/128,128,64,8,4}; do
-        echo "--- prefill tiles: ${t:-the rule}"
-        timeout ${T_PREFILL:-150} python3 benchmarks/moe.py --parts ceilings,gptoss --batches 64 \
-          ${t:+--prefill-tiles $t} 2>&1 | grep -v "^\[transformers\]" | tee -a "$LOG/prefill.txt" | grep "batch"
-      done
+      timeout ${T_PREFILL:-400} python3 benchmarks/moe.py --parts ceilings,${PREFILL_MODELS:-qwen3} \
+        --batches ${PREFILL_BATCHES:-256} --reps ${PREFILL_REPS:-2} --prefill \
+        --prefill-tiles "rule;${PREFILL_TILES:-64,128,64,4,2/64,128,64,4,2}" 2>&1 \
+        | grep -v "^\[transformers\]" | tee "$LOG/prefill.txt" | grep -E " batch |prefill only"
       ;;
     w13)
       timeout ${T_W13:-240} python3 benchmarks/gpu_workloads.py --workloads ceilings,w1,w2,w3 2>&1 \
