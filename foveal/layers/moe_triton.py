@@ -567,8 +567,8 @@ class Tiles(NamedTuple):
 
 
 # Prefill-sized steps take 128-row tiles from this many pairs an expert on average (measured better at 512:
-# Qwen3-30B-A3B's 8,192-token steps; worse at 32: its 512-token ones; RESULTS.md session 37; between, not
-# measured)
+# Qwen3-30B-A3B's 8,192-token steps; at 32, its 512-token ones, 2% slower in one run with the silu in
+# gate/up's epilogue; RESULTS.md session 37; between, not measured)
 LARGE_TILE_PER_EXPERT = 128
 # down's programs (row tiles x column tiles) up to which it splits K in 4 runs, and in 2 (16-row tiles)
 SPLIT_K_PROGRAMS = (128, 1024)
@@ -601,8 +601,9 @@ def _tiles(
     fastest of the sweep at 8,192 tokens (H200, Qwen3-30B-A3B: 512 pairs an expert, down on the silu's
     own output; session 37): gate/up 1,179.5 -> 894.4 us, down 738.3 -> 467.6 us a layer, against 64 x
     128 x 64, 4 warps, 2 stages, rows first. That shape stays for fewer pairs an expert (at 32, one
-    512-token prompt a step, the 128-row tiles are 3/4 padding), where down takes the activation inside
-    its loads (gpt-oss's clamped SwiGLU: its registers were not swept) and for fp32 (shared memory).
+    512-token prompt a step, the 128-row tiles are 3/4 padding: 2% slower, one run), where down takes
+    the activation inside its loads (gpt-oss's clamped SwiGLU: its registers were not swept) and for
+    fp32 (shared memory).
     `glu_out` (gate/up with the silu in its epilogue): half the columns of each of its two halves, the
     same products a program (not swept)."""
     per_expert = n_pairs / max(1, min(num_experts, n_pairs))
