@@ -9,6 +9,9 @@ the decode kernels alone (split + combine) and of a whole backend forward (store
 backends, and the K/V bandwidth the decode kernels achieve (bytes of K and V read / time).
 Prefill: 1x512, 8x512, 1x4096 fresh, and a 512 chunk after a 3584-token context; reports TFLOP/s
 over the causal work (4 * head_dim * heads per visible query-key pair).
+--prefill-sweep: instead, the prefill kernel's launch shapes (rows a program, key tile, warps, stages:
+prefill.block_m_for / launch_config replaced) on 16x512 (a MoE batch's 8,192-token prefill step), 8x512
+and 1x4096, the current rule's first; --kv-heads 4 for Qwen3-30B-A3B's 32 / 4 heads.
 --kv-dtypes: the decode cases also over fp8 / int8 pools (kv_quant.py; the torch backend's column is
 then its gather-and-dequantize path, which the Triton backend took for such pools before its kernels
 read codes; KV GB/s counts the codes' and scales' bytes).
@@ -124,7 +127,7 @@ def decode_case(batch_size: int, ctx: int, triton_be, torch_be, kind: str = "aut
     )
 
 
-def prefill_case(num: int, q_len: int, ctx: int, triton_be, torch_be) -> dict:
+def prefill_case(num: int, q_len: int, ctx: int, triton_be, torch_be, time_torch: bool = True) -> dict:
     batch, cache, q, k, v = make_step([(ctx, q_len)] * num)
     tmeta = triton_be.plan(batch, torch.device("cuda"))
     rmeta = torch_be.plan(batch, torch.device("cuda"))
@@ -132,7 +135,7 @@ def prefill_case(num: int, q_len: int, ctx: int, triton_be, torch_be) -> dict:
     ref = torch_be.forward(q, k, v, cache, rmeta, SCALE)
     err = (out.float() - ref.float()).abs().max().item()
     t_tri = bench(lambda: triton_be.forward(q, k, v, cache, tmeta, SCALE))
-    t_ref = bench(lambda: torch_be.forward(q, k, v, cache, rmeta, SCALE))
+    t_ref = bench(lambda: torch_be.forward(q, k, v, cache, rmeta, SCALE)) if time_torch else float("nan")
     pairs = num * sum(ctx + i + 1 for i in range(q_len))  # causal query-key pairs
     flops = 4 * HEAD_DIM * HEADS * pairs
     return dict(
@@ -147,12 +150,53 @@ def prefill_case(num: int, q_len: int, ctx: int, triton_be, torch_be) -> dict:
     )
 
 
+def prefill_sweep(triton_be, torch_be) -> list[dict]:
+    """prefill_case under each launch shape (block_m, block_n, warps, stages), the rule's first."""
+    import triton
+
+    from foveal.attention.kernels import prefill as pk
+
+    rule_m, rule_cfg = pk.block_m_for, pk.launch_config
+    group = HEADS // KV_HEADS
+    shapes = [None] + [s for s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)) if s[0] >= group]
+    out = []
+    print("sweep   seqs  q_len  block_m block_n warps stages  triton ms  TFLOP/s  max err")
+    for num, q_len in ((16, 512), (8, 512), (1, 4096)):
+        for shape in shapes:
+            is_rule = shape is None
+            if not is_rule:
+                pk.block_m_for = lambda max_q, g, bm=shape[0]: bm
+                pk.launch_config = lambda block_m, head_pad, size, c=shape[1:]: c
+            try:
+                r = prefill_case(num, q_len, 0, triton_be, torch_be, time_torch=False)
+            except triton.runtime.errors.OutOfResources:
+                continue
+            finally:
+                pk.block_m_for, pk.launch_config = rule_m, rule_cfg
+            if is_rule:
+                bm = rule_m(q_len, group)
+                shape = (bm, *rule_cfg(bm, triton.next_power_of_2(HEAD_DIM), 2))
+            r.update(block_m=shape[0], block_n=shape[1], warps=shape[2], stages=shape[3], rule=is_rule)
+            out.append(r)
+            print(
+                f"        {num:4d}  {q_len:5d}  {shape[0]:7d} {shape[1]:7d} {shape[2]:5d} {shape[3]:6d}"
+                f"  {r['triton_ms']:9.3f}  {r['triton_tflops']:7.1f}  {r['max_abs_err']:.2e}"
+            )
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     import argparse
 
+    global KV_HEADS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-dtypes", default="auto", help="comma-separated: auto, fp8, int8 (decode cases)")
-    kinds = ap.parse_args().kv_dtypes.split(",")
+    ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="KV heads (32 query heads)")
+    ap.add_argument("--prefill-sweep", action="store_true", help="the prefill kernel's launch shapes")
+    a = ap.parse_args()
+    kinds = a.kv_dtypes.split(",")
+    KV_HEADS = a.kv_heads
     if not torch.cuda.is_available():
         print("attention_kernels.py needs a CUDA GPU (the triton backend's kernels); nothing to do")
         sys.exit(0)
@@ -162,6 +206,11 @@ def main() -> None:
     from foveal.attention.triton_backend import TritonAttentionBackend
 
     triton_be, torch_be = TritonAttentionBackend(), TorchAttentionBackend()
+    if a.prefill_sweep:
+        print(f"{torch.cuda.get_device_name()}  triton {triton.__version__}  heads {HEADS} / {KV_HEADS}")
+        print(json.dumps(dict(device=torch.cuda.get_device_name(), heads=HEADS, kv_heads=KV_HEADS,
+                              sweep=prefill_sweep(triton_be, torch_be))))  # fmt: skip
+        return
     free = torch.cuda.mem_get_info()[0]
     decode = []
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
