@@ -8,7 +8,8 @@ same run and MBU/MFU against them.
 W1 Llama-3.1-8B batch 1, 512 prompt / 256 output: TTFT and decode tok/s (MBU: weight + KV bytes
    read per step over the measured copy bandwidth).
 W2 Llama-3.1-8B, 256 requests of 512 / 256, all at once: output tok/s (MFU: 2 x params FLOPs per
-   token over the measured bf16 matmul rate), TTFT p50/p99.
+   token, the LM head's only for the rows whose logits are computed (forward_flops), over the measured
+   bf16 matmul rate), TTFT p50/p99.
 W3 nano-vllm's bench.py workload: Qwen3-0.6B, 256 sequences, prompt and output lengths uniform in
    [100, 1024] (Python's random, seed 0, in bench.py's order), temperature 0.6, ignore_eos; against
    the floor of its reads (the weights each decode step, each row's K/V over its context each step:
@@ -179,6 +180,18 @@ def decode_bytes(llm: LLM) -> int:
     return total
 
 
+def forward_flops(llm: LLM, weights: float, tokens: int, logit_rows: int) -> float:
+    """FLOPs of `tokens` tokens through the model at 2 a weight: `weights` a token (the LM head's among
+    them: decode_bytes' weights, or a mixture's active ones), the LM head's only for the `logit_rows`
+    rows whose logits are computed (a prefill's: each prompt's last token; a decode step's: every row);
+    attention's own products left out."""
+    model = llm.engine.model
+    text = getattr(model, "language_model", model)
+    head = text.lm_head if getattr(text, "lm_head", None) is not None else text.embed_tokens
+    n = head.weight.numel()
+    return 2 * ((weights - n) * tokens + n * logit_rows)
+
+
 def kv_bytes_per_token(llm: LLM) -> int:
     layers, kvh, hd = llm.engine.model.kv_shape
     return layers * 2 * kvh * hd * llm.engine.dtype.itemsize
@@ -238,7 +251,8 @@ def w1_w2(a) -> None:
             profile(llm, V, batch=N(256), context=L(512))
             prefill_rate(llm, V)
         r = run(llm, random_prompts(N(256), L(512), V, 1), [greedy(L(256))] * N(256))
-        flops = 2 * decode_bytes(llm) / llm.engine.dtype.itemsize * (r["output_tokens"] + r["prompt_tokens"])
+        tokens = r["output_tokens"] + r["prompt_tokens"]  # (each output token's logits: one row)
+        flops = forward_flops(llm, decode_bytes(llm) / llm.engine.dtype.itemsize, tokens, r["output_tokens"])
         if "ceilings" in RESULTS:
             r["MFU"] = flops / r["wall_s"] / (RESULTS["ceilings"]["bf16_TFLOPs"] * 1e12)
         report("W2", r, f"MFU {r.get('MFU', 0):.3f}")
@@ -299,7 +313,7 @@ def profile_first_token(llm: LLM, prompt) -> None:
 def prefill_rate(llm: LLM, V: int) -> None:
     """W2's prompts alone (max_tokens=1): the prefill share of W2's time, and its MFU."""
     r = run(llm, random_prompts(N(256), L(512), V, 3), [greedy(1)] * N(256))
-    flops = 2 * decode_bytes(llm) / llm.engine.dtype.itemsize * r["prompt_tokens"]
+    flops = forward_flops(llm, decode_bytes(llm) / llm.engine.dtype.itemsize, r["prompt_tokens"], N(256))
     mfu = flops / r["wall_s"] / (RESULTS["ceilings"]["bf16_TFLOPs"] * 1e12) if "ceilings" in RESULTS else 0
     log(
         f"W2 prefill only: {r['prompt_tokens']} prompt tokens in {r['wall_s']:.2f} s "

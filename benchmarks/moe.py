@@ -77,6 +77,9 @@ import gpu_workloads as gw  # noqa: E402
 from foveal.layers.moe import experts_grouped, experts_reference, route, silu_glu  # noqa: E402
 
 RESULTS: dict = {}
+# the models' prompts: every run its own seed, so the prefix cache finds none of an earlier run's prompts
+# (gw.profile's are seed 7)
+SEEDS = itertools.count(10_000)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "gpt-oss-20b": (32, 4, 2880, 2880)}  # E, k, H, I
 
 
@@ -378,9 +381,9 @@ def _prefill_tiles(spec: str):
 
 
 def _variants(a) -> list[tuple[str, dict]]:
-    """The prefill variants one engine runs in turn (--act-apart-above x --prefill-tiles): (label, the
-    moe_triton attributes to set). Both act only on steps of more than 2,048 pairs, which run eagerly,
-    so the decode steps' CUDA graphs are the same for all."""
+    """The prefill variants one engine runs in turn (--act-apart-above x --prefill-tiles x
+    --silu-in-gate-up): (label, the moe_triton attributes to set). All act only on steps of more than
+    2,048 pairs, which run eagerly, so the decode steps' CUDA graphs are the same for all."""
     aparts = [int(v) for v in a.act_apart_above.split(",")] if a.act_apart_above else [None]
     specs = a.prefill_tiles.split(";") if a.prefill_tiles else [None]
     silus = [bool(int(v)) for v in a.silu_in_gate_up.split(",")] if a.silu_in_gate_up else [None]
@@ -402,17 +405,17 @@ def _variants(a) -> list[tuple[str, dict]]:
     return out
 
 
-def prefill(llm, V: int, prompt: int, profile: bool, seed: int = 2000) -> dict:
+def prefill(llm, V: int, prompt: int, profile: bool) -> dict:
     """N(256) prompts of `prompt` tokens, one token out: the prefill's prompt tok/s and the FLOP/s of the
-    weights a token touches (2 a weight: the dense ones and its k experts a layer; attention's own
-    products left out), against the bf16 ceiling; with `profile`, the largest CUDA kernels of a second
-    such run (device time a step = CUDA total / its steps)."""
+    weights a token touches (gw.forward_flops: 2 a weight, the dense ones and its k experts a layer, the
+    LM head's for each prompt's last token only), against the bf16 ceiling; with `profile`, the largest
+    CUDA kernels of a second such run (device time a step = CUDA total / its steps)."""
     dense, per_expert, _E, layers = _bytes(llm)
     top_k = llm.engine.model.config.num_experts_per_tok
     weights = (dense + layers * top_k * per_expert) / llm.engine.dtype.itemsize
     n = gw.N(256)
-    r = gw.run(llm, gw.random_prompts(n, prompt, V, seed), [gw.greedy(1)] * n)
-    tflops = 2 * weights * r["prompt_tokens"] / r["wall_s"] / 1e12
+    r = gw.run(llm, gw.random_prompts(n, prompt, V, next(SEEDS)), [gw.greedy(1)] * n)
+    tflops = gw.forward_flops(llm, weights, r["prompt_tokens"], n) / r["wall_s"] / 1e12
     out = {
         "prompt_tokens": r["prompt_tokens"],
         "prompt_tokens_cached": r["prompt_tokens_cached"],  # (0: every token computed)
@@ -437,7 +440,7 @@ def prefill(llm, V: int, prompt: int, profile: bool, seed: int = 2000) -> dict:
             with torch.profiler.record_function("experts gate_up" if args[9] else "experts down"):
                 gemm(*args, **kw)
 
-        prompts = gw.random_prompts(n, prompt, V, seed + 1)
+        prompts = gw.random_prompts(n, prompt, V, next(SEEDS))
         mt._gemm = named  # the two GEMMs' launches apart in the table (one kernel name)
         try:
             with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -459,30 +462,27 @@ def model(name: str, config: str, batches: list[int], a) -> None:
     top_k = llm.engine.model.config.num_experts_per_tok
     variants = _variants(a)
     warm = max(4, 8192 // prompt)  # a full prefill step too: its kernels compile outside the timings
-    # every run its own prompts (seeds apart by variant and round): the prefix cache finds none of them
-    for i, (_label, knobs) in enumerate(variants):
+    for _label, knobs in variants:
         for attr, value in knobs.items():
             setattr(moe_triton, attr, value)
-        gw.run(llm, gw.random_prompts(warm, prompt, V, 99 + 7919 * i), [gw.greedy(8)] * warm)
+        gw.run(llm, gw.random_prompts(warm, prompt, V, next(SEEDS)), [gw.greedy(8)] * warm)
     out = {}
-    for rep, b, (i, (label, knobs)) in itertools.product(range(a.reps), batches, enumerate(variants)):
+    for rep, b, (label, knobs) in itertools.product(range(a.reps), batches, variants):
         for attr, value in knobs.items():
             setattr(moe_triton, attr, value)
         n = gw.N(b) if b > 1 else 1
-        salt = 7919 * (rep * len(variants) + i)
         # the same prompts' shapes first, 8 tokens out: every prefill step's kernels (a step's token and
         # sequence counts pick the experts' tiles and Triton's specializations) compile outside the timing
-        gw.run(llm, gw.random_prompts(n, prompt, V, 1000 + b + salt), [gw.greedy(8)] * n)
+        gw.run(llm, gw.random_prompts(n, prompt, V, next(SEEDS)), [gw.greedy(8)] * n)
         if a.profile and n in a.profile_batches and rep == 0:
             gw.profile(llm, V, batch=n, context=prompt)
-        r = gw.run(llm, gw.random_prompts(n, prompt, V, b + salt), [gw.greedy(output)] * n)
+        r = gw.run(llm, gw.random_prompts(n, prompt, V, next(SEEDS)), [gw.greedy(output)] * n)
         r.update(_floor_row(llm, r, n, prompt + output // 2, top_k))
         tag = " ".join(v for v in (name, label, f"rep {rep + 1}" if a.reps > 1 else "") if v)
         gw.report(f"{tag} batch {n}", r, f"floor {r.get('floor_tok_s')} tok/s ({r.get('share_of_floor')})")
         out[f"{label} batch{b} rep{rep + 1}".strip()] = r
         if a.prefill:
-            cold = prefill(llm, V, prompt, a.profile and rep == 0, 2000 + b + salt)
-            out[f"{label} prefill rep{rep + 1}".strip()] = cold
+            out[f"{label} prefill rep{rep + 1}".strip()] = prefill(llm, V, prompt, a.profile and rep == 0)
     RESULTS[name] = out
     del llm
     if torch.cuda.is_available():

@@ -404,7 +404,7 @@ def prefix(a) -> dict:
     r = res["plain"][-1]
     computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
     bound: dict = {"prompt_tokens_computed": computed}
-    flops = 2 * gw.decode_bytes(llm) / llm.engine.dtype.itemsize * computed  # as gw.prefill_rate counts
+    flops = gw.forward_flops(llm, gw.decode_bytes(llm) / llm.engine.dtype.itemsize, computed, len(own))
     del llm
     if torch.cuda.is_available():  # the ceiling's buffers measured with the engine's memory released
         torch.cuda.empty_cache()

@@ -677,12 +677,13 @@ def _gemm(
     )  # fmt: skip
 
 
-# Steps of more pairs than this take the silu in a pass of its own (one launch), not inside down's loads
-# (gpt-oss's clamped SwiGLU stays inside: apart it would be several torch ops, not measured). Down
-# reads each pair's gate/up row once per column tile (16 times for Qwen3-30B-A3B's 2,048 columns), so
-# inside it the activation's loads and exps are done 16 times over. At prefill sizes down ran at 93-122
-# TFLOP/s against gate/up's 320-372 (RESULTS.md, session 33, 4,096 tokens); that this repetition is the
-# cause is inferred (`benchmarks/moe.py --act-apart-above 2048,1000000000` compares both in one engine).
+# Steps of more pairs than this take the silu out of down's loads: in gate/up's epilogue (SILU_IN_GATE_UP)
+# or else in a pass of its own (one launch) (gpt-oss's clamped SwiGLU stays inside: apart it would be
+# several torch ops, not measured). Down reads each pair's gate/up row once per column tile (16 times
+# for Qwen3-30B-A3B's 2,048 columns), so inside it the activation's loads and exps are done 16 times
+# over. At prefill sizes down ran at 93-122 TFLOP/s against gate/up's 320-372 (RESULTS.md, session 33,
+# 4,096 tokens); that this repetition is the cause is inferred (`benchmarks/moe.py --act-apart-above
+# 2048,1000000000` compares both in one engine).
 ACT_APART_PAIRS = 2048
 # Past ACT_APART_PAIRS, gate/up's launch takes the silu in its epilogue (GLU_OUT: it writes silu(gate) * up,
 # [pairs, I], the same values as gate/up then silu_and_mul) rather than a pass of its own over [pairs, 2I].
@@ -746,6 +747,10 @@ def experts_triton(
     up = _tiles(n, E, two_i, H, False, size, glu_out=glu_out)
     down = _tiles(n, E, H, inter, True, size, fused_act=not apart)
     rows, experts = aligned if aligned is not None else align(ids, E, up.block_m)
+    if rows.numel() != experts.numel() * up.block_m:  # (aligned= made for another row tile: block_m())
+        raise ValueError(
+            f"rows aligned to {rows.numel() // max(1, experts.numel())}-row tiles, gate/up takes {up.block_m}"
+        )
     h = torch.empty((n, inter if glu_out else two_i), dtype=x.dtype, device=x.device)
     _gemm(x, w13, b13, h, None, rows, experts, n, k, True, up, wq=wq13, glu_out=glu_out)
     if down.block_m != up.block_m:  # down's own row tile: the pairs aligned again (device ops only)
