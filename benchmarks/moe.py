@@ -165,7 +165,7 @@ def kernel(smoke: bool) -> None:
             from foveal.layers.moe_triton import block_m, route_align, router_route_align
 
             logits = torch.randn(T, E, generator=g).to(w13.dtype).to(dev)
-            bm = block_m(T * k, w13)
+            bm = block_m(T * k, w13, x)
             routing = {"route_then_align": partial(_route_then_align, logits, k, bm)}
             for warps in (1, 2, 4, 8):
                 routing[f"route_align_fused_w{warps}"] = partial(route_align, logits, k, True, bm, warps)

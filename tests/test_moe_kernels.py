@@ -164,8 +164,8 @@ def test_down_on_its_own_row_tile_equals_the_loop(up_rows, down_rows, monkeypatc
 
     monkeypatch.setattr(mt, "_tiles", rows_apart)
     x, w13, w2, logits = _layer(11, 37, 6, 48, 24)
-    weights, ids, rows, experts = mt.route_align(logits, 2, True, mt.block_m(37 * 2, w13))
-    assert mt.block_m(37 * 2, w13) == up_rows
+    weights, ids, rows, experts = mt.route_align(logits, 2, True, mt.block_m(37 * 2, w13, x))
+    assert mt.block_m(37 * 2, w13, x) == up_rows
     got = experts_triton(x, w13, w2, weights, ids, silu_glu, aligned=(rows, experts))
     want = experts_reference(x, w13, w2, weights, ids)
     assert (got - want).abs().max().item() < 1e-5
@@ -342,16 +342,34 @@ def test_experts_on_route_align_equal_the_loop(T, dtype):
     k = 4
     x, w13, w2, logits = _layer(12, T, 16, 32, 16)
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
-    weights, ids, rows, experts = route_align(logits, k, True, block_m(T * k, w13))
+    weights, ids, rows, experts = route_align(logits, k, True, block_m(T * k, w13, x))
     want = experts_reference(x, w13, w2, weights, ids)
     got = experts_triton(x, w13, w2, weights, ids, silu_glu, aligned=(rows, experts))
     tol = 1e-5 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()
     assert (got.float() - want.float()).abs().max().item() < tol
     grouped = experts_grouped(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
     assert (grouped.float() - want.float().cpu()).abs().max().item() < tol
-    other = align(ids, 16, 16 if block_m(T * k, w13) != 16 else 64)
+    other = align(ids, 16, 16 if block_m(T * k, w13, x) != 16 else 64)
     with pytest.raises(ValueError, match="row tiles"):
         experts_triton(x, w13, w2, weights, ids, silu_glu, aligned=other)
+
+
+def test_fp8_experts_under_fp32_activations_take_route_aligns_rows():
+    """block_m() picks the row tile by the activations' type, as experts_triton does (fp8 weights are
+    read in it): fp8 experts under fp32 activations at a prefill's size (fp32: 64-row tiles, where the
+    weights' one byte would say 128) run on route_align's layout and equal the loop on the dequantized
+    weights."""
+    from foveal.layers.moe_triton import block_m, route_align
+
+    T, k, E = 600, 4, 16
+    x, w13, w2, logits = _layer(13, T, E, 32, 16)
+    (q13, s13, d13), (q2, s2, d2) = _fp8_blocks(w13.cpu(), 16), _fp8_blocks(w2.cpu(), 16)
+    q13, q2 = q13.to(DEVICE), q2.to(DEVICE)
+    weights, ids, rows, experts = route_align(logits, k, True, block_m(T * k, q13, x))
+    got = experts_triton(x, q13, q2, weights, ids, silu_glu, aligned=(rows, experts),
+                         wq13=(s13.to(DEVICE), 16), wq2=(s2.to(DEVICE), 16))  # fmt: skip
+    want = experts_reference(x, d13.to(DEVICE), d2.to(DEVICE), weights, ids)
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True])

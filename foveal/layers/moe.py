@@ -163,7 +163,7 @@ class FusedMoE(nn.Module):
             return self(x, *route(router(x), top_k, renormalize))
         from foveal.layers.moe_triton import block_m, experts_triton, route_align, router_route_align
 
-        bm = block_m(x.shape[0] * top_k, self.w13)
+        bm = block_m(x.shape[0] * top_k, self.w13, x)
         routing = None
         w = router.weight
         if x.dim() == 2 and getattr(w, "_foveal_quant", None) is None:

@@ -713,10 +713,11 @@ def _fused_act(glu) -> tuple[int, float, float] | None:
     return None
 
 
-def block_m(n_pairs: int, w13: torch.Tensor) -> int:
-    """The row tile experts_triton's gate/up uses for n_pairs (what align / route_align must pad runs
-    to; down aligns again where its tiles take other rows)."""
-    return _tiles(n_pairs, w13.shape[0], w13.shape[1], w13.shape[2], False, w13.element_size()).block_m
+def block_m(n_pairs: int, w13: torch.Tensor, x: torch.Tensor) -> int:
+    """The row tile experts_triton's gate/up uses for n_pairs of activations x (their type picks the
+    tiles, as in experts_triton: fp8 weights are read in it): what align / route_align must pad runs to;
+    down aligns again where its tiles take other rows."""
+    return _tiles(n_pairs, w13.shape[0], w13.shape[1], w13.shape[2], False, x.element_size()).block_m
 
 
 def experts_triton(
@@ -747,7 +748,7 @@ def experts_triton(
     up = _tiles(n, E, two_i, H, False, size, glu_out=glu_out)
     down = _tiles(n, E, H, inter, True, size, fused_act=not apart)
     rows, experts = aligned if aligned is not None else align(ids, E, up.block_m)
-    if rows.numel() != experts.numel() * up.block_m:  # (aligned= made for another row tile: block_m())
+    if rows.numel() != experts.numel() * up.block_m:  # (aligned= made for another row tile than block_m()'s)
         raise ValueError(
             f"rows aligned to {rows.numel() // max(1, experts.numel())}-row tiles, gate/up takes {up.block_m}"
         )
