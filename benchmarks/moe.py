@@ -32,6 +32,11 @@ qwen3fp8 Qwen3-30B-A3B-FP8 (configs/qwen3-30b-a3b-fp8.json: the experts kept in 
 gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same floors.
          Each model's batch runs after the same number of prompts of its length with 8 tokens out: the
          timed run's prefill steps then compile nothing (a fresh machine's first run otherwise did).
+small    the experts of a decode-sized step in one launch (moe_triton._moe_small_kernel) against gate/up's
+         and down's launches, at --small-tokens (1,2,4,8,16), with the small kernel's tile shapes at the
+         fewest tokens (CUDA; the interpreter on the CPU with --smoke).
+--small-pairs 0,64  qwen3 / gptoss once per value of moe_triton.SMALL_PAIRS (steps of at most that many
+         pairs take the small kernel; 0: off), an engine each, in that order.
 --cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to), at the batches of
@@ -340,6 +345,68 @@ def _floor_row(llm, r: dict, batch: int, context: int, top_k: int) -> dict:
     return out
 
 
+def _experts_layers(x, w13, w2, aligned, limit: int, tiles=None):
+    """A call that runs experts_triton on each of `aligned`'s (ids, weights, (rows, experts)) with
+    moe_triton.SMALL_PAIRS = limit and the small kernel's tiles `tiles` (its rule's where None)."""
+    from foveal.layers import moe_triton as mt
+
+    def run():
+        pairs, rule = mt.SMALL_PAIRS, mt._small_tiles
+        mt.SMALL_PAIRS = limit
+        if tiles is not None:
+            mt._small_tiles = lambda *_: tiles
+        try:
+            for ids, w, rows in aligned:
+                mt.experts_triton(x, w13, w2, w, ids, silu_glu, aligned=rows)
+        finally:
+            mt.SMALL_PAIRS, mt._small_tiles = pairs, rule
+
+    return run
+
+
+def small(smoke: bool, tokens: tuple[int, ...], shapes=tuple(SHAPES)) -> None:
+    """The experts of a decode-sized step in one launch (moe_triton._moe_small_kernel, then pair_sum over
+    its slices) against gate/up's and down's launches (then pair_sum), both on the rows route_align makes:
+    us a layer, 8 layers on 8 routings replayed from a CUDA graph; at the fewest tokens also the small
+    kernel's tile shapes (slice, depth, down's columns, warps, stages), the default's first."""
+    import triton
+
+    from foveal.layers import moe_triton as mt
+
+    out = {}
+    for name, E, k, H, inter, T, g, w13, w2, x, _weights, _ids in _layers(smoke, tokens, shapes):
+        n = T * k
+        routings = _routings(T, E, k, g, w13.device)
+        bm = mt.block_m(n, w13, x)
+        aligned = [(ids, route(torch.randn(T, E, generator=g).to(x.device), k)[0], mt.align(ids, E, bm))
+                   for ids in routings]  # fmt: skip
+        layers = partial(_experts_layers, x, w13, w2, aligned)
+        reps = 3 if smoke else 20
+        row = {"two_launches_us": round(_launches_us([layers(0)], reps) / 8, 1)}
+        default = mt._small_tiles(n, inter, 0)
+        shapes_ = [default]
+        if T == min(tokens):
+            grid = itertools.product((16, 32, 64), (128, 256), (128, 256), (4,), (3, 4))
+            shapes_ += [t for t in (mt.SmallTiles(*v) for v in grid) if t != default]
+            shapes_ += [default._replace(warps=8)]
+            if smoke:
+                shapes_ = shapes_[:3]
+        times = []
+        for t in shapes_:
+            try:
+                times.append((round(_launches_us([layers(10**9, t)], reps) / 8, 1), t))
+            except triton.runtime.errors.OutOfResources:
+                continue
+        touched = sum(len(torch.unique(ids)) for ids in routings) / len(routings) * 3 * H * inter * 2
+        row["small_default_us"] = times[0][0]
+        row["small_best"] = [[us, list(t)] for us, t in sorted(times)[:3]]
+        row["GBps_two_launches"] = round(touched / row["two_launches_us"] / 1e3, 1)
+        row["GBps_small_best"] = round(touched / sorted(times)[0][0] / 1e3, 1)
+        out[f"{name}/T{T}"] = row
+        log(f"small {name} T={T}: {row}")
+    RESULTS["small"] = out
+
+
 RULE = None  # moe_triton._tiles as imported: the rule the prefill variants replace
 
 
@@ -528,6 +595,10 @@ def main() -> None:
     )
     ap.add_argument("--tile-weights", default="bf16", help="tiles: the experts' weights, bf16 and/or fp8")
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
+    ap.add_argument("--small-tokens", default="1,2,4,8,16", help="small: the token counts")
+    ap.add_argument(
+        "--small-pairs", default="", help="the models: an engine per value of moe_triton.SMALL_PAIRS (0: off)"
+    )
     ap.add_argument(
         "--act-apart-above", default="", help="the models: steps of more pairs take the experts' activation "
         "in a pass of its own (moe_triton.ACT_APART_PAIRS; comma-separated: a run each, in one process)"
@@ -543,6 +614,8 @@ def main() -> None:
     if "tiles" in parts:
         tokens = tuple(int(t) for t in a.tile_tokens.split(","))
         tiles(a.smoke, tokens, tuple(a.tile_weights.split(",")), tuple(a.tile_shapes.split(",")))
+    if "small" in parts:
+        small(a.smoke, tuple(int(t) for t in a.small_tokens.split(",")), tuple(a.tile_shapes.split(",")))
     runs = (
         ("qwen3", "qwen3-30b-a3b.json", [1, 256]),
         ("qwen3fp8", "qwen3-30b-a3b-fp8.json", [1, 256]),
@@ -550,13 +623,15 @@ def main() -> None:
     )
     if a.batches:
         runs = tuple((n, c, [int(b) for b in a.batches.split(",")]) for n, c, _ in runs)
-    from foveal.layers import moe
+    from foveal.layers import moe, moe_triton
 
     paths = a.cuda_experts.split(",")
+    smalls = [int(v) for v in a.small_pairs.split(",")] if a.small_pairs else [moe_triton.SMALL_PAIRS]
     for name, config, batches in runs:
-        for path in paths if name in parts else ():
+        for path, pairs in itertools.product(paths if name in parts else (), smalls):
             moe.CUDA_EXPERTS = path
-            label = " ".join([name] + [path] * (len(paths) > 1))
+            moe_triton.SMALL_PAIRS = pairs  # before the engine: its decode graphs are captured with it
+            label = " ".join([name] + [path] * (len(paths) > 1) + [f"small<={pairs}"] * (len(smalls) > 1))
             model(label, _smoke_config(name) if a.smoke else config, batches, a)
     print(json.dumps({"benchmark": "moe", "smoke": a.smoke, **RESULTS}))
 

@@ -444,3 +444,102 @@ def test_a_glu_the_kernel_does_not_know_is_applied_apart():
     want = experts_reference(x, w13, w2, weights, ids, gelu_glu)
     assert (got - want).abs().max().item() < 1e-5
     assert (want - experts_reference(x, w13, w2, weights, ids)).abs().max().item() > 1e-3  # not silu's
+
+
+def _small(monkeypatch, tiles=None) -> list:
+    """Every step through the small kernel (SMALL_PAIRS unbounded), its tiles `tiles` where given; the
+    list collects one entry a launch."""
+    from foveal.layers import moe_triton as mt
+
+    monkeypatch.setattr(mt, "SMALL_PAIRS", 10**9)
+    if tiles is not None:
+        monkeypatch.setattr(mt, "_small_tiles", lambda n, inter, qb: tiles)
+    launches, small = [], mt._experts_small
+    monkeypatch.setattr(mt, "_experts_small", lambda *args: launches.append(1) or small(*args))
+    return launches
+
+
+@pytest.mark.parametrize(
+    "T,E,k,H,inter,tiles",
+    [
+        (1, 8, 2, 32, 16, None),
+        (3, 32, 8, 48, 40, (16, 32, 32)),  # slices 16 + 16 + 8; H in 32 + 16: masked edges
+        (5, 4, 2, 64, 32, (16, 16, 16, 4, 2)),  # four steps over H each way, several tiles an expert
+        (19, 16, 4, 64, 96, (32, 64, 64)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_small_kernel_equals_the_loop(T, E, k, H, inter, tiles, dtype, monkeypatch):
+    """Whole expert MLPs over slices of the intermediate in one launch, the slices' partial sums added
+    with the k pairs: the loop's output, fp32 as exact as the two launches."""
+    from foveal.layers.moe_triton import SmallTiles
+
+    launches = _small(monkeypatch, None if tiles is None else SmallTiles(*tiles))
+    g = torch.Generator().manual_seed(T * 11 + E)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
+    x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
+    got = experts_triton(x, w13, w2, weights, ids, silu_glu)
+    want = experts_reference(x, w13, w2, weights, ids)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()
+    assert launches == [1] and got.shape == (T, H) and got.dtype == dtype
+    assert (got.float() - want.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_small_kernel_with_biases_and_the_clamped_swiglu(dtype, monkeypatch):
+    """gpt-oss's experts in the small kernel: gate/up's bias on every slice, down's once (slice 0's
+    partial), the clamped SwiGLU (its clamps bite)."""
+    from foveal.layers.moe_triton import SmallTiles
+
+    launches = _small(monkeypatch, SmallTiles(16, 16, 16))
+    x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(14, 3, 8, 4, 32, 48, dtype)
+    got = experts_triton(x, w13, w2, weights, ids, glu, b13, b2)
+    want = experts_reference(x, w13, w2, weights, ids, glu, b13, b2)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert launches == [1]
+    assert (got.float() - want.float()).abs().max().item() < tol * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_the_small_kernel_on_fp8_block_scaled_weights(gpt_oss, monkeypatch):
+    """fp8 experts in 16-blocks (N and K not multiples: partial edge blocks) in the small kernel, against
+    the loop on the dequantized weights; the scales count."""
+    from foveal.layers.moe_triton import SmallTiles
+
+    launches = _small(monkeypatch, SmallTiles(16, 16, 32))
+    E, k, H, inter = 8, 2, 40, 24
+    if gpt_oss:
+        x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(15, 4, E, k, H, inter, torch.float32)
+    else:
+        x, w13, w2, logits = _layer(15, 4, E, H, inter)
+        weights, ids = route(logits, k)
+        glu, b13, b2 = silu_glu, None, None
+    (q13, s13, d13), (q2, s2, d2) = _fp8_blocks(w13.cpu(), 16), _fp8_blocks(w2.cpu(), 16)
+    bf = torch.bfloat16
+    x = x.to(bf)
+    b13, b2 = [None if b is None else b.to(bf) for b in (b13, b2)]
+    got = experts_triton(x, q13.to(DEVICE), q2.to(DEVICE), weights, ids, glu, b13, b2,
+                         wq13=(s13.to(DEVICE), 16), wq2=(s2.to(DEVICE), 16))  # fmt: skip
+    want = experts_reference(x, d13.to(DEVICE, bf), d2.to(DEVICE, bf), weights, ids, glu, b13, b2).float()
+    scale = want.abs().max().item()
+    assert launches == [1] and (got.float() - want).abs().max().item() < 2e-2 * scale
+    unscaled = experts_reference(x, q13.to(DEVICE, bf), q2.to(DEVICE, bf), weights, ids, glu, b13, b2)
+    assert (unscaled.float() - want).abs().max().item() > 0.5 * scale
+
+
+def test_the_small_kernel_on_route_aligns_rows(monkeypatch):
+    """FusedMoE.routed's decode layout (route_align with the router inside) through the small kernel:
+    the loop's output."""
+    from foveal.layers.moe_triton import block_m, router_route_align
+
+    launches = _small(monkeypatch)
+    T, k, E, H = 2, 4, 16, 32
+    x, w13, w2, _ = _layer(16, T, E, H, 16)
+    router = torch.randn(E, H, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    done = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    weights, ids, rows, experts = router_route_align(x, router, None, done, k, True, block_m(T * k, w13, x))
+    got = experts_triton(x, w13, w2, weights, ids, silu_glu, aligned=(rows, experts))
+    assert launches == [1]
+    assert (got - experts_reference(x, w13, w2, weights, ids)).abs().max().item() < 1e-5

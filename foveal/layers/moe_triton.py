@@ -16,7 +16,9 @@ past that in align's two, the first routing its block of tokens. Up to ROUTER_FU
 A GEMM program takes one tile of rows (one expert) and one tile of columns: C[p] = A[row(p)] @ W[e]^T,
 with A's row the token (gate/up: x gathered, no copy) or the pair (down: the activation's row), and for
 down each row scaled by its routing weight. The pair-indexed down output [T*k, H] is summed over k per
-token.
+token. Decode-sized steps can instead run each tile's whole expert MLP over one slice of the intermediate
+columns in a single launch (_moe_small_kernel, SMALL_PAIRS), the slices' partial sums added with the k
+pairs.
 
 fp32 uses IEEE dots (as foveal/lora/ops_triton.py); tile sizes are picked per shape (`_tiles`).
 """
@@ -172,6 +174,106 @@ def _moe_gemm_kernel(
         acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     c = c_ptr + out_rows[:, None] * c_row + cols[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _moe_small_kernel(
+    x_ptr,
+    w13_ptr,
+    w2_ptr,
+    b13_ptr,
+    b2_ptr,
+    part_ptr,
+    scale_ptr,
+    rows_ptr,
+    experts_ptr,
+    ws13_ptr,
+    ws2_ptr,
+    num_pairs,
+    H,
+    INTER,
+    x_row,
+    ws13_e,
+    ws13_n,
+    ws2_e,
+    ws2_n,
+    alpha,
+    limit,
+    TOP_K: tl.constexpr,
+    ACT: tl.constexpr,
+    BIAS_UP: tl.constexpr,
+    BIAS_DOWN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    QB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A whole expert MLP for one tile of rows (pairs of expert e) and one slice of the intermediate
+    columns, i = s * BLOCK_I ..: gate and up of those columns (x's rows gathered, two accumulators over
+    H), each rounded to x's type as gate/up's output would be, glu (ACT 1: silu(gate) * up, 2: gpt-oss's
+    clamped SwiGLU) rounded again, then that slice's share of down, (glu_s @ W2[e, :, slice]^T + bias[e]
+    if s = 0) times the pair's weight, in float32 into part[s * num_pairs + p, :H]: the sum over s of
+    these is what gate/up then down give, so pair_sum(part, splits=S) finishes the layer. QB > 0: fp8
+    weights with block scales as in _moe_gemm_kernel (BLOCK_I and BLOCK_K divide QB)."""
+    tile = tl.program_id(0)
+    s = tl.program_id(1)
+    e = tl.load(experts_ptr + tile)
+    if e < 0:
+        return
+    pairs = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    pairs = tl.where(valid, pairs, 0).to(tl.int64)
+    src = pairs // TOP_K
+    ic = s * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = ic < INTER
+    e64 = e.to(tl.int64)
+    w13 = w13_ptr + e64 * 2 * INTER * H
+    ws13 = ws13_ptr + e64 * ws13_e
+    gate = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        a = tl.load(
+            x_ptr + src[:, None] * x_row + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
+        )
+        w_ptrs = w13 + ic[None, :].to(tl.int64) * H + ks[:, None]
+        w_mask = k_ok[:, None] & i_ok[None, :]
+        kq = k0 // (QB if QB > 0 else 1)
+        ws_gate = ws13 + (ic // QB if QB > 0 else ic) * ws13_n + kq
+        ws_up = ws13 + ((INTER + ic) // QB if QB > 0 else ic) * ws13_n + kq
+        gate = _dot_w(gate, a, w_ptrs, w_mask, ws_gate, i_ok, QB, UPCAST, DOT_PREC)
+        up = _dot_w(up, a, w_ptrs + INTER * H, w_mask, ws_up, i_ok, QB, UPCAST, DOT_PREC)
+    if BIAS_UP:
+        gate += tl.load(b13_ptr + e64 * 2 * INTER + ic, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b13_ptr + e64 * 2 * INTER + INTER + ic, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    gate = gate.to(x_ptr.dtype.element_ty).to(tl.float32)  # gate/up's output, as stored by its launch
+    up = up.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if ACT == 1:
+        act = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * gate / (1.0 + tl.exp(-gate * alpha))
+    act = act.to(x_ptr.dtype.element_ty)
+    scale = tl.load(scale_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    w2 = w2_ptr + e64 * H * INTER
+    ws2 = ws2_ptr + e64 * ws2_e
+    out = part_ptr + (s * num_pairs + pairs)[:, None] * H
+    for n0 in range(0, H, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        n_ok = ns < H
+        w_ptrs = w2 + ns[None, :].to(tl.int64) * INTER + ic[:, None]
+        ws_ptrs = ws2 + (ns // QB if QB > 0 else ns) * ws2_n + s * BLOCK_I // (QB if QB > 0 else 1)
+        d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        d = _dot_w(d, act, w_ptrs, i_ok[:, None] & n_ok[None, :], ws_ptrs, n_ok, QB, UPCAST, DOT_PREC)
+        if BIAS_DOWN:
+            bias = tl.load(b2_ptr + e64 * H + ns, mask=n_ok, other=0.0).to(tl.float32)
+            d += tl.where(s == 0, bias, 0.0)[None, :]
+        tl.store(out + ns[None, :], d * scale[:, None], mask=valid[:, None] & n_ok[None, :])
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -629,6 +731,58 @@ def _tiles(
     return Tiles(bm, bn, bk, 4, stages)
 
 
+class SmallTiles(NamedTuple):
+    """_moe_small_kernel's: intermediate columns a program (its slice), gate/up's depth, down's columns a
+    step, warps, stages."""
+
+    block_i: int = 32
+    block_k: int = 128
+    block_n: int = 128
+    warps: int = 4
+    stages: int = 3
+
+
+# Steps of at most this many pairs run the experts in one launch, each program a whole expert MLP over a
+# slice of the intermediate (_moe_small_kernel), instead of gate/up's and down's launches: 0 (off) until
+# a GPU measures it (`benchmarks/moe.py --small-pairs`)
+SMALL_PAIRS = 0
+
+
+def _small_tiles(n_pairs: int, inter: int, qb: int) -> SmallTiles:
+    """The small kernel's tiles (not swept yet): slices of 32 columns (Qwen3-30B-A3B at one token: 8 x
+    24 programs), within an fp8 block."""
+    t = SmallTiles()
+    bi = max(16, min(t.block_i, triton.next_power_of_2(inter)))
+    if qb:
+        bi, bk = min(bi, qb), min(t.block_k, qb)
+        return t._replace(block_i=bi, block_k=bk)
+    return t._replace(block_i=bi)
+
+
+def _experts_small(x, w13, w2, b13, b2, scale, rows, experts, n, k, act, tiles, wq13, wq2) -> torch.Tensor:
+    """The experts' output [T, H] by _moe_small_kernel's one launch and pair_sum over its slices."""
+    T, H = x.shape
+    inter = w2.shape[2]
+    (ws13, qb), (ws2, _) = (wq13, wq2) if wq13 is not None else ((w13, 0), (w2, 0))
+    for w, ws in ((w13, ws13), (w2, ws2)):
+        if qb and (ws.shape[1:] != (triton.cdiv(w.shape[1], qb), triton.cdiv(w.shape[2], qb))):
+            raise ValueError(f"fp8 scales {tuple(ws.shape)} for {tuple(w.shape[1:])} in {qb}-blocks")
+    if qb and (qb % tiles.block_i or qb % tiles.block_k):
+        raise ValueError(f"the small kernel's tiles {tiles} must divide the fp8 block {qb}")
+    splits = triton.cdiv(inter, tiles.block_i)
+    part = torch.empty((splits * n, H), dtype=torch.float32, device=x.device)
+    bm = rows.numel() // max(1, experts.numel())
+    _moe_small_kernel[(experts.shape[0], splits)](
+        x, w13, w2, w13 if b13 is None else b13.contiguous(), w2 if b2 is None else b2.contiguous(), part,
+        scale, rows, experts, ws13, ws2, n, H, inter, x.stride(0), ws13.stride(0) if qb else 0,
+        ws13.stride(1) if qb else 0, ws2.stride(0) if qb else 0, ws2.stride(1) if qb else 0, act[1], act[2],
+        TOP_K=k, ACT=act[0], BIAS_UP=b13 is not None, BIAS_DOWN=b2 is not None, **_dot_args(x.dtype),
+        QB=qb, BLOCK_M=bm, BLOCK_I=tiles.block_i, BLOCK_K=tiles.block_k, BLOCK_N=tiles.block_n,
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
+    return pair_sum(part, T, k, splits, dtype=x.dtype)
+
+
 def _gemm(
     a,
     w,
@@ -727,7 +881,9 @@ def experts_triton(
     kernel over x's rows (plus b13), the activation `glu(gate, up)` (inside the down kernel's loads for
     the two the kernel knows, up to ACT_APART_PAIRS pairs; past that the silu in gate/up's epilogue,
     SILU_IN_GATE_UP, or in a pass of its own), down by the kernel (plus b2)
-    scaled by each pair's weight, summed over each token's k pairs. `aligned`: (rows, experts) already
+    scaled by each pair's weight, summed over each token's k pairs; steps of at most SMALL_PAIRS pairs
+    (glu known) in one launch of whole expert MLPs over slices of the intermediate (_moe_small_kernel)
+    and pair_sum over the slices' partial sums instead. `aligned`: (rows, experts) already
     made for ids (route_align), else align() makes them. `wq13`, `wq2`: (scales, block) where w13 / w2
     are fp8 with one float32 scale per block x block (the layout of block-quantized FP8 checkpoints,
     whose `weight_scale_inv` multiplies the stored values), else None: weights in x's type."""
@@ -752,12 +908,15 @@ def experts_triton(
         raise ValueError(
             f"rows aligned to {rows.numel() // max(1, experts.numel())}-row tiles, gate/up takes {up.block_m}"
         )
+    scale = weights.reshape(-1).to(torch.float32).contiguous()
+    if act is not None and n <= SMALL_PAIRS:
+        small = _small_tiles(n, inter, 0 if wq13 is None else wq13[1])
+        return _experts_small(x, w13, w2, b13, b2, scale, rows, experts, n, k, act, small, wq13, wq2)
     h = torch.empty((n, inter if glu_out else two_i), dtype=x.dtype, device=x.device)
     _gemm(x, w13, b13, h, None, rows, experts, n, k, True, up, wq=wq13, glu_out=glu_out)
     if down.block_m != up.block_m:  # down's own row tile: the pairs aligned again (device ops only)
         rows, experts = align(ids, E, down.block_m)
     d = torch.empty((down.split_k * n, H), dtype=x.dtype, device=x.device)
-    scale = weights.reshape(-1).to(torch.float32).contiguous()
     if apart:
         if not glu_out:
             h = _glu_apart(h, glu, inter, act is not None)
@@ -768,29 +927,54 @@ def experts_triton(
 
 @triton.jit
 def _pair_sum_kernel(
-    d_ptr, out_ptr, num_pairs, H, TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr
+    d_ptr,
+    out_ptr,
+    num_pairs,
+    H,
+    TOP_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """out[t, cols] = sum over s < SPLITS, j < TOP_K of d[s * num_pairs + t * TOP_K + j, cols], in float32."""
+    """out[t, cols] = sum over s < SPLITS, j < TOP_K of d[s * num_pairs + t * TOP_K + j, cols], in float32:
+    row by row (CHUNK 0), or CHUNK rows a load (the small kernel's dozens of slices: all in flight)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        for j in tl.static_range(TOP_K):
-            acc += tl.load(d_ptr + (s * num_pairs + t * TOP_K + j) * H + cols, mask=ok, other=0.0).to(
-                tl.float32
+    if CHUNK == 0:
+        for s in tl.static_range(SPLITS):
+            for j in tl.static_range(TOP_K):
+                row = s * num_pairs + t * TOP_K + j
+                acc += tl.load(d_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
+    else:
+        for r0 in tl.static_range(0, SPLITS * TOP_K, CHUNK):
+            r = r0 + tl.arange(0, CHUNK)
+            row = (r // TOP_K) * num_pairs + t * TOP_K + r % TOP_K
+            mask = (r < SPLITS * TOP_K)[:, None] & ok[None, :]
+            acc += tl.sum(
+                tl.load(d_ptr + row[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32), 0
             )
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def pair_sum(d: torch.Tensor, T: int, k: int, splits: int = 1) -> torch.Tensor:
-    """[T, H]: each token's k pair rows of down's output d [splits * T * k, H] (split-K's partial products
-    `splits` runs of T * k rows) summed in float32, in one launch (torch's reduction over the middle
-    dim of [T, k, H] took 4.5 us a layer of Qwen3-30B-A3B's batch-1 step: `benchmarks/moe.py --profile`,
-    RESULTS.md session 33). Each token's sum is the same whatever else the step holds."""
+def pair_sum(
+    d: torch.Tensor, T: int, k: int, splits: int = 1, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """[T, H] (in `dtype`, default d's): each token's k pair rows of down's output d [splits * T * k, H]
+    (split-K's partial products, or the small kernel's per slice: `splits` runs of T * k rows) summed in
+    float32, in one launch (torch's reduction over the middle dim of [T, k, H] took 4.5 us a layer of
+    Qwen3-30B-A3B's batch-1 step: `benchmarks/moe.py --profile`, RESULTS.md session 33). Each token's
+    sum is the same whatever else the step holds."""
     H = d.shape[1]
-    out = torch.empty((T, H), dtype=d.dtype, device=d.device)
+    out = torch.empty((T, H), dtype=dtype or d.dtype, device=d.device)
     block = min(1024, triton.next_power_of_2(max(H // 8, 32)))  # ~8 programs a token
+    chunk = 0
+    if splits > 4:  # the small kernel's slices: narrower programs (at least ~64), 64 rows a load
+        block = min(block, max(32, triton.next_power_of_2(triton.cdiv(H * T, 64))))
+        chunk = min(64, triton.next_power_of_2(splits * k))
     if T:
-        _pair_sum_kernel[(T, triton.cdiv(H, block))](d, out, T * k, H, TOP_K=k, SPLITS=splits, BLOCK=block)
+        _pair_sum_kernel[(T, triton.cdiv(H, block))](
+            d, out, T * k, H, TOP_K=k, SPLITS=splits, BLOCK=block, CHUNK=chunk
+        )
     return out
