@@ -35,8 +35,9 @@ gptoss   gpt-oss-20b (bf16 experts: dummy weights): batch 1 and 64, the same flo
 small    the experts of a decode-sized step in one launch (moe_triton._moe_small_kernel) against gate/up's
          and down's launches, at --small-tokens (1,2,4,8,16), with the small kernel's tile shapes at the
          fewest tokens (CUDA; the interpreter on the CPU with --smoke).
---small-pairs 0,64  qwen3 / gptoss once per value of moe_triton.SMALL_PAIRS (steps of at most that many
-         pairs take the small kernel; 0: off), an engine each, in that order.
+--small-pairs 0,8  qwen3 / gptoss once per value of moe_triton.SMALL_PAIRS (steps of at most that many
+         pairs take the small kernel where the experts are at most SMALL_MAX_INTER wide; 0: off), an
+         engine each, in that order.
 --cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to), at the batches of
@@ -351,15 +352,15 @@ def _experts_layers(x, w13, w2, aligned, limit: int, tiles=None):
     from foveal.layers import moe_triton as mt
 
     def run():
-        pairs, rule = mt.SMALL_PAIRS, mt._small_tiles
-        mt.SMALL_PAIRS = limit
+        pairs, inter, rule = mt.SMALL_PAIRS, mt.SMALL_MAX_INTER, mt._small_tiles
+        mt.SMALL_PAIRS, mt.SMALL_MAX_INTER = limit, 10**9 if limit else inter
         if tiles is not None:
             mt._small_tiles = lambda *_: tiles
         try:
             for ids, w, rows in aligned:
                 mt.experts_triton(x, w13, w2, w, ids, silu_glu, aligned=rows)
         finally:
-            mt.SMALL_PAIRS, mt._small_tiles = pairs, rule
+            mt.SMALL_PAIRS, mt.SMALL_MAX_INTER, mt._small_tiles = pairs, inter, rule
 
     return run
 

@@ -37,7 +37,11 @@ if DEVICE == "cpu":
     # at 550 pairs an expert, 64-row ones at 44)
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_equals_the_loop(T, E, k, H, inter, dtype):
+def test_the_kernel_equals_the_loop(T, E, k, H, inter, dtype, monkeypatch):
+    """gate/up's and down's launches (the small kernel off: it has tests of its own below)."""
+    import foveal.layers.moe_triton as mt
+
+    monkeypatch.setattr(mt, "SMALL_PAIRS", 0)
     g = torch.Generator().manual_seed(T * 7 + E)
     w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(dtype).to(DEVICE)
     w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
@@ -109,10 +113,13 @@ def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
     [(1, 16, False), (6, 16, True), (40, 32, False), (300, 16, False), (1100, 16, False), (1100, 32, True)],
     # 1: down split in 4 runs of K; 1,100 x 2 pairs: a prefill's tiles
 )
-def test_fp8_block_scaled_weights_equal_the_loop_on_their_dequantized_values(T, block, gpt_oss):
+def test_fp8_block_scaled_weights_equal_the_loop_on_their_dequantized_values(T, block, gpt_oss, monkeypatch):
     """fp8 experts with one scale per block x block (N and K not multiples of the block: partial edge
     blocks), dequantized tile by tile in the kernel, against the loop on the dequantized bf16 weights;
-    the same with the scales ignored is far off (they count)."""
+    the same with the scales ignored is far off (they count). (The small kernel off: its own test.)"""
+    import foveal.layers.moe_triton as mt
+
+    monkeypatch.setattr(mt, "SMALL_PAIRS", 0)
     E, k, H, inter = 8, 2, 40, 24
     if gpt_oss:
         x, w13, w2, weights, ids, glu, b13, b2 = _gpt_oss_layer(9, T, E, k, H, inter, torch.float32)
@@ -452,6 +459,7 @@ def _small(monkeypatch, tiles=None) -> list:
     from foveal.layers import moe_triton as mt
 
     monkeypatch.setattr(mt, "SMALL_PAIRS", 10**9)
+    monkeypatch.setattr(mt, "SMALL_MAX_INTER", 10**9)
     if tiles is not None:
         monkeypatch.setattr(mt, "_small_tiles", lambda n, inter, qb: tiles)
     launches, small = [], mt._experts_small

@@ -735,22 +735,26 @@ class SmallTiles(NamedTuple):
     """_moe_small_kernel's: intermediate columns a program (its slice), gate/up's depth, down's columns a
     step, warps, stages."""
 
-    block_i: int = 32
+    block_i: int = 64
     block_k: int = 128
     block_n: int = 128
     warps: int = 4
-    stages: int = 3
+    stages: int = 4
 
 
-# Steps of at most this many pairs run the experts in one launch, each program a whole expert MLP over a
-# slice of the intermediate (_moe_small_kernel), instead of gate/up's and down's launches: 0 (off) until
-# a GPU measures it (`benchmarks/moe.py --small-pairs`)
-SMALL_PAIRS = 0
+# Steps of at most SMALL_PAIRS pairs, of experts at most SMALL_MAX_INTER wide, run the experts in one
+# launch, each program a whole expert MLP over a slice of the intermediate (_moe_small_kernel), instead
+# of gate/up's and down's. One token of Qwen3-30B-A3B (8 pairs, 768 wide), H100, 8 layers from a graph
+# (`benchmarks/moe.py --parts small`, RESULTS.md session 38): 36.4 -> 32.2 us a layer, decode step 4.08
+# -> 3.95 ms; at 2 tokens 59.4 -> 57.9, at 4-16 tokens (32-wide slices) 14-21% slower; gpt-oss-20b's
+# one token (4 pairs, 2,880 wide) 79.3 -> 81.1: slower
+SMALL_PAIRS = 8
+SMALL_MAX_INTER = 1024
 
 
 def _small_tiles(n_pairs: int, inter: int, qb: int) -> SmallTiles:
-    """The small kernel's tiles (not swept yet): slices of 32 columns (Qwen3-30B-A3B at one token: 8 x
-    24 programs), within an fp8 block."""
+    """The small kernel's tiles: slices of 64 columns, 4 stages (the fastest at one token of
+    Qwen3-30B-A3B with 64 x 256 x 256 on 8 warps, 3 stages, within 0.1 us), within an fp8 block."""
     t = SmallTiles()
     bi = max(16, min(t.block_i, triton.next_power_of_2(inter)))
     if qb:
@@ -880,10 +884,10 @@ def experts_triton(
     """The experts' output [T, H] (foveal/layers/moe.py `experts_grouped`'s contract): gate/up by the
     kernel over x's rows (plus b13), the activation `glu(gate, up)` (inside the down kernel's loads for
     the two the kernel knows, up to ACT_APART_PAIRS pairs; past that the silu in gate/up's epilogue,
-    SILU_IN_GATE_UP, or in a pass of its own), down by the kernel (plus b2)
-    scaled by each pair's weight, summed over each token's k pairs; steps of at most SMALL_PAIRS pairs
-    (glu known) in one launch of whole expert MLPs over slices of the intermediate (_moe_small_kernel)
-    and pair_sum over the slices' partial sums instead. `aligned`: (rows, experts) already
+    SILU_IN_GATE_UP, or in a pass of its own), down by the kernel (plus b2) scaled by each pair's weight,
+    summed over each token's k pairs; steps of at most SMALL_PAIRS pairs (glu known, experts at most
+    SMALL_MAX_INTER wide) instead in one launch of whole expert MLPs over slices of the intermediate
+    (_moe_small_kernel), then pair_sum over the slices' partial sums. `aligned`: (rows, experts) already
     made for ids (route_align), else align() makes them. `wq13`, `wq2`: (scales, block) where w13 / w2
     are fp8 with one float32 scale per block x block (the layout of block-quantized FP8 checkpoints,
     whose `weight_scale_inv` multiplies the stored values), else None: weights in x's type."""
@@ -909,7 +913,7 @@ def experts_triton(
             f"rows aligned to {rows.numel() // max(1, experts.numel())}-row tiles, gate/up takes {up.block_m}"
         )
     scale = weights.reshape(-1).to(torch.float32).contiguous()
-    if act is not None and n <= SMALL_PAIRS:
+    if act is not None and n <= SMALL_PAIRS and inter <= SMALL_MAX_INTER:
         small = _small_tiles(n, inter, 0 if wq13 is None else wq13[1])
         return _experts_small(x, w13, w2, b13, b2, scale, rows, experts, n, k, act, small, wq13, wq2)
     h = torch.empty((n, inter if glu_out else two_i), dtype=x.dtype, device=x.device)
