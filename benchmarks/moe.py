@@ -387,9 +387,8 @@ def small(smoke: bool, tokens: tuple[int, ...], shapes=tuple(SHAPES)) -> None:
         default = mt._small_tiles(n, inter, 0)
         shapes_ = [default]
         if T == min(tokens):
-            grid = itertools.product((16, 32, 64), (128, 256), (128, 256), (4,), (3, 4))
+            grid = itertools.product((32, 64, 128), (64, 128, 256), (64, 128, 256), (4, 8), (3, 4))
             shapes_ += [t for t in (mt.SmallTiles(*v) for v in grid) if t != default]
-            shapes_ += [default._replace(warps=8)]
             if smoke:
                 shapes_ = shapes_[:3]
         times = []
