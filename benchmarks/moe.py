@@ -38,6 +38,8 @@ small    the experts of a decode-sized step in one launch (moe_triton._moe_small
 --small-pairs 0,8  qwen3 / gptoss once per value of moe_triton.SMALL_PAIRS (steps of at most that many
          pairs take the small kernel where the experts are at most SMALL_MAX_INTER wide; 0: off), an
          engine each, in that order.
+--pdl 0,1  qwen3 / gptoss without and with programmatic dependent launch of the small Triton kernels
+         (layers/pdl.py ENABLED), an engine each, in that order.
 --cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to), at the batches of
@@ -597,6 +599,11 @@ def main() -> None:
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
     ap.add_argument("--small-tokens", default="1,2,4,8,16", help="small: the token counts")
     ap.add_argument(
+        "--pdl",
+        default="",
+        help="the models: 0,1 = an engine each without / with programmatic dependent launch",
+    )
+    ap.add_argument(
         "--small-pairs", default="", help="the models: an engine per value of moe_triton.SMALL_PAIRS (0: off)"
     )
     ap.add_argument(
@@ -623,15 +630,22 @@ def main() -> None:
     )
     if a.batches:
         runs = tuple((n, c, [int(b) for b in a.batches.split(",")]) for n, c, _ in runs)
-    from foveal.layers import moe, moe_triton
+    from foveal.layers import moe, moe_triton, pdl
 
     paths = a.cuda_experts.split(",")
     smalls = [int(v) for v in a.small_pairs.split(",")] if a.small_pairs else [moe_triton.SMALL_PAIRS]
+    pdls = [bool(int(v)) for v in a.pdl.split(",")] if a.pdl else [pdl.ENABLED]
     for name, config, batches in runs:
-        for path, pairs in itertools.product(paths if name in parts else (), smalls):
+        for path, pairs, on in itertools.product(paths if name in parts else (), smalls, pdls):
             moe.CUDA_EXPERTS = path
             moe_triton.SMALL_PAIRS = pairs  # before the engine: its decode graphs are captured with it
-            label = " ".join([name] + [path] * (len(paths) > 1) + [f"small<={pairs}"] * (len(smalls) > 1))
+            pdl.ENABLED = on
+            label = " ".join(
+                [name]
+                + [path] * (len(paths) > 1)
+                + [f"small<={pairs}"] * (len(smalls) > 1)
+                + [f"pdl {int(on)}"] * (len(pdls) > 1)
+            )
             model(label, _smoke_config(name) if a.smoke else config, batches, a)
     print(json.dumps({"benchmark": "moe", "smoke": a.smoke, **RESULTS}))
 

@@ -114,6 +114,7 @@ def _norm(x, residual, weight, eps):
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
             enable_fp_fusion=False,
+            **k.pdl.launch_args(x),
         )
     return out, res_out
 
@@ -159,6 +160,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             BLOCK=block,
             num_warps=4,
             enable_fp_fusion=False,
+            **k.pdl.launch_args(x),
         )
     return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], inter)
 
@@ -219,6 +221,7 @@ def rotary_qk_(
             PRECISE=kern.PRECISE,
             num_warps=4,
             enable_fp_fusion=False,
+            **kern.pdl.launch_args(q),
         )
     return q, k
 

@@ -15,6 +15,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
+from foveal.layers import pdl  # noqa: F401 (the launches' PDL arguments, for fused.py)
+from foveal.layers.pdl import begin
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -35,7 +38,9 @@ def _rms_norm_kernel(
     MEAN_BY_DIV: tl.constexpr,
     PRECISE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     a = row // rows_b
     b = row % rows_b
@@ -70,7 +75,9 @@ def _silu_and_mul_kernel(
     xs_row,
     PRECISE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -164,7 +171,9 @@ def _rotary_qk_kernel(
     NORM: tl.constexpr,
     MEAN_BY_DIV: tl.constexpr,
     PRECISE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
     m = d < half

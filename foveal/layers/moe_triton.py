@@ -32,8 +32,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from foveal.layers import pdl
 from foveal.layers.fp8 import FP8_DTYPES
 from foveal.layers.fused_kernels import PRECISE
+from foveal.layers.pdl import begin
 from foveal.lora.ops_triton import _dot_args
 
 
@@ -90,6 +92,7 @@ def _moe_gemm_kernel(
     COLS_FIRST: tl.constexpr,
     GLU_OUT: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """C[p, :N] = (A[p // TOP_K if GATHER else p] @ W[e, :N, :K]^T + bias[e] if BIAS) (times scale[p] if
     SCALE) for the pairs p of this program's tile of rows, all of expert e. ACT > 0: A's row is the
@@ -106,6 +109,7 @@ def _moe_gemm_kernel(
     halves (two accumulators; bias and scales per half), each half rounded to C's type first and the
     silu as fused.silu_and_mul takes it (libdevice's exp where PRECISE_EXP), so C is what gate/up then
     silu_and_mul would give."""
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     tile = tl.program_id(1) if COLS_FIRST else tl.program_id(0)
     e = tl.load(experts_ptr + tile)
     if e < 0:
@@ -210,6 +214,7 @@ def _moe_small_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """A whole expert MLP for one tile of rows (pairs of expert e) and one slice of the intermediate
     columns, i = s * BLOCK_I ..: gate and up of those columns (x's rows gathered, two accumulators over
@@ -218,6 +223,7 @@ def _moe_small_kernel(
     if s = 0) times the pair's weight, in float32 into part[s * num_pairs + p, :H]: the sum over s of
     these is what gate/up then down give, so pair_sum(part, splits=S) finishes the layer. QB > 0: fp8
     weights with block scales as in _moe_gemm_kernel (BLOCK_I and BLOCK_K divide QB)."""
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     tile = tl.program_id(0)
     s = tl.program_id(1)
     e = tl.load(experts_ptr + tile)
@@ -547,12 +553,14 @@ def _router_route_align_kernel(
     BLOCK_TILES: tl.constexpr,
     BLOCK_EP: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The router's logits and _route_align in one launch: program p computes the logits of experts
     [p * BLOCK_EP, (p + 1) * BLOCK_EP) for all T tokens (float32 sums, plus the bias, rounded to x's
     type as the router's Linear would give them) into logits_ptr [T, E], then counts itself done on
     done_ptr; the program that counts last routes and aligns (and sets the count back to 0 for the
     next launch)."""
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     t = tl.arange(0, BLOCK_T)
     e = tl.program_id(0) * BLOCK_EP + tl.arange(0, BLOCK_EP)
     t_ok = t < T
@@ -653,7 +661,7 @@ def router_route_align(
         RENORM=renormalize, BLOCK_T=bt, BLOCK_E=be, BLOCK_M=block_m, BLOCK_R=triton.next_power_of_2(n_rows),
         BLOCK_TILES=triton.next_power_of_2(n_rows // block_m), BLOCK_EP=block_ep,
         BLOCK_H=min(triton.next_power_of_2(H), max(64, 1024 // bt)),
-        num_warps=num_warps or (1 if bt * kp * be <= 1024 else 4),
+        num_warps=num_warps or (1 if bt * kp * be <= 1024 else 4), **pdl.launch_args(x),
     )  # fmt: skip
     return weights, ids, rows, experts
 
@@ -782,7 +790,7 @@ def _experts_small(x, w13, w2, b13, b2, scale, rows, experts, n, k, act, tiles, 
         ws13.stride(1) if qb else 0, ws2.stride(0) if qb else 0, ws2.stride(1) if qb else 0, act[1], act[2],
         TOP_K=k, ACT=act[0], BIAS_UP=b13 is not None, BIAS_DOWN=b2 is not None, **_dot_args(x.dtype),
         QB=qb, BLOCK_M=bm, BLOCK_I=tiles.block_i, BLOCK_K=tiles.block_k, BLOCK_N=tiles.block_n,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages, **pdl.launch_args(x),
     )  # fmt: skip
     return pair_sum(part, T, k, splits, dtype=x.dtype)
 
@@ -831,7 +839,7 @@ def _gemm(
         TOP_K=top_k, ACT=act[0], GATHER=gather, SCALE=scale is not None, BIAS=bias is not None,
         **_dot_args(a.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SPLIT_K=tiles.split_k, QB=qb, COLS_FIRST=cols_first, GLU_OUT=glu_out, PRECISE_EXP=PRECISE,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages, **pdl.launch_args(a),
     )  # fmt: skip
 
 
@@ -939,9 +947,11 @@ def _pair_sum_kernel(
     SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, cols] = sum over s < SPLITS, j < TOP_K of d[s * num_pairs + t * TOP_K + j, cols], in float32:
     row by row (CHUNK 0), or CHUNK rows a load (the small kernel's dozens of slices: all in flight)."""
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -979,6 +989,6 @@ def pair_sum(
         chunk = min(64, triton.next_power_of_2(splits * k))
     if T:
         _pair_sum_kernel[(T, triton.cdiv(H, block))](
-            d, out, T * k, H, TOP_K=k, SPLITS=splits, BLOCK=block, CHUNK=chunk
+            d, out, T * k, H, TOP_K=k, SPLITS=splits, BLOCK=block, CHUNK=chunk, **pdl.launch_args(d)
         )
     return out

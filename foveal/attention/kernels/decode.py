@@ -36,6 +36,8 @@ from foveal.attention.kernels.tile import (
     scales,
     softmax_step,
 )
+from foveal.layers import pdl
+from foveal.layers.pdl import begin
 
 BLOCK_N = 64  # keys per tile; bf16 head_dim 128: a 16 KiB K tile and the same for V
 NUM_WARPS = 4
@@ -87,7 +89,9 @@ def _decode_kernel(
     QUANT: tl.constexpr,  # the pool holds fp8 / int8 codes and scale_ptr their scales
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -166,7 +170,9 @@ def _combine_kernel(
     HEAD_PAD: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
     SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLIT_PAD)
@@ -272,6 +278,7 @@ def paged_decode(
         SHARED=shared is not None,
         **quant,
         **dot_args(q.dtype),
+        **pdl.launch_args(q),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
@@ -293,5 +300,6 @@ def paged_decode(
             HEAD_PAD=head_pad,
             SPLIT_PAD=triton.next_power_of_2(slots),
             SHARED=shared is not None,
+            **pdl.launch_args(q),
         )
     return out

@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from foveal.layers import pdl
+from foveal.layers.pdl import begin
+
 
 @triton.jit
 def _store_kernel(
@@ -32,7 +35,9 @@ def _store_kernel(
     HEAD_DIM: tl.constexpr,
     KV_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)  # (programmatic dependent launch: layers/pdl.py)
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t * stride_s).to(tl.int64)  # int64: a large pool has more than 2**31 elements
     if slot < 0:
@@ -72,4 +77,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         HEAD_DIM=head_dim,
         KV_PAD=triton.next_power_of_2(num_kv),
         HEAD_PAD=triton.next_power_of_2(head_dim),
+        **pdl.launch_args(k),
     )
