@@ -761,8 +761,9 @@ SMALL_MAX_INTER = 1024
 
 
 def _small_tiles(n_pairs: int, inter: int, qb: int) -> SmallTiles:
-    """The small kernel's tiles: slices of 64 columns, 4 stages (the fastest at one token of
-    Qwen3-30B-A3B with 64 x 256 x 256 on 8 warps, 3 stages, within 0.1 us), within an fp8 block."""
+    """The small kernel's tiles: 64-column slices, 128 deep, 128 of down's columns a step, 4 warps, 4
+    stages (the fastest of the first sweep at one token of Qwen3-30B-A3B, H100: 32.0 us a layer; 0.1 us
+    behind the second sweep's fastest; RESULTS.md session 38), within an fp8 block."""
     t = SmallTiles()
     bi = max(16, min(t.block_i, triton.next_power_of_2(inter)))
     if qb:
