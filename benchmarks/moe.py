@@ -39,7 +39,7 @@ small    the experts of a decode-sized step in one launch (moe_triton._moe_small
          pairs take the small kernel where the experts are at most SMALL_MAX_INTER wide; 0: off), an
          engine each, in that order.
 --pdl 0,1  qwen3 / gptoss without and with programmatic dependent launch of the small Triton kernels
-         (layers/pdl.py ENABLED), an engine each, in that order.
+         (layers/pdl.py ENABLED; default: FOVEAL_PDL's), an engine each, in that order.
 --cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to), at the batches of

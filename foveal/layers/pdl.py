@@ -12,8 +12,10 @@ these. CUDA graphs keep the dependency (stream capture records it as a programma
     begin(PDL)            the first statement of a kernel that takes part
     launch_args(x)        {"PDL": ..., **launch option}: its launch on x's device
 
-On by FOVEAL_PDL=1 (off by default until a GPU measures it: `benchmarks/moe.py --pdl 0,1`); never in
-Triton's interpreter or below compute capability 9.
+On by default (FOVEAL_PDL=0 turns it off); never in Triton's interpreter or below compute capability 9.
+Batch-1 decode steps on an H100, one engine each way, alternating (`benchmarks/moe.py --pdl 0,1`,
+RESULTS.md session 38): Qwen3-30B-A3B 3.88 -> 3.60 ms (two runs each), gpt-oss-20b 3.41 -> 3.32 ms;
+Llama-3.1-8B (W1, whose step is mostly cuBLAS's GEMMs) 5.90 -> 5.84 ms.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ try:
 except ImportError:  # a Triton without grid dependency control: never enabled
     gdc_launch_dependents = gdc_wait = None
 
-ENABLED = os.environ.get("FOVEAL_PDL", "0") == "1"
+ENABLED = os.environ.get("FOVEAL_PDL", "1") != "0"
 
 
 @triton.jit
