@@ -1,28 +1,36 @@
-"""GPU micro-benchmark: skinny GEMMs (decode at batch 1-8) on the projection shapes of Llama-3.1-8B
-and Qwen2.5-VL-7B's language model, bf16: cuBLAS through F.linear and torch.mv, against a plain
-Triton GEMV (one program per BLOCK_N output columns over the whole K, no split-K, no reduce kernel),
-swept over its tile sizes. Reports achieved weight bandwidth (weight bytes / time) per shape.
+"""GPU micro-benchmark: decode-sized linears (1 and 4 rows) on the projection shapes of Qwen3-30B-A3B,
+gpt-oss-20b, Llama-3.1-8B and Qwen2.5-VL-7B's language model, bf16: cuBLAS (F.linear) against the Triton
+GEMV (foveal/layers/gemv_triton.py) without and with programmatic dependent launch (layers/pdl.py),
+each behind an RMSNorm of the same rows, as a decode step runs it.
 
-    python3 benchmarks/gemv.py            # GPU
-    python3 benchmarks/gemv.py --check    # CPU, TRITON_INTERPRET=1: the kernel against F.linear only
+    python3 benchmarks/gemv.py [--rows 1,4] [--sweep]    # GPU
+    python3 benchmarks/gemv.py --check                    # CPU, TRITON_INTERPRET=1: the kernel only
 
-Question it answers: is batch-1 decode (W1/W4 of issue 5) losing time in cuBLAS's choice of kernel
-for the smaller projections (qkv, o_proj: measured ~3.1 TB/s against 4.1 TB/s on gate_up)?
-Prints a table, then one JSON object as the last line.
+Each case is RMSNorm then the linear, over enough copies of W (>= 256 MB together) that every call reads
+W from HBM, not the L2, all captured in one CUDA graph and replayed: us a (norm, linear) pair and the
+GB/s of W over that time. --sweep: at one row also the kernel's tiles with PDL (rows of W a program,
+columns a step, warps), the rule's first, the three fastest kept. Ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 SHAPES = {  # name: (N out, K in)
+    "qwen3moe.qkv": (5120, 2048),
+    "qwen3moe.o": (2048, 4096),
+    "qwen3moe.lm_head": (151936, 2048),
+    "gptoss.qkv": (5120, 2880),
+    "gptoss.o": (2880, 4096),
     "llama8b.qkv": (6144, 4096),
     "llama8b.o": (4096, 4096),
     "llama8b.gate_up": (28672, 4096),
@@ -30,134 +38,119 @@ SHAPES = {  # name: (N out, K in)
     "llama8b.lm_head": (128256, 4096),
     "qwen7b.qkv": (4608, 3584),
     "qwen7b.o": (3584, 3584),
-    "qwen7b.gate_up": (37888, 3584),
-    "qwen7b.down": (3584, 18944),
 }
-
-
-def kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _gemv(
-        x_ptr,
-        w_ptr,
-        o_ptr,
-        M,
-        N,
-        K,
-        stride_xm,
-        stride_wn,
-        stride_om,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(
-                w_ptr + rn[:, None] * stride_wn + rk[None, :],
-                mask=(rn[:, None] < N) & (rk[None, :] < K),
-                other=0.0,
-            )
-            x = tl.load(
-                x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                mask=(rm[:, None] < M) & (rk[None, :] < K),
-                other=0.0,
-            )
-            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-        tl.store(
-            o_ptr + rm[:, None] * stride_om + rn[None, :],
-            acc.to(o_ptr.dtype.element_ty),
-            mask=(rm[:, None] < M) & (rn[None, :] < N),
-        )
-
-    def gemv(x, w, block_n, block_k, warps, stages):
-        m, k = x.shape
-        n = w.shape[0]
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        bm = max(1, triton.next_power_of_2(m))
-        _gemv[(triton.cdiv(n, block_n),)](
-            x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        return out
-
-    return gemv
 
 
 def check() -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    gemv = kernel()
+    from foveal.layers.gemv_triton import GemvTiles, gemv
+
     g = torch.Generator().manual_seed(0)
-    for m, n, k in [(1, 96, 256), (3, 80, 192), (8, 64, 512)]:
+    for m, n, k in [(1, 96, 256), (3, 80, 192), (4, 64, 512)]:
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         ref = F.linear(x.float(), w.float())
-        got = gemv(x, w, 16, 64, 4, 2).float()
+        got = gemv(x, w, tiles=GemvTiles(16, 64)).float()
         err = (got - ref).abs().max().item()
-        assert err < 0.1 * ref.abs().max().item(), err
+        assert err < 0.02 * ref.abs().max().item(), err
         print(f"check m={m} n={n} k={k}: max abs err {err:.3g}")
 
 
-def bench() -> dict:
+def _us(fn, reps: int = 20) -> float:
+    """us a call of fn: captured in a CUDA graph after a warm-up, the replays timed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def _chain_us(linear, on: bool, x, ws, norm_w) -> float:
+    """us of RMSNorm then linear(., w) for each w of ws, in one graph, programmatic dependent launch on
+    or off (layers/pdl.py ENABLED while captured)."""
+    from foveal.layers import fused, pdl
+
+    def run():
+        enabled, pdl.ENABLED = pdl.ENABLED, on
+        try:
+            for w in ws:
+                linear(fused.rms_norm(x, norm_w, 1e-6), w)
+        finally:
+            pdl.ENABLED = enabled
+
+    return _us(run)
+
+
+def bench(rows: list[int], sweep: bool) -> dict:
     import triton
 
-    gemv = kernel()
-    sweep = list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3, 4)))
+    from foveal.layers import fused
+    from foveal.layers.gemv_triton import GemvTiles, gemv, gemv_tiles
+
     out = {}
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        for m in (1, 4):
+        copies = max(2, -(-(256 << 20) // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            gb = n * k * 2 / 1e9
-            t_lin = triton.testing.do_bench(functools.partial(F.linear, x, w), warmup=25, rep=100)
-            row = {"linear_us": t_lin * 1e3, "linear_TBps": gb / t_lin}
-            if m == 1:
-                xv = x[0]
-                t_mv = triton.testing.do_bench(functools.partial(torch.mv, w, xv), warmup=25, rep=100)
-                row.update(mv_us=t_mv * 1e3, mv_TBps=gb / t_mv)
-            ref = F.linear(x.float(), w.float())
-            best = None
-            for bn, bk, warps, stages in sweep:
-                if bk > k:
-                    continue
-                try:
-                    got = gemv(x, w, bn, bk, warps, stages)
-                except Exception:  # out of resources for this tile
-                    continue
-                if (got.float() - ref).abs().max().item() > 0.05 * ref.abs().max().item():
-                    raise AssertionError(f"{name} m={m}: wrong result at {(bn, bk, warps, stages)}")
-                t = triton.testing.do_bench(
-                    functools.partial(gemv, x, w, bn, bk, warps, stages), warmup=10, rep=50
-                )
-                if best is None or t < best[0]:
-                    best = (t, (bn, bk, warps, stages))
-            row.update(triton_us=best[0] * 1e3, triton_TBps=gb / best[0], triton_cfg=best[1])
+            ref = F.linear(fused.rms_norm(x, norm_w, 1e-6), ws[0])
+
+            def timed(linear, on: bool, x=x, ws=ws, norm_w=norm_w) -> float:
+                return round(_chain_us(linear, on, x, ws, norm_w) / len(ws), 2)
+
+            mb = n * k * 2 / 1e6
+            row = {"MB": round(mb, 1), "cublas_us": timed(F.linear, True)}
+            row["gemv_us"] = timed(gemv, False)
+            row["gemv_pdl_us"] = timed(gemv, True)
+            got = gemv(fused.rms_norm(x, norm_w, 1e-6), ws[0])
+            if (got.float() - ref.float()).abs().max().item() > 0.02 * ref.float().abs().max().item():
+                raise AssertionError(f"{name} m={m}: the kernel's result is off")
+            if sweep and m == min(rows):
+                rule = gemv_tiles(m, n, k)
+                grid = itertools.product((4, 8, 16, 32, 64), (128, 256, 512, 1024, 2048), (4, 8))
+                cands = [rule] + [
+                    t
+                    for t in (GemvTiles(*v) for v in grid)
+                    if t != rule and t.block_n * t.block_k <= 16384 and t.block_k <= triton.next_power_of_2(k)
+                ]
+                times = []
+                for t in cands:
+                    try:
+                        times.append((timed(lambda a, b, t=t: gemv(a, b, tiles=t), True), t))
+                    except triton.runtime.errors.OutOfResources:
+                        continue
+                row["gemv_pdl_best"] = [[us, list(t)] for us, t in sorted(times)[:3]]
+            for key in ("cublas_us", "gemv_us", "gemv_pdl_us"):
+                row[key.replace("_us", "_GBps")] = round(mb / row[key] * 1e3, 1)
             out[f"{name} m={m}"] = row
-            print(
-                f"{name:18s} m={m}  {gb * 1e3:7.1f} MB  linear {row['linear_us']:7.1f} us "
-                f"{row['linear_TBps']:.2f} TB/s"
-                + (f"  mv {row['mv_us']:7.1f} us {row['mv_TBps']:.2f}" if m == 1 else " " * 23)
-                + f"  triton {row['triton_us']:7.1f} us {row['triton_TBps']:.2f} TB/s {row['triton_cfg']}",
-                flush=True,
-            )
+            print(f"gemv {name} [{n}, {k}] m={m}: {row}", flush=True)
+        del ws
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
     if a.check:
         check()
         return
-    res = bench()
+    res = bench([int(r) for r in a.rows.split(",")], a.sweep)
     print(json.dumps({"device": torch.cuda.get_device_name(0), "gemv": res}))
 
 

@@ -4,7 +4,7 @@
 #            micro-benchmark (benchmarks/attention_kernels.py)
 #   foveal   W1-W4 through the engine (benchmarks/gpu_workloads.py, ceilings measured first)
 #   serve    W5: `foveal serve` on the W2 model, 256 streams of 512/256 (benchmarks/serving.py)
-#   gemv     skinny-GEMM micro-benchmark: cuBLAS vs a Triton GEMV on the decode projection shapes
+#   gemv     decode-sized linears: cuBLAS vs the Triton GEMV (layers/gemv_triton.py), behind an RMSNorm, with and without PDL
 #   hf       transformers on the same workloads (benchmarks/hf_baseline.py; reduced request counts)
 # Usage (on the GPU machine, .whl/ beside the tree): FOVEAL_COMMIT=<sha> bash scripts/gpu_bench.sh tests foveal serve
 # Wheels for packages the GPU image lacks travel in .whl/ (make them with scripts/device_wheels.sh).
