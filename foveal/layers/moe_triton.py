@@ -59,6 +59,16 @@ def _dot_w(
 
 
 @triton.jit
+def _glu(gate, up, ACT: tl.constexpr, alpha, limit):
+    """The experts' activation of float32 gate and up: 1, silu(gate) * up; 2, gpt-oss's clamped SwiGLU."""
+    if ACT == 1:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1.0) * gate / (1.0 + tl.exp(-gate * alpha))
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -143,13 +153,7 @@ def _moe_gemm_kernel(
             up = tl.load(a_ptr + src[:, None] * a_row + K + ks[None, :], mask=a_mask, other=0.0).to(
                 tl.float32
             )
-            if ACT == 1:
-                act = gate / (1.0 + tl.exp(-gate)) * up
-            else:
-                gate = tl.minimum(gate, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-                act = (up + 1.0) * gate / (1.0 + tl.exp(-gate * alpha))
-            a = act.to(a_ptr.dtype.element_ty)
+            a = _glu(gate, up, ACT, alpha, limit).to(a_ptr.dtype.element_ty)
         w_mask = k_mask[:, None] & col_mask[None, :]
         w_ptrs = w_base + cols[None, :].to(tl.int64) * K + ks[:, None]
         ws_ptrs = ws_base + (cols // QB if QB > 0 else cols) * ws_n + k0 // (QB if QB > 0 else 1)
@@ -258,13 +262,7 @@ def _moe_small_kernel(
         up += tl.load(b13_ptr + e64 * 2 * INTER + INTER + ic, mask=i_ok, other=0.0).to(tl.float32)[None, :]
     gate = gate.to(x_ptr.dtype.element_ty).to(tl.float32)  # gate/up's output, as stored by its launch
     up = up.to(x_ptr.dtype.element_ty).to(tl.float32)
-    if ACT == 1:
-        act = gate / (1.0 + tl.exp(-gate)) * up
-    else:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = (up + 1.0) * gate / (1.0 + tl.exp(-gate * alpha))
-    act = act.to(x_ptr.dtype.element_ty)
+    act = _glu(gate, up, ACT, alpha, limit).to(x_ptr.dtype.element_ty)
     scale = tl.load(scale_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     w2 = w2_ptr + e64 * H * INTER
     ws2 = ws2_ptr + e64 * ws2_e
