@@ -23,7 +23,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
 SHAPES = {  # name: (N out, K in)
     "qwen3moe.qkv": (5120, 2048),
@@ -57,24 +59,10 @@ def check() -> None:
 
 
 def _us(fn, reps: int = 20) -> float:
-    """us a call of fn: captured in a CUDA graph after a warm-up, the replays timed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    """us a call of fn: captured in a CUDA graph after a warm-up, the replays timed (their median)."""
+    import gpu_workloads as gw
+
+    return gw._time_cuda(gw.captured(fn), reps) * 1e6
 
 
 def _chain_us(linear, on: bool, x, ws, norm_w) -> float:

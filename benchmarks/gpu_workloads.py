@@ -83,6 +83,20 @@ def ceilings() -> dict:
     return out
 
 
+def captured(fn):
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _time_cuda(fn, reps: int) -> float:
     for _ in range(3):
         fn()

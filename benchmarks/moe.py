@@ -107,20 +107,6 @@ def _time(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _captured(fn):
-    """fn captured in a CUDA graph (after two warm-up calls on a side stream): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def _route_then_align(logits, k, bm):
     from foveal.layers.moe_triton import align
 
@@ -166,7 +152,7 @@ def kernel(smoke: bool) -> None:
             row[f"{p}_GBps"] = round(nbytes / s / 1e9, 1)
             if dev == "cuda" and p != "loop":  # inside a CUDA graph, as the decode steps run them
                 try:
-                    s = _time(_captured(fn), 3 if smoke else 20)
+                    s = _time(gw.captured(fn), 3 if smoke else 20)
                     row[f"{p}_graph_us"] = round(s * 1e6, 1)
                     row[f"{p}_graph_GBps"] = round(nbytes / s / 1e9, 1)
                 except Exception as e:  # a host sync inside: it cannot be captured
@@ -222,7 +208,7 @@ def _launches_us(fns: list, reps: int) -> float:
     cost is not the kernel's; the decode steps replay graphs too), on the CPU called."""
     if not torch.cuda.is_available():
         return _time(lambda: [f() for f in fns], reps) * 1e6 / len(fns)
-    return _time(_captured(lambda: [f() for f in fns]), reps) * 1e6 / len(fns)
+    return _time(gw.captured(lambda: [f() for f in fns]), reps) * 1e6 / len(fns)
 
 
 def _fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:

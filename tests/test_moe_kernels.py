@@ -21,6 +21,16 @@ if DEVICE == "cpu":
     assert os.environ.get("TRITON_INTERPRET") == "1", "CPU tensors need Triton's interpreter"
 
 
+def _silu_layer(seed: int, T: int, E: int, k: int, H: int, inter: int, dtype):
+    """(x, w13, w2, weights, ids) of a random layer in `dtype` on DEVICE, its tokens routed to k experts."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
+    x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
+    return x, w13, w2, weights, ids
+
+
 @pytest.mark.parametrize(
     "T,E,k,H,inter",
     [
@@ -42,11 +52,7 @@ def test_the_kernel_equals_the_loop(T, E, k, H, inter, dtype, monkeypatch):
     import foveal.layers.moe_triton as mt
 
     monkeypatch.setattr(mt, "SMALL_PAIRS", 0)
-    g = torch.Generator().manual_seed(T * 7 + E)
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(dtype).to(DEVICE)
-    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
-    x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
-    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
+    x, w13, w2, weights, ids = _silu_layer(T * 7 + E, T, E, k, H, inter, dtype)
     got = experts_triton(x, w13, w2, weights, ids, silu_glu)
     want = experts_reference(x, w13, w2, weights, ids)
     tol = 1e-5 if dtype == torch.float32 else 4e-2
@@ -483,11 +489,7 @@ def test_the_small_kernel_equals_the_loop(T, E, k, H, inter, tiles, dtype, monke
     from foveal.layers.moe_triton import SmallTiles
 
     launches = _small(monkeypatch, None if tiles is None else SmallTiles(*tiles))
-    g = torch.Generator().manual_seed(T * 11 + E)
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(dtype).to(DEVICE)
-    w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
-    x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
-    weights, ids = route(torch.randn(T, E, generator=g).to(DEVICE), k)
+    x, w13, w2, weights, ids = _silu_layer(T * 11 + E, T, E, k, H, inter, dtype)
     got = experts_triton(x, w13, w2, weights, ids, silu_glu)
     want = experts_reference(x, w13, w2, weights, ids)
     tol = 1e-5 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()

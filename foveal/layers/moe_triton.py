@@ -59,6 +59,14 @@ def _dot_w(
 
 
 @triton.jit
+def _tile_pairs(rows_ptr, tile, num_pairs, BLOCK_M: tl.constexpr):
+    """(pairs as int64 (0 for padding), valid) of one BLOCK_M tile of the aligned rows."""
+    pairs = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    return tl.where(valid, pairs, 0).to(tl.int64), valid
+
+
+@triton.jit
 def _glu(gate, up, ACT: tl.constexpr, alpha, limit):
     """The experts' activation of float32 gate and up: 1, silu(gate) * up; 2, gpt-oss's clamped SwiGLU."""
     if ACT == 1:
@@ -124,9 +132,7 @@ def _moe_gemm_kernel(
     e = tl.load(experts_ptr + tile)
     if e < 0:
         return
-    pairs = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
-    pairs = tl.where(valid, pairs, 0).to(tl.int64)
+    pairs, valid = _tile_pairs(rows_ptr, tile, num_pairs, BLOCK_M)
     src = pairs // TOP_K if GATHER else pairs
     cols = (tl.program_id(0) if COLS_FIRST else tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -233,9 +239,7 @@ def _moe_small_kernel(
     e = tl.load(experts_ptr + tile)
     if e < 0:
         return
-    pairs = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
-    pairs = tl.where(valid, pairs, 0).to(tl.int64)
+    pairs, valid = _tile_pairs(rows_ptr, tile, num_pairs, BLOCK_M)
     src = pairs // TOP_K
     ic = s * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = ic < INTER
