@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import tempfile
+import time
 
 import pytest
 import torch
@@ -219,6 +220,26 @@ IMAGE = {
     },
     "required": ["name", "image", "tags"],
 }
+
+
+def test_a_plans_budget_counts_its_threads_cpu_time_not_waiting():
+    """A plan waiting for the GIL or a core is not over its budget; one computing for as long is."""
+    from foveal.structured import closing
+
+    b = closing.Budget(plan_s=0.02, step_s=0.02)
+    assert b.start()
+    time.sleep(0.05)  # another thread holds the core: wall time passes, this thread's CPU time does not
+    b.spend()
+    b.check()
+    b.end(skipped=False)
+    assert b.start()
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.05:  # computing
+        pass
+    with pytest.raises(closing._OverBudget):
+        b.spend()
+    b.end(skipped=True)
+    assert b.skipped == 1 and b.step_spent >= 0.02
 
 
 def test_the_plan_from_the_start_is_made_in_the_input_pool(backend, monkeypatch):

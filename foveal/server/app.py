@@ -139,6 +139,7 @@ def create_app(engine, processor: InputProcessor, cfg: ServerConfig | None = Non
     @asynccontextmanager
     async def lifespan(app):
         inputs.start()
+        await asyncio.to_thread(processor.prepare_grammars)
         loop.start()
         log.info("serving %s", model_name)
         yield
