@@ -49,7 +49,7 @@ generate: setup
 	$(VENV)/bin/foveal generate --prompt "$(PROMPT)"
 
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 lint: setup
 	$(VENV)/bin/ruff check foveal tests benchmarks
