@@ -171,6 +171,20 @@ class Driver:
 
 
 # -- OutputConstraint ------------------------------------------------------------------------------------
+def test_the_backend_reads_the_tokenizer_as_llguidance_does(tok, backend):
+    """from_tokenizer skips llguidance's copy of the Rust tokenizer (nothing to turn off): the same
+    vocabulary, end tokens and tokenization as llguidance.hf.from_tokenizer's own tokenizer."""
+    import llguidance.hf
+
+    ours, theirs = backend.tokenizer, llguidance.hf.from_tokenizer(tok)
+    assert tok.backend_tokenizer.padding is None and tok.backend_tokenizer.truncation is None
+    assert ours.vocab_size == theirs.vocab_size and ours.eos_tokens == theirs.eos_tokens
+    assert all(ours.decode_bytes([t]) == theirs.decode_bytes([t]) for t in range(ours.vocab_size))
+    for text in ("Hello, world!", '{"a": [1, 2.5e-3, "\u00e9"]}', "  two  spaces\n\ttab", "日本語 ünïcödé"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ours.tokenize_str(text) == theirs.tokenize_str(text) == ids
+
+
 def test_spec_is_canonical_and_hashable():
     a = OutputConstraint.json_schema({"type": "object", "properties": {"b": {}, "a": {}}})
     b = OutputConstraint.json_schema('{"type": "object",  "properties": {"b": {}, "a": {}}}')
