@@ -64,7 +64,7 @@ def completion(extra: dict, max_tokens: int = 4) -> dict:
 
 @pytest.fixture(scope="module")
 def real(smollm_path):
-    # the weights `foveal serve` runs (packed Q4_1): a bystander's step is then ~25 ms, not the dense fp32
+    # the weights `foveal serve` runs (packed Q4_1): a bystander's step is then ~40 ms, not the dense fp32
     # model's 110-270 ms on the Zen 3 host, and a 0.5 s gap is a stall, not two slow steps
     with serving({"quantization": "auto"}, {}) as s:
         yield s

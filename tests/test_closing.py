@@ -233,8 +233,8 @@ def test_a_plans_budget_counts_its_threads_cpu_time_not_waiting():
     b.check()
     b.end(skipped=False)
     assert b.start()
-    t = time.perf_counter()
-    while time.perf_counter() - t < 0.05:  # computing
+    t = time.thread_time()
+    while time.thread_time() - t < 0.03:  # computing (counted on the thread's clock: a loaded host too)
         pass
     with pytest.raises(closing._OverBudget):
         b.spend()
