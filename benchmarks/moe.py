@@ -40,8 +40,6 @@ small    the experts of a decode-sized step in one launch (moe_triton._moe_small
          engine each, in that order.
 --pdl 0,1  qwen3 / gptoss without and with programmatic dependent launch of the small Triton kernels
          (layers/pdl.py ENABLED; default: FOVEAL_PDL's), an engine each, in that order.
---gemv-rows 0,4  qwen3 / gptoss once per value of gemv_triton.GEMV_ROWS (linears of at most that many rows
-         by the Triton GEMV instead of cuBLAS; 0: cuBLAS), an engine each, in that order.
 --cuda-experts triton,grouped  qwen3 and gptoss once per CUDA experts path (layers/moe.py CUDA_EXPERTS:
          the Triton kernel, torch's grouped GEMMs), an engine each, in that order.
 --profile  the largest CUDA kernels of a decode step (what a step's time goes to), at the batches of
@@ -587,9 +585,6 @@ def main() -> None:
     ap.add_argument("--cuda-experts", default="triton", help="paths, comma-separated: triton, grouped")
     ap.add_argument("--small-tokens", default="1,2,4,8,16", help="small: the token counts")
     ap.add_argument(
-        "--gemv-rows", default="", help="the models: an engine per value of gemv_triton.GEMV_ROWS (0: cuBLAS)"
-    )
-    ap.add_argument(
         "--pdl",
         default="",
         help="the models: 0,1 = an engine each without / with programmatic dependent launch",
@@ -621,24 +616,21 @@ def main() -> None:
     )
     if a.batches:
         runs = tuple((n, c, [int(b) for b in a.batches.split(",")]) for n, c, _ in runs)
-    from foveal.layers import gemv_triton, moe, moe_triton, pdl
+    from foveal.layers import moe, moe_triton, pdl
 
     paths = a.cuda_experts.split(",")
     smalls = [int(v) for v in a.small_pairs.split(",")] if a.small_pairs else [moe_triton.SMALL_PAIRS]
     pdls = [bool(int(v)) for v in a.pdl.split(",")] if a.pdl else [pdl.ENABLED]
-    gemvs = [int(v) for v in a.gemv_rows.split(",")] if a.gemv_rows else [gemv_triton.GEMV_ROWS]
     for name, config, batches in runs:
-        for path, pairs, on, gemv in itertools.product(paths if name in parts else (), smalls, pdls, gemvs):
+        for path, pairs, on in itertools.product(paths if name in parts else (), smalls, pdls):
             moe.CUDA_EXPERTS = path
             moe_triton.SMALL_PAIRS = pairs  # before the engine: its decode graphs are captured with it
             pdl.ENABLED = on
-            gemv_triton.GEMV_ROWS = gemv
             label = " ".join(
                 [name]
                 + [path] * (len(paths) > 1)
                 + [f"small<={pairs}"] * (len(smalls) > 1)
                 + [f"pdl {int(on)}"] * (len(pdls) > 1)
-                + [f"gemv<={gemv}"] * (len(gemvs) > 1)
             )
             model(label, _smoke_config(name) if a.smoke else config, batches, a)
     print(json.dumps({"benchmark": "moe", "smoke": a.smoke, **RESULTS}))

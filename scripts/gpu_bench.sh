@@ -4,7 +4,6 @@
 #            micro-benchmark (benchmarks/attention_kernels.py)
 #   foveal   W1-W4 through the engine (benchmarks/gpu_workloads.py, ceilings measured first)
 #   serve    W5: `foveal serve` on the W2 model, 256 streams of 512/256 (benchmarks/serving.py)
-#   gemv     decode-sized linears: cuBLAS vs the Triton GEMV (layers/gemv_triton.py), behind an RMSNorm, with and without PDL
 #   hf       transformers on the same workloads (benchmarks/hf_baseline.py; reduced request counts)
 # Usage (on the GPU machine, .whl/ beside the tree): FOVEAL_COMMIT=<sha> bash scripts/gpu_bench.sh tests foveal serve
 # Wheels for packages the GPU image lacks travel in .whl/ (make them with scripts/device_wheels.sh).
@@ -45,9 +44,6 @@ for part in "$@"; do
       python3 -c "print(f'server process CPU {($cpu1-$cpu0)/100:.1f} s over {$t1-$t0:.1f} s wall (bench incl.)')"
       kill $SERVER; wait $SERVER 2>/dev/null
       tail -5 "$LOG/serve.txt"
-      ;;
-    gemv)
-      timeout ${T_GEMV:-240} python3 benchmarks/gemv.py 2>&1 | tee "$LOG/gemv.txt" | tail -20
       ;;
     hf)
       timeout 540 python3 benchmarks/hf_baseline.py ${HF_ARGS:-} 2>&1 | tee "$LOG/hf_baseline.txt" \

@@ -156,22 +156,9 @@ def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.reshape(*x.shape[:-1], n)
 
 
-_gemv_module = None
-
-
-def _gemv():
-    global _gemv_module
-    if _gemv_module is None:
-        from foveal.layers import gemv_triton  # imports triton
-
-        _gemv_module = gemv_triton
-    return _gemv_module
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.is_cuda:  # a few rows: the Triton GEMV where it is on (layers/gemv_triton.py), else cuBLAS
-        g = _gemv()
-        return g.gemv(x, weight, bias) if g.use_gemv(x, weight) else F.linear(x, weight, bias)
+    if x.is_cuda:  # cuBLAS (a Triton GEMV of one row lost to it in the models: RESULTS.md session 40)
+        return F.linear(x, weight, bias)
     qw = getattr(weight, "_foveal_quant", None)
     if qw is not None and x.is_cpu and x.dtype in _QUANT_INPUT and quant.kernel() is not None:
         return qw.linear(x, bias)  # a GGUF block-quantized weight, run as stored (layers/quant.py)
