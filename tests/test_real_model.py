@@ -24,23 +24,36 @@ MARGIN = 1e-3
 
 @pytest.fixture(scope="module")
 def reference(hf_smollm, smollm_tokenizer):
-    """Per prompt: chat-templated ids, transformers' greedy tokens and its top-2 logit margin per step."""
-    refs = []
-    for p in PROMPTS:
-        ids = smollm_tokenizer.apply_chat_template(
+    """Per prompt: chat-templated ids, transformers' greedy tokens and its top-2 logit margin per step.
+    All prompts in one left-padded batch (generate's attention mask and positions skip the padding;
+    each prompt alone gave the same tokens: RESULTS.md session 40), each row cut after its end token."""
+    tok = smollm_tokenizer
+    ids = [
+        tok.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
         )["input_ids"]
-        with torch.no_grad():
-            out = hf_smollm.generate(
-                torch.tensor([ids]),
-                max_new_tokens=N_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        toks = out.sequences[0, len(ids) :].tolist()
-        margins = [float(v.topk(2).values[0, 0] - v.topk(2).values[0, 1]) for v in out.logits]
-        refs.append((ids, toks, margins))
+        for p in PROMPTS
+    ]
+    width = max(map(len, ids))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    with torch.no_grad():
+        out = hf_smollm.generate(
+            torch.tensor([[pad] * (width - len(i)) + i for i in ids]),
+            attention_mask=torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]),
+            max_new_tokens=N_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+        )
+    eos = hf_smollm.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    refs = []
+    for row, i in enumerate(ids):
+        toks = out.sequences[row, width:].tolist()
+        end = next((j + 1 for j, t in enumerate(toks) if t in eos), len(toks))
+        top = [v[row].topk(2).values for v in out.logits[:end]]
+        refs.append((i, toks[:end], [float(t[0] - t[1]) for t in top]))
     return refs
 
 
