@@ -48,8 +48,12 @@ serve: setup
 generate: setup
 	$(VENV)/bin/foveal generate --prompt "$(PROMPT)"
 
+# The suite in $(WORKERS) processes, a test file to each in turn (pytest-xdist), then the tests marked
+# `alone` (they bound response times) with nothing beside them.
+WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m "not alone" --durations=30
+	$(PY) -m pytest -q -m alone --durations=5
 
 lint: setup
 	$(VENV)/bin/ruff check foveal tests benchmarks

@@ -69,6 +69,7 @@ async def stream_gaps(c: httpx.AsyncClient, body: dict, gaps: list[float]) -> No
                 last = now
 
 
+@pytest.mark.alone
 def test_worst_input_work_does_not_stall_a_stream(real):
     """While one stream decodes, other requests send the heaviest inputs the server takes: a 3.9 MB
     completion prompt (refused on its length, untokenized), the longest text that could still fit

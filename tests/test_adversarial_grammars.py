@@ -85,6 +85,7 @@ def test_the_grammar_backend_is_built_before_the_server_serves(real):
 
 
 # -- 1 and 3: over a limit is a quick 400, every time; a deep chain within them compiles -----------------
+@pytest.mark.alone
 @pytest.mark.parametrize("what,extra", OVER_LIMIT, ids=[w for w, _ in OVER_LIMIT])
 def test_an_over_limit_grammar_is_a_400_at_once_and_on_retry(real, what, extra):
     for attempt in range(2):  # the second is not served from any cache: refused the same way
@@ -125,6 +126,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.alone
 def test_hostile_constraints_do_not_stall_a_stream(real):
     """While one stream decodes, each hostile request of items 1-4 is sent in turn: the stream never
     waits 0.5 s for a token (a closing plan for minLength 301 froze it for 6.6 s; a 3,000-rule chain

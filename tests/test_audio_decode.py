@@ -170,6 +170,7 @@ def with_xing_frames(mp3: bytes, frames: int) -> bytes:
     return mp3[: i + 8] + struct.pack(">I", frames) + mp3[i + 12 :]
 
 
+@pytest.mark.alone
 def test_duration_refused_from_header(monkeypatch):
     assert "from its header" in refused(sine(), AudioLimits(max_duration_s=0.5))
     # an mp3 whose header claims 10 hours: refused before any packet is decoded

@@ -127,6 +127,7 @@ def test_truncated_png():
     assert "corrupt or truncated" in refused(data_url(png[: len(png) // 2]))
 
 
+@pytest.mark.alone
 def test_decompression_bomb_refused_from_header():
     bomb = header_only_png(8000, 8000)  # 64 Mpx > 32 Mpx default, below PIL's own 89 Mpx guard
     t = time.perf_counter()
@@ -145,6 +146,7 @@ def test_pil_decompression_bomb_guards_become_media_errors():
         assert "decompression bomb" in refused(data_url(header_only_png(10000, 10000)), huge)
 
 
+@pytest.mark.alone
 def test_over_max_bytes():
     limits = MediaLimits(max_bytes=len(RED_PNG) - 1)
     assert "size limit" in refused(data_url(RED_PNG), limits)
