@@ -48,11 +48,12 @@ serve: setup
 generate: setup
 	$(VENV)/bin/foveal generate --prompt "$(PROMPT)"
 
-# The suite in $(WORKERS) processes, a test file to each in turn (pytest-xdist), then the tests marked
-# `alone` (they bound response times) with nothing beside them.
+# The suite in $(WORKERS) processes of one OpenMP thread each (more threads than cores: libgomp stops
+# spinning and every parallel region pays a wake-up), a test file to each in turn (pytest-xdist); then the
+# tests marked `alone` (bounds on response times, the native kernels' threaded paths) by themselves.
 WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m "not alone" --durations=30
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m "not alone" --durations=30
 	$(PY) -m pytest -q -m alone --durations=5
 
 lint: setup

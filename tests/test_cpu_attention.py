@@ -16,6 +16,9 @@ from foveal.attention.kv_quant import QuantizedKVCache
 from foveal.attention.torch_backend import TorchAttentionBackend
 from tests.attention_cases import DECODES, MIXED, SCALE, SHAPES, Case, compare
 
+# alone: the kernels' OpenMP paths on torch's threads (`make test` runs its parallel part on one a worker)
+pytestmark = pytest.mark.alone
+
 CPU = torch.device("cpu")
 kernel = cpu_native.kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the cpu backend is the torch one")

@@ -15,9 +15,12 @@ import torch
 from foveal import native
 from foveal.layers import quant
 
-pytestmark = pytest.mark.skipif(
-    quant.kernel() is None or torch.get_num_threads() < 2, reason="needs the native kernel and 2 threads"
-)
+pytestmark = [
+    pytest.mark.alone,  # `make test` runs its parallel part on one thread a worker
+    pytest.mark.skipif(
+        quant.kernel() is None or torch.get_num_threads() < 2, reason="needs the native kernel and 2 threads"
+    ),
+]
 
 
 def _threads() -> int:

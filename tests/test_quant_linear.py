@@ -12,6 +12,9 @@ from gguf.quants import dequantize, quantize
 from foveal.layers import linear as lin
 from foveal.layers import quant
 
+# alone: the kernels' OpenMP paths on torch's threads (`make test` runs its parallel part on one a worker)
+pytestmark = pytest.mark.alone
+
 needs_kernel = pytest.mark.skipif(quant.kernel() is None, reason="no AVX2 CPU or C compiler")
 KINDS = ["Q4_0", "Q4_1", "Q8_0"]
 
