@@ -449,6 +449,10 @@ class CostedOracle:
     def observe_hidden(self, states):
         self.real.observe_hidden(states)
 
+    @property
+    def prefeed(self):  # the real head's, where it feeds prompt chunks as their steps launch
+        return getattr(self.real, "prefeed", None)
+
     def accepted(self, request_id, num_drafts, num_accepted):
         pass
 

@@ -49,12 +49,15 @@ class HostProfile:
         return False
 
     def table(self, top: int = 30, steps: int = 1) -> str:
+        """The functions by own time, then foveal's by cumulative time (what each call costs in all)."""
         import io
         import pstats
 
         out = io.StringIO()
         out.write(f"(cProfile over {steps} engine steps)\n")
-        pstats.Stats(self.prof, stream=out).sort_stats("tottime").print_stats(top)
+        stats = pstats.Stats(self.prof, stream=out)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats("foveal", top)
         return out.getvalue()
 
 
@@ -95,11 +98,35 @@ class HostTimes:
         setattr(obj, name, timed)
         self._restore.append((obj, name))
 
+    def _split_steps(self) -> None:
+        """Wall seconds of whole engine steps by kind: `prefill` (a prompt chunk among the rows: such a
+        step runs eagerly) or `decode` (the scheduled batch's items are all decodes or verify runs)."""
+        eng, totals, counts = self.engine, self.totals, self.kinds
+        step, schedule, kind = eng.step, eng.scheduler.schedule, ["decode"]
+
+        def scheduled():
+            batch = schedule()
+            kind[0] = "decode" if all(x.is_decode for x in batch.items) else "prefill"
+            return batch
+
+        def stepped():
+            kind[0] = "idle"
+            t0 = time.perf_counter()
+            out = step()
+            totals[f"step.{kind[0]}"] += time.perf_counter() - t0
+            counts[kind[0]] += 1
+            return out
+
+        eng.step, eng.scheduler.schedule = stepped, scheduled
+        self._restore += [(eng, "step"), (eng.scheduler, "schedule")]
+
     def __enter__(self):
         eng = self.engine
         self.steps0 = eng.step_seconds["steps"]
+        self.kinds: dict[str, int] = defaultdict(int)
         for obj, name, label in _phases(eng):
             self._time(obj, name, label)
+        self._split_steps()
         for label, g in self.graphs.items():  # DecodeGraphs-like: .graphs {bucket: CUDAGraph}
             for b, graph in list(g.graphs.items()):
                 self._swapped.append((g.graphs, b, graph))
@@ -108,15 +135,26 @@ class HostTimes:
 
     def __exit__(self, *exc):
         for obj, name in self._restore:
-            delattr(obj, name)
+            if name in vars(obj):  # wrapped twice (a phase that splits steps too): one attribute
+                delattr(obj, name)
         for d, b, graph in self._swapped:
             d[b] = graph
         self.steps = self.engine.step_seconds["steps"] - self.steps0
         return False
 
     def per_step(self) -> dict:
+        """Milliseconds a step in each phase (over every step), then whole steps by kind: how many
+        and their mean milliseconds."""
         n = max(self.steps, 1)
-        return {"steps": self.steps, **{k: round(v / n * 1e3, 3) for k, v in sorted(self.totals.items())}}
+        out = {"steps": self.steps}
+        for k, v in sorted(self.totals.items()):
+            if k.startswith("step."):
+                kind = k[5:]
+                out[f"steps_{kind}"] = self.kinds[kind]
+                out[f"step_ms_{kind}"] = round(v / max(self.kinds[kind], 1) * 1e3, 3)
+            else:
+                out[k] = round(v / n * 1e3, 3)
+        return out
 
 
 class StepProfile:

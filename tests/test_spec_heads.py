@@ -539,6 +539,41 @@ def test_dflash_drafts_equal_a_dense_reference_of_the_block(saved, tmp_path, gra
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_prompt_chunks_are_fed_to_the_head_as_their_steps_launch(saved, tmp_path, method):
+    """A prompt chunk's states go to the head when its step is launched (its tokens are known), so no
+    proposal catches up more than a verify step adds (1 + k positions a row), however long the prompt
+    and its chunks; the drafts stay those of a head fed all at once (the dense-reference tests)."""
+    head = write_eagle3(tmp_path / "e") if method == "eagle3" else write_dflash(tmp_path / "d")
+    llm = _llm(saved, {"method": method, "model": head, "num_speculative_tokens": 3, "adaptive": False},
+               max_num_batched_tokens=10)  # fmt: skip
+    proposer = llm.engine.speculation.proposer
+    spans = {"prefeed": [], "propose": []}
+    where = ["prefeed"]
+    catch_up, propose = proposer._catch_up, proposer.propose_device
+
+    def caught(row, extra, min_new):
+        c = catch_up(row, extra, min_new)
+        if c is not None:
+            spans[where[0]].append(c[2] - c[1] + 1)
+        return c
+
+    def proposing(rows):
+        where[0] = "propose"
+        try:
+            return propose(rows)
+        finally:
+            where[0] = "prefeed"
+
+    proposer._catch_up, proposer.propose_device = caught, proposing
+    prompts = [p * 2 for p in _prompts(3, seed=4)]  # 8-58 tokens: several chunks of up to 10
+    outs = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert max(spans["prefeed"]) >= 9 and sum(spans["prefeed"]) >= sum(len(p) for p in prompts) - 3 * 2
+    assert spans["propose"] and max(spans["propose"]) <= 1 + 3
+    plain = _run(_llm(saved), prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert outs == plain
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_a_prefix_cache_hit_drafts_from_what_the_target_computed(saved, tmp_path, method):
     """The second run of a prompt takes its prefix from the cache, so the head never sees those
     positions' states: it drafts from the first state it gets (output still equals plain greedy)."""

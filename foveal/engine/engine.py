@@ -205,6 +205,8 @@ class Engine:
                 launched = self.runner.launch(batch, sample=False)
                 if not deferred:  # the guides' masks are filled while the forward pass runs
                     self.runner.sample(launched, self.guides.masks(batch.items))
+                if spec is not None:  # a drafter's work that needs only this step's prompt chunks
+                    spec.launched(launched)
             except Exception as e:  # a failed forward pass aborts only this batch's requests
                 log.exception("forward pass failed; aborting %d request(s)", len(batch.items))
                 if prev is not None:

@@ -181,6 +181,24 @@ class BlockProposer(HiddenStateDrafter):
         picked = normed[picks_d]  # before the graphs' next replay; the chunks are in row order
         return head._target[0].compute_logits(picked).argmax(dim=-1), counts
 
+    def _feed(self, rows, chunks) -> None:
+        """Context rows only (prefeed): each pair's keys and values, every row a one-token query over
+        the keys up to its own; no block, nothing read back."""
+        pos, ctxs, tables, slots, feats = [], [], [], [], []
+        for _i, seq, lo, last, _k in chunks:
+            feats.append(self._take(seq, lo, last + 1))
+            table = list(seq.kv.block_ids)
+            for p in range(lo, last + 1):
+                pos.append(p)
+                ctxs.append(p - seq.base)
+                tables.append(table)
+                slots.append(self._slot(seq, p))
+        n, head = len(pos), self.head
+        x = torch.cat(feats).to(head.norm.weight.dtype)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        is_block = torch.zeros(n, 1, dtype=torch.bool, device=self.device)
+        head(ids, x, is_block, self._context(pos, [1] * n, ctxs, tables, slots, n))
+
     graphs = None  # BlockStepGraphs, after use_graphs
 
     def use_graphs(self, max_seqs: int, max_model_len: int) -> None:

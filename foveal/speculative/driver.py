@@ -7,7 +7,9 @@ The engine calls it at fixed points of `Engine.step` and nowhere else:
     [the step in flight is collected when the next one may not overlap it: driver.overlaps]
     driver.propose(ks)                drafts for the rows that may speculate (req.draft_ids, or staged
                                       in the runner's token buffer on the device)
-    [schedule, launch, collect]
+    [schedule, launch]
+    driver.launched(launched)         a hidden-state drafter feeds the step's prompt chunks behind it
+    [collect]
     driver.observe(batch, out)        after a step's tokens arrived: hidden states to the drafter,
                                       accepted counts to the proposer, the policy and the stats
     driver.step_done(batch, prev, t_plan, inflight, waited_or_alone)
@@ -235,6 +237,24 @@ class SpeculationDriver:
         values = flat.tolist() if any(r and c for r, c in zip(read, counts)) else None
         out = split_drafts(values, counts) if values is not None else [[]] * len(counts)
         return [d if r else [DEVICE_DRAFT] * c for d, r, c in zip(out, read, counts)]
+
+    def launched(self, launched) -> None:
+        """A step was launched: a hidden-state drafter takes its prompt chunks' states now (their tokens
+        are known) and feeds them behind the step on the device, so that host work overlaps the step
+        and the proposal after the prompt's last chunk feeds only its last position."""
+        prefeed = getattr(self.proposer, "prefeed", None)
+        if prefeed is None or launched is None or launched.tapped is None:
+            return
+        get, rows, states = self.scheduler.get, [], {}
+        for rid, (start, h) in self.runner.prompt_hidden(launched).items():
+            q = get(rid)
+            if q is not None and q.params.speculative:
+                states[rid] = (start, h)
+                # the tokens up to the one after the last state: the pairs it may feed
+                rows.append(ProposeRow(rid, q.all_token_ids[: start + h.shape[0] + 1], 0))
+        if rows:
+            self.proposer.observe_hidden(states)
+            prefeed(rows)
 
     # -- after the step -----------------------------------------------------------------------------
     def observe(self, batch, out) -> None:

@@ -5,6 +5,8 @@ the token after it; the pair at position i predicts x_{i+2}. DFlash (spec/dflash
 keeping and KV of HiddenStateDrafter and drafts a block per forward.
 
     target step  runner taps each token's hidden state -> engine -> observe_hidden(rid: (start, [n, H]))
+                 (a prompt chunk's states at its launch, and prefeed() feeds the pairs whose next token
+                 is a prompt token behind that step; the others' when the step's tokens arrive)
     propose      1. catch up: every pair not fed yet, per row one chunk (or, when they fit the head's
                     graphs, one-token queries); its last row's logits give draft 1, its output the next h
                  2. k - 1 one-token steps: (h from the step before, draft j) at the next position
@@ -180,6 +182,24 @@ class HiddenStateDrafter:
         positions = to_device(torch.tensor(pos, dtype=torch.long), self.device)
         return StepContext(positions, self.kv_caches, meta)
 
+    @torch.inference_mode()
+    def prefeed(self, rows: list[ProposeRow]) -> None:
+        """Feed every held pair whose next token the row already has (`token_ids` up to the token
+        after the last state held), without drafting: called with a prompt chunk's states as its step
+        is launched, so this host work overlaps that step on the device and the next proposal feeds
+        only the prompt's last position."""
+        chunks = []  # (row index, seq, first position, last position, 0 drafts)
+        for i, row in enumerate(rows):
+            c = self._catch_up(row, 0, 1)
+            if c is not None:
+                chunks.append((i, *c, 0))
+        if chunks:
+            chunks.sort(key=lambda c: c[3] != c[2])  # the attention layout: one-token chunks first
+            self._feed(rows, chunks)
+
+    def _feed(self, rows: list[ProposeRow], chunks: list) -> None:
+        raise NotImplementedError
+
     def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
         """The drafts per row, read back to the host (propose_device's, one wait)."""
         flat, counts = self.propose_device(rows)
@@ -251,6 +271,9 @@ class ChainProposer(HiddenStateDrafter):
                  for j in range(chunks[ci][4])]  # fmt: skip
         flat = torch.cat(steps)[to_device(torch.tensor(order, dtype=torch.long), self.device)]
         return flat, counts
+
+    def _feed(self, rows, chunks) -> None:
+        self._catch_up_step(rows, chunks)  # the pairs' keys and values; its drafts are not wanted
 
     def _catch_up_step(self, rows, chunks) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's unfed pairs in one forward: (draft 1, its hidden state) per chunk."""

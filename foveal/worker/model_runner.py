@@ -81,6 +81,7 @@ class Launched:
     tapped: torch.Tensor | None = None  # [T, H]: every fed token's state for a hidden-state drafter
     denoised: bool = False  # a diffusion step: `host` is [2, rows] (tokens, confidences) in float64
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding requests done this step
+    handed: frozenset = frozenset()  # items whose tapped rows went out at launch (prompt_hidden)
 
 
 class ModelRunner:
@@ -566,12 +567,31 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _hidden_rows(launched: Launched, kept: dict[str, int], out: RunnerOutput) -> None:
-        """out.hidden: each item's tapped rows whose input tokens are confirmed (a verify row's up to
-        its last accepted draft: `kept` tokens came out of it, the first from its confirmed input)."""
+    def prompt_hidden(launched: Launched) -> dict[str, tuple[int, torch.Tensor]]:
+        """The tapped rows of the step's prompt chunks, (first position, [n, H]) per request, handed
+        out at launch: their input tokens are all known, so they are confirmed before the step runs
+        (collect then reports only the other items' rows)."""
+        out: dict[str, tuple[int, torch.Tensor]] = {}
+        if launched.tapped is None:
+            return out
         row = 0
         for s in launched.batch.items:
             n = s.num_tokens
-            valid = kept.get(s.request_id, n) if s.num_drafts else n
-            out.hidden[s.request_id] = (s.start, launched.tapped[row : row + valid])
+            if not s.is_decode:
+                out[s.request_id] = (s.start, launched.tapped[row : row + n])
+            row += n
+        launched.handed = frozenset(out)
+        return out
+
+    @staticmethod
+    def _hidden_rows(launched: Launched, kept: dict[str, int], out: RunnerOutput) -> None:
+        """out.hidden: each item's tapped rows whose input tokens are confirmed (a verify row's up to
+        its last accepted draft: `kept` tokens came out of it, the first from its confirmed input),
+        but for the items handed out at launch (prompt_hidden)."""
+        row = 0
+        for s in launched.batch.items:
+            n = s.num_tokens
+            if s.request_id not in launched.handed:
+                valid = kept.get(s.request_id, n) if s.num_drafts else n
+                out.hidden[s.request_id] = (s.start, launched.tapped[row : row + valid])
             row += n
