@@ -174,6 +174,52 @@ def test_graph_path_with_overlap(folder):
     assert [t for t, _, _ in got] == [t for t, _, _ in want]
 
 
+def test_a_verify_steps_tokens_are_emitted_after_the_next_launch(folder):
+    """While speculating each verify step runs alone (its proposals need its tokens): its tokens are
+    applied when they arrive, but detokenized and emitted only once the next step is launched, so the
+    device is not idle meanwhile. Outputs, stop strings and tokens included, equal the synchronous
+    engine's, and a request aborted between the two keeps its one final delta."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+            "adaptive": False}  # fmt: skip
+    prompts = [p * 3 for p in _prompts(5, seed=8)]  # repeated: the n-grams find drafts
+    base = _run(_llm(folder, False, speculative_config=spec), prompts,
+                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, stop=[f" t{toks[7]}"])
+        if i % 2
+        else SamplingParams(temperature=0, max_tokens=16 - i, ignore_eos=True)
+        for i, (toks, _, _) in enumerate(base)
+    ]
+    sync = _run(_llm(folder, False, speculative_config=spec), prompts, params)
+    llm = _llm(folder, True, speculative_config=spec)
+    calls = runner_calls(llm)
+    eng, emit = llm.engine, llm.engine._emit
+    eng._emit = lambda *a: calls.append("emit") or emit(*a)
+    assert _run(llm, prompts, params) == sync
+    assert eng.speculation.stats.num_drafts > 0
+    assert any(reason == "stop" for _, _, reason in sync)
+    # after each collect, the next step (where there is one) was launched before any token was emitted
+    tail = [c for c in calls if c != "sample"]
+    for i, c in enumerate(tail):
+        if c == "collect" and "launch" in tail[i:]:
+            assert next(x for x in tail[i + 1 :] if x in ("launch", "emit")) == "launch", tail[i : i + 4]
+    # an abort between a verify step and the next launch: no delta after its final one
+    ids = [
+        eng.add_request(llm.processor.request(p, SamplingParams(temperature=0, max_tokens=30)))
+        for p in prompts
+    ]
+    for _ in range(3):
+        eng.step()
+    assert eng._unemitted
+    victim = eng._unemitted[0][0].req.request_id
+    eng.abort(victim)
+    seen = []
+    while eng.has_unfinished():
+        seen += [d for d in eng.step() if d.request_id == victim]
+    assert len(seen) == 1 and seen[0].finish_reason == "abort"
+    assert set(ids) >= {victim} and eng.kv.num_used_blocks == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sampling_never_waits_for_the_device(folder):
     """Every sampling mix (temperature, top_k, top_p, min_p, the three penalties on the device

@@ -75,6 +75,9 @@ class Engine:
         self._arrivals = 0
         self._num_host_readers = 0  # tracked requests whose sampling reads earlier tokens (reads_history)
         self._inflight = None  # the launched step whose tokens have not been applied (async scheduling)
+        # tokens applied by a step that ran alone (async scheduling: a verify step, a diffusion step),
+        # emitted once the next step is launched: (tracked, tokens, logprobs) in order
+        self._unemitted: list[tuple[_Tracked, list[int], list[TokenLogprobs] | None]] = []
         # cumulative host time per phase of step() (execute includes the device work it waits for)
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
 
@@ -156,7 +159,12 @@ class Engine:
         return s.lora.report(s.running, s.waiting) if s.lora is not None else None
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.num_unfinished > 0 or self._inflight is not None
+        return (
+            bool(self._pending)
+            or bool(self._unemitted)
+            or self.scheduler.num_unfinished > 0
+            or self._inflight is not None
+        )
 
     @property
     def kv(self) -> KVCacheManager:
@@ -179,15 +187,19 @@ class Engine:
         host's scheduling, input building and detokenization overlap the device's work. The price: a
         request that stops on a token (EOS, stop id or string) has one extra position computed.
         A batch whose sampling needs earlier tokens' values (penalties, grammar masks) launches its
-        forward pass, collects step N's tokens while it runs, then samples."""
+        forward pass, collects step N's tokens while it runs, then samples. A step that cannot
+        overlap (a verify step, a diffusion step) still has its tokens detokenized after the next
+        step is launched: with async scheduling the host's part between two such steps is only
+        what the next one needs (applying the tokens, proposing, scheduling)."""
         deltas, self._pending = self._pending, []
         t0 = time.perf_counter()
         prev = self._inflight
         spec = self.speculation
+        defer = self.async_scheduling  # a step's deltas may wait for the next launch
         ks = spec.begin_step() if spec is not None else None  # before the step in flight is collected
         waited = prev is not None and not self._can_overlap()
         if waited:
-            deltas += self._resolve(prev)
+            deltas += self._resolve(prev, defer)
             prev = None
         if spec is not None:
             spec.propose(ks)
@@ -209,11 +221,13 @@ class Engine:
                     spec.launched(launched)
             except Exception as e:  # a failed forward pass aborts only this batch's requests
                 log.exception("forward pass failed; aborting %d request(s)", len(batch.items))
+                deltas += self._emit_deferred()
                 if prev is not None:
                     deltas += self._resolve(prev)
                 self._inflight = None
                 return deltas + self._abort_batch(batch, e)
             self.scheduler.advance(batch)
+        deltas += self._emit_deferred()  # the device has this step's work now
         t2 = time.perf_counter()
         if prev is not None:
             deltas += self._resolve(prev)
@@ -227,7 +241,7 @@ class Engine:
         self._inflight = launched
         alone = launched is not None and not (self.async_scheduling and self._can_overlap())
         if alone:
-            deltas += self._resolve(launched)
+            deltas += self._resolve(launched, defer)
         self._release_finished()
         if spec is not None:
             ran_alone = (waited or alone) if self.async_scheduling else None
@@ -257,8 +271,16 @@ class Engine:
                 return True
         return False
 
-    def _resolve(self, launched) -> list[TokenDelta]:
-        """Wait for a launched step's tokens; apply them and emit the deltas."""
+    def _emit_deferred(self) -> list[TokenDelta]:
+        """The deltas of tokens a step applied without emitting them (`_resolve(defer=True)`), but for
+        requests that ended meanwhile with a final delta of their own (aborted, failed)."""
+        ready, self._unemitted = self._unemitted, []
+        tracked = self._tracked
+        return [self._emit(t, toks, lps) for t, toks, lps in ready if tracked.get(t.req.request_id) is t]
+
+    def _resolve(self, launched, defer: bool = False) -> list[TokenDelta]:
+        """Wait for a launched step's tokens; apply them and emit the deltas (`defer`: detokenize and
+        emit them at the next step's launch instead, `_emit_deferred`)."""
         if self._inflight is launched:
             self._inflight = None
         live = [
@@ -300,7 +322,9 @@ class Engine:
         deltas = []
         for t in live:
             toks = out.tokens.get(t.req.request_id)
-            if toks:
+            if toks and defer:
+                self._unemitted.append((t, toks, out.logprobs.get(t.req.request_id)))
+            elif toks:
                 deltas.append(self._emit(t, toks, out.logprobs.get(t.req.request_id)))
         for rid, vector in out.pooled.items():  # an embedding request: its prompt is done, so is it
             t = self._tracked.get(rid)
