@@ -604,9 +604,12 @@ def heads_bench(a) -> dict:
                 return HostCostedOracle(real, oracle)
 
             wraps = {"device": wrap, "host": wrap_host}
-            for d in a.drafts:  # warm the verify shapes
-                oracle_run(specd, k, prompts, fulls, short, 1.0, vocab, 0, True, wraps[d])
             grouping = specd.engine.runner.backend
+            # warm the verify shapes, under each grouping the runs alternate (a first use compiles)
+            for d, rr in itertools.product(a.drafts, a.request_rows or [None]):
+                if rr is not None:
+                    grouping.request_min_prefix = rr
+                oracle_run(specd, k, prompts, fulls, short, 1.0, vocab, 0, True, wraps[d])
             # alternating drafts and groupings: the host's speed varies
             for rep, d, rr in itertools.product(range(a.reps), a.drafts, a.request_rows or [None]):
                 if rr is not None:  # a request's rows read its keys once (0: never), target and head

@@ -12,6 +12,7 @@ Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); with CUDA the 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,6 +92,20 @@ def test_graph_metadata_matches_plan_and_padding_is_inert():
     torch.testing.assert_close(out[:n], want, atol=2e-5, rtol=1e-5)
     assert torch.isfinite(out[n:]).all()
     assert torch.equal(cache, want_cache), "a padding row wrote the cache"
+
+
+def test_rows_sharing_a_table_object_get_the_same_arrays_as_copies():
+    """A request's verify or block rows share one table list (rows.py): it is converted once and its
+    rows take that result, equal to converting each row's own copy (lengths included)."""
+    from foveal.attention.triton_backend import _table_array
+
+    a, b, c = [5, 6, 7], [1, 2], [9, 8, 7, 6, 5]
+    shared = [a, a, a, b, c, c, b]
+    copies = [list(t) for t in shared]
+    got, want = _table_array(shared, 8), _table_array(copies, 8)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert got[0].shape == (7, 8) and got[1].tolist() == [3, 3, 3, 2, 5, 5, 2]
+    assert got[0][5].tolist() == [9, 8, 7, 6, 5, 0, 0, 0]
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need CUDA")

@@ -308,7 +308,11 @@ class ChainProposer(HiddenStateDrafter):
         (`pos_d`: the positions on the device already)."""
         pos = [p for _, p in seqs]
         ctxs = [p - seq.base for seq, p in seqs]
-        tables = [list(seq.kv.block_ids) for seq, _ in seqs]
+        copies: dict[int, list[int]] = {}  # a sequence's rows share one copy of its table (converted once)
+        for seq, _ in seqs:
+            if id(seq) not in copies:
+                copies[id(seq)] = list(seq.kv.block_ids)
+        tables = [copies[id(seq)] for seq, _ in seqs]
         if self.graphs is not None and self.graphs.fits(len(seqs), max(ctxs) + 1):
             batch = AttentionBatch([1] * len(seqs), ctxs, tables, len(seqs), None, self.kv.block_size)
             if pos_d is None:

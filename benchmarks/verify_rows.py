@@ -1,0 +1,98 @@
+"""Host time to build a verify step's inputs: `build_rows` (worker/rows.py) and the Triton backend's
+graph metadata for it (`shares_prefixes`, `fill_graph_metadata`), at B requests of 1 + k rows each (a
+verify run's rows; a DFlash block step has 1 + k + block rows a request), on CPU tensors. The rest of
+the step (the model, sampling) is left out: this is the host part that runs before the verify
+step's graph can be launched.
+
+    python benchmarks/verify_rows.py [--requests 64] [--rows 5,16] [--context 700] [--reps 300]
+
+Ends with one JSON line (milliseconds per call, the median of --rounds rounds of --reps calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from foveal.attention.base import AttentionBatch  # noqa: E402
+from foveal.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from foveal.sched.batch import DEVICE_DRAFT, ScheduledItem  # noqa: E402
+from foveal.worker.rows import build_rows  # noqa: E402
+
+
+def verify_items(requests: int, rows: int, context: int, bs: int):
+    """Verify items of `rows` rows each (the last token and rows - 1 drafts staged on the device)."""
+    items, held = [], {}
+    for r in range(requests):
+        rid = f"r{r}"
+        blocks = -(-(context + rows) // bs)
+        table = tuple(range(r * (blocks + 1), r * (blocks + 1) + blocks))
+        k = rows - 1
+        items.append(
+            ScheduledItem(rid, context, (5,) + (DEVICE_DRAFT,) * k, table, num_logits=rows, num_drafts=k)
+        )
+        held[rid] = SimpleNamespace(slot=r, shift=0, req=SimpleNamespace(prompt_token_ids=[1] * 512))
+    return items, held
+
+
+def timed(fn, reps: int, rounds: int) -> float:
+    for _ in range(20):
+        fn()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        out.append((time.perf_counter() - t0) / reps * 1e3)
+    return round(statistics.median(out), 3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument(
+        "--rows", default="5,16", help="rows a request (1 + k; a DFlash block step: 1 + k + block)"
+    )
+    ap.add_argument("--context", type=int, default=700, help="keys before each request's first row")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    bs, results = a.block_size, []
+    for rows in (int(x) for x in a.rows.split(",")):
+        items, held = verify_items(a.requests, rows, a.context, bs)
+        n = a.requests * rows
+        backend = TritonAttentionBackend()
+        static = backend.graph_metadata(n, -(-(a.context + rows) // bs) + 1, bs, "cpu")
+        step = build_rows(items, held, rows + 1, bs)
+        batch = AttentionBatch(step.query_lens, step.context_lens, step.block_tables, step.num_rows, None, bs)
+
+        def rows_of(items=items, held=held, width=rows + 1):
+            build_rows(items, held, width, bs)
+
+        def shares(batch=batch, backend=backend):
+            backend._memo = None  # planned afresh, as for each new step
+            backend.shares_prefixes(batch)
+
+        def fill(batch=batch, backend=backend, static=static, n=n):
+            backend._memo = None
+            backend.fill_graph_metadata(static, batch, n)
+
+        row = {"requests": a.requests, "rows": rows, "context": a.context,
+               "build_rows_ms": timed(rows_of, a.reps, a.rounds),
+               "shares_prefixes_ms": timed(shares, a.reps, a.rounds),
+               "fill_graph_metadata_ms": timed(fill, a.reps, a.rounds)}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    print(json.dumps({"benchmark": "verify_rows", "rows": results}))
+
+
+if __name__ == "__main__":
+    main()
