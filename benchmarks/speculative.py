@@ -62,6 +62,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.step_profile import StepKinds  # noqa: E402
 from foveal import SamplingParams  # noqa: E402
 from foveal.engine.llm import LLM  # noqa: E402
 
@@ -615,12 +616,14 @@ def heads_bench(a) -> dict:
                 if rr is not None:  # a request's rows read its keys once (0: never), target and head
                     grouping.request_min_prefix = rr
                 before = dict(specd.engine.step_seconds)
-                t0 = time.perf_counter()
-                outs, _ = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wraps[d])
-                wall = time.perf_counter() - t0
+                with StepKinds(specd.engine) as spec_kinds:
+                    t0 = time.perf_counter()
+                    outs, _ = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wraps[d])
+                    wall = time.perf_counter() - t0
                 spent = phase_ms(before, specd.engine.step_seconds)
                 before = dict(plain.engine.step_seconds)
-                base = run_requests(plain, prompts, params, at_once=True)
+                with StepKinds(plain.engine) as plain_kinds:
+                    base = run_requests(plain, prompts, params, at_once=True)
                 tok_s = sum(len(v) for v in outs.values()) / wall
                 row = {"method": method, "batch": b, "k": k, "rep": rep, "drafts": d, "request_rows": rr,
                        "drafter_ms": round(draft_ms, 2),
@@ -629,7 +632,9 @@ def heads_bench(a) -> dict:
                        # per engine step: host time scheduling (with proposing), launching (with
                        # waiting for the device), applying tokens
                        "spec_step_ms": spent,
-                       "plain_step_ms": phase_ms(before, plain.engine.step_seconds)}  # fmt: skip
+                       "plain_step_ms": phase_ms(before, plain.engine.step_seconds),
+                       # whole steps by kind: [steps, mean ms] (prefill: a prompt chunk in the batch)
+                       "spec_steps": spec_kinds.summary(), "plain_steps": plain_kinds.summary()}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if a.profile:  # a timed and a traced run of each: where a step's time goes

@@ -98,35 +98,12 @@ class HostTimes:
         setattr(obj, name, timed)
         self._restore.append((obj, name))
 
-    def _split_steps(self) -> None:
-        """Wall seconds of whole engine steps by kind: `prefill` (a prompt chunk among the rows: such a
-        step runs eagerly) or `decode` (the scheduled batch's items are all decodes or verify runs)."""
-        eng, totals, counts = self.engine, self.totals, self.kinds
-        step, schedule, kind = eng.step, eng.scheduler.schedule, ["decode"]
-
-        def scheduled():
-            batch = schedule()
-            kind[0] = "decode" if all(x.is_decode for x in batch.items) else "prefill"
-            return batch
-
-        def stepped():
-            kind[0] = "idle"
-            t0 = time.perf_counter()
-            out = step()
-            totals[f"step.{kind[0]}"] += time.perf_counter() - t0
-            counts[kind[0]] += 1
-            return out
-
-        eng.step, eng.scheduler.schedule = stepped, scheduled
-        self._restore += [(eng, "step"), (eng.scheduler, "schedule")]
-
     def __enter__(self):
         eng = self.engine
         self.steps0 = eng.step_seconds["steps"]
-        self.kinds: dict[str, int] = defaultdict(int)
         for obj, name, label in _phases(eng):
             self._time(obj, name, label)
-        self._split_steps()
+        self.kinds = StepKinds(eng).__enter__()
         for label, g in self.graphs.items():  # DecodeGraphs-like: .graphs {bucket: CUDAGraph}
             for b, graph in list(g.graphs.items()):
                 self._swapped.append((g.graphs, b, graph))
@@ -134,9 +111,9 @@ class HostTimes:
         return self
 
     def __exit__(self, *exc):
+        self.kinds.__exit__(*exc)
         for obj, name in self._restore:
-            if name in vars(obj):  # wrapped twice (a phase that splits steps too): one attribute
-                delattr(obj, name)
+            delattr(obj, name)
         for d, b, graph in self._swapped:
             d[b] = graph
         self.steps = self.engine.step_seconds["steps"] - self.steps0
@@ -146,15 +123,54 @@ class HostTimes:
         """Milliseconds a step in each phase (over every step), then whole steps by kind: how many
         and their mean milliseconds."""
         n = max(self.steps, 1)
-        out = {"steps": self.steps}
-        for k, v in sorted(self.totals.items()):
-            if k.startswith("step."):
-                kind = k[5:]
-                out[f"steps_{kind}"] = self.kinds[kind]
-                out[f"step_ms_{kind}"] = round(v / max(self.kinds[kind], 1) * 1e3, 3)
-            else:
-                out[k] = round(v / n * 1e3, 3)
+        out = {"steps": self.steps, **{k: round(v / n * 1e3, 3) for k, v in sorted(self.totals.items())}}
+        for kind, (count, ms) in self.kinds.summary().items():
+            out[f"steps_{kind}"], out[f"step_ms_{kind}"] = count, ms
         return out
+
+
+class StepKinds:
+    """Whole engine steps by kind while the block runs, timed without a profiler: `prefill` (a prompt
+    chunk among the rows: such a step runs eagerly) or `decode` (the batch's items are all decodes or
+    verify runs); `summary()`: {kind: [steps, mean ms]}. What it wraps is put back as it was."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        eng = self.engine
+        self.counts: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._saved = [(o, n, vars(o).get(n)) for o, n in ((eng, "step"), (eng.scheduler, "schedule"))]
+        step, schedule, kind = eng.step, eng.scheduler.schedule, ["idle"]
+
+        def scheduled():
+            batch = schedule()
+            if not batch.empty:
+                kind[0] = "decode" if all(x.is_decode for x in batch.items) else "prefill"
+            return batch
+
+        def stepped():
+            kind[0] = "idle"  # nothing scheduled
+            t0 = time.perf_counter()
+            out = step()
+            self.seconds[kind[0]] += time.perf_counter() - t0
+            self.counts[kind[0]] += 1
+            return out
+
+        eng.step, eng.scheduler.schedule = stepped, scheduled
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, was in self._saved:
+            if was is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, was)
+        return False
+
+    def summary(self) -> dict:
+        return {k: [n, round(self.seconds[k] / n * 1e3, 3)] for k, n in sorted(self.counts.items())}
 
 
 class StepProfile:
