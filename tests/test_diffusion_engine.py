@@ -156,6 +156,30 @@ def test_a_batch_of_diffusion_requests_equals_each_alone(llada, sdar):
         assert all(len(t) == q.max_tokens for t, q in zip(together, params))
 
 
+def test_async_scheduling_gives_the_same_diffusion_outputs(llada, sdar):
+    """With async scheduling (on for CUDA) a diffusion step runs alone, and its tokens are emitted only
+    after the next step is launched: the outputs equal the synchronous engine's, for both kinds,
+    greedy and seeded."""
+    for path, knob in (
+        (llada[0], DiffusionParams(steps=2, block_length=4)),
+        (sdar[0], DiffusionParams(steps=2)),
+    ):
+        prompts = _prompts(5, seed=6)
+        params = [
+            SamplingParams(
+                temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=8, ignore_eos=True, diffusion=knob
+            )
+            for i in range(5)
+        ]
+        sync = _gen(_llm(path, async_scheduling=False), prompts, params)
+        over = _llm(path, async_scheduling=True)
+        eng, waiting = over.engine, []  # how many requests' tokens each launch found unemitted
+        flush = eng._emit_deferred
+        eng._emit_deferred = lambda e=eng, w=waiting, f=flush: w.append(len(e._unemitted)) or f()
+        assert _gen(over, prompts, params) == sync
+        assert max(waiting) > 0
+
+
 @pytest.mark.parametrize("block", [4, 8])
 def test_block_diffusion_with_a_cached_prefix_equals_without(sdar, tmp_path, block):
     """The second request with the same long prompt reuses the committed blocks' K/V (a prefix hit of
