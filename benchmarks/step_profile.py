@@ -233,10 +233,10 @@ def summarize(path: str, top: int = 12) -> dict:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     ranges = [e for e in events if e.get("cat") == "user_annotation"]
     steps = sorted((e for e in ranges if e["name"] == "engine.step"), key=lambda e: e["ts"])
-    runtime = {
+    runtime = {  # the launching calls: the runtime API's, and the driver API's (Triton launches there)
         e["args"]["correlation"]: e
         for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not steps:
@@ -277,4 +277,61 @@ def summarize(path: str, top: int = 12) -> dict:
         "top_kernels_ms": {
             k: round(v * ms, 4) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
         },
+        "by_kind": _idle_by_kind(steps, ranges, gpu, runtime),
     }
+
+
+def _idle_by_kind(steps, ranges, gpu, runtime, resolution_us: float = 10.0) -> dict:
+    """Per kind of step (`prefill`: it launched the prefill attention kernel; else `decode`): steps, wall
+    and GPU-busy ms a step, and the GPU's idle ms a step charged to the innermost engine phase open on
+    the host at that moment (sampled every `resolution_us`): what the device waits for."""
+    tid = steps[0].get("tid")
+    inner = sorted(
+        (r for r in ranges if r.get("tid") == tid and r["name"] != "engine.step"), key=lambda r: r["dur"]
+    )
+    intervals: list[list[float]] = []
+    for a, b in sorted((k["ts"], k["ts"] + k["dur"]) for k in gpu):
+        if intervals and a <= intervals[-1][1]:
+            intervals[-1][1] = max(intervals[-1][1], b)
+        else:
+            intervals.append([a, b])
+    prefill_calls = [runtime[c]["ts"] for k in gpu if k["name"] == "_prefill_kernel"
+                     if (c := k.get("args", {}).get("correlation")) in runtime]  # fmt: skip
+    out: dict[str, dict] = {}
+    for s in steps:
+        t0, t1 = s["ts"], s["ts"] + s["dur"]
+        kind = "prefill" if any(t0 <= t <= t1 for t in prefill_calls) else "decode"
+        o = out.setdefault(kind, {"steps": 0, "wall": 0.0, "busy": 0.0, "idle": defaultdict(float)})
+        o["steps"] += 1
+        o["wall"] += t1 - t0
+        cur = t0
+        for a, b in intervals:
+            if b <= t0 or a >= t1:
+                continue
+            o["busy"] += min(b, t1) - max(a, t0)
+            if a > cur:  # the device idle from cur to a
+                _charge(o["idle"], inner, cur, a, resolution_us)
+            cur = max(cur, b)
+        _charge(o["idle"], inner, cur, t1, resolution_us)
+    return {
+        kind: {
+            "steps": o["steps"],
+            "wall_ms": round(o["wall"] / o["steps"] * 1e-3, 3),
+            "gpu_busy_ms": round(o["busy"] / o["steps"] * 1e-3, 3),
+            "gpu_idle_ms_by_phase": {
+                k: round(v / o["steps"] * 1e-3, 3)
+                for k, v in sorted(o["idle"].items(), key=lambda kv: -kv[1])
+            },
+        }
+        for kind, o in sorted(out.items())
+    }
+
+
+def _charge(idle: dict, inner: list, a: float, b: float, step: float) -> None:
+    """Charge the idle interval [a, b) to the innermost range open at each sample (`none`: no phase)."""
+    t = a
+    while t < b:
+        dt = min(step, b - t)
+        mid = t + dt / 2
+        idle[next((r["name"] for r in inner if r["ts"] <= mid <= r["ts"] + r["dur"]), "none")] += dt
+        t += dt

@@ -16,7 +16,7 @@ from foveal.attention.kv_quant import QuantizedKVCache
 from foveal.attention.torch_backend import TorchAttentionBackend
 from tests.attention_cases import DECODES, MIXED, SCALE, SHAPES, Case, compare
 
-# alone: the kernels' OpenMP paths on torch's threads (`make test` runs its parallel part on one a worker)
+# alone: the kernels' OpenMP paths on torch's threads (`make test` runs the rest on one thread a worker)
 pytestmark = pytest.mark.alone
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ from foveal.layers.rotary import apply_rotary, apply_rotary_qk
 from tests import test_fused_ops as shared
 from tests.test_fused_ops import max_ulps
 
-# alone: the kernels' OpenMP paths on torch's threads (`make test` runs its parallel part on one a worker)
+# alone: the kernels' OpenMP paths on torch's threads (`make test` runs the rest on one thread a worker)
 pytestmark = [pytest.mark.alone, pytest.mark.skipif(cpu_fused.kernel() is None, reason="no C compiler")]
 DTYPES = [torch.bfloat16, torch.float32]
 

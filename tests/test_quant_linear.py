@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize
 from foveal.layers import linear as lin
 from foveal.layers import quant
 
-# alone: the kernels' OpenMP paths on torch's threads (`make test` runs its parallel part on one a worker)
+# alone: the kernels' OpenMP paths on torch's threads (`make test` runs the rest on one thread a worker)
 pytestmark = pytest.mark.alone
 
 needs_kernel = pytest.mark.skipif(quant.kernel() is None, reason="no AVX2 CPU or C compiler")

@@ -95,8 +95,9 @@ def test_graph_metadata_matches_plan_and_padding_is_inert():
 
 
 def test_rows_sharing_a_table_object_get_the_same_arrays_as_copies():
-    """A request's verify or block rows share one table list (rows.py): it is converted once and its
-    rows take that result, equal to converting each row's own copy (lengths included)."""
+    """A request's verify or block rows share one table list, side by side (rows.py): it is converted
+    once and its rows take that result, equal to converting each row's own copy (lengths included); a
+    table used again further on (b) is converted again, to the same values."""
     from foveal.attention.triton_backend import _table_array
 
     a, b, c = [5, 6, 7], [1, 2], [9, 8, 7, 6, 5]

@@ -56,6 +56,7 @@ back out (int8's rotation), so graphs, splits, shared prefixes and windows work 
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,15 +121,13 @@ def _query_limits(batch: AttentionBatch) -> torch.Tensor:
 def _table_array(tables: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
     """(tables padded with block 0 [len(tables), width] int32, their lengths) as numpy arrays: one flat
     numpy fill (no per-row tensors; ~3.5x faster than a boolean-mask index_put at 256 rows x 40 blocks).
-    Rows that share one table object (a verify run's or a block's rows: rows.py) convert it once."""
-    firsts: dict[int, list[int]] = {}
-    for t in tables:
-        firsts.setdefault(id(t), t)
-    if len(firsts) < len(tables):
-        out, lens = _table_array(list(firsts.values()), width)
-        where = {key: i for i, key in enumerate(firsts)}
-        idx = np.fromiter((where[id(t)] for t in tables), dtype=np.int64, count=len(tables))
-        return out[idx], lens[idx]
+    Runs of rows that share one table object (a verify run's or a block's rows, side by side: rows.py)
+    convert it once; a batch without such runs (plain decodes) pays one C-level scan for the check."""
+    if any(map(operator.is_, tables, tables[1:])):
+        starts = [i for i, t in enumerate(tables) if i == 0 or t is not tables[i - 1]]
+        out, lens = _table_array([tables[i] for i in starts], width)
+        run = np.diff(np.asarray(starts + [len(tables)]))
+        return np.repeat(out, run, axis=0), np.repeat(lens, run)
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
     out = np.zeros((len(tables), width), dtype=np.int32)
