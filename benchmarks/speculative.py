@@ -454,6 +454,10 @@ class CostedOracle:
     def prefeed(self):  # the real head's, where it feeds prompt chunks as their steps launch
         return getattr(self.real, "prefeed", None)
 
+    @property
+    def follow(self):  # the real head's, where it drafts behind each verify step (a chain head)
+        return getattr(self.real, "follow", None)
+
     def accepted(self, request_id, num_drafts, num_accepted):
         pass
 
@@ -594,8 +598,12 @@ def heads_bench(a) -> dict:
             run_requests(specd, prompts, short, True)  # warm: first-use shapes of the head
             timed.clear()
             real.propose_device = timing
+            if hasattr(real, "follow"):  # a chain head: every proposal from propose(), so it is timed
+                real.follow = None
             run_requests(specd, prompts, short, True)
             del real.propose_device  # the class's again: drafts left on the device
+            if "follow" in vars(real):
+                del real.follow  # the class's again: each proposal drafted behind the verify step
             draft_ms = statistics.median(timed[2:] or timed) * 1e3  # the steady steps (one new token per row)
 
             def wrap(oracle, real=real):

@@ -144,17 +144,18 @@ def test_eagle3_head_that_does_not_fit_is_refused(saved, tmp_path):
 
 
 def _proposals(llm, prompts) -> list[tuple[list[int], list[int]]]:
-    """(the row's tokens, its drafts) of every propose() while the prompts run greedily."""
-    proposer = llm.engine.speculation.proposer
+    """(the row's tokens, its drafts) of every proposal staged for a verify step while the prompts run
+    greedily (made by propose_device, or behind the verify step before by a chain head's follow)."""
+    eng = llm.engine
     seen = []
-    real = proposer.propose_device  # what the engine calls: the drafts stay on the device
+    real = eng.runner.stage_drafts  # where the engine puts every proposal: the drafts stay on the device
 
-    def recording(rows):
-        flat, counts = real(rows)
-        seen.extend((list(r.token_ids), d) for r, d in zip(rows, split_drafts(flat.tolist(), counts)))
-        return flat, counts
+    def recording(request_ids, counts, flat):
+        drafts = split_drafts(flat.tolist(), counts)
+        seen.extend((list(eng.scheduler.get(r).all_token_ids), d) for r, d in zip(request_ids, drafts))
+        return real(request_ids, counts, flat)
 
-    proposer.propose_device = recording
+    eng.runner.stage_drafts = recording
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     return seen
 
@@ -572,6 +573,74 @@ def test_prompt_chunks_are_fed_to_the_head_as_their_steps_launch(saved, tmp_path
     assert spans["propose"] and max(spans["propose"]) <= 1 + 3
     plain = _run(_llm(saved), prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert outs == plain
+
+
+def _forced_acceptance(monkeypatch) -> None:
+    """Verify steps keep (i + step) % (k_i + 1) of item i's drafts, then the target's greedy token: every
+    accepted count 0 .. k occurs (a random head's drafts would all be rejected), the tokens each row
+    emits are what greedy verification would emit had those drafts been the target's."""
+    from foveal.worker import model_runner
+
+    steps = [0]
+
+    def forced(logits, draft_ids, num_drafts, *args):
+        steps[0] += 1
+        k = torch.tensor(num_drafts)
+        item = torch.repeat_interleave(torch.arange(len(num_drafts)), k + 1)
+        offset = torch.arange(len(item)) - ((k + 1).cumsum(0) - (k + 1))[item]
+        accepted = (torch.arange(len(num_drafts)) + steps[0]) % (k + 1)
+        tokens = torch.where(offset < accepted[item], draft_ids.long().cpu(), logits.argmax(-1).cpu())
+        return tokens.to(logits.device), accepted.to(logits.device)
+
+    monkeypatch.setattr(model_runner, "verify", forced)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_chain_head_drafts_behind_each_verify_step(saved, graphs, monkeypatch):
+    """After a request's first proposal, each one is drafted behind the verify step before it, from
+    that step's tokens and accepted counts on the device (`follow`; through the graphs, the accepted
+    count moves the chain's positions and slots there): propose() catches up each request once, and
+    with every accepted count from 0 to k the drafts are the dense reference's of the head."""
+    _forced_acceptance(monkeypatch)
+    t = _eagle3_tensors(0)
+    # the default token budget: every verify run fits (none loses its drafts to a prompt chunk)
+    llm = _llm(saved, {"method": "eagle3", "model": saved["eagle3"], "num_speculative_tokens": 3,
+                       "adaptive": False})  # fmt: skip
+    proposer = llm.engine.speculation.proposer
+    if graphs:
+        proposer.use_graphs(4, 200)
+    caught, followed, proposing = [], [], [False]
+    catch_up, propose, follow = proposer._catch_up, proposer.propose_device, proposer.follow
+
+    def catching(row, extra, min_new):
+        c = catch_up(row, extra, min_new)
+        if c is not None and proposing[0]:
+            caught.append(row.request_id)
+        return c
+
+    def proposing_(rows):
+        proposing[0] = True
+        try:
+            return propose(rows)
+        finally:
+            proposing[0] = False
+
+    def following(runs, *args):
+        follow(runs, *args)
+        followed.append(len(proposer._ready[1]) if proposer._ready else 0)
+
+    proposer._catch_up, proposer.propose_device, proposer.follow = catching, proposing_, following
+    prompts = _prompts(4, seed=5)
+    seen = _proposals(llm, prompts)
+    assert sorted(caught) == sorted(set(caught)) and len(caught) == len(prompts)
+    # every verify run but each request's first took follow()'s drafts (a request's last is followed too)
+    stats = llm.engine.speculation.stats
+    assert stats.num_drafts == len(caught) + sum(followed) - len(prompts) >= 3 * len(prompts)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if graphs:
+        assert proposer.graphs.input_ids.any()
+    for tokens, drafts in seen:
+        assert drafts == _eagle3_reference(t, saved["hf"], tokens, len(drafts)), tokens
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])

@@ -94,6 +94,39 @@ def test_graph_metadata_matches_plan_and_padding_is_inert():
     assert torch.equal(cache, want_cache), "a padding row wrote the cache"
 
 
+@pytest.mark.parametrize("name", ["triton", "cpu"])
+def test_shifted_graph_metadata_equals_a_fill_at_the_shifted_contexts(name):
+    """Rows moved s positions on in filled graph metadata, on the device (a chain head that follows a
+    verify step by its accepted counts), get the lengths and slots a fill at context + s gives; the
+    padding row keeps writing and reading nothing."""
+    from foveal.attention.base import AttentionBatch
+
+    if name == "cpu":
+        from foveal.attention import cpu_native
+        from foveal.attention.cpu_backend import CpuAttentionBackend
+
+        if DEVICE.type != "cpu" or cpu_native.kernel() is None:
+            pytest.skip("the CPU backend's graphs: a CPU device with the native kernel")
+        backend = CpuAttentionBackend()
+    else:
+        backend = TritonAttentionBackend()
+    bs, tables, ctxs, shifts = 4, [[3, 9, 4, 7], [11, 2, 8], [5, 6, 1, 12, 10]], [5, 2, 9], [3, 0, 7]
+
+    def filled(contexts):
+        meta = backend.fill_graph_metadata(static, AttentionBatch([1] * 3, contexts, tables, 3, None, bs), 4)
+        lens = meta.decode_seq_lens if name == "triton" else meta.extra.lens
+        return meta, meta.slot_mapping, lens
+
+    static = backend.graph_metadata(8, 16, bs, DEVICE)
+    _, slots, lens = filled([c + s for c, s in zip(ctxs, shifts)])
+    want = slots.tolist(), lens.tolist()
+    meta, slots, lens = filled(ctxs)
+    assert slots.tolist() != want[0]
+    backend.shift_graph_metadata(meta, 3, torch.tensor(shifts, device=DEVICE))
+    assert (slots.tolist(), lens.tolist()) == want
+    assert want[1][3] == 0 and want[0][3] == (-1 if name == "triton" else 0)  # the padding row
+
+
 def test_rows_sharing_a_table_object_get_the_same_arrays_as_copies():
     """A request's verify or block rows share one table list, side by side (rows.py): it is converted
     once and its rows take that result, equal to converting each row's own copy (lengths included); a

@@ -79,6 +79,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta.extra = _DecodeTables(d.tables[:padded], d.lens[:padded], {None: d.starts[None][:padded]})
         return meta
 
+    @staticmethod
+    def shift_graph_metadata(meta: TorchAttentionMetadata, n: int, shift: torch.Tensor) -> None:
+        """Move the first n rows of filled graph metadata `shift` [n] positions on: lengths, and slots
+        from the block tables (triton_backend's counterpart)."""
+        d, bs = meta.extra, meta.block_size
+        lens = d.lens[:n] + shift
+        idx = lens - 1
+        meta.slot_mapping[:n] = d.tables[:n].gather(1, (idx // bs)[:, None])[:, 0] * bs + idx % bs
+        d.lens[:n] = lens
+
     def _store(self, k_cache, v_cache, slots, k, v) -> None:
         # one native call for both: two index_copy_ took ~6.5 us each per layer at one row (0.4 ms of a
         # 9 ms single-stream step), ~12 us at 16

@@ -323,6 +323,19 @@ class TritonAttentionBackend:
             meta.shared = self._fill_graph_shared(static.graph_shared, batch, table_array, lens, padded)
         return meta
 
+    @staticmethod
+    def shift_graph_metadata(meta: TritonAttentionMetadata, n: int, shift: torch.Tensor) -> None:
+        """Move the first n rows of filled graph metadata `shift` [n] positions on (a device tensor):
+        each row's length, and its slot read from its block table. For steps whose positions only the
+        device knows (a drafter that follows a verify step from its accepted counts); the tables must
+        reach the shifted positions."""
+        rows, bs = meta.graph_buffer[:n], meta.block_size
+        lens = rows[:, 1] + shift.to(torch.int32)
+        idx = lens - 1
+        block = rows[:, 2:].gather(1, (idx // bs).long()[:, None])[:, 0]
+        rows[:, 0] = block * bs + idx % bs
+        rows[:, 1] = lens
+
     def _fill_graph_shared(self, sb, batch: AttentionBatch, tables, lens, padded: int) -> SharedPrefixes:
         """The batch's groups into the static shared-prefix buffer (zeros where it has none): views over
         `padded` rows and `padded` tiles, the grid a graph of that bucket was captured with."""

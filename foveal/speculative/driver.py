@@ -8,7 +8,8 @@ The engine calls it at fixed points of `Engine.step` and nowhere else:
     driver.propose(ks)                drafts for the rows that may speculate (req.draft_ids, or staged
                                       in the runner's token buffer on the device)
     [schedule, launch]
-    driver.launched(launched)         a hidden-state drafter feeds the step's prompt chunks behind it
+    driver.launched(launched)         a hidden-state drafter feeds the step's prompt chunks behind it,
+                                      and a chain head drafts each verify run's next proposal behind it
     [collect]
     driver.observe(batch, out)        after a step's tokens arrived: hidden states to the drafter,
                                       accepted counts to the proposer, the policy and the stats
@@ -239,13 +240,28 @@ class SpeculationDriver:
         return [d if r else [DEVICE_DRAFT] * c for d, r, c in zip(out, read, counts)]
 
     def launched(self, launched) -> None:
-        """A step was launched: a hidden-state drafter takes its prompt chunks' states now (their tokens
-        are known) and feeds them behind the step on the device, so that host work overlaps the step
-        and the proposal after the prompt's last chunk feeds only its last position."""
+        """A step was launched (and sampled): a hidden-state drafter takes its prompt chunks' states
+        now (their tokens are known) and feeds them behind the step on the device, so that host work
+        overlaps the step and the proposal after the prompt's last chunk feeds only its last position.
+        A drafter that follows verify steps (`follow`) computes the next proposal of each verify run
+        behind it, from the step's tokens and accepted counts on the device: the host launches it while
+        the verify step runs, and the next propose() only stages its drafts."""
+        follow = getattr(self.proposer, "follow", None)
         prefeed = getattr(self.proposer, "prefeed", None)
-        if prefeed is None or launched is None or launched.tapped is None:
+        if (follow is None and prefeed is None) or launched is None or launched.tapped is None:
             return
-        get, rows, states = self.scheduler.get, [], {}
+        get = self.scheduler.get
+        if follow is not None and launched.tokens is not None:
+            runs = [
+                r
+                for r in self.runner.verify_runs(launched)
+                if (q := get(r.request_id)) is not None and q.params.speculative
+            ]
+            if runs:
+                follow(runs, launched.tokens, launched.accepted, launched.tapped)
+        if prefeed is None:
+            return
+        rows, states = [], {}
         for rid, (start, h) in self.runner.prompt_hidden(launched).items():
             q = get(rid)
             if q is not None and q.params.speculative:

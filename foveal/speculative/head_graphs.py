@@ -41,12 +41,13 @@ class HeadStepGraphs(DecodeGraphs):
         self.draft_out[:b].copy_(self.model.draft(normed))
         self.hidden_out[:b].copy_(hidden)
 
-    def step(self, input_ids, hidden, positions, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, input_ids, hidden, positions, batch, shift=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [n], next hidden [n, H]) of n one-token rows; both are copies (the next replay
-        overwrites the static outputs)."""
+        overwrites the static outputs). `shift` [n] (on the device): each row sits that many positions
+        past its position and context in `positions` / `batch` (a chain that follows a verify step)."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
+        self.positions[:n].copy_(positions if shift is None else positions + shift, non_blocking=True)
         self.hidden_in[:n].copy_(hidden)
-        self.replay(batch, n)
+        self.replay(batch, n, shift=shift)
         return self.draft_out[:n].clone(), self.hidden_out[:n].clone()

@@ -13,10 +13,17 @@ keeping and KV of HiddenStateDrafter and drafts a block per forward.
                     (through spec/head_graphs.py's CUDA graphs where captured)
                  3. the k drafts per row: a flat device tensor (propose_device, staged for the
                     verify step without a wait) or read back once (propose)
+    follow       (ChainProposer) the same behind a launched verify step, before its tokens reach the
+                 host: its 1 + k rows are fed (pair j: the state tapped at row j, the target's token at
+                 row j), draft 1 is taken at the accepted row and the chain runs at positions moved on
+                 by the accepted count, all on the device (the graphs' metadata shifted there). The host
+                 launches it while the verify step runs; observe_hidden then confirms the accepted rows
+                 as fed, and the next propose only stages those drafts (a request's first proposal,
+                 and one whose verify run lost its drafts, still catch up as above)
 
 Only accepted tokens' hidden states reach the head (a verify row reports the rows up to its last
-accepted draft), so what it fed never needs undoing; the chain's speculative positions are overwritten
-by the next catch-up. The head's KV is indexed from `base`, the first position it was fed: a request
+accepted draft), so what it fed never needs undoing; the chain's speculative positions (and follow's
+rows past the accepted count) are overwritten by the next feeding. The head's KV is indexed from `base`, the first position it was fed: a request
 whose early hidden states the head never saw (a cached prefix, states dropped while it rested) is
 drafted from what it has, RoPE at the true positions. Greedy drafts (verification treats q as one-hot).
 """
@@ -35,7 +42,7 @@ from foveal.device import to_device
 from foveal.layers.rotary import RotaryEmbedding
 from foveal.models.base import StepContext
 from foveal.request import Request, SamplingParams
-from foveal.speculative.proposer import ProposeRow, split_drafts
+from foveal.speculative.proposer import ProposeRow, VerifyRun, split_drafts
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,9 @@ class _Seq:
     base: int = -1  # the position of KV index 0 (-1: nothing fed yet)
     fed: int = 0  # pairs fed: positions base .. base + fed - 1
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (start, [n, H]), contiguous
+    # the first position of a verify run whose rows were fed behind it (ChainProposer.follow), until its
+    # accepted rows' states arrive and confirm them (-1: none)
+    following: int = -1
 
     @property
     def pending_span(self) -> tuple[int, int]:
@@ -96,6 +106,11 @@ class HiddenStateDrafter:
             seq = self._seqs.get(rid)
             if seq is None:
                 seq = self._seqs[rid] = _Seq(Request(rid, [], _GREEDY))
+            if seq.following >= 0:  # a verify run fed behind its step: its accepted rows are fed
+                followed, seq.following = seq.following, -1
+                if start == followed:
+                    seq.fed = start + h.shape[0] - seq.base
+                    continue
             lo, hi = seq.pending_span
             if not seq.pending or start == hi:
                 seq.pending.append((start, h))
@@ -221,6 +236,8 @@ class ChainProposer(HiddenStateDrafter):
     """EAGLE-3 and MTP: one catch-up chunk per row, then k - 1 one-token steps (see the module doc)."""
 
     graphs = None  # spec/head_graphs.py's HeadStepGraphs, after use_graphs
+    # follow()'s drafts until the next propose(): ([runs, k] on the device, request id -> its row)
+    _ready: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def use_graphs(self, max_seqs: int, max_model_len: int) -> None:
         """Run one-token head steps through graphs (captured now on CUDA) for up to max_seqs requests:
@@ -237,40 +254,137 @@ class ChainProposer(HiddenStateDrafter):
     # -- proposing --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose_device(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
+        ready, self._ready = self._ready, None  # what follow() drafted behind the last verify step
         counts = [0] * len(rows)
         chunks = []  # (row index, seq, first position, last position, drafts wanted)
+        picks = []  # (row index, row of ready's drafts, drafts): rows whose proposal follow() made
         for i, row in enumerate(rows):
             k = min(row.max_drafts, self.num_speculative_tokens)
+            r = self._ready_row(ready, row)
+            if r is not None:
+                counts[i] = min(k, ready[0].shape[1])
+                picks.append((i, r, counts[i]))
+                continue
             c = self._catch_up(row, k - 1, 1)
             if c is not None:
                 chunks.append((i, *c, k))
                 counts[i] = k
-        if not chunks:
+        parts, order_of = [], {}  # drafts' tensors; row index -> its drafts' indices in their concatenation
+        if picks:  # (in row order)
+            width = ready[0].shape[1]
+            sel = to_device(torch.tensor([r for _, r, _ in picks], dtype=torch.long), self.device)
+            parts.append(ready[0][sel].view(-1))
+            if not chunks and all(c == width for _, _, c in picks):
+                return parts[0], counts  # every row's proposal made by follow(), all of its drafts
+            order_of.update((i, range(n * width, n * width + c)) for n, (i, _, c) in enumerate(picks))
+        if chunks:
+            chunks.sort(key=lambda c: c[3] != c[2])  # the attention layout: one-token chunks first
+            draft, h = self._catch_up_step(rows, chunks)
+            steps, at = self._chain(draft, h, [(c[1], c[3]) for c in chunks], [c[4] for c in chunks])
+            in_order = all(a[0] < b[0] for a, b in zip(chunks, chunks[1:]))
+            if not picks and len(steps[-1]) == len(chunks) and in_order:
+                return torch.stack(steps, 1).view(-1), counts  # the common case: k each, rows in order
+            base = sum(p.shape[0] for p in parts)
+            parts.append(torch.cat(steps))
+            order_of.update((c[0], [base + at[ci, j] for j in range(c[4])]) for ci, c in enumerate(chunks))
+        if not parts:
             return torch.empty(0, dtype=torch.long, device=self.device), counts
-        chunks.sort(key=lambda c: c[3] != c[2])  # the attention layout: one-token chunks first
-        draft, h = self._catch_up_step(rows, chunks)
-        live = list(range(len(chunks)))  # chunks still drafting
+        # row after row (the rows' order), each row's drafts in step order
+        order = [x for i in sorted(order_of) for x in order_of[i]]
+        flat = torch.cat(parts)[to_device(torch.tensor(order, dtype=torch.long), self.device)]
+        return flat, counts
+
+    def _ready_row(self, ready, row: ProposeRow) -> int | None:
+        """The row of follow()'s drafts that is this row's proposal now: drafted behind the verify step
+        whose accepted rows were the last the head was fed, up to the row's last token."""
+        if ready is None or row.request_id not in ready[1]:
+            return None
+        seq = self._seqs.get(row.request_id)
+        if seq is None or seq.following >= 0 or seq.base < 0 or seq.base + seq.fed != len(row.token_ids) - 1:
+            return None
+        return ready[1][row.request_id]
+
+    def _chain(self, draft, h, lasts: list, ks: list[int], shift=None) -> tuple[list[torch.Tensor], dict]:
+        """The one-token steps after each chunk's draft 1: chunk c at positions lasts[c] + j (its seq
+        and last fed position; `shift` [chunks] on the device: that many positions further) for
+        j = 1 .. ks[c] - 1. Returns (each step's drafts, (chunk, step) -> index in their concatenation)."""
+        live = list(range(len(lasts)))  # chunks still drafting
         steps = [draft]
-        at: dict[tuple[int, int], int] = {(ci, 0): ci for ci in live}  # (chunk, step) -> index in cat
+        at: dict[tuple[int, int], int] = {(ci, 0): ci for ci in live}
         done = len(live)
-        for j in range(1, max(c[4] for c in chunks)):
-            keep = [n for n, ci in enumerate(live) if chunks[ci][4] > j]
+        for j in range(1, max(ks)):
+            keep = [n for n, ci in enumerate(live) if ks[ci] > j]
             if len(keep) < len(live):
                 sel = to_device(torch.tensor(keep), self.device)
                 draft, h = draft[sel], h[sel]
+                shift = None if shift is None else shift[sel]
                 live = [live[n] for n in keep]
-            seqs = [(chunks[ci][1], chunks[ci][3] + j) for ci in live]
-            draft, h = self._one_token_step(draft, h, seqs)
+            seqs = [(lasts[ci][0], lasts[ci][1] + j) for ci in live]
+            draft, h = self._one_token_step(draft, h, seqs, shift=shift)
             steps.append(draft)
             at.update(((ci, j), done + n) for n, ci in enumerate(live))
             done += len(live)
-        # row after row (the rows' order), each row's drafts in step order
-        if len(steps[-1]) == len(chunks) and all(a[0] < b[0] for a, b in zip(chunks, chunks[1:])):
-            return torch.stack(steps, 1).view(-1), counts  # the common case: k each, rows in order
-        order = [at[ci, j] for ci in sorted(range(len(chunks)), key=lambda c: chunks[c][0])
-                 for j in range(chunks[ci][4])]  # fmt: skip
-        flat = torch.cat(steps)[to_device(torch.tensor(order, dtype=torch.long), self.device)]
-        return flat, counts
+        return steps, at
+
+    @torch.inference_mode()
+    def follow(self, runs: list[VerifyRun], tokens, accepted, tapped) -> None:
+        """Draft each verify run's next proposal behind its launched step, on the device: feed all of
+        its 1 + k rows (pair j: the state tapped at row j, the target's token at row j; the rows past
+        the accepted count are fed junk the next feeding overwrites), take draft 1 at the accepted row,
+        then the chain's one-token steps at positions shifted by the accepted count on the device (the
+        graphs' metadata moved there too). Nothing is read back: observe_hidden confirms the accepted
+        rows when the step's states arrive, and the next propose() takes these drafts. A run whose
+        earlier pairs the head has not all been fed (or no KV for it) is left to propose()."""
+        self._ready = None
+        k = min(max(r.num_drafts for r in runs), self.num_speculative_tokens)
+        chunks = []  # (run, seq)
+        for r in runs:
+            seq = self._seqs.get(r.request_id)
+            if seq is None or seq.base < 0 or seq.base + seq.fed != r.start or seq.pending:
+                continue
+            if seq.kv.num_computed_tokens > seq.fed:
+                self.kv.rewind(seq.kv, seq.fed)  # the last proposal's speculative positions
+            need = r.num_drafts + k  # positions start .. start + num_drafts + k - 1 at the most
+            if not self.kv.can_allocate(seq.kv, need):
+                continue
+            self.kv.allocate(seq.kv, need)
+            seq.kv.num_computed_tokens = seq.fed + need
+            seq.following = r.start
+            chunks.append((r, seq))
+        if not chunks:
+            return
+        tok_rows, tap_rows, pos, firsts, seqs = [], [], [], [], []
+        for r, seq in chunks:
+            firsts.append(len(pos))
+            tok_rows += range(r.token_row, r.token_row + r.num_drafts + 1)
+            tap_rows += range(r.tapped_row, r.tapped_row + r.num_drafts + 1)
+            pos += range(r.start, r.start + r.num_drafts + 1)
+            seqs += [(seq, p) for p in range(r.start, r.start + r.num_drafts + 1)]
+        n, m = len(pos), len(chunks)
+        flat = to_device(
+            torch.tensor(tok_rows + tap_rows + pos + firsts + [r.item for r, _ in chunks], dtype=torch.long),
+            self.device,
+        )
+        ids_d, x, pos_d = tokens[flat[:n]], tapped[flat[n : 2 * n]], flat[2 * n : 3 * n]
+        shift = accepted[flat[3 * n + m :]].long()  # each run's accepted drafts
+        sel = flat[3 * n : 3 * n + m] + shift  # its row at the last accepted position
+        if self.graphs is not None and self.graphs.fits(n, max(p - q.base + 1 for q, p in seqs)):
+            drafts, h = self._one_token_step(ids_d, x, seqs, pos_d)
+            draft, h = drafts[sel], h[sel]
+        else:  # one chunk a run
+            q_lens = [r.num_drafts + 1 for r, _ in chunks]
+            ctx = self._context(
+                pos,
+                q_lens,
+                [r.start - seq.base for r, seq in chunks],
+                [list(seq.kv.block_ids) for _, seq in chunks],
+                [self._slot(seq, p) for seq, p in seqs],
+                0,
+            )
+            normed, h = self.head(ids_d, x, ctx)
+            draft, h = self.head.draft(normed[sel]), h[sel]
+        steps, _ = self._chain(draft, h, [(seq, r.start) for r, seq in chunks], [k] * m, shift)
+        self._ready = (torch.stack(steps, 1), {r.request_id: i for i, (r, _) in enumerate(chunks)})
 
     def _feed(self, rows, chunks) -> None:
         self._catch_up_step(rows, chunks)  # the pairs' keys and values; its drafts are not wanted
@@ -303,9 +417,12 @@ class ChainProposer(HiddenStateDrafter):
         normed, h = self.head(ids_d, x, ctx)
         return self.head.draft(normed[last]), h[last]
 
-    def _one_token_step(self, ids, hidden, seqs: list, pos_d=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _one_token_step(
+        self, ids, hidden, seqs: list, pos_d=None, shift=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows (seq, position), each a one-token query over the keys up to its own: (drafts, hidden)
-        (`pos_d`: the positions on the device already)."""
+        (`pos_d`: the positions on the device already; `shift` [rows] on the device: each row sits
+        that many positions further, at most k)."""
         pos = [p for _, p in seqs]
         ctxs = [p - seq.base for seq, p in seqs]
         copies: dict[int, list[int]] = {}  # a sequence's rows share one copy of its table (converted once)
@@ -313,11 +430,16 @@ class ChainProposer(HiddenStateDrafter):
             if id(seq) not in copies:
                 copies[id(seq)] = list(seq.kv.block_ids)
         tables = [copies[id(seq)] for seq, _ in seqs]
-        if self.graphs is not None and self.graphs.fits(len(seqs), max(ctxs) + 1):
+        reach = max(ctxs) + 1 + (0 if shift is None else self.num_speculative_tokens)
+        if self.graphs is not None and self.graphs.fits(len(seqs), reach):
             batch = AttentionBatch([1] * len(seqs), ctxs, tables, len(seqs), None, self.kv.block_size)
             if pos_d is None:
                 pos_d = to_device(torch.tensor(pos), self.device)
-            return self.graphs.step(ids, hidden, pos_d, batch)
+            return self.graphs.step(ids, hidden, pos_d, batch, shift=shift)
+        if shift is not None:  # eagerly, the shift is read (a wait for the step it comes from)
+            seqs = [(seq, p + a) for (seq, p), a in zip(seqs, shift.tolist())]
+            pos = [p for _, p in seqs]
+            ctxs = [p - seq.base for seq, p in seqs]
         slots = [self._slot(seq, p) for seq, p in seqs]
         ctx = self._context(pos, [1] * len(seqs), ctxs, tables, slots, len(seqs))
         normed, h = self.head(ids, hidden, ctx)

@@ -32,6 +32,21 @@ class ProposeRow:
     max_drafts: int  # the most drafts this row may take now (k, fewer near a length limit)
 
 
+@dataclass(frozen=True, slots=True)
+class VerifyRun:
+    """One request's verify rows in a launched step, where a drafter that follows the step on the
+    device (`follow`) finds them: rows `start` .. `start + num_drafts` of the request, the first at
+    row `tapped_row` of the step's tapped states and `token_row` of its tokens, its accepted count at
+    `item` of the step's accepted counts."""
+
+    request_id: str
+    start: int  # the position of its first row (the token before the drafts)
+    num_drafts: int
+    tapped_row: int
+    token_row: int
+    item: int
+
+
 class Proposer(Protocol):
     num_speculative_tokens: int
     # a drafter that reads the target's hidden states (spec/hidden.py) names what the target's runner
@@ -41,6 +56,8 @@ class Proposer(Protocol):
     def propose(self, rows: list[ProposeRow]) -> list[list[int]]: ...
 
     # optional: def propose_device(self, rows) -> tuple[torch.Tensor, list[int]]  (see the module doc)
+    # optional: def follow(self, runs: list[VerifyRun], tokens, accepted, tapped) -> None: the next
+    # proposal computed on the device behind a launched verify step (spec/hidden.py's ChainProposer)
 
     def observe_hidden(self, states: dict) -> None: ...  # called only when `tap` is set
 

@@ -224,9 +224,13 @@ class DecodeGraphs:
         self.lora_offs.copy_(dev[b:])
         return True
 
-    def replay(self, batch: AttentionBatch, n: int, lora: bool = False, shared: bool = False) -> None:
+    def replay(
+        self, batch: AttentionBatch, n: int, lora: bool = False, shared: bool = False, shift=None
+    ) -> None:
         """Run the graph of n rows' bucket over the static inputs (eagerly where nothing is captured);
-        `lora`: the variant with the LoRA kernels; `shared`: the one with the shared-prefix kernel."""
+        `lora`: the variant with the LoRA kernels; `shared`: the one with the shared-prefix kernel;
+        `shift` [n] (a device tensor): the rows sit that many positions past the batch's contexts
+        (the backend's shift_graph_metadata, after the fill)."""
         if shared:
             b = self._shared_bucket(n)
             meta = self.backend.fill_graph_metadata(self.meta, batch, b, shared=True)
@@ -234,6 +238,8 @@ class DecodeGraphs:
             return
         b = self._bucket_of[n]
         meta = self.backend.fill_graph_metadata(self.meta, batch, b)
+        if shift is not None:
+            self.backend.shift_graph_metadata(meta, n, shift)
         if self.emulated:
             self._forward(b, meta, lora=True) if lora else self._forward(b, meta)
         else:

@@ -32,6 +32,7 @@ from foveal.models.base import StepContext
 from foveal.request import TokenLogprobs
 from foveal.sample.sampler import PendingLogprobs, Sampler, SamplingRow
 from foveal.sched.batch import DEVICE_DRAFT, NewRequest, ScheduledBatch, ScheduledItem
+from foveal.speculative.proposer import VerifyRun
 from foveal.speculative.rejection import verify
 from foveal.worker.rows import StepRows, build_rows, staged_drafts
 
@@ -582,6 +583,21 @@ class ModelRunner:
             row += n
         launched.handed = frozenset(out)
         return out
+
+    @staticmethod
+    def verify_runs(launched: Launched) -> list[VerifyRun]:
+        """The sampled step's verify runs (items with drafts): where their tapped states, tokens and
+        accepted counts are, for a drafter that follows the step on the device."""
+        if launched.accepted is None or launched.tapped is None:
+            return []
+        at = {rid: (first, i) for i, (rid, first, _) in enumerate(launched.rows)}
+        runs, row = [], 0
+        for s in launched.batch.items:
+            if s.num_drafts and s.request_id in at:
+                first, i = at[s.request_id]
+                runs.append(VerifyRun(s.request_id, s.start, s.num_drafts, row, first, i))
+            row += s.num_tokens
+        return runs
 
     @staticmethod
     def _hidden_rows(launched: Launched, kept: dict[str, int], out: RunnerOutput) -> None:
