@@ -507,9 +507,10 @@ def _dflash_reference(t, hf, tokens: list[int], k: int) -> list[int]:
     "graphs,grouped", [(False, False), (True, False), (True, True)], ids=["eager", "graphs", "graphs-grouped"]
 )
 def test_dflash_drafts_equal_a_dense_reference_of_the_block(saved, tmp_path, graphs, grouped, monkeypatch):
-    """grouped: the Triton backend (the interpreter on a CPU: ~30 s) reads a request's keys once for its
-    catch-up and block rows (from 4 keys on), through the graphs' variant with that kernel, and eagerly
-    where a step does not fit them."""
+    """Every staged proposal (drafted fresh, or behind the verify step before it at every accepted
+    count) equals the dense reference. grouped: the Triton backend (the interpreter on a CPU: ~30 s)
+    reads a request's keys once for its catch-up and block rows (from 4 keys on), through the graphs'
+    variant with that kernel, and eagerly where a step does not fit them."""
     t = _dflash_tensors(0)
     path = write_dflash(tmp_path / "dflash")
     kw = dict(attention_backend="triton", request_rows_min_tokens=4, shared_prefix_min_rows=0)
@@ -525,10 +526,13 @@ def test_dflash_drafts_equal_a_dense_reference_of_the_block(saved, tmp_path, gra
     if graphs:  # the static-buffer path (eager on a CPU); a long context (a prompt) runs without it
         llm.engine.speculation.proposer.use_graphs(2, 200)
         replay = llm.engine.speculation.proposer.graphs.replay
-        llm.engine.speculation.proposer.graphs.replay = lambda batch, n, lora=False, shared=False: (
-            launches.append("graph") if shared else None,
-            replay(batch, n, lora, shared),
-        )[1]
+        llm.engine.speculation.proposer.graphs.replay = (
+            lambda batch, n, lora=False, shared=False, moved=None: (
+                launches.append("graph") if shared else None,
+                replay(batch, n, lora, shared, moved),
+            )[1]
+        )
+    _forced_acceptance(monkeypatch)  # every accepted count: the blocks drafted behind verify steps move
     seen = _proposals(llm, _prompts(2 if grouped else 3, seed=7))  # (the interpreter: fewer when grouped)
     assert len(seen) > 6
     assert bool(launches) == grouped and ("graph" in launches) == (grouped and graphs)
@@ -595,17 +599,21 @@ def _forced_acceptance(monkeypatch) -> None:
     monkeypatch.setattr(model_runner, "verify", forced)
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_a_chain_head_drafts_behind_each_verify_step(saved, graphs, monkeypatch):
+def test_a_head_drafts_behind_each_verify_step(saved, tmp_path, method, graphs, monkeypatch):
     """After a request's first proposal, each one is drafted behind the verify step before it, from
     that step's tokens and accepted counts on the device (`follow`; through the graphs, the accepted
-    count moves the chain's positions and slots there): propose() catches up each request once, and
-    with every accepted count from 0 to k the drafts are the dense reference's of the head."""
+    count moves the chain's or the block's positions, lengths and slots there): propose() catches up
+    each request once, and with every accepted count from 0 to k the drafts are the dense reference's
+    of the head."""
     _forced_acceptance(monkeypatch)
-    t = _eagle3_tensors(0)
+    if method == "eagle3":
+        t, head, reference = _eagle3_tensors(0), saved["eagle3"], _eagle3_reference
+    else:
+        t, head, reference = _dflash_tensors(0), write_dflash(tmp_path / "dflash"), _dflash_reference
     # the default token budget: every verify run fits (none loses its drafts to a prompt chunk)
-    llm = _llm(saved, {"method": "eagle3", "model": saved["eagle3"], "num_speculative_tokens": 3,
-                       "adaptive": False})  # fmt: skip
+    llm = _llm(saved, {"model": head, "num_speculative_tokens": 3, "adaptive": False})
     proposer = llm.engine.speculation.proposer
     if graphs:
         proposer.use_graphs(4, 200)
@@ -640,7 +648,7 @@ def test_a_chain_head_drafts_behind_each_verify_step(saved, graphs, monkeypatch)
     if graphs:
         assert proposer.graphs.input_ids.any()
     for tokens, drafts in seen:
-        assert drafts == _eagle3_reference(t, saved["hf"], tokens, len(drafts)), tokens
+        assert drafts == reference(t, saved["hf"], tokens, len(drafts)), tokens
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])

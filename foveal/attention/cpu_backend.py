@@ -80,13 +80,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return meta
 
     @staticmethod
-    def shift_graph_metadata(meta: TorchAttentionMetadata, n: int, shift: torch.Tensor) -> None:
-        """Move the first n rows of filled graph metadata `shift` [n] positions on: lengths, and slots
-        from the block tables (triton_backend's counterpart)."""
+    def shift_graph_metadata(
+        meta: TorchAttentionMetadata, n: int, shift: torch.Tensor, index: torch.Tensor | None = None
+    ) -> None:
+        """Move the first n rows of filled graph metadata on (triton_backend's counterpart): lengths by
+        `shift`, slots to key `index` of the block tables (< 0: the null block's slot 0, which no
+        sequence reads; by default the row's last key)."""
         d, bs = meta.extra, meta.block_size
         lens = d.lens[:n] + shift
-        idx = lens - 1
-        meta.slot_mapping[:n] = d.tables[:n].gather(1, (idx // bs)[:, None])[:, 0] * bs + idx % bs
+        idx = lens - 1 if index is None else index
+        slots = d.tables[:n].gather(1, (idx.clamp(min=0) // bs)[:, None])[:, 0] * bs + idx % bs
+        meta.slot_mapping[:n] = torch.where(idx >= 0, slots, 0)
         d.lens[:n] = lens
 
     def _store(self, k_cache, v_cache, slots, k, v) -> None:

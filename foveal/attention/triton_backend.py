@@ -324,16 +324,18 @@ class TritonAttentionBackend:
         return meta
 
     @staticmethod
-    def shift_graph_metadata(meta: TritonAttentionMetadata, n: int, shift: torch.Tensor) -> None:
-        """Move the first n rows of filled graph metadata `shift` [n] positions on (a device tensor):
-        each row's length, and its slot read from its block table. For steps whose positions only the
-        device knows (a drafter that follows a verify step from its accepted counts); the tables must
-        reach the shifted positions."""
+    def shift_graph_metadata(
+        meta: TritonAttentionMetadata, n: int, shift: torch.Tensor, index: torch.Tensor | None = None
+    ) -> None:
+        """Move the first n rows of filled graph metadata on, on the device, for steps whose positions
+        only the device knows (a drafter that follows a verify step by its accepted counts): each row's
+        length by `shift` [n], and its slot to key `index` [n] of its block table (< 0: it writes
+        nothing; by default its last key, length - 1). The tables must reach the keys."""
         rows, bs = meta.graph_buffer[:n], meta.block_size
         lens = rows[:, 1] + shift.to(torch.int32)
-        idx = lens - 1
-        block = rows[:, 2:].gather(1, (idx // bs).long()[:, None])[:, 0]
-        rows[:, 0] = block * bs + idx % bs
+        idx = lens - 1 if index is None else index.to(torch.int32)
+        block = rows[:, 2:].gather(1, (idx.clamp(min=0) // bs).long()[:, None])[:, 0]
+        rows[:, 0] = torch.where(idx >= 0, block * bs + idx % bs, -1)
         rows[:, 1] = lens
 
     def _fill_graph_shared(self, sb, batch: AttentionBatch, tables, lens, padded: int) -> SharedPrefixes:

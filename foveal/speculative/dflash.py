@@ -44,7 +44,7 @@ from foveal.models.base import StepContext
 from foveal.models.llama import DecoderLayer, DecoderSwitches
 from foveal.models.weights import ParamFiller, decoder_param
 from foveal.speculative.hidden import DraftHead, HiddenStateDrafter
-from foveal.speculative.proposer import ProposeRow
+from foveal.speculative.proposer import ProposeRow, VerifyRun
 from foveal.worker.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,7 @@ class DFlashHead(DraftHead):
 class BlockProposer(HiddenStateDrafter):
     """One DFlash forward per step for every row: its unfed context and its block, as one chunk."""
 
-    @torch.inference_mode()
-    def propose_device(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
+    def _propose_fresh(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
         head, S = self.head, self.head.block_size
         counts = [0] * len(rows)
         chunks = []  # (row index, seq, first context position, last, drafts wanted)
@@ -180,6 +179,80 @@ class BlockProposer(HiddenStateDrafter):
             normed = head(ids_d, x, block_d, ctx)
         picked = normed[picks_d]  # before the graphs' next replay; the chunks are in row order
         return head._target[0].compute_logits(picked).argmax(dim=-1), counts
+
+    @torch.inference_mode()
+    def follow(self, runs: list[VerifyRun], tokens, accepted, tapped) -> None:
+        """The next proposal of each verify run, drafted behind its launched step on the device (as
+        ChainProposer.follow): one forward of the run's 1 + k rows as context (those past the accepted
+        count write nothing: the block's keys go there) and its block after the accepted row (the
+        target's token there, then the masks), the block's positions, lengths and slots moved on by
+        the accepted count on the device. Nothing is read back."""
+        head, S = self.head, self.head.block_size
+        k = min(max(r.num_drafts for r in runs), self.num_speculative_tokens)
+        chunks = self._follow_chunks(runs, S)  # the block ends at start + accepted + S at the most
+        if not chunks:
+            return
+        # per run: context rows start .. start + k_r, then the block's S rows, laid out as if nothing
+        # were accepted; `flat` moves them on: the block by the accepted count a, and a context row j
+        # writes its key only if j <= a
+        ids, pos, ctxs, tables, index, is_block, js, runs_of = [], [], [], [], [], [], [], []
+        tap_rows, ctx_rows, firsts, picks, tok_rows = [], [], [], [], []
+        for c, (r, seq) in enumerate(chunks):
+            nd, table, end = r.num_drafts, list(seq.kv.block_ids), r.start + S - seq.base
+            tap_rows += range(r.tapped_row, r.tapped_row + nd + 1)
+            ctx_rows += range(len(pos), len(pos) + nd + 1)
+            firsts.append(len(pos) + nd + 1)
+            picks += range(firsts[-1] + 1, firsts[-1] + 1 + k)
+            tok_rows.append(r.token_row)
+            rows = [(r.start + j, j, False) for j in range(nd + 1)]  # context: position, row j
+            rows += [(r.start + 1 + i, -1, True) for i in range(S)]  # the block (at a = 0)
+            for p, j, block in rows:
+                ids.append(head.mask_token_id if block else 0)
+                pos.append(p)
+                ctxs.append(end if block else p - seq.base)
+                tables.append(table)
+                index.append(p - seq.base)
+                is_block.append(int(block))
+                js.append(j)
+                runs_of.append(c)
+        dev, n, m = self.device, len(pos), len(chunks)
+        flat = to_device(
+            torch.tensor(ids + pos + index + is_block + js + runs_of + firsts + picks + tok_rows + tap_rows
+                         + ctx_rows + [r.item for r, _ in chunks], dtype=torch.long),
+            dev,
+        )  # fmt: skip
+        parts = flat.split([n] * 6 + [m, len(picks), m, len(tap_rows), len(ctx_rows), m])
+        ids_d, pos_d, index_d, block_d, js_d, runs_d, firsts_d, picks_d, tok_d, tap_d, ctx_d, items_d = parts
+        a = accepted[items_d].long()  # each run's accepted drafts
+        a_row = a[runs_d]
+        block_d = block_d.bool()
+        shift = torch.where(block_d, a_row, 0)
+        index_d = torch.where(block_d | (js_d <= a_row), index_d + shift, -1)
+        ids_d = ids_d.clone()
+        ids_d[firsts_d] = tokens[tok_d + a]  # the block's first token: the target's at the accepted row
+        x = torch.zeros(n, head.hidden_size, dtype=head.norm.weight.dtype, device=dev)
+        x.index_copy_(0, ctx_d, tapped[tap_d].to(x.dtype))
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(n, max(ctxs) + 1 + k):
+            batch = AttentionBatch([1] * n, ctxs, tables, n, None, self.kv.block_size)
+            normed = graphs.step(ids_d, x, block_d[:, None], pos_d, batch, moved=(shift, index_d))
+        else:  # eagerly the accepted counts are read (a wait for the verify step)
+            sh, idx = shift.tolist(), index_d.tolist()
+            keep = [i for i, s in enumerate(idx) if s >= 0]
+            keep_d = to_device(torch.tensor(keep, dtype=torch.long), dev)
+            ctx = self._context(
+                [pos[i] + sh[i] for i in keep],
+                [1] * len(keep),
+                [ctxs[i] + sh[i] for i in keep],
+                [tables[i] for i in keep],
+                [self._slot(chunks[runs_of[i]][1], chunks[runs_of[i]][1].base + idx[i]) for i in keep],
+                len(keep),
+            )
+            out = torch.zeros_like(x)
+            out[keep_d] = head(ids_d[keep_d], x[keep_d], block_d[keep_d][:, None], ctx)
+            normed = out
+        drafts = head._target[0].compute_logits(normed[picks_d]).argmax(dim=-1)
+        self._ready = (drafts.view(m, k), {r.request_id: i for i, (r, _) in enumerate(chunks)})
 
     def _feed(self, rows, chunks) -> None:
         """Context rows only (prefeed): each pair's keys and values, every row a one-token query over
@@ -228,17 +301,20 @@ class BlockStepGraphs(DecodeGraphs):
         ctx = StepContext(self.positions[:b], self.kv_caches, meta)
         self.normed[:b].copy_(self.model(self.input_ids[:b], self.feats[:b], self.is_block[:b], ctx))
 
-    def step(self, input_ids, feats, is_block, positions, batch) -> torch.Tensor:
-        """norm(x) [n, H] of n rows: a view of the static output, valid until the next step."""
+    def step(self, input_ids, feats, is_block, positions, batch, moved=None) -> torch.Tensor:
+        """norm(x) [n, H] of n rows: a view of the static output, valid until the next step. `moved`:
+        (shift, key index) [n] on the device: each row sits `shift` positions past its position and
+        context in `positions` / `batch`, and writes its key at that index of its table (< 0: none)."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
+        self.positions[:n].copy_(positions if moved is None else positions + moved[0], non_blocking=True)
         self.feats[:n].copy_(feats)
         self.is_block[:n].copy_(is_block)
         # a request's rows (its catch-up rows and its block) read its keys once when the backend groups
         # them (shares_prefixes: a request_min_prefix of keys) and a graph with that kernel fits
         shares = getattr(self.backend, "shares_prefixes", None)
-        self.replay(batch, n, shared=self.takes_shared(n) and shares is not None and shares(batch))
+        shared = self.takes_shared(n) and shares is not None and shares(batch)
+        self.replay(batch, n, shared=shared, moved=moved)
         return self.normed[:n]
 
 

@@ -49,5 +49,5 @@ class HeadStepGraphs(DecodeGraphs):
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions if shift is None else positions + shift, non_blocking=True)
         self.hidden_in[:n].copy_(hidden)
-        self.replay(batch, n, shift=shift)
+        self.replay(batch, n, moved=None if shift is None else (shift, None))
         return self.draft_out[:n].clone(), self.hidden_out[:n].clone()

@@ -23,9 +23,10 @@ keeping and KV of HiddenStateDrafter and drafts a block per forward.
 
 Only accepted tokens' hidden states reach the head (a verify row reports the rows up to its last
 accepted draft), so what it fed never needs undoing; the chain's speculative positions (and follow's
-rows past the accepted count) are overwritten by the next feeding. The head's KV is indexed from `base`, the first position it was fed: a request
-whose early hidden states the head never saw (a cached prefix, states dropped while it rested) is
-drafted from what it has, RoPE at the true positions. Greedy drafts (verification treats q as one-hot).
+rows past the accepted count) are overwritten by the next feeding. The head's KV is indexed from
+`base`, the first position it was fed: a request whose early hidden states the head never saw (a
+cached prefix, states dropped while it rested) is drafted from what it has, RoPE at the true
+positions. Greedy drafts (verification treats q as one-hot).
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class HiddenStateDrafter:
         self.num_speculative_tokens = num_speculative_tokens
         self.device = torch.device(device)
         self._seqs: dict[str, _Seq] = {}
+        # follow()'s drafts until the next propose: ([runs, k] on the device, request id -> its row)
+        self._ready: tuple[torch.Tensor, dict[str, int]] | None = None
 
     # -- hidden states from the target ---------------------------------------------------------------
     def observe_hidden(self, states: dict[str, tuple[int, torch.Tensor]]) -> None:
@@ -220,8 +223,73 @@ class HiddenStateDrafter:
         flat, counts = self.propose_device(rows)
         return split_drafts(flat.tolist(), counts)
 
+    @torch.inference_mode()
     def propose_device(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
+        """Every row's drafts, row after row, on the device: follow()'s where it drafted the row's
+        proposal behind the last verify step, the others fed and drafted now (`_propose_fresh`)."""
+        ready, self._ready = self._ready, None
+        picks = {}  # row index -> (row of ready's drafts, drafts)
+        for i, row in enumerate(rows):
+            r = self._ready_row(ready, row)
+            if r is not None:
+                picks[i] = (r, min(row.max_drafts, self.num_speculative_tokens, ready[0].shape[1]))
+        if not picks:
+            return self._propose_fresh(rows)
+        width = ready[0].shape[1]
+        sel = to_device(torch.tensor([r for r, _ in picks.values()], dtype=torch.long), self.device)
+        mine = ready[0][sel].view(-1)
+        if len(picks) == len(rows) and all(c == width for _, c in picks.values()):
+            return mine, [width] * len(rows)  # every row's proposal drafted behind the verify step
+        rest = [i for i in range(len(rows)) if i not in picks]
+        fresh, fresh_counts = self._propose_fresh([rows[i] for i in rest]) if rest else (mine[:0], [])
+        counts, order, at = [0] * len(rows), [], len(mine)  # drafts in [mine | fresh], row after row
+        for i, c in zip(rest, fresh_counts):
+            counts[i] = c
+        for i, (_, c) in picks.items():
+            counts[i] = c
+        starts = {i: n * width for n, i in enumerate(picks)}
+        for i in range(len(rows)):
+            if i in starts:
+                order += range(starts[i], starts[i] + counts[i])
+            else:
+                order += range(at, at + counts[i])
+                at += counts[i]
+        flat = torch.cat([mine, fresh])[to_device(torch.tensor(order, dtype=torch.long), self.device)]
+        return flat, counts
+
+    def _propose_fresh(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
+        """The rows' drafts from what the head holds: feed every pair not fed yet, then draft."""
         raise NotImplementedError
+
+    def _ready_row(self, ready, row: ProposeRow) -> int | None:
+        """The row of follow()'s drafts that is this row's proposal now: drafted behind the verify step
+        whose accepted rows were the last the head was fed, up to the row's last token."""
+        if ready is None or row.request_id not in ready[1]:
+            return None
+        seq = self._seqs.get(row.request_id)
+        if seq is None or seq.following >= 0 or seq.base < 0 or seq.base + seq.fed != len(row.token_ids) - 1:
+            return None
+        return ready[1][row.request_id]
+
+    def _follow_chunks(self, runs: list[VerifyRun], extra: int) -> list[tuple[VerifyRun, _Seq]]:
+        """The verify runs follow() drafts behind (the head was fed every pair before each), with KV
+        allocated for `extra` positions past the run's last row; each marked as followed."""
+        self._ready = None
+        chunks = []
+        for r in runs:
+            seq = self._seqs.get(r.request_id)
+            if seq is None or seq.base < 0 or seq.base + seq.fed != r.start or seq.pending:
+                continue
+            if seq.kv.num_computed_tokens > seq.fed:
+                self.kv.rewind(seq.kv, seq.fed)  # the last proposal's speculative positions
+            need = r.num_drafts + 1 + extra
+            if not self.kv.can_allocate(seq.kv, need):
+                continue
+            self.kv.allocate(seq.kv, need)
+            seq.kv.num_computed_tokens = seq.fed + need
+            seq.following = r.start
+            chunks.append((r, seq))
+        return chunks
 
     def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         pass  # the accepted tokens' hidden states arrive through observe_hidden
@@ -236,8 +304,6 @@ class ChainProposer(HiddenStateDrafter):
     """EAGLE-3 and MTP: one catch-up chunk per row, then k - 1 one-token steps (see the module doc)."""
 
     graphs = None  # spec/head_graphs.py's HeadStepGraphs, after use_graphs
-    # follow()'s drafts until the next propose(): ([runs, k] on the device, request id -> its row)
-    _ready: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def use_graphs(self, max_seqs: int, max_model_len: int) -> None:
         """Run one-token head steps through graphs (captured now on CUDA) for up to max_seqs requests:
@@ -252,57 +318,27 @@ class ChainProposer(HiddenStateDrafter):
         self.graphs.capture()
 
     # -- proposing --------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def propose_device(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
-        ready, self._ready = self._ready, None  # what follow() drafted behind the last verify step
+    def _propose_fresh(self, rows: list[ProposeRow]) -> tuple[torch.Tensor, list[int]]:
         counts = [0] * len(rows)
         chunks = []  # (row index, seq, first position, last position, drafts wanted)
-        picks = []  # (row index, row of ready's drafts, drafts): rows whose proposal follow() made
         for i, row in enumerate(rows):
             k = min(row.max_drafts, self.num_speculative_tokens)
-            r = self._ready_row(ready, row)
-            if r is not None:
-                counts[i] = min(k, ready[0].shape[1])
-                picks.append((i, r, counts[i]))
-                continue
             c = self._catch_up(row, k - 1, 1)
             if c is not None:
                 chunks.append((i, *c, k))
                 counts[i] = k
-        parts, order_of = [], {}  # drafts' tensors; row index -> its drafts' indices in their concatenation
-        if picks:  # (in row order)
-            width = ready[0].shape[1]
-            sel = to_device(torch.tensor([r for _, r, _ in picks], dtype=torch.long), self.device)
-            parts.append(ready[0][sel].view(-1))
-            if not chunks and all(c == width for _, _, c in picks):
-                return parts[0], counts  # every row's proposal made by follow(), all of its drafts
-            order_of.update((i, range(n * width, n * width + c)) for n, (i, _, c) in enumerate(picks))
-        if chunks:
-            chunks.sort(key=lambda c: c[3] != c[2])  # the attention layout: one-token chunks first
-            draft, h = self._catch_up_step(rows, chunks)
-            steps, at = self._chain(draft, h, [(c[1], c[3]) for c in chunks], [c[4] for c in chunks])
-            in_order = all(a[0] < b[0] for a, b in zip(chunks, chunks[1:]))
-            if not picks and len(steps[-1]) == len(chunks) and in_order:
-                return torch.stack(steps, 1).view(-1), counts  # the common case: k each, rows in order
-            base = sum(p.shape[0] for p in parts)
-            parts.append(torch.cat(steps))
-            order_of.update((c[0], [base + at[ci, j] for j in range(c[4])]) for ci, c in enumerate(chunks))
-        if not parts:
+        if not chunks:
             return torch.empty(0, dtype=torch.long, device=self.device), counts
+        chunks.sort(key=lambda c: c[3] != c[2])  # the attention layout: one-token chunks first
+        draft, h = self._catch_up_step(rows, chunks)
+        steps, at = self._chain(draft, h, [(c[1], c[3]) for c in chunks], [c[4] for c in chunks])
         # row after row (the rows' order), each row's drafts in step order
-        order = [x for i in sorted(order_of) for x in order_of[i]]
-        flat = torch.cat(parts)[to_device(torch.tensor(order, dtype=torch.long), self.device)]
+        if len(steps[-1]) == len(chunks) and all(a[0] < b[0] for a, b in zip(chunks, chunks[1:])):
+            return torch.stack(steps, 1).view(-1), counts  # the common case: k each, rows in order
+        order = [at[ci, j] for ci in sorted(range(len(chunks)), key=lambda c: chunks[c][0])
+                 for j in range(chunks[ci][4])]  # fmt: skip
+        flat = torch.cat(steps)[to_device(torch.tensor(order, dtype=torch.long), self.device)]
         return flat, counts
-
-    def _ready_row(self, ready, row: ProposeRow) -> int | None:
-        """The row of follow()'s drafts that is this row's proposal now: drafted behind the verify step
-        whose accepted rows were the last the head was fed, up to the row's last token."""
-        if ready is None or row.request_id not in ready[1]:
-            return None
-        seq = self._seqs.get(row.request_id)
-        if seq is None or seq.following >= 0 or seq.base < 0 or seq.base + seq.fed != len(row.token_ids) - 1:
-            return None
-        return ready[1][row.request_id]
 
     def _chain(self, draft, h, lasts: list, ks: list[int], shift=None) -> tuple[list[torch.Tensor], dict]:
         """The one-token steps after each chunk's draft 1: chunk c at positions lasts[c] + j (its seq
@@ -335,22 +371,9 @@ class ChainProposer(HiddenStateDrafter):
         graphs' metadata moved there too). Nothing is read back: observe_hidden confirms the accepted
         rows when the step's states arrive, and the next propose() takes these drafts. A run whose
         earlier pairs the head has not all been fed (or no KV for it) is left to propose()."""
-        self._ready = None
         k = min(max(r.num_drafts for r in runs), self.num_speculative_tokens)
-        chunks = []  # (run, seq)
-        for r in runs:
-            seq = self._seqs.get(r.request_id)
-            if seq is None or seq.base < 0 or seq.base + seq.fed != r.start or seq.pending:
-                continue
-            if seq.kv.num_computed_tokens > seq.fed:
-                self.kv.rewind(seq.kv, seq.fed)  # the last proposal's speculative positions
-            need = r.num_drafts + k  # positions start .. start + num_drafts + k - 1 at the most
-            if not self.kv.can_allocate(seq.kv, need):
-                continue
-            self.kv.allocate(seq.kv, need)
-            seq.kv.num_computed_tokens = seq.fed + need
-            seq.following = r.start
-            chunks.append((r, seq))
+        # positions start .. start + num_drafts + k - 1 at the most (the chain after the accepted row)
+        chunks = self._follow_chunks(runs, k - 1)
         if not chunks:
             return
         tok_rows, tap_rows, pos, firsts, seqs = [], [], [], [], []

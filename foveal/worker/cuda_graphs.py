@@ -225,21 +225,23 @@ class DecodeGraphs:
         return True
 
     def replay(
-        self, batch: AttentionBatch, n: int, lora: bool = False, shared: bool = False, shift=None
+        self, batch: AttentionBatch, n: int, lora: bool = False, shared: bool = False, moved=None
     ) -> None:
         """Run the graph of n rows' bucket over the static inputs (eagerly where nothing is captured);
         `lora`: the variant with the LoRA kernels; `shared`: the one with the shared-prefix kernel;
-        `shift` [n] (a device tensor): the rows sit that many positions past the batch's contexts
-        (the backend's shift_graph_metadata, after the fill)."""
+        `moved`: (shift, index) device tensors for the backend's shift_graph_metadata after the fill
+        (rows whose lengths and slots only the device knows)."""
         if shared:
             b = self._shared_bucket(n)
             meta = self.backend.fill_graph_metadata(self.meta, batch, b, shared=True)
+            if moved is not None:
+                self.backend.shift_graph_metadata(meta, n, *moved)
             self._forward(b, meta) if self.emulated else self.shared_graphs[b].replay()
             return
         b = self._bucket_of[n]
         meta = self.backend.fill_graph_metadata(self.meta, batch, b)
-        if shift is not None:
-            self.backend.shift_graph_metadata(meta, n, shift)
+        if moved is not None:
+            self.backend.shift_graph_metadata(meta, n, *moved)
         if self.emulated:
             self._forward(b, meta, lora=True) if lora else self._forward(b, meta)
         else:
