@@ -13,10 +13,11 @@ keeping and KV of HiddenStateDrafter and drafts a block per forward.
                     (through spec/head_graphs.py's CUDA graphs where captured)
                  3. the k drafts per row: a flat device tensor (propose_device, staged for the
                     verify step without a wait) or read back once (propose)
-    follow       (ChainProposer) the same behind a launched verify step, before its tokens reach the
-                 host: its 1 + k rows are fed (pair j: the state tapped at row j, the target's token at
-                 row j), draft 1 is taken at the accepted row and the chain runs at positions moved on
-                 by the accepted count, all on the device (the graphs' metadata shifted there). The host
+    follow       the same behind a launched verify step, before its tokens reach the host: its 1 + k
+                 rows are fed (pair j: the state tapped at row j, the target's token at row j), draft 1
+                 is taken at the accepted row and the chain runs at positions moved on by the accepted
+                 count (DFlash: its block after the accepted row), all on the device (the graphs'
+                 metadata moved there: the backends' shift_graph_metadata). The host
                  launches it while the verify step runs; observe_hidden then confirms the accepted rows
                  as fed, and the next propose only stages those drafts (a request's first proposal,
                  and one whose verify run lost its drafts, still catch up as above)
@@ -57,7 +58,7 @@ class _Seq:
     base: int = -1  # the position of KV index 0 (-1: nothing fed yet)
     fed: int = 0  # pairs fed: positions base .. base + fed - 1
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (start, [n, H]), contiguous
-    # the first position of a verify run whose rows were fed behind it (ChainProposer.follow), until its
+    # the first position of a verify run whose rows were fed behind its step (follow), until its
     # accepted rows' states arrive and confirm them (-1: none)
     following: int = -1
 
