@@ -9,7 +9,7 @@ The engine calls it at fixed points of `Engine.step` and nowhere else:
                                       in the runner's token buffer on the device)
     [schedule, launch]
     driver.launched(launched)         a hidden-state drafter feeds the step's prompt chunks behind it,
-                                      and a chain head drafts each verify run's next proposal behind it
+                                      and a head drafts each verify run's next proposal behind it
     [collect]
     driver.observe(batch, out)        after a step's tokens arrived: hidden states to the drafter,
                                       accepted counts to the proposer, the policy and the stats
