@@ -145,7 +145,7 @@ def test_eagle3_head_that_does_not_fit_is_refused(saved, tmp_path):
 
 def _proposals(llm, prompts) -> list[tuple[list[int], list[int]]]:
     """(the row's tokens, its drafts) of every proposal staged for a verify step while the prompts run
-    greedily (made by propose_device, or behind the verify step before by a chain head's follow)."""
+    greedily (drafted fresh by propose_device, or behind the verify step before by the head's follow)."""
     eng = llm.engine
     seen = []
     real = eng.runner.stage_drafts  # where the engine puts every proposal: the drafts stay on the device
