@@ -124,7 +124,14 @@ def test_shifted_graph_metadata_equals_a_fill_at_the_shifted_contexts(name):
     assert slots.tolist() != want[0]
     backend.shift_graph_metadata(meta, 3, torch.tensor(shifts, device=DEVICE))
     assert (slots.tolist(), lens.tolist()) == want
-    assert want[1][3] == 0 and want[0][3] == (-1 if name == "triton" else 0)  # the padding row
+    nothing = -1 if name == "triton" else 0  # a row that writes no key (the CPU's null block)
+    assert want[1][3] == 0 and want[0][3] == nothing  # the padding row
+    # keys given by index (a DFlash block's rows: not at their last key; < 0: a row that writes none)
+    meta, slots, lens = filled(ctxs)
+    backend.shift_graph_metadata(
+        meta, 3, torch.tensor(shifts, device=DEVICE), torch.tensor([-1, 5, 13], device=DEVICE)
+    )
+    assert slots.tolist()[:3] == [nothing, 2 * bs + 1, 12 * bs + 1] and lens.tolist() == want[1]
 
 
 def test_rows_sharing_a_table_object_get_the_same_arrays_as_copies():
