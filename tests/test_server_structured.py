@@ -231,9 +231,16 @@ def test_response_format_and_guided_fields_over_http(real):
             assert r.json()["error"]["param"] == param, r.text
 
 
-def test_a_json_answer_cut_by_max_tokens_still_parses(real):
+def test_a_json_answer_cut_by_max_tokens_still_parses(real, monkeypatch):
     """SmolLM2 writes a story longer than max_tokens: the answer is closed before the budget ends
-    (finish_reason "length", content valid JSON), the same streamed; close_on_length false cuts it."""
+    (finish_reason "length", content valid JSON), the same streamed; close_on_length false cuts it.
+    Its closing plans get 100 ms (the default 5 ms of the model thread's CPU time gave one up once
+    in six runs of the suite on the 2-vCPU host, and the answer was cut: the degrade the budget
+    allows by design, tested in test_closing.py)."""
+    from foveal.structured import closing
+
+    monkeypatch.setattr(closing.BUDGET, "plan_s", 0.1)
+    monkeypatch.setattr(closing.BUDGET, "step_s", 0.1)
     c = real.client()
     schema = {"type": "object", "properties": {"title": {"type": "string"}, "story": {"type": "string"},
               "words": {"type": "integer"}}, "required": ["title", "story", "words"]}  # fmt: skip
