@@ -33,6 +33,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -369,6 +370,12 @@ def w3(a) -> None:
         extra = f"floor {r['floor_tok_s']:.0f} tok/s ({tb:.2f} TB read), share {r['share_of_floor']}"
     report("W3", r, extra)
     RESULTS["W3"] = r
+    if a.profile:  # where a W3 decode step goes: the same requests again, profiled once all decode
+        from benchmarks.step_profile import decode_window
+
+        trace = os.path.join(a.trace_dir or tempfile.mkdtemp(prefix="foveal-w3-"), "w3.json")
+        out = decode_window(llm, prompts, params, trace, finish=False)
+        log(f"W3 profile: {json.dumps(out)}")
 
 
 def w4(a) -> None:
@@ -412,7 +419,6 @@ def w4(a) -> None:
 
 def smoke_configs() -> str:
     """Tiny configs of the three families, named like the real ones, in a temp folder."""
-    import tempfile
 
     from tiny_configs import write_tiny_configs
 
@@ -444,8 +450,9 @@ def main() -> None:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="torch.profiler tables of W1 and W2 decode steps; W2 prefill alone",
+        help="torch.profiler tables of W1 and W2 decode steps; W2 prefill alone; W3's decode steps",
     )
+    ap.add_argument("--trace-dir", default=None, help="--profile: where W3's trace is written")
     engine_options(ap)
     a = ap.parse_args()
     a.workloads = set(a.workloads.split(","))

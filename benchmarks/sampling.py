@@ -127,38 +127,12 @@ def mixed(a) -> dict:
             params = [gw.greedy(48)] * n if mode == "greedy" else mixed_params(n, 48)
             llm.engine.reset_prefix_cache()
             trace = os.path.join(a.profile, f"{mode}.json")
+            from benchmarks.step_profile import decode_window
+
             res[f"profile_{mode}"] = decode_window(llm, prompts, params, trace)
             print(json.dumps({"profile": mode, **res[f"profile_{mode}"]}))
     del llm
     return res
-
-
-def decode_window(llm, prompts, params, trace: str, timed: int = 10, traced: int = 5) -> dict:
-    """Per-step figures of decode steps only: the requests are run until each has its first token (and
-    two steps more), then `timed` steps under HostTimes (host ms per phase, no profiler), then `traced`
-    steps under StepProfile (GPU busy/idle, GPU ms per phase, top kernels); then run to the end."""
-    from benchmarks.step_profile import HostTimes, StepProfile
-
-    eng = llm.engine
-    ids = [eng.add_request(llm.processor.request(p, sp)) for p, sp in zip(prompts, params)]
-    seen: set[str] = set()
-    while len(seen) < len(ids):
-        seen |= {d.request_id for d in eng.step() if d.token_ids}
-    eng.step(), eng.step()
-    gw._sync()
-    t0 = time.perf_counter()
-    with HostTimes(eng) as ht:
-        for _ in range(timed):
-            eng.step()
-    gw._sync()
-    out = {"step_ms": (time.perf_counter() - t0) / timed * 1e3, "host_ms": ht.per_step()}
-    with StepProfile(eng, trace) as prof:
-        for _ in range(traced):
-            eng.step()
-    out["trace"] = prof.summary()
-    while eng.has_unfinished():
-        eng.step()
-    return out
 
 
 def kernel(a) -> dict:

@@ -173,6 +173,43 @@ class StepKinds:
         return {k: [n, round(self.seconds[k] / n * 1e3, 3)] for k, n in sorted(self.counts.items())}
 
 
+def decode_window(
+    llm, prompts, params, trace: str, timed: int = 10, traced: int = 5, finish: bool = True
+) -> dict:
+    """Per-step figures of decode steps only: the requests are run until each has its first token (and
+    two steps more), then `timed` steps under HostTimes (host ms per phase, no profiler), then `traced`
+    steps under StepProfile (GPU busy/idle, GPU ms per phase, top kernels); then run to the end
+    (`finish`) or aborted."""
+    eng = llm.engine
+    ids = [eng.add_request(llm.processor.request(p, sp)) for p, sp in zip(prompts, params)]
+    seen: set[str] = set()
+    while len(seen) < len(ids):
+        seen |= {d.request_id for d in eng.step() if d.token_ids}
+    eng.step(), eng.step()
+    _sync()
+    t0 = time.perf_counter()
+    with HostTimes(eng) as ht:
+        for _ in range(timed):
+            eng.step()
+    _sync()
+    out = {"step_ms": (time.perf_counter() - t0) / timed * 1e3, "host_ms": ht.per_step()}
+    with StepProfile(eng, trace) as prof:
+        for _ in range(traced):
+            eng.step()
+    out["trace"] = prof.summary()
+    if not finish:
+        for r in ids:
+            eng.abort(r)
+    while eng.has_unfinished():
+        eng.step()
+    return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class StepProfile:
     def __init__(self, engine, path: str):
         self.engine, self.path = engine, path
