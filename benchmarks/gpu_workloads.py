@@ -374,8 +374,9 @@ def w3(a) -> None:
         from benchmarks.step_profile import decode_window
 
         trace = os.path.join(a.trace_dir or tempfile.mkdtemp(prefix="foveal-w3-"), "w3.json")
-        out = decode_window(llm, prompts, params, trace, finish=False)
-        log(f"W3 profile: {json.dumps(out)}")
+        out = decode_window(llm, prompts, params, trace, finish=False, cprofiled=10)
+        table = out.pop("cprofile")
+        log(f"W3 profile: {json.dumps(out)}\n{table}")
 
 
 def w4(a) -> None:

@@ -174,12 +174,19 @@ class StepKinds:
 
 
 def decode_window(
-    llm, prompts, params, trace: str, timed: int = 10, traced: int = 5, finish: bool = True
+    llm,
+    prompts,
+    params,
+    trace: str,
+    timed: int = 10,
+    traced: int = 5,
+    finish: bool = True,
+    cprofiled: int = 0,
 ) -> dict:
     """Per-step figures of decode steps only: the requests are run until each has its first token (and
     two steps more), then `timed` steps under HostTimes (host ms per phase, no profiler), then `traced`
-    steps under StepProfile (GPU busy/idle, GPU ms per phase, top kernels); then run to the end
-    (`finish`) or aborted."""
+    steps under StepProfile (GPU busy/idle, GPU ms per phase, top kernels), then `cprofiled` steps under
+    HostProfile (its table in "cprofile"); then run to the end (`finish`) or aborted."""
     eng = llm.engine
     ids = [eng.add_request(llm.processor.request(p, sp)) for p, sp in zip(prompts, params)]
     seen: set[str] = set()
@@ -197,6 +204,11 @@ def decode_window(
         for _ in range(traced):
             eng.step()
     out["trace"] = prof.summary()
+    if cprofiled:
+        with HostProfile() as hp:
+            for _ in range(cprofiled):
+                eng.step()
+        out["cprofile"] = hp.table(steps=cprofiled)
     if not finish:
         for r in ids:
             eng.abort(r)
