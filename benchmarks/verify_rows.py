@@ -2,7 +2,10 @@
 graph metadata for it (`shares_prefixes`, `fill_graph_metadata`), at B requests of 1 + k rows each (a
 verify run's rows; a DFlash block step has 1 + k + block rows a request), on CPU tensors. The rest of
 the step (the model, sampling) is left out: this is the host part that runs before the verify
-step's graph can be launched.
+step's graph can be launched. `--rows 1 --requests 256`: a plain decode step.
+
+A request's table is one tuple from step to step until its blocks change; `--renew F`: at each call
+a fraction F of the requests get a fresh tuple (a decode step appends a block to 1 in 16 of them).
 
     python benchmarks/verify_rows.py [--requests 64] [--rows 5,16] [--context 700] [--reps 300]
 
@@ -42,6 +45,22 @@ def verify_items(requests: int, rows: int, context: int, bs: int):
     return items, held
 
 
+class Renewed:
+    """Called once a step: the next `fraction` of the requests (in turn) get a fresh copy of their
+    table, in each of their `rows` rows (they share it)."""
+
+    def __init__(self, tables: list, rows: int, fraction: float):
+        self.tables, self.rows, self.next = tables, rows, 0
+        self.count = round(len(tables) // rows * fraction)
+
+    def __call__(self) -> None:
+        requests = len(self.tables) // self.rows
+        for _ in range(self.count):
+            r, self.next = self.next, (self.next + 1) % requests
+            t = tuple(self.tables[r * self.rows])
+            self.tables[r * self.rows : (r + 1) * self.rows] = [t] * self.rows
+
+
 def timed(fn, reps: int, rounds: int) -> float:
     for _ in range(20):
         fn()
@@ -64,6 +83,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--renew", type=float, default=1 / 16, help="requests with a new table each call")
     a = ap.parse_args()
     bs, results = a.block_size, []
     for rows in (int(x) for x in a.rows.split(",")):
@@ -77,12 +97,16 @@ def main() -> None:
         def rows_of(items=items, held=held, width=rows + 1):
             build_rows(items, held, width, bs)
 
-        def shares(batch=batch, backend=backend):
+        renewed = Renewed(batch.block_tables, rows, a.renew)
+
+        def shares(batch=batch, backend=backend, renewed=renewed):
             backend._memo = None  # planned afresh, as for each new step
+            renewed()
             backend.shares_prefixes(batch)
 
-        def fill(batch=batch, backend=backend, static=static, n=n):
+        def fill(batch=batch, backend=backend, static=static, n=n, renewed=renewed):
             backend._memo = None
+            renewed()
             backend.fill_graph_metadata(static, batch, n)
 
         row = {"requests": a.requests, "rows": rows, "context": a.context,

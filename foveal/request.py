@@ -322,6 +322,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # block_ids as a tuple, made again only when the KV manager changes them: a decode step hands the
+    # same object on each step (no copy a row a step), and the attention backend converts it once
+    block_table: tuple[int, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -37,7 +37,9 @@ def test_a_mixed_batch_row_by_row():
     assert rows.slots == [8 * 4 + 2, 3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1, 6 * 4 + 2]
     assert rows.query_lens == [1, 1, 1, 1, 3] and rows.num_decodes == 4
     assert rows.context_lens == [6, 5, 6, 7, 4]
-    assert rows.block_tables == [[7, 8], [2, 3], [2, 3], [2, 3], [5, 6]]
+    assert rows.block_tables == [(7, 8), (2, 3), (2, 3), (2, 3), (5, 6)]
+    # each row takes its item's table object itself (the backend converts a tuple once while in use)
+    assert all(t is items[i].block_table for t, i in zip(rows.block_tables, [0, 1, 1, 1, 2]))
     assert rows.logits_rows == [0, 1, 2, 3]
     assert not rows.short_queries  # the prompt chunk: eager only
 

@@ -134,19 +134,29 @@ def test_shifted_graph_metadata_equals_a_fill_at_the_shifted_contexts(name):
     assert slots.tolist()[:3] == [nothing, 2 * bs + 1, 12 * bs + 1] and lens.tolist() == want[1]
 
 
-def test_rows_sharing_a_table_object_get_the_same_arrays_as_copies():
-    """A request's verify or block rows share one table list, side by side (rows.py): it is converted
-    once and its rows take that result, equal to converting each row's own copy (lengths included); a
-    table used again further on (b) is converted again, to the same values."""
-    from foveal.attention.triton_backend import _table_array
+def test_block_table_rows_equal_a_fresh_conversion_across_calls():
+    """_TableRows keeps a tuple's row across calls and converts a list at each call (once however many
+    rows share it): every call equals converting fresh copies, lengths included. A list changed in
+    place between calls is read as it is now; a table given again after its generation was dropped is
+    converted again, to the same values."""
+    from foveal.attention.triton_backend import _TableRows
 
-    a, b, c = [5, 6, 7], [1, 2], [9, 8, 7, 6, 5]
-    shared = [a, a, a, b, c, c, b]
-    copies = [list(t) for t in shared]
-    got, want = _table_array(shared, 8), _table_array(copies, 8)
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    assert got[0].shape == (7, 8) and got[1].tolist() == [3, 3, 3, 2, 5, 5, 2]
-    assert got[0][5].tolist() == [9, 8, 7, 6, 5, 0, 0, 0]
+    def fresh(tables, width):
+        out = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            out[i, : len(t)] = t
+        return out, [len(t) for t in tables]
+
+    rows = _TableRows(cap=4)
+    a, b, c, d = (5, 6, 7), [1, 2], (9, 8, 7, 6, 5), ()
+    calls = [[a, a, a, b, c, c, b, d], [c, b, a], [a, (5, 6, 7, 4), b, b]]
+    for i, tables in enumerate(calls + calls):
+        if i == 2:
+            b.append(3)  # in place: the next calls must see it
+        got = rows.array(tables, 8)
+        want = fresh(tables, 8)
+        assert np.array_equal(got[0], want[0]) and got[1].tolist() == want[1], i
+    assert rows.array([], 8)[0].shape == (0, 8)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need CUDA")

@@ -13,6 +13,7 @@ other both ways, Gemma 3). They combine as transformers' Gemma 3 does:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,7 +26,7 @@ class AttentionBatch:
 
     query_lens: list[int]  # new tokens per sequence this step
     context_lens: list[int]  # tokens of each sequence already in the cache before this step
-    block_tables: list[list[int]]  # per sequence, the physical blocks holding its tokens in order
+    block_tables: list[Sequence[int]]  # per sequence, the physical blocks holding its tokens in order
     num_decodes: int  # the first num_decodes sequences have query_len == 1
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token (block * block_size + offset)
     block_size: int

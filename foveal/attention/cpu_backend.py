@@ -71,7 +71,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         host = torch.zeros(padded, 2 + used, dtype=torch.long)
         host[:n, 0] = graph_slots(batch)
         host[:n, 1] = torch.tensor(ctxs) + 1
-        host[:n, 2:] = torch.tensor([t + [0] * (used - len(t)) for t in tables])
+        host[:n, 2:] = torch.tensor([[*t, *[0] * (used - len(t))] for t in tables])
         static.slot_mapping[:padded] = host[:, 0]
         d.lens[:padded] = host[:, 1]
         d.tables[:padded, :used] = host[:, 2:]

@@ -189,7 +189,7 @@ class TorchAttentionBackend:
         seqs = []
         for q_len, ctx, table, sp in zip(batch.query_lens, batch.context_lens, batch.block_tables, spans):
             overlapping = [(a, b) for a, b in sp if a < ctx + q_len and b > ctx and b - a > 1]
-            seqs.append(_Seq(ctx, q_len, table, overlapping))
+            seqs.append(_Seq(ctx, q_len, list(table), overlapping))
         decode = _decode_layout(seqs[:nd], bs, None, device) if nd else None
         prefills = []
         start = nd

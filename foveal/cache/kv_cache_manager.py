@@ -103,6 +103,8 @@ class KVCacheManager:
         n = self.blocks_needed(req, num_new_tokens)
         if n:
             req.block_ids.extend(self.pool.allocate(n))
+        if n or cached:
+            req.block_table = tuple(req.block_ids)
         self._owners[req.request_id] = req
 
     def rewind(self, req: Request, num_tokens: int) -> None:
@@ -121,6 +123,7 @@ class KVCacheManager:
         if keep < len(req.block_ids):
             self.pool.free(req.block_ids[keep:][::-1])
             del req.block_ids[keep:]
+            req.block_table = tuple(req.block_ids)
         req.num_computed_tokens = num_tokens
 
     def record_lookup(self, req: Request, num_cached_tokens: int) -> None:
@@ -131,11 +134,14 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         if req.block_ids:
             self.pool.free(req.block_ids[::-1])
-        req.block_ids = []
+        req.block_ids, req.block_table = [], ()
         req.num_published_blocks = 0
         self._owners.pop(req.request_id, None)
 
     def check_integrity(self) -> None:
+        for r in self._owners.values():
+            if r.block_table != tuple(r.block_ids):
+                raise AssertionError(f"{r.request_id}: table {r.block_table} != block_ids {r.block_ids}")
         self.pool.check_integrity({rid: r.block_ids for rid, r in self._owners.items()})
 
     @property

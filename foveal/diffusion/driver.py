@@ -79,7 +79,7 @@ class DiffusionDriver:
         """The planned item, and whether it goes with the decodes: a block model's rows are one-token
         queries (DiffusionPasses.key_limits), a masked model's item is a chunk."""
         start, toks, num_logits, denoise = plan
-        item = ScheduledItem(req.request_id, start, toks, tuple(req.block_ids), num_logits, denoise=denoise)
+        item = ScheduledItem(req.request_id, start, toks, req.block_table, num_logits, denoise=denoise)
         return item, req.diffusion.kind == "block"
 
     @staticmethod

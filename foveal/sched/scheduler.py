@@ -143,8 +143,7 @@ class Scheduler:
                 # the common case, a decode whose slot is already allocated: no allocation to check
                 known = req.all_token_ids
                 fed = (known[start],) if start < len(known) else ()  # () while its token is in flight
-                bt = tuple(req.block_ids)
-                decodes.append(ScheduledItem(req.request_id, start, fed, bt, 1, 1 - len(fed)))
+                decodes.append(ScheduledItem(req.request_id, start, fed, req.block_table, 1, 1 - len(fed)))
                 budget -= 1
                 i += 1
                 continue
@@ -283,7 +282,7 @@ class Scheduler:
             req.request_id,
             start,
             tuple(known[start:end]) + tuple(drafts),
-            tuple(req.block_ids),
+            req.block_table,
             num_logits=(1 + len(drafts)) if reaches_end and req.pooling is None else 0,
             num_pending=start + n - end,
             num_drafts=len(drafts),

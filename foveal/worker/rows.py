@@ -11,7 +11,7 @@ there): `pending` names its flat index in the runner's token buffer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,8 @@ class StepRows:
     slots: list[int] = field(default_factory=list)  # each row's KV-cache slot
     query_lens: list[int] = field(default_factory=list)  # attention queries: decodes first
     context_lens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+    # each query's block table: the item's own object, not a copy (a request's rows share it)
+    block_tables: list[Sequence[int]] = field(default_factory=list)
     num_decodes: int = 0  # one-token queries
     logits_rows: list[int] = field(default_factory=list)  # the rows whose logits the step needs
     # every row is a one-token query of a generated token (or a block diffusion row): a decode-step
@@ -94,7 +95,7 @@ def build_rows(
             out.num_decodes += 1
             q_lens.append(1)
             ctxs.append(p)
-            tables.append(list(bt))
+            tables.append(bt)
             logits.append(base)
             continue
         prefill_seen = prefill_seen or not decode
@@ -107,21 +108,20 @@ def build_rows(
             pending += [-1] * (len(ids) - len(pending))
             pending.extend(range(h.slot * width, h.slot * width + s.num_pending))
             ids += [0] * s.num_pending
-        table = list(bt)
         r = range(p, p + n)
         pos.extend(r)
         rope.extend(range(p + shift, p + n + shift))
-        slots.extend(table[q // bs] * bs + q % bs for q in r)
+        slots.extend(bt[q // bs] * bs + q % bs for q in r)
         if decode:  # a short query: one attention row per token, each after the ones before it
             out.num_decodes += n
             q_lens += [1] * n
             ctxs.extend(r if rows_ctx is None else rows_ctx)
-            tables += [table] * n
+            tables += [bt] * n
             out.block_diffusion |= rows_ctx is not None
         else:
             q_lens.append(n)
             ctxs.append(p)
-            tables.append(table)
+            tables.append(bt)
         logits.extend(range(base + n - s.num_logits, base + n))
     if pending:
         pending += [-1] * (len(ids) - len(pending))
