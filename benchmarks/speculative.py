@@ -48,6 +48,7 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -544,142 +545,148 @@ def heads_bench(a) -> dict:
     """Per head: the drafter's cost per propose() at each batch (the random head's drafts are rejected,
     so each step feeds one new token per row), then the speedup over plain decoding with the head
     drafting for cost and the oracle's drafts forced to 100% acceptance (--forced's method)."""
-    import tempfile
-
     rows = []
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for method in a.methods:
-        cfg = os.path.join(HERE, "configs", HEAD_TARGETS[method])
-        with open(cfg) as f:
-            target = json.load(f)
-        opts = dict(load_format="dummy", dtype=a.dtype, max_num_seqs=max(a.batches),
-                    max_model_len=a.input_len + a.max_tokens + 64,
-                    enable_prefix_caching=a.prefix_cache)  # fmt: skip
-        if torch.cuda.is_available():
-            opts["kv_cache_memory"] = a.kv_memory_gib * 2**30
-        if a.smoke:  # a tiny 8-layer target of the family, on the CPU
-            from tests.tiny import COMMON
-
-            fam = {"eagle3": ("LlamaForCausalLM", "llama"), "mtp": ("MiMoForCausalLM", "mimo"),
-                   "dflash": ("Qwen3ForCausalLM", "qwen3")}[method]  # fmt: skip
-            target = {**COMMON, "num_hidden_layers": 8, "head_dim": 16, "architectures": [fam[0]],
-                      "model_type": fam[1], "num_nextn_predict_layers": 1, "rope_theta": 10000.0}  # fmt: skip
-            cfg = os.path.join(tempfile.mkdtemp(), "config.json")
-            with open(cfg, "w") as f:
-                json.dump(target, f)
-            opts.update(num_blocks=4096, block_size=16)
-        k = a.block - 1 if method == "dflash" else a.k
-        head = write_random_head(method, tempfile.mkdtemp(), target, k, getattr(torch, a.dtype), dev)
-        plain = LLM(cfg, **opts)
-        spec = {"method": method, "model": head, "num_speculative_tokens": k, "adaptive": False}
-        specd = LLM(cfg, **opts, speculative_config=spec)
-        vocab = plain.processor.info.vocab_size
-        force_acceptance(vocab - 1)
-        real = specd.engine.speculation.proposer
-        timed: list[float] = []
-        propose = real.propose_device
-
-        def timing(batch_rows, propose=propose, timed=timed):
-            t0 = time.perf_counter()
-            out = propose(batch_rows)
-            out[0].tolist()  # read back: the device work is done
-            timed.append(time.perf_counter() - t0)
-            return out
-
-        params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-        short = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        g = torch.Generator().manual_seed(0)
-        for b in a.batches:
-            prompts = [torch.randint(100, vocab - 1, (a.input_len,), generator=g).tolist() for _ in range(b)]
-            run_requests(plain, prompts, short, True)  # warm
-            ref = run_requests(plain, prompts, params, at_once=True)
-            fulls = [p + t for p, t in zip(prompts, ref["tokens"])]
-            specd.engine.speculation.proposer = real
-            run_requests(specd, prompts, short, True)  # warm: first-use shapes of the head
-            timed.clear()
-            real.propose_device = timing
-            if hasattr(real, "follow"):  # a chain head: every proposal from propose(), so it is timed
-                real.follow = None
-            run_requests(specd, prompts, short, True)
-            del real.propose_device  # the class's again: drafts left on the device
-            if "follow" in vars(real):
-                del real.follow  # the class's again: each proposal drafted behind the verify step
-            draft_ms = statistics.median(timed[2:] or timed) * 1e3  # the steady steps (one new token per row)
-
-            def wrap(oracle, real=real):
-                return CostedOracle(real, oracle)
-
-            def wrap_host(oracle, real=real):
-                return HostCostedOracle(real, oracle)
-
-            wraps = {"device": wrap, "host": wrap_host}
-            grouping = specd.engine.runner.backend
-            # warm the verify shapes, under each grouping the runs alternate (a first use compiles)
-            for d, rr in itertools.product(a.drafts, a.request_rows or [None]):
-                if rr is not None:
-                    grouping.request_min_prefix = rr
-                oracle_run(specd, k, prompts, fulls, short, 1.0, vocab, 0, True, wraps[d])
-            # alternating drafts and groupings: the host's speed varies
-            for rep, d, rr in itertools.product(range(a.reps), a.drafts, a.request_rows or [None]):
-                if rr is not None:  # a request's rows read its keys once (0: never), target and head
-                    grouping.request_min_prefix = rr
-                before = dict(specd.engine.step_seconds)
-                with StepKinds(specd.engine) as spec_kinds:
-                    t0 = time.perf_counter()
-                    outs, _ = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wraps[d])
-                    wall = time.perf_counter() - t0
-                spent = phase_ms(before, specd.engine.step_seconds)
-                before = dict(plain.engine.step_seconds)
-                with StepKinds(plain.engine) as plain_kinds:
-                    base = run_requests(plain, prompts, params, at_once=True)
-                tok_s = sum(len(v) for v in outs.values()) / wall
-                row = {"method": method, "batch": b, "k": k, "rep": rep, "drafts": d, "request_rows": rr,
-                       "drafter_ms": round(draft_ms, 2),
-                       "spec_tok_s": round(tok_s, 1), "plain_tok_s": round(base["out_tok_s"], 1),
-                       "speedup_at_100pct": round(tok_s / base["out_tok_s"], 2),
-                       # per engine step: host time scheduling (with proposing), launching (with
-                       # waiting for the device), applying tokens
-                       "spec_step_ms": spent,
-                       "plain_step_ms": phase_ms(before, plain.engine.step_seconds),
-                       # whole steps by kind: [steps, mean ms] (prefill: a prompt chunk in the batch)
-                       "spec_steps": spec_kinds.summary(), "plain_steps": plain_kinds.summary()}  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            if a.profile:  # a timed and a traced run of each: where a step's time goes
-                from benchmarks.step_profile import HostProfile, HostTimes, StepProfile
-
-                os.makedirs(a.profile, exist_ok=True)
-
-                for name, llm in (("spec", specd), ("plain", plain)):
-                    graphs = {"target": llm.engine.runner.graphs}
-                    if name == "spec" and getattr(real, "graphs", None) is not None:
-                        graphs["drafter"] = real.graphs
-                    with HostTimes(llm.engine, {k: g for k, g in graphs.items() if g is not None}) as ht:
-                        if name == "spec":
-                            oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, 0, True, wrap)
-                        else:
-                            run_requests(plain, prompts, params, at_once=True)
-                    print(json.dumps({"host_ms": name, "method": method, "batch": b, **ht.per_step()}))
-                steps0 = specd.engine.step_seconds["steps"]
-                with HostProfile() as hp:  # which host functions a speculative step spends its time in
-                    oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, 0, True, wrap)
-                print(hp.table(steps=specd.engine.step_seconds["steps"] - steps0))
-
-                few = SamplingParams(
-                    temperature=0, max_tokens=min(12 * (k + 1), a.max_tokens), ignore_eos=True
-                )
-                for name, llm in (("spec", specd), ("plain", plain)):
-                    path = os.path.join(a.profile, f"{method}_b{b}_{name}.json")
-                    with StepProfile(llm.engine, path) as prof:
-                        if name == "spec":
-                            oracle_run(specd, k, prompts, fulls, few, 1.0, vocab, 0, True, wrap)
-                        else:
-                            run_requests(plain, prompts, short, at_once=True)
-                    print(json.dumps({"profile": name, "method": method, "batch": b, **prof.summary()}))
-        del plain, specd
+        rows += heads_method(a, method, dev)
+        gc.collect()  # the engines' reference cycles, before the cache is emptied
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return {"rows": rows}
+
+
+def heads_method(a, method: str, dev: str) -> list[dict]:
+    """heads_bench for one method: its engines and head live only while this runs (a second
+    method's engines then fit where the first's were; held by closures past a loop, they did not)."""
+    import tempfile
+
+    rows = []
+    cfg = os.path.join(HERE, "configs", HEAD_TARGETS[method])
+    with open(cfg) as f:
+        target = json.load(f)
+    opts = dict(load_format="dummy", dtype=a.dtype, max_num_seqs=max(a.batches),
+                max_model_len=a.input_len + a.max_tokens + 64,
+                enable_prefix_caching=a.prefix_cache)  # fmt: skip
+    if torch.cuda.is_available():
+        opts["kv_cache_memory"] = a.kv_memory_gib * 2**30
+    if a.smoke:  # a tiny 8-layer target of the family, on the CPU
+        from tests.tiny import COMMON
+
+        fam = {"eagle3": ("LlamaForCausalLM", "llama"), "mtp": ("MiMoForCausalLM", "mimo"),
+               "dflash": ("Qwen3ForCausalLM", "qwen3")}[method]  # fmt: skip
+        target = {**COMMON, "num_hidden_layers": 8, "head_dim": 16, "architectures": [fam[0]],
+                  "model_type": fam[1], "num_nextn_predict_layers": 1, "rope_theta": 10000.0}  # fmt: skip
+        cfg = os.path.join(tempfile.mkdtemp(), "config.json")
+        with open(cfg, "w") as f:
+            json.dump(target, f)
+        opts.update(num_blocks=4096, block_size=16)
+    k = a.block - 1 if method == "dflash" else a.k
+    head = write_random_head(method, tempfile.mkdtemp(), target, k, getattr(torch, a.dtype), dev)
+    plain = LLM(cfg, **opts)
+    spec = {"method": method, "model": head, "num_speculative_tokens": k, "adaptive": False}
+    specd = LLM(cfg, **opts, speculative_config=spec)
+    vocab = plain.processor.info.vocab_size
+    force_acceptance(vocab - 1)
+    real = specd.engine.speculation.proposer
+    timed: list[float] = []
+    propose = real.propose_device
+
+    def timing(batch_rows, propose=propose, timed=timed):
+        t0 = time.perf_counter()
+        out = propose(batch_rows)
+        out[0].tolist()  # read back: the device work is done
+        timed.append(time.perf_counter() - t0)
+        return out
+
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for b in a.batches:
+        prompts = [torch.randint(100, vocab - 1, (a.input_len,), generator=g).tolist() for _ in range(b)]
+        run_requests(plain, prompts, short, True)  # warm
+        ref = run_requests(plain, prompts, params, at_once=True)
+        fulls = [p + t for p, t in zip(prompts, ref["tokens"])]
+        specd.engine.speculation.proposer = real
+        run_requests(specd, prompts, short, True)  # warm: first-use shapes of the head
+        timed.clear()
+        real.propose_device = timing
+        if hasattr(real, "follow"):  # a chain head: every proposal from propose(), so it is timed
+            real.follow = None
+        run_requests(specd, prompts, short, True)
+        del real.propose_device  # the class's again: drafts left on the device
+        if "follow" in vars(real):
+            del real.follow  # the class's again: each proposal drafted behind the verify step
+        draft_ms = statistics.median(timed[2:] or timed) * 1e3  # the steady steps (one new token per row)
+
+        def wrap(oracle, real=real):
+            return CostedOracle(real, oracle)
+
+        def wrap_host(oracle, real=real):
+            return HostCostedOracle(real, oracle)
+
+        wraps = {"device": wrap, "host": wrap_host}
+        grouping = specd.engine.runner.backend
+        # warm the verify shapes, under each grouping the runs alternate (a first use compiles)
+        for d, rr in itertools.product(a.drafts, a.request_rows or [None]):
+            if rr is not None:
+                grouping.request_min_prefix = rr
+            oracle_run(specd, k, prompts, fulls, short, 1.0, vocab, 0, True, wraps[d])
+        # alternating drafts and groupings: the host's speed varies
+        for rep, d, rr in itertools.product(range(a.reps), a.drafts, a.request_rows or [None]):
+            if rr is not None:  # a request's rows read its keys once (0: never), target and head
+                grouping.request_min_prefix = rr
+            before = dict(specd.engine.step_seconds)
+            with StepKinds(specd.engine) as spec_kinds:
+                t0 = time.perf_counter()
+                outs, _ = oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, rep, True, wraps[d])
+                wall = time.perf_counter() - t0
+            spent = phase_ms(before, specd.engine.step_seconds)
+            before = dict(plain.engine.step_seconds)
+            with StepKinds(plain.engine) as plain_kinds:
+                base = run_requests(plain, prompts, params, at_once=True)
+            tok_s = sum(len(v) for v in outs.values()) / wall
+            row = {"method": method, "batch": b, "k": k, "rep": rep, "drafts": d, "request_rows": rr,
+                   "drafter_ms": round(draft_ms, 2),
+                   "spec_tok_s": round(tok_s, 1), "plain_tok_s": round(base["out_tok_s"], 1),
+                   "speedup_at_100pct": round(tok_s / base["out_tok_s"], 2),
+                   # per engine step: host time scheduling (with proposing), launching (with
+                   # waiting for the device), applying tokens
+                   "spec_step_ms": spent,
+                   "plain_step_ms": phase_ms(before, plain.engine.step_seconds),
+                   # whole steps by kind: [steps, mean ms] (prefill: a prompt chunk in the batch)
+                   "spec_steps": spec_kinds.summary(), "plain_steps": plain_kinds.summary()}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if a.profile:  # a timed and a traced run of each: where a step's time goes
+            from benchmarks.step_profile import HostProfile, HostTimes, StepProfile
+
+            os.makedirs(a.profile, exist_ok=True)
+
+            for name, llm in (("spec", specd), ("plain", plain)):
+                graphs = {"target": llm.engine.runner.graphs}
+                if name == "spec" and getattr(real, "graphs", None) is not None:
+                    graphs["drafter"] = real.graphs
+                with HostTimes(llm.engine, {k: g for k, g in graphs.items() if g is not None}) as ht:
+                    if name == "spec":
+                        oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, 0, True, wrap)
+                    else:
+                        run_requests(plain, prompts, params, at_once=True)
+                print(json.dumps({"host_ms": name, "method": method, "batch": b, **ht.per_step()}))
+            steps0 = specd.engine.step_seconds["steps"]
+            with HostProfile() as hp:  # which host functions a speculative step spends its time in
+                oracle_run(specd, k, prompts, fulls, params, 1.0, vocab, 0, True, wrap)
+            print(hp.table(steps=specd.engine.step_seconds["steps"] - steps0))
+
+            few = SamplingParams(temperature=0, max_tokens=min(12 * (k + 1), a.max_tokens), ignore_eos=True)
+            for name, llm in (("spec", specd), ("plain", plain)):
+                path = os.path.join(a.profile, f"{method}_b{b}_{name}.json")
+                with StepProfile(llm.engine, path) as prof:
+                    if name == "spec":
+                        oracle_run(specd, k, prompts, fulls, few, 1.0, vocab, 0, True, wrap)
+                    else:
+                        run_requests(plain, prompts, short, at_once=True)
+                print(json.dumps({"profile": name, "method": method, "batch": b, **prof.summary()}))
+    return rows
 
 
 def main() -> None:
