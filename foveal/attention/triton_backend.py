@@ -122,8 +122,9 @@ class _TableRows:
     request's table is one tuple from step to step until its blocks change (Request.block_table;
     a verify run's rows share it too), so a step converts only the tables that changed: at 256 rows of
     64 blocks the array then costs ~0.2 ms on the dev host instead of ~0.6. Tuples are kept across
-    calls in two generations (one unused for about `cap` conversions is dropped); a list may change
-    in place, so it is converted again at each call (once per call, however many rows share it)."""
+    calls in two generations: once the newer holds `cap` tables it becomes the older, and a table not
+    used again within a generation is dropped. A list may change in place, so it is converted at each
+    call (once however many rows share it)."""
 
     def __init__(self, cap: int = 4096):
         self.cap = cap
