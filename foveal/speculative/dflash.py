@@ -156,7 +156,7 @@ class BlockProposer(HiddenStateDrafter):
             # every row a one-token query (the decode path of every backend): a context row sees the
             # keys up to its own, a block row every key up to the block's end (the block both ways)
             end = last + S - seq.base  # the block's last key
-            table = list(seq.kv.block_ids)
+            table = seq.kv.block_table
             for p in range(lo, last + 1 + S):
                 pos.append(p)
                 ctxs.append(p - seq.base if p <= last else end)
@@ -198,7 +198,7 @@ class BlockProposer(HiddenStateDrafter):
         ids, pos, ctxs, tables, index, is_block, js, runs_of = [], [], [], [], [], [], [], []
         tap_rows, ctx_rows, firsts, picks, tok_rows = [], [], [], [], []
         for c, (r, seq) in enumerate(chunks):
-            nd, table, end = r.num_drafts, list(seq.kv.block_ids), r.start + S - seq.base
+            nd, table, end = r.num_drafts, seq.kv.block_table, r.start + S - seq.base
             tap_rows += range(r.tapped_row, r.tapped_row + nd + 1)
             ctx_rows += range(len(pos), len(pos) + nd + 1)
             firsts.append(len(pos) + nd + 1)
@@ -260,7 +260,7 @@ class BlockProposer(HiddenStateDrafter):
         pos, ctxs, tables, slots, feats = [], [], [], [], []
         for _i, seq, lo, last, _k in chunks:
             feats.append(self._take(seq, lo, last + 1))
-            table = list(seq.kv.block_ids)
+            table = seq.kv.block_table
             for p in range(lo, last + 1):
                 pos.append(p)
                 ctxs.append(p - seq.base)

@@ -117,7 +117,7 @@ def _item(
     st: Request, start: int, token_ids: tuple[int, ...], num_logits: int, pending: int
 ) -> ScheduledItem:
     return ScheduledItem(
-        st.request_id, start, token_ids, tuple(st.block_ids), num_logits=num_logits, num_pending=pending
+        st.request_id, start, token_ids, st.block_table, num_logits=num_logits, num_pending=pending
     )
 
 

@@ -401,7 +401,7 @@ class ChainProposer(HiddenStateDrafter):
                 pos,
                 q_lens,
                 [r.start - seq.base for r, seq in chunks],
-                [list(seq.kv.block_ids) for _, seq in chunks],
+                [seq.kv.block_table for _, seq in chunks],
                 [self._slot(seq, p) for seq, p in seqs],
                 0,
             )
@@ -434,7 +434,7 @@ class ChainProposer(HiddenStateDrafter):
             pos,
             q_lens,
             [lo - seq.base for _, seq, lo, _, _ in chunks],
-            [list(seq.kv.block_ids) for _, seq, _, _, _ in chunks],
+            [seq.kv.block_table for _, seq, _, _, _ in chunks],
             [self._slot(seq, p) for seq, p in seqs],
             sum(1 for n in q_lens if n == 1),
         )
@@ -449,11 +449,7 @@ class ChainProposer(HiddenStateDrafter):
         that many positions further, at most k)."""
         pos = [p for _, p in seqs]
         ctxs = [p - seq.base for seq, p in seqs]
-        copies: dict[int, list[int]] = {}  # a sequence's rows share one copy of its table (converted once)
-        for seq, _ in seqs:
-            if id(seq) not in copies:
-                copies[id(seq)] = list(seq.kv.block_ids)
-        tables = [copies[id(seq)] for seq, _ in seqs]
+        tables = [seq.kv.block_table for seq, _ in seqs]  # one object a sequence: converted once
         reach = max(ctxs) + 1 + (0 if shift is None else self.num_speculative_tokens)
         if self.graphs is not None and self.graphs.fits(len(seqs), reach):
             batch = AttentionBatch([1] * len(seqs), ctxs, tables, len(seqs), None, self.kv.block_size)
