@@ -9,14 +9,21 @@ a fraction F of the requests get a fresh tuple (a decode step appends a block to
 
     python benchmarks/verify_rows.py [--requests 64] [--rows 5,16] [--context 700] [--reps 300]
 
+`--against DIR`: DIR's foveal/attention/triton_backend.py (another tree: `git archive <commit> foveal |
+tar -x -C DIR`) loaded beside this one in the same process, the two alternating round by round (the
+host's speed moves more across processes than a change does): shares_prefixes + fill_graph_metadata at
+each --rows, and plan() of a mixed step (100 decode rows of 100-1,500 keys, 30 prompt chunks of 512).
+
 Ends with one JSON line (milliseconds per call, the median of --rounds rounds of --reps calls).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -24,6 +31,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from foveal.attention import triton_backend  # noqa: E402
 from foveal.attention.base import AttentionBatch  # noqa: E402
 from foveal.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from foveal.sched.batch import DEVICE_DRAFT, ScheduledItem  # noqa: E402
@@ -73,6 +81,85 @@ def timed(fn, reps: int, rounds: int) -> float:
     return round(statistics.median(out), 3)
 
 
+def side_by_side(fns: dict, reps: int, rounds: int) -> dict:
+    """Median ms per call of each fn, the fns taking turns round by round."""
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    times: dict = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times[k].append((time.perf_counter() - t0) / reps * 1e3)
+    return {k: round(statistics.median(v), 3) for k, v in times.items()}
+
+
+def backend_module(root: str):
+    """root's foveal/attention/triton_backend.py as a module of its own (its imports: this tree's)."""
+    name = "triton_backend_of_" + os.path.basename(os.path.abspath(root))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(root, "foveal/attention/triton_backend.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def against(a, bs: int) -> None:
+    """This tree's Triton backend and --against's, alternating (see the module doc)."""
+    mods = {"this": triton_backend, "against": backend_module(a.against)}
+    out = {"benchmark": "verify_rows_against", "against": a.against, "rows": []}
+    for rows in (int(x) for x in a.rows.split(",")):
+        items, held = verify_items(a.requests, rows, a.context, bs)
+        n = a.requests * rows
+        step = build_rows(items, held, rows + 1, bs)
+        fns = {}
+        for key, mod in mods.items():
+            backend = mod.TritonAttentionBackend()
+            static = backend.graph_metadata(n, -(-(a.context + rows) // bs) + 1, bs, "cpu")
+            batch = AttentionBatch(step.query_lens, step.context_lens, list(step.block_tables), n, None, bs)
+            renewed = Renewed(batch.block_tables, rows, a.renew)
+
+            def call(backend=backend, static=static, batch=batch, renewed=renewed, n=n):
+                backend._memo = None
+                renewed()
+                backend.shares_prefixes(batch)
+                backend.fill_graph_metadata(static, batch, n)
+
+            fns[key] = call
+        row = {
+            "requests": a.requests,
+            "rows": rows,
+            "shares_and_fill_ms": side_by_side(fns, a.reps, a.rounds),
+        }
+        print(json.dumps(row), flush=True)
+        out["rows"].append(row)
+    rng = random.Random(0)
+    tables, ctxs, q_lens = [], [], []
+    for i in range(130):  # 100 decode rows, then 30 prompt chunks of 512 from position 0
+        c, q = (rng.randint(100, 1500), 1) if i < 100 else (0, 512)
+        tables.append(tuple(rng.sample(range(50000), (c + q) // bs + 1)))
+        ctxs.append(c)
+        q_lens.append(q)
+    fns = {}
+    for key, mod in mods.items():
+        backend, batch = (
+            mod.TritonAttentionBackend(),
+            AttentionBatch(q_lens, ctxs, list(tables), 100, None, bs),
+        )
+
+        def plan(backend=backend, batch=batch):
+            backend._memo = None
+            backend.plan(batch, "cpu")
+
+        fns[key] = plan
+    out["mixed_plan_ms"] = side_by_side(fns, a.reps, a.rounds)
+    print(json.dumps(out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
@@ -84,8 +171,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--renew", type=float, default=1 / 16, help="requests with a new table each call")
+    ap.add_argument("--against", default=None, help="another tree's root: its Triton backend side by side")
     a = ap.parse_args()
     bs, results = a.block_size, []
+    if a.against:
+        return against(a, bs)
     for rows in (int(x) for x in a.rows.split(",")):
         items, held = verify_items(a.requests, rows, a.context, bs)
         n = a.requests * rows
