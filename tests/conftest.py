@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -35,13 +36,63 @@ def smollm_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm(smollm_path):
-    """transformers' own GGUF loader on the embedded model: the independent reference (fp32, CPU)."""
-    from transformers import AutoModelForCausalLM
+def hf_smollm(smollm_path, pytestconfig):
+    """transformers' own GGUF loader on the embedded model: the independent reference (fp32, CPU).
 
+    That loader takes ~50 s here (it parses the file twice and maps the tensor names slowly), and each
+    test worker needs it: its weights are kept (fp32 safetensors, exact) with its config in pytest's
+    cache folder (.pytest_cache/d/smollm-reference/), keyed by the file and the versions of
+    transformers and gguf, and a later worker or run builds the same transformers model from them in a
+    few seconds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cached = os.path.join(pytestconfig.cache.mkdir("smollm-reference"), _reference_key(smollm_path))
+    if os.path.isfile(os.path.join(cached, "model.safetensors")):
+        from safetensors.torch import load_model
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cached), dtype=torch.float32)
+        load_model(model, os.path.join(cached, "model.safetensors"))
+        return model.eval()
     d, f = os.path.split(smollm_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    _keep(model, cached)
+    return model
+
+
+def _reference_key(path: str) -> str:
+    import hashlib
+    from importlib.metadata import version
+
+    st = os.stat(path)
+    parts = (os.path.abspath(path), st.st_size, st.st_mtime_ns, version("transformers"), version("gguf"))
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def _keep(model, cached: str) -> None:
+    """Config and weights into a temporary folder renamed into place (a reader never sees half of it); a
+    cache that cannot be written only costs the next worker the load."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    parent = os.path.dirname(cached)
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the GGUF's: the kept weights are the dequantized ones
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f)
+        save_model(model, os.path.join(tmp, "model.safetensors"))
+        os.rename(tmp, cached)
+        tmp = None
+    except OSError:  # read-only, full, or another worker's rename won
+        pass
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
