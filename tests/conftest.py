@@ -14,6 +14,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # a kernel is defined, so it must be set before any kernel module is imported
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter import patch_language_once_per_launch
+
+    try:
+        patch_language_once_per_launch()  # the interpreter's speed only (see there)
+    except ImportError:  # no triton: its tests skip
+        pass
 
 
 def pytest_configure(config):

@@ -31,3 +31,57 @@ def interpreter_rounds_to_nearest_even():
     builder.cast_impl = rtne_cast
     yield
     builder.cast_impl = cast_impl
+
+
+def patch_language_once_per_launch() -> bool:
+    """Triton's interpreter patches triton.language into its interpreted forms when a kernel launch
+    starts (and restores it when the launch ends), and again at every call of a @triton.jit device
+    function from inside it: ~3 ms a call here (it walks the modules' members), paid per program and per
+    loop iteration that calls a helper (the sampler's, the attention tiles', `pdl.begin`, tl.zeros).
+    Inside a launch that already patched the same modules the second patch changes nothing, so device
+    calls skip it; everything else runs as Triton runs it. Returns whether it is installed (False where
+    this Triton's interpreter is not shaped as 3.x's is: the tests then run at its own speed)."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    grid, device = getattr(ti, "GridExecutor", None), getattr(ti, "InterpretedFunction", None)
+    if grid is None or device is None or not hasattr(ti, "_patch_lang"):
+        return False
+    grid_call, device_call = grid.__call__, device.__call__
+    if getattr(device_call, "_patches_once", False):
+        return True
+    launches: list[frozenset[int]] = []  # per running launch: the language modules patched so far
+    seen: dict[object, frozenset[int]] = {}
+
+    def modules(fn) -> frozenset[int]:  # what _patch_lang patches for fn: tl / tl.core among its globals
+        out = seen.get(fn)
+        if out is None:
+            vals = fn.__globals__.values()
+            out = seen[fn] = frozenset(id(v) for v in vals if inspect.ismodule(v) and v in (tl, tl.core))
+        return out
+
+    def launch(self, *args, **kwargs):
+        launches.append(modules(self.fn))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def call(self, *args, **kwargs):
+        fn = self.rewrite()  # (rewriting may add the interpreter's names to fn's globals: then compared)
+        if not launches:
+            return device_call(self, *args, **kwargs)
+        mods = modules(self.fn)
+        if not mods <= launches[-1]:  # (triton.language.standard's helpers see tl.core, kernels tl)
+            launches[-1] |= mods  # patched for the rest of the launch (a device call's patch stays)
+            return device_call(self, *args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise ti.InterpreterError(repr(e)) from e
+
+    call._patches_once = True
+    grid.__call__, device.__call__ = launch, call
+    return True
