@@ -16,11 +16,21 @@ from tests.attention_cases import DEVICE, SHAPES, Case, tolerance
 from tests.attention_cases import compare as compare_strict
 
 
-def compare(case: Case, backend, **kw):
+def compare(case: Case, backend, **kw) -> torch.Tensor:
     """attention_cases.compare at float32 tolerances for rows of up to ~100 keys of values ~N(0, 1):
-    the plain Triton path is ~4e-5 from the float64 result on these cases as well, the oracle ~2e-5."""
+    the plain Triton path is ~4e-5 from the float64 result on these cases as well, the oracle ~2e-5.
+    Returns the backend's output there (case.run on a clone of the cache: a test comparing it with
+    another path needs no second run)."""
     fp32 = case.q.dtype == torch.float32
-    return compare_strict(case, backend, tol=dict(atol=1e-4, rtol=1e-4) if fp32 else None, **kw)
+    outs = []
+    forward = backend.forward
+    backend.forward = lambda *a, **k: outs.append(forward(*a, **k)) or outs[-1]
+    try:
+        compare_strict(case, backend, tol=dict(atol=1e-4, rtol=1e-4) if fp32 else None, **kw)
+    finally:
+        del backend.forward  # the class's again
+    assert len(outs) == 1
+    return outs[0]
 
 
 def test_plan_groups_rows_by_first_block_and_their_common_run():
@@ -107,9 +117,9 @@ def test_shared_prefixes_equal_the_oracle_and_the_plain_path(num_kv, group, head
     meta = shared.plan(case.batch, case.device)
     assert meta.shared is not None and meta.shared.num_tiles >= 3  # A in two tiles and B
     assert ROWS_PER_TILE < 18
-    compare(case, shared)
+    out = compare(case, shared)
     plain = case.run(TritonAttentionBackend(shared_min_rows=0), case.cache.clone())
-    torch.testing.assert_close(case.run(shared, case.cache.clone()), plain, **tolerance(case.q.dtype, 2))
+    torch.testing.assert_close(out, plain, **tolerance(case.q.dtype, 2))
     assert meta.shared.prefix_lens.count_nonzero().item() == 21  # every row of both groups
 
 
@@ -165,9 +175,10 @@ def test_a_requests_own_rows_equal_the_oracle_and_the_plain_path(num_kv, group, 
     assert meta.shared.num_tiles == 2 and meta.shared.prefix_lens.count_nonzero().item() == 11
     backend.request_min_groups = 3  # a step with fewer such requests keeps the plain path
     assert backend.plan(case.batch, case.device).shared is None
-    compare(case, backend)
+    backend.request_min_groups = 2  # (the grouped path is the one compared below)
+    out = compare(case, backend)
     plain = case.run(TritonAttentionBackend(shared_min_rows=0), case.cache.clone())
-    torch.testing.assert_close(case.run(backend, case.cache.clone()), plain, **tolerance(case.q.dtype, 2))
+    torch.testing.assert_close(out, plain, **tolerance(case.q.dtype, 2))
 
 
 def _graph_run(backend, case, static, padded: int):
@@ -233,11 +244,11 @@ NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=1, prom
 NGRAM["adaptive"] = False
 
 
-def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, bar=BAR, **kw):
-    """Greedy tokens of the prompts, all sent after one request with their common prefix (which puts
-    the prefix's blocks in the cache); with monkeypatch, the Triton backend groups rows by `bar` (from 4
-    rows behind 8 keys; a request's own rows in steps of any size) and the shared-prefix launches are
-    counted."""
+def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, bar=BAR, warm=40, **kw):
+    """Greedy tokens of the prompts, all sent after one request with their common prefix (its first
+    `warm` tokens: that puts the prefix's blocks in the cache); with monkeypatch, the Triton backend
+    groups rows by `bar` (from 4 rows behind 8 keys; a request's own rows in steps of any size) and the
+    shared-prefix launches are counted."""
     from foveal import SamplingParams
     from foveal.attention.kernels import decode
     from foveal.engine.llm import LLM
@@ -271,13 +282,25 @@ def _engine_tokens(folder, prompts, monkeypatch=None, graphs=False, bar=BAR, **k
                 replay(batch, n, lora, shared),
             )[1]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm.generate([prompts[0][:40]], params)
+    llm.generate([prompts[0][:warm]], params)
     outs = llm.generate(prompts, params)
     llm.engine.kv.check_integrity()
     spec = llm.engine.speculation
     if spec is not None:  # verify rows ran (else a test of them proves nothing)
         assert spec.stats.num_drafts >= len(prompts)
     return [o.outputs[0].token_ids for o in outs], launches
+
+
+_PLAIN: dict = {}
+
+
+def _plain_tokens(folder, prompts, **kw):
+    """_engine_tokens' plain greedy tokens (the torch backend, no grouping), made once a module for
+    the tests that compare with the same ones."""
+    key = (str(folder), repr(prompts), repr(sorted(kw.items())))
+    if key not in _PLAIN:
+        _PLAIN[key] = _engine_tokens(folder, prompts, **kw)[0]
+    return _PLAIN[key]
 
 
 def _shared_prompts(n=10):
@@ -292,7 +315,7 @@ def test_engine_greedy_with_shared_prefixes_equals_the_plain_path(folder, monkey
     graph path through the graph variant with the shared-prefix kernel) and every
     token equals the torch backend's."""
     prompts = _shared_prompts()
-    want, _ = _engine_tokens(folder, prompts)
+    want = _plain_tokens(folder, prompts)
     got, launches = _engine_tokens(folder, prompts, monkeypatch, graphs=graphs, attention_backend="triton")
     assert launches and got == want
     assert ("graph" in launches) == graphs
@@ -316,7 +339,10 @@ def test_speculative_verify_rows_group_too(folder, monkeypatch):
     # the shared prefix holds every token id, so the last token always has an earlier occurrence: drafts
     perm = torch.randperm(253, generator=torch.Generator().manual_seed(0)).add(3).tolist()
     prompts = [perm + p[40:] for p in _shared_prompts(6)]
-    big = dict(num_blocks=300, max_model_len=300)
+    # the whole common prefix cached first: the six rows read its 63 blocks from the cache (the
+    # grouped prefix spans several of the kernel's key tiles) and prefill their suffixes alone, where
+    # each would store its own 213 tokens of it
+    big = dict(num_blocks=300, max_model_len=300, warm=len(perm))
     want, _ = _engine_tokens(folder, prompts, **big)
     got, launches = _engine_tokens(
         folder, prompts, monkeypatch, attention_backend="triton", speculative_config=NGRAM, **big
