@@ -415,8 +415,8 @@ def w4(a) -> None:
     )
     RESULTS["W4_single"] = r
     # 64 at once, twice (other images the second time): the first run pays the first uses of its
-    # step sizes (on a fresh machine ~1.2 s of Triton compiles and ~0.4 s more, H100, session 44; the
-    # compiles are cached on disk for later processes), the second is the steady state
+    # step sizes (on a fresh H100 ~1.6-1.9 s, ~0.9 s of it Triton compiles of the split decode: session
+    # 44, benchmarks/first_use.py), the second is the steady state
     prompts = [image_prompt(i) for i in range(1, N(64) + 1)]
     r = run(llm, prompts, [greedy(L(128))] * N(64))
     report("W4 64 concurrent, first use", r)
