@@ -36,7 +36,6 @@ def main() -> None:
     sys.path.insert(0, HERE)
     import gpu_workloads as g
     import torch
-    from PIL import Image
 
     phase = ["start"]
     compiles: list[tuple[str, str, float, str]] = []
@@ -58,23 +57,10 @@ def main() -> None:
         enforce_eager=False, async_scheduling="auto", gpu_memory_utilization=0.9, smoke=a.smoke
     )
     g.setup(opts, "first_use.py")
-    llm = g.engine(
-        "qwen2.5-vl-7b.json", opts, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192
-    )
-    V = min(150000, llm.processor.info.vocab_size - 10)
+    llm, image_prompt = g.w4_engine(opts)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-
-    def image_prompt(i: int):  # as gpu_workloads.w4's
-        gen = torch.Generator().manual_seed(1000 + i)
-        img = Image.fromarray(torch.randint(0, 256, (448, 448, 3), generator=gen, dtype=torch.uint8).numpy())
-        text = " ".join(f"t{t}" for t in torch.randint(100, V, (g.L(64),), generator=gen).tolist())
-        content = [{"type": "image"}, {"type": "text", "text": text}]
-        return llm.processor.render_chat([{"role": "user", "content": content}], images=[img])
-
     phase[0] = "warm-up"
-    g.run(llm, [image_prompt(999)], [g.greedy(8)])
-    g.run(llm, [image_prompt(997)], [g.greedy(8)])
-    g.run(llm, [image_prompt(990 + i) for i in range(4)], [g.greedy(8)] * 4)
+    g.w4_warm_up(llm, image_prompt)
     eng = llm.engine
     step = eng.step
     times: list[float] = []

@@ -381,7 +381,9 @@ def w3(a) -> None:
         log(f"W3 profile: {json.dumps(out)}\n{table}")
 
 
-def w4(a) -> None:
+def w4_engine(a):
+    """W4's engine and its prompt maker: image_prompt(i) is one 448x448 image (seeded by i) and L(64) text
+    tokens (benchmarks/first_use.py uses both too)."""
     from PIL import Image
 
     llm = engine("qwen2.5-vl-7b.json", a, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192)
@@ -394,15 +396,24 @@ def w4(a) -> None:
         content = [{"type": "image"}, {"type": "text", "text": text}]
         return llm.processor.render_chat([{"role": "user", "content": content}], images=[img])
 
+    return llm, image_prompt
+
+
+def w4_warm_up(llm, image_prompt, first=None) -> None:
+    """W4's warm-up (vision tower included): two requests one after the other, then a few at once. On a
+    fresh machine one warm-up request left the measured TTFT at 87-96 ms against 45-46 ms after more
+    warm-up (first-use costs of the second request's path; not pinned down yet)."""
+    run(llm, [first if first is not None else image_prompt(999)], [greedy(8)])
+    run(llm, [image_prompt(997)], [greedy(8)])
+    run(llm, [image_prompt(990 + i) for i in range(4)], [greedy(8)] * 4)
+
+
+def w4(a) -> None:
+    llm, image_prompt = w4_engine(a)
     t0 = time.perf_counter()
     warm = image_prompt(999)
     prep = time.perf_counter() - t0
-    # warm-up (vision tower included): two requests one after the other, then a few at once. On a
-    # fresh machine one warm-up request left the measured TTFT at 87-96 ms against 45-46 ms after more
-    # warm-up (first-use costs of the second request's path; not pinned down yet)
-    run(llm, [warm], [greedy(8)])
-    run(llm, [image_prompt(997)], [greedy(8)])
-    run(llm, [image_prompt(990 + i) for i in range(4)], [greedy(8)] * 4)
+    w4_warm_up(llm, image_prompt, warm)
     if a.profile:
         profile_first_token(llm, image_prompt(998))
     r = run(llm, [image_prompt(0)], [greedy(L(128))])
