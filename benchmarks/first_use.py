@@ -38,7 +38,7 @@ def main() -> None:
     import torch
 
     phase = ["start"]
-    compiles: list[tuple[str, str, float, str]] = []
+    compiles: list[tuple[str, str, float, str, str]] = []
     if a.compiles:
         import triton
 
@@ -49,7 +49,10 @@ def main() -> None:
 
         def after(**kw):
             spent = time.perf_counter() - began.pop(kw["key"], time.perf_counter())
-            compiles.append((phase[0], kw["fn"].name, spent, str(kw["compile"].get("constants"))[:300]))
+            # repr: each argument's type with Triton's specialization (D: divisible by 16, 1: a constant)
+            compiles.append(
+                (phase[0], kw["fn"].name, spent, str(kw["compile"].get("constants"))[:300], kw["repr"])
+            )
 
         triton.knobs.runtime.jit_cache_hook = before
         triton.knobs.runtime.jit_post_compile_hook = after
@@ -87,16 +90,16 @@ def main() -> None:
         out[f"round_{rnd}"] = {**r, "first_steps_ms": [round(t, 2) for t in times[:6]]}
     if a.compiles:
         by = collections.defaultdict(lambda: [0, 0.0])
-        for ph, _, spent, _ in compiles:
+        for ph, _, spent, *_ in compiles:
             by[ph][0] += 1
             by[ph][1] += spent
         g.log(
             "Triton compiles by phase (count, seconds): "
             + str({k: (v[0], round(v[1], 2)) for k, v in by.items()})
         )
-        for ph, name, spent, consts in compiles:
-            if ph != "start":
-                g.log(f"  {ph}: {name} {spent * 1e3:.0f} ms {consts}")
+        for ph, name, spent, consts, spec in compiles:
+            if ph != "start" or name in ("_decode_kernel", "_combine_kernel"):
+                g.log(f"  {ph}: {name} {spent * 1e3:.0f} ms {consts}\n    {spec}")
         out["compiles"] = {k: {"count": v[0], "seconds": round(v[1], 3)} for k, v in by.items()}
     print(json.dumps(out))
 

@@ -284,3 +284,75 @@ def test_quantized_pools_through_graph_metadata_and_shared_prefixes(kind):
     compare_quantized(case, backend, kind)  # eager
     meta = padded_run(case, len(SEQS) + 2, shared=True)
     assert int((meta.shared.prefix_lens > 0).sum()) == 21
+
+
+def _launch_keys(monkeypatch) -> list:
+    """Records, instead of running them, the decode, combine and shared-prefix kernels' launches: each
+    as (kernel, Triton's specialization of every argument, the constants), what picks the compiled
+    variant (the interpreter keeps the kernels' do-not-specialize lists; a GPU run reads the same)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    from foveal.attention.kernels import decode, shared_prefix
+
+    keys = []
+
+    def recorder(kernel, name):
+        opts = getattr(kernel, "kwargs", None) or vars(kernel)
+        free, unaligned = (
+            set(opts.get(k) or ()) for k in ("do_not_specialize", "do_not_specialize_on_alignment")
+        )
+
+        def launch(*args, **constants):
+            spec = tuple(
+                native_specialize_impl(BaseBackend, arg, False, n not in free, n not in unaligned)
+                for n, arg in zip(kernel.arg_names, args)
+            )
+            keys.append((name, spec, tuple(sorted(constants.items()))))
+
+        return type("Recorder", (), {"__getitem__": lambda self, grid: launch})()
+
+    for module, name in (
+        (decode, "_decode_kernel"),
+        (decode, "_combine_kernel"),
+        (shared_prefix, "_shared_prefix_kernel"),
+    ):
+        monkeypatch.setattr(module, name, recorder(getattr(module, name), name))
+    return keys
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared-prefixes"])
+@pytest.mark.parametrize("max_splits", [1, 2], ids=["direct", "split"])
+def test_graph_and_eager_steps_launch_the_same_kernel_variants(monkeypatch, shared, max_splits):
+    """An eager step's decode launches specialize as a graph's of the same split count do, so the
+    variants compiled for the start-up's graphs serve the eager (mixed) steps of the first requests: a
+    variant of their own compiled mid-traffic, delaying every request's first token (W4 on a fresh H100,
+    session 44). The lengths and tables sit aligned in an eager step's packed metadata and not in a
+    graph's static rows, and their stride is 1 only in the former."""
+    from tests.test_shared_prefix import GROUPS, SEQS, shared_case
+
+    backend = TritonAttentionBackend(
+        split_tokens=16, max_splits=max_splits, shared_min_rows=3 if shared else 0, shared_min_prefix=4
+    )
+    case = shared_case(SEQS, GROUPS, num_kv=2, group=2, head_dim=64, bs=4, seed=4)
+    n = len(SEQS)
+    static = backend.graph_metadata(32, max_blocks_per_seq=64, block_size=4, device=DEVICE)
+    eager = backend.plan(case.batch, case.device)
+    graph = backend.fill_graph_metadata(static, case.batch, n, shared=shared)
+    assert (eager.shared is not None) == shared
+    keys = _launch_keys(monkeypatch)
+    launched = []
+    for meta in (eager, graph):
+        keys.clear()
+        backend.forward(case.q, case.k, case.v, case.cache.clone(), meta, SCALE)
+        launched.append(list(keys))
+    names = [k[0] for k in launched[0]]
+    want = (
+        ["_decode_kernel"]
+        + ["_shared_prefix_kernel"] * shared
+        + ["_combine_kernel"] * (shared or max_splits > 1)
+    )
+    assert names == want and [k[0] for k in launched[1]] == want
+    for (name, eager_spec, eager_consts), (_, graph_spec, graph_consts) in zip(*launched):
+        assert eager_consts == graph_consts, name
+        assert eager_spec == graph_spec, name

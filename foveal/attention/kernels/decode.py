@@ -44,7 +44,13 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_slots", "stride_table"])  # they vary step to step
+# What varies step to step is not specialized on: the split counts and the table's width, and where the
+# lengths and tables sit (an eager step's packed metadata is 16-byte aligned, a graph's static rows are
+# not; specialized, an eager step compiled variants of its own at its first use, mid-traffic)
+@triton.jit(
+    do_not_specialize=["num_splits", "num_slots", "stride_table", "stride_len"],
+    do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "prefix_lens_ptr"],
+)
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -156,7 +162,7 @@ def _decode_kernel(
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_slots"])
+@triton.jit(do_not_specialize=["num_splits", "num_slots"], do_not_specialize_on_alignment=["prefix_lens_ptr"])
 def _combine_kernel(
     part_acc_ptr,
     part_ml_ptr,

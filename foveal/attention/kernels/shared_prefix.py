@@ -147,7 +147,10 @@ def plan_groups(
     return keep.astype(np.int32), order.astype(np.int32), tiles.astype(np.int32)
 
 
-@triton.jit
+@triton.jit(  # as the decode kernel: eager and graph steps share its variants (decode.py)
+    do_not_specialize=["num_slots", "stride_table"],
+    do_not_specialize_on_alignment=["tables_ptr", "rows_ptr", "tiles_ptr", "prefix_lens_ptr"],
+)
 def _shared_prefix_kernel(
     q_ptr,
     cache_ptr,
