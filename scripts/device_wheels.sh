@@ -10,7 +10,8 @@ mkdir -p .whl
 specs=()
 for p in fastapi starlette pydantic pydantic-core uvicorn annotated-types typing-inspection opentelemetry-api \
          gguf num2words uvloop httptools llguidance jsonschema jsonschema-specifications referencing rpds-py \
-         peft accelerate psutil pyyaml av python-multipart openai jiter httpx2 httpcore2 truststore sniffio; do
+         peft accelerate psutil pyyaml av python-multipart openai jiter httpx2 httpcore2 truststore sniffio \
+         pytest-xdist execnet; do
   specs+=("$p==$(ver $p)")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
