@@ -85,3 +85,24 @@ def patch_language_once_per_launch() -> bool:
     call._patches_once = True
     grid.__call__, device.__call__ = launch, call
     return True
+
+
+def skip_dead_overflow_checks() -> bool:
+    """Triton's integer-overflow sanitizer redoes every int32 add, sub and mul of a kernel in int64,
+    compares the result with the type's range and hands the comparison to `device_assert`, which does
+    nothing unless the options' `debug` is on. The interpreter's options are fixed with debug off, so
+    that work is dead (~40% of the sampler's distribution test): with debug off it is switched off, and
+    nothing a kernel computes changes. Returns whether it is (False where this Triton's interpreter is
+    shaped otherwise, or debugs: then the checks run as Triton runs them)."""
+    import dataclasses
+
+    from triton.runtime import interpreter as ti
+
+    builder = getattr(ti, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if not dataclasses.is_dataclass(options) or getattr(options, "debug", True):
+        return False
+    if not getattr(options, "sanitize_overflow", False):
+        return True
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True
