@@ -16,11 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tests.interpreter import patch_language_once_per_launch, skip_dead_overflow_checks
+    from tests.interpreter import speed_up_interpreter
 
-    try:  # the interpreter's speed only (see there)
-        patch_language_once_per_launch()
-        skip_dead_overflow_checks()
+    try:
+        speed_up_interpreter()
     except ImportError:  # no triton: its tests skip
         pass
 

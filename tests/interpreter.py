@@ -33,6 +33,14 @@ def interpreter_rounds_to_nearest_even():
     builder.cast_impl = cast_impl
 
 
+def speed_up_interpreter() -> None:
+    """Triton's interpreter, faster where it repeats work whose result it already has or never reads
+    (each below says what); what a kernel computes stays the same, bit for bit."""
+    patch_language_once_per_launch()
+    skip_dead_overflow_checks()
+    remember_numpy_dtypes()
+
+
 def patch_language_once_per_launch() -> bool:
     """Triton's interpreter patches triton.language into its interpreted forms when a kernel launch
     starts (and restores it when the launch ends), and again at every call of a @triton.jit device
@@ -105,4 +113,32 @@ def skip_dead_overflow_checks() -> bool:
     if not getattr(options, "sanitize_overflow", False):
         return True
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True
+
+
+def remember_numpy_dtypes() -> bool:
+    """The interpreter's `_get_np_dtype` builds its table of 19 Triton -> numpy dtypes at every call
+    (hundreds of thousands of calls in a test: ~9% of the sampler's distribution test). Its answer for a
+    block is its element's, so answers are kept per element dtype, each the function's own. Returns
+    whether it is installed (False where this Triton's interpreter has no such function)."""
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    real = getattr(ti, "_get_np_dtype", None)
+    if real is None or getattr(real, "_remembers", False):
+        return real is not None
+    known: dict = {}
+    pointer = real(tl.pointer_type(tl.int8))  # every pointer's (pointer types are not hashable)
+
+    def np_dtype(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(key, tl.pointer_type):
+            return pointer
+        out = known.get(key)
+        if out is None:
+            out = known[key] = real(tt_dtype)
+        return out
+
+    np_dtype._remembers = True
+    ti._get_np_dtype = np_dtype
     return True
