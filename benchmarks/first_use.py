@@ -7,8 +7,10 @@ with gpu_workloads.py's warm-up (1, 1, then 4 image requests), then its 64 concu
 The first --timed-rounds rounds synchronize around each engine step and print the first steps' times;
 the later ones run as gpu_workloads.py does. --compiles: a fresh Triton cache (every kernel variant
 compiles for real) and the compiles listed by phase (engine start, warm-up, each round) with their
-constants and times (Triton's jit_cache_hook / jit_post_compile_hook). --smoke: the CPU and a tiny
-config (checks the script; no compiles there: Triton's interpreter). Ends with one JSON line.
+constants, times and arguments' specialization (Triton's jit_cache_hook / jit_post_compile_hook; the
+start's attention decode and combine compiles are listed too, to compare with later ones). --smoke:
+the CPU and a tiny config (checks the script; no compiles there: Triton's interpreter). Ends with one
+JSON line.
 """
 
 from __future__ import annotations
