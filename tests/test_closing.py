@@ -242,6 +242,35 @@ def test_a_plans_budget_counts_its_threads_cpu_time_not_waiting():
     assert b.skipped == 1 and b.step_spent >= 0.02
 
 
+def test_a_plan_stopped_by_the_steps_time_left_is_put_off_not_given_up(backend, monkeypatch):
+    """The step's other plans took most of its budget: a plan stopped at what they left (short of its
+    own limit) is asked again at the next step (DEFER), not given up; stopped at its own time limit, or
+    at its expansions however much time was left, it is given up (None, counted)."""
+    from foveal.structured import closing
+
+    b = closing.Budget(plan_s=0.02, step_s=0.02)
+    monkeypatch.setattr(closing, "BUDGET", b)
+    g = backend.compile(
+        OutputConstraint.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
+    )
+    m = g.matcher()
+    assert m.accept(backend.tokenize_bytes(b'{"a": "x'))  # mid-answer
+    closer = closing.closer_for(g)
+    cpu_bound = [True]
+
+    def search(*a):  # a search that never ends, by CPU time or by matcher copies
+        while True:
+            b.check() if cpu_bound[0] else b.spend()
+
+    monkeypatch.setattr(closer, "_plan", search)
+    b.step_spent = 0.015  # the step's earlier plans: 5 ms of its 20 left
+    assert closer.plan(m, '{"', 64) is closing.DEFER and b.skipped == 0
+    b.new_step()
+    assert closer.plan(m, '{"', 64) is None and b.skipped == 1  # its own 20 ms
+    b.step_spent, cpu_bound[0] = 0.015, False
+    assert closer.plan(m, '{"', 64) is None and b.skipped == 2  # its expansions, within the 5 ms left
+
+
 def test_the_plan_from_the_start_is_made_in_the_input_pool(backend, monkeypatch):
     """prepare(grammar, max_tokens) plans from the grammar's start off the model thread's step budget;
     a request's first look then reads it (found, or given up) without a plan on the model thread."""

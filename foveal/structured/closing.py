@@ -26,8 +26,9 @@ Plans run on the model thread, so each is on a budget (`Budget`): `PLAN_EXPANSIO
 and `PLAN_SECONDS` of the thread's CPU time per plan, and `STEP_SECONDS` for all the plans of one step (the
 runner calls `Budget.new_step`); the witnesses a plan reads are built before, in the input pool
 (`prepare`). A plan over its budget is given up (None: the request is cut as it
-falls, counted in `Budget.skipped`); a look that finds the step's budget spent is put off to the next
-step (DEFER). A schema whose shortest string is 301 characters searched for 6.6 s before this.
+falls, counted in `Budget.skipped`); a look that finds the step's budget spent, or a plan stopped by
+what the step's other plans left of it (short of its own limit), is put off to the next step (DEFER).
+A schema whose shortest string is 301 characters searched for 6.6 s before this.
 """
 
 from __future__ import annotations
@@ -105,8 +106,10 @@ class Budget:
         p.t0 = p.cpu = _clock()
         if on_step:
             p.deadline = p.t0 + min(self.plan_s, self.step_s - self.step_spent)
+            p.short = self.step_s - self.step_spent < self.plan_s  # the step's time left is the limit
         else:
             p.deadline = p.t0 + max(self.plan_s, POOL_PLAN_SECONDS)
+            p.short = False
         p.left = self.expansions
         p.on_step = on_step
         return True
@@ -137,6 +140,13 @@ class Budget:
         p.wall = w
         p.cpu = _clock()
         return p.cpu > p.deadline
+
+    def cut_by_step(self) -> bool:
+        """Whether the plan that just went over its budget was stopped by the step's time left, short of
+        its own limit: the other plans of the step took the rest, so it is put off to the next step
+        rather than given up (a plan over its own time or expansions is given up)."""
+        p = self._plan
+        return p.short and p.left >= 0
 
     def end(self, skipped: bool) -> None:
         p = self._plan
@@ -241,10 +251,11 @@ class Closer:
     # -- the plan -----------------------------------------------------------------------------------
     def plan(self, matcher, stack: str, limit: int, on_step: bool = True) -> list[int] | None | str:
         """Tokens (at most `limit`) that take `matcher` from where it is to a complete match, None
-        when none was found within the budget, or DEFER when this step's budget is spent. `stack`: the
-        JSON nesting of the text so far (`nesting`). From the grammar's start (the shortest document)
-        the answer is the same for every request: kept, and so is a search given up (`prepare` makes
-        it in the input pool, so a request's first look costs the model thread nothing)."""
+        when none was found within the budget, or DEFER when this step's budget is spent (before the
+        plan, or during it short of the plan's own limit). `stack`: the JSON nesting of the text so far
+        (`nesting`). From the grammar's start (the shortest document) the answer is the same for every
+        request: kept, and so is a search given up (`prepare` makes it in the input pool, so a
+        request's first look costs the model thread nothing)."""
         if matcher.num_tokens == 0:
             with self._lock:
                 tried, plan = self._start
@@ -266,8 +277,9 @@ class Closer:
         try:
             plan = self._plan(matcher, stack, limit)
         except _OverBudget:
-            BUDGET.end(skipped=True)
-            return None
+            later = BUDGET.cut_by_step()
+            BUDGET.end(skipped=not later)
+            return DEFER if later else None
         BUDGET.end(skipped=False)
         return plan
 
