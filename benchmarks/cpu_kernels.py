@@ -3,7 +3,9 @@ alternately in one process (this host drifts by +-15% between runs):
 
   quantized linear (layers/cpu_quant.c, Q4_1; the LM head Q8_0) vs oneDNN fp32 on the dequantized
       weights (the dense CPU path), at 1, 16 and 128 rows, bf16 activations
-  decode attention (attention/cpu_decode.c) vs the torch backend's gather + SDPA, 16 sequences
+  decode attention (attention/cpu_attention.c) vs the torch backend's gather + SDPA, 16 sequences
+  prompt attention (the same kernel, every row of a chunk) vs the torch backend's causal SDPA: a
+      fresh prompt of 160 / 700 / 2,000 tokens, and a prefix hit's remainder (the last 500 of 2,000)
   fused glue (layers/cpu_fused.c): residual add + RMSNorm, rotary, SiLU-and-mul vs their PyTorch ops
 
     python benchmarks/cpu_kernels.py [--rows 1 16 128]
@@ -103,6 +105,24 @@ def attention(seqs: int = 16, ctx: int = 200) -> dict:
     return {"op": f"decode attention {seqs} seqs x {ctx} keys", "rows": seqs, "native_us": tn, "torch_us": tt}
 
 
+def prompt_attention(chunks=((0, 160), (0, 700), (0, 2000), (1500, 500))) -> list[dict]:
+    """One layer's attention over a prompt chunk, SmolLM2's shapes, bf16: (cached context, new tokens)."""
+    from foveal.attention import get_backend
+    from tests.attention_cases import Case
+
+    cpu, out = torch.device("cpu"), []
+    for ctx, n in chunks:
+        case = Case([(ctx, n)], num_kv=3, group=3, head_dim=64, bs=16, dtype=torch.bfloat16, device=cpu)
+        runs = []
+        for backend in (get_backend("cpu", cpu), get_backend("torch", cpu)):
+            meta = backend.plan(case.batch, cpu)
+            runs.append(lambda b=backend, m=meta, c=case: c.run(b, c.cache, m))
+        tn, tt = ab(*runs, calls=max(3, int(2e6 / ((ctx + n) * n))))
+        what = f"prompt attention {n} tokens" + (f" after {ctx}" if ctx else "")
+        out.append({"op": what, "rows": n, "native_us": tn, "torch_us": tt})
+    return out
+
+
 def glue(rows: int) -> list[dict]:
     dt = torch.bfloat16
     norm = RMSNorm(576, 1e-5).to(dt)
@@ -144,11 +164,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
     ap.add_argument("--linears-against", choices=["torch", "avx2"], default="torch")
+    ap.add_argument("--attention", action="store_true", help="the attention pairs only")
     a = ap.parse_args()
-    if a.linears_against == "avx2":
+    if a.attention:
+        results = [attention()] + prompt_attention()
+    elif a.linears_against == "avx2":
         results = linears(a.rows, "avx2")
     else:
-        results = linears(a.rows) + [attention()] + glue(16)
+        results = linears(a.rows) + [attention()] + prompt_attention() + glue(16)
     print(f"{'op':<36}{'rows':>6}{'native us':>12}{'torch us':>12}{'speed-up':>10}")
     for r in results:
         r["native_us"], r["torch_us"] = round(r["native_us"], 1), round(r["torch_us"], 1)

@@ -1,8 +1,10 @@
-"""The cpu attention backend (torch backend + the native decode kernel, foveal/attention/cpu_decode.c)
-against the torch backend on the paged cases of tests/attention_cases.py: decode rows over every
-shape (GQA groups 1-7, head_dim 48, block sizes 4 and 16), few rows (tasks split by kv heads) and
-many (whole sequences), fp32/bf16/fp16, long contexts (several key chunks), sliding windows, softcap,
-mixed steps whose prefill chunks take the torch path; the fallbacks (quantized pools, no compiler).
+"""The cpu attention backend (torch backend + the native paged-attention kernel,
+foveal/attention/cpu_attention.c) against the torch backend on the paged cases of
+tests/attention_cases.py: decode rows over every shape (GQA groups 1-7, head_dim 48, block sizes 4 and
+16), few rows (tasks split by kv heads) and many (whole sequences), fp32/bf16/fp16, long contexts
+(several key chunks), sliding windows, softcap, sinks, mixed steps whose prompt chunks run in the
+kernel too (but for bidirectional spans); a row's output the same however its prompt was cut, batched
+or ordered (bitwise); the fallbacks (quantized pools, no compiler).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from foveal.attention import cpu_native, get_backend
+from foveal.attention.base import AttentionBatch
 from foveal.attention.cpu_backend import CpuAttentionBackend
 from foveal.attention.kv_quant import QuantizedKVCache
 from foveal.attention.torch_backend import TorchAttentionBackend
@@ -30,13 +33,13 @@ def cpu_case(seqs, **kw):
 
 def native_calls(backend: CpuAttentionBackend, monkeypatch) -> list:
     calls = []
-    real = backend.kernel.decode
+    real = backend.kernel.attend
 
     def counted(*a, **kw):
         calls.append(a[0].shape[0])
         return real(*a, **kw)
 
-    monkeypatch.setattr(backend.kernel, "decode", counted)
+    monkeypatch.setattr(backend.kernel, "attend", counted)
     return calls
 
 
@@ -73,7 +76,18 @@ def test_mixed_decode_and_prefill(dtype, monkeypatch):
     backend = CpuAttentionBackend()
     calls = native_calls(backend, monkeypatch)
     compare(cpu_case(MIXED + [(0, 30)], group=4, dtype=dtype, seed=1), backend)
-    assert calls == [2]  # the two decode rows; the prefill chunks took the torch path
+    assert calls == [2 + 13 + 6 + 2 + 30]  # every row: the decode rows and the prompt chunks'
+
+
+@needs_kernel
+def test_bidirectional_spans_leave_the_prompt_chunks_to_the_torch_path(monkeypatch):
+    """An image's tokens that see each other both ways (Gemma 3): masks the kernel has no notion of."""
+    case = cpu_case(MIXED, group=2, seed=4)
+    case.batch.bidirectional = [[], [], [(2, 9)], [(18, 24)], []]
+    backend = CpuAttentionBackend()
+    calls = native_calls(backend, monkeypatch)
+    compare(case, backend)
+    assert calls == [2]  # the decode rows
 
 
 @needs_kernel
@@ -85,7 +99,7 @@ def test_sliding_window(window, monkeypatch):
     backend = CpuAttentionBackend()
     calls = native_calls(backend, monkeypatch)
     compare(case, backend, window=window)
-    assert calls == [4]
+    assert calls == [4 + 20 + 9]
 
 
 @needs_kernel
@@ -95,20 +109,20 @@ def test_softcap_with_and_without_window(monkeypatch):
     calls = native_calls(backend, monkeypatch)
     compare(case, backend, softcap=2.0)
     compare(case, backend, softcap=2.0, window=7)
-    assert calls == [5, 5]
+    assert calls == [5 + 13 + 6 + 2] * 2
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_attention_sinks_with_and_without_window(dtype, monkeypatch):
-    """gpt-oss's per-head sinks in the native decode kernel (and the prefill rows' torch path)."""
+    """gpt-oss's per-head sinks in the native kernel, decode rows and prompt rows."""
     case = cpu_case([(90, 1), (3, 1), (40, 1)] + MIXED, group=4, num_kv=2, dtype=dtype, seed=5)
     sinks = torch.linspace(-3.0, 6.0, 8).to(dtype)  # some heads weigh the sink more than any key
     backend = CpuAttentionBackend()
     calls = native_calls(backend, monkeypatch)
     compare(case, backend, sinks=sinks)
     compare(case, backend, sinks=sinks, window=7)
-    assert calls == [5, 5]
+    assert calls == [5 + 13 + 6 + 2] * 2
 
 
 @needs_kernel
@@ -123,7 +137,7 @@ def test_layers_share_the_step_plan(monkeypatch):
         out = backend.forward(case.q, case.k, case.v, c, meta, SCALE, window=window)
         want = ref.forward(case.q, case.k, case.v, c_ref, meta_ref, SCALE, window=window)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
-    assert calls == [2] * 4
+    assert calls == [7] * 4
 
 
 def test_quantized_cache_takes_the_torch_path():
@@ -161,7 +175,7 @@ def test_built_once_per_cache_dir(monkeypatch, tmp_path):
     cpu_native.kernel.cache_clear()
     try:
         assert cpu_native.kernel() is not None
-        (built,) = tmp_path.glob("kernels/cpu_decode-*.so")
+        (built,) = tmp_path.glob("kernels/cpu_attention-*.so")
         stamp = built.stat().st_mtime_ns
         cpu_native.kernel.cache_clear()
         assert cpu_native.kernel() is not None
@@ -205,3 +219,57 @@ def test_native_kv_store_writes_what_index_copy_writes(dtype):
     # a layout it does not take (a pool of another dtype) is left to the caller, untouched
     other = torch.zeros(slots_n, kvh, d, dtype=torch.float16)
     assert not kernel.store(other, other, slots, k, v) and not other.any()
+
+
+def _steps(plan: list[list[tuple[int, int, int]]], n: int, others: int, shape, dtype, window):
+    """Run the steps of `plan` (each a list of (sequence, first position, tokens)) through the cpu
+    backend over one paged pool: sequence 0 has n tokens, sequence 1 `others`; every token's q/k/v is
+    fixed in advance. Returns {(sequence, position): its output row}."""
+    num_kv, group, head_dim, bs = shape
+    g = torch.Generator().manual_seed(11)
+    lengths = (n, others)
+    blocks = [-(-x // bs) for x in lengths]
+    order = (torch.randperm(sum(blocks) + 2, generator=g)[: sum(blocks)] + 1).tolist()
+    tables = [order[: blocks[0]], order[blocks[0] :]]
+    pool = (torch.randn(2, (sum(blocks) + 3) * bs, num_kv, head_dim, generator=g) * 10).to(dtype)
+    qkv = [torch.randn(x, num_kv * (group + 2), head_dim, generator=g).to(dtype) for x in lengths]
+    backend, got = CpuAttentionBackend(), {}
+    for step in plan:
+        rows = [(s, p) for s, p0, m in step for p in range(p0, p0 + m)]
+        x = torch.stack([qkv[s][p] for s, p in rows])
+        q, k, v = x.split([num_kv * group, num_kv, num_kv], dim=1)
+        slots = [tables[s][p // bs] * bs + p % bs for s, p in rows]
+        batch = AttentionBatch(
+            query_lens=[m for _, _, m in step],
+            context_lens=[p0 for _, p0, _ in step],
+            block_tables=[tables[s] for s, _, _ in step],
+            num_decodes=next((i for i, (_, _, m) in enumerate(step) if m != 1), len(step)),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_size=bs,
+        )
+        out = backend.forward(q, k, v, pool, backend.plan(batch, CPU), SCALE, window=window)
+        got.update({row: out[i] for i, row in enumerate(rows)})
+    return got
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(3, 3, 64, 16), (2, 4, 128, 4)], ids=["smollm2", "d128-bs4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 37])
+def test_a_tokens_output_does_not_depend_on_how_its_prompt_was_cut(shape, dtype, window):
+    """The same token's attention output, bit for bit, whether its prompt of 150 tokens ran whole, in
+    chunks (a prefix hit's remainder is one), beside another sequence's rows before or after it, or
+    token by token as decode rows: each row has its own keys over a fixed grid of key chunks."""
+    n, m = 150, 70
+    ways = {
+        "whole": [[(0, 0, n)]],
+        "chunks": [[(0, 0, 13)], [(0, 13, 51)], [(0, 64, 1)], [(0, 65, n - 65)]],
+        "batched after": [[(1, 0, m)], [(1, m - 1, 1), (0, 0, 100), (1, 0, 0)], [(0, 100, n - 100)]],
+        "batched before": [[(0, 0, 100), (1, 0, m)], [(0, 100, n - 100), (1, 0, 0)]],
+        "token by token": [[(0, 0, 20)]] + [[(0, p, 1)] for p in range(20, n)],
+    }
+    outs = {name: _steps([[x for x in s if x[2]] for s in plan], n, m, shape, dtype, window)
+            for name, plan in ways.items()}  # fmt: skip
+    want = torch.stack([outs["whole"][(0, p)] for p in range(n)])
+    for name, got in outs.items():
+        assert torch.equal(torch.stack([got[(0, p)] for p in range(n)]), want), name

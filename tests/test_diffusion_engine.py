@@ -275,6 +275,7 @@ def test_served_diffusion_streams_blocks_and_refuses_by_name(tmp_path):
     """Through the official client (a dummy-weight SDAR config: the synthetic tokenizer spells token i
     " t<i>", so every token has text): the knobs as an extra body object, the stream's content deltas
     one per final block joining to the whole text, a 400 naming a refused field."""
+    import itertools
     import json
 
     import openai
@@ -297,7 +298,11 @@ def test_served_diffusion_streams_blocks_and_refuses_by_name(tmp_path):
             for ch in c.completions.create(**args, stream=True, extra_body={**knobs, "ignore_eos": True})
             if ch.choices and ch.choices[0].text
         ]
-        assert "".join(parts) == text and len(parts) >= 3  # one chunk per final block
+        assert "".join(parts) == text and len(parts) >= 2
+        # one chunk per final block, or several blocks in one where the client read after them (the
+        # engine loop merges a slow consumer's deltas): each chunk ends where a block of 4 ends
+        ends = itertools.accumulate(len(p.split()) for p in parts)
+        assert all((whole.usage.prompt_tokens + n) % 4 == 0 for n in ends), parts
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(**args, logprobs=2)
         assert "logprobs" in str(e.value)

@@ -147,7 +147,7 @@ def test_prefix_hit_equals_miss_on_the_real_model(smollm_path):
         for q in ("Name a color.", "Name a fruit.", "What is 2+2?", "Name a color.")
     ]
     params = SamplingParams(temperature=0, max_tokens=24)
-    # the dense weights: with int8 activations a hit's K/V (made by another chunking) may round apart
+    # dense fp32 weights, the misses batched together (the default path, bit for bit: the test below)
     on = LLM(dtype="float32", quantization="none", kv_cache_memory=64 * 2**20)
     off = LLM(dtype="float32", quantization="none", kv_cache_memory=64 * 2**20, enable_prefix_caching=False)
     got = [on.chat(t, params)[0].outputs[0].token_ids for t in turns]  # one at a time: later ones hit
@@ -162,3 +162,29 @@ def test_prefix_hit_equals_miss_on_the_real_model(smollm_path):
     for e in (on.engine, off.engine):
         e.kv.check_integrity()
         assert e.kv.num_used_blocks == 0
+
+
+def test_default_path_gives_a_token_the_same_logits_hit_or_miss_whole_or_chunked(smollm_path):
+    """The embedded model as `foveal serve` runs it on a CPU (Q4_1 weights with int8 activations, bf16):
+    a prompt after a prefix hit, cut into chunks, or computed whole gives the same tokens and the same
+    logprobs, bit for bit. With the activations quantized, a rounding step of difference in attention
+    (SDPA's tiling followed the query and key lengths) grew into logprobs 0.1-0.3 apart and other answers
+    (session 46); the native kernel gives each row the same arithmetic whatever the step holds."""
+    from foveal.engine.llm import LLM
+
+    system = {"role": "system", "content": "You are a terse assistant. " * 20}
+    questions = ("Name a color.", "What is 2+2?", "Name a color.")
+    turns = [[system, {"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    runs = {}
+    for name, kw in (
+        ("hits", {}),
+        ("misses", {"enable_prefix_caching": False}),
+        ("chunks of 48", {"enable_prefix_caching": False, "max_num_batched_tokens": 48}),
+    ):
+        llm = LLM(kv_cache_memory=64 * 2**20, **kw)
+        outs = [llm.chat(t, params)[0].outputs[0] for t in turns]  # one at a time: later ones hit
+        runs[name] = [(o.token_ids, [(x.token_id, x.logprob, x.top) for x in o.logprobs]) for o in outs]
+        if name == "hits":
+            assert llm.engine.kv.stats()["hit_tokens"] > 0
+    assert runs["hits"] == runs["misses"] == runs["chunks of 48"]

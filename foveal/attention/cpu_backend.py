@@ -1,11 +1,19 @@
-"""The torch backend with decode rows on a native CPU kernel (cpu_native: cpu_decode.c), which reads
-keys and values in place from the paged pool: no gather, no padding mask, fp32 accumulation.
+"""The torch backend with every query row on a native CPU kernel (cpu_native: cpu_attention.c), which
+reads keys and values in place from the paged pool: no gather, no padding mask, fp32 accumulation.
+
+A prompt chunk's rows go through the same kernel as decode rows, each row attending to its own keys
+over a grid of key chunks at absolute positions: a row's output depends on its query, its keys and
+their range only. So the output of a token is the same whether its prompt was computed whole, in
+chunks, after a prefix-cache hit, beside other requests or one token at a time; with GGUF's int8
+activations, where a rounding step of difference grows into a different answer, this keeps a greedy
+answer the same from a cold cache and a warm one (SDPA's tiling depends on the query and key lengths).
 
 On the 2-vCPU AVX2 host, in a SmolLM2 decode step (32 rows, ~170 keys each, bf16), the gather + SDPA
 took ~2.3 ms per layer and the kernel takes ~0.9 ms; the step went from 275 to 220 ms
-(benchmarks/RESULTS.md, `decode_profile.py --attention-backend both`). Prefill chunks, quantized
-pools (int8/fp8) and devices other than the CPU take the torch path unchanged; so does everything
-when the kernel cannot be built (no C compiler).
+(benchmarks/RESULTS.md, `decode_profile.py --attention-backend both`). Prompt chunks with bidirectional
+spans (an image's tokens, Gemma 3) take the torch path's masks; quantized pools (int8/fp8) and devices
+other than the CPU take the torch path for every row; so does everything when the kernel cannot be
+built (no C compiler).
 """
 
 from __future__ import annotations
@@ -21,39 +29,52 @@ from foveal.attention.torch_backend import TorchAttentionBackend, TorchAttention
 
 
 @dataclass(slots=True)
-class _DecodeTables:
-    tables: torch.Tensor  # [nd, max blocks] int64, padded with the null block
-    lens: torch.Tensor  # [nd] int64: keys of each decode row (its context + itself)
+class _RowTables:
+    """What the kernel reads for the rows it takes: every row of the step, or its decode rows."""
+
+    tables: torch.Tensor  # [sequences, max blocks] int64, padded with the null block
+    lens: torch.Tensor  # [rows] int64: the keys each row sees end here (its position + 1)
     starts: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> first visible key
+    row_seq: torch.Tensor | None = None  # [rows] int64: each row's sequence (None: row i is sequence i)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self, kernel: cpu_native.DecodeKernel | None = None):
+    def __init__(self, kernel: cpu_native.AttentionKernel | None = None):
         self.kernel = kernel or cpu_native.kernel()
 
     def plan(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
         meta = super().plan(batch, device)
         nd = batch.num_decodes
-        if nd and self.kernel is not None and torch.device(device).type == "cpu":
-            # the torch plan's decode block ids are the padded tables, row-major
-            tables = meta.decode.blocks.view(nd, -1)
-            lens = torch.tensor([c + 1 for c in batch.context_lens[:nd]], dtype=torch.long)
-            meta.extra = _DecodeTables(tables, lens, {None: torch.zeros(nd, dtype=torch.long)})
+        if self.kernel is None or torch.device(device).type != "cpu" or not batch.query_lens:
+            return meta
+        # the rows the kernel takes: all of them, but for prompt chunks with bidirectional spans
+        n = len(batch.query_lens) if not any(s.spans for s in meta.seqs[nd:]) else nd
+        if not n:
+            return meta
+        q_lens, ctxs, tables = batch.query_lens[:n], batch.context_lens[:n], batch.block_tables[:n]
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.long)
+        if n == nd:  # one row a sequence
+            lens, row_seq = torch.tensor(ctxs, dtype=torch.long) + 1, None
+        else:
+            lens = torch.cat([torch.arange(c + 1, c + q + 1) for c, q in zip(ctxs, q_lens)])
+            row_seq = torch.repeat_interleave(torch.arange(n), torch.tensor(q_lens))
+        meta.extra = _RowTables(padded, lens, {None: torch.zeros(len(lens), dtype=torch.long)}, row_seq)
         return meta
 
     # -- decode-step graphs (worker.cpu_graphs): static metadata the recorded steps read -----------
     def graph_metadata(self, max_seqs: int, max_blocks: int, block_size: int, device):
         """Static buffers for decode-only steps of up to max_seqs rows: slots, block tables, lengths."""
         if self.kernel is None:
-            raise RuntimeError("decode-step graphs need the native decode kernel")
+            raise RuntimeError("decode-step graphs need the native attention kernel")
 
         def zeros(*shape):
             return torch.zeros(*shape, dtype=torch.long)
 
         meta = TorchAttentionMetadata(zeros(max_seqs), block_size, max_seqs, None, [], [], device)
-        meta.extra = _DecodeTables(zeros(max_seqs, max_blocks), zeros(max_seqs), {None: zeros(max_seqs)})
+        meta.extra = _RowTables(zeros(max_seqs, max_blocks), zeros(max_seqs), {None: zeros(max_seqs)})
         return meta
 
     def fill_graph_metadata(
@@ -76,7 +97,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         d.lens[:padded] = host[:, 1]
         d.tables[:padded, :used] = host[:, 2:]
         meta = TorchAttentionMetadata(static.slot_mapping[:padded], bs, padded, None, [], [], static.device)
-        meta.extra = _DecodeTables(d.tables[:padded], d.lens[:padded], {None: d.starts[None][:padded]})
+        meta.extra = _RowTables(d.tables[:padded], d.lens[:padded], {None: d.starts[None][:padded]})
         return meta
 
     @staticmethod
@@ -99,18 +120,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self.kernel is None or not self.kernel.store(k_cache, v_cache, slots, k, v):
             super()._store(k_cache, v_cache, slots, k, v)
 
-    def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap, sinks=None) -> bool:
+    def _rows_in_place(self, q, kv_cache, meta, out, scale, window, softcap, sinks=None) -> int:
         d = meta.extra
         if d is None or isinstance(kv_cache, QuantizedKVCache) or q.dtype != kv_cache.dtype:
-            return False
-        if not out.is_contiguous():
-            return False
+            return 0
         starts = d.starts.get(window)
         if starts is None:
             starts = d.starts[window] = (d.lens - window).clamp_(min=0)
         if sinks is not None:
             sinks = sinks.float().contiguous()
-        self.kernel.decode(
-            q, kv_cache[0], kv_cache[1], d.tables, starts, d.lens, out, meta.block_size, scale, softcap, sinks
-        )
-        return True
+        n = d.lens.shape[0]
+        self.kernel.attend(
+            q[:n], kv_cache[0], kv_cache[1], d.tables, starts, d.lens, out[:n], meta.block_size, scale,
+            softcap, sinks, d.row_seq,
+        )  # fmt: skip
+        return n

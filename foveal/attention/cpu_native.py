@@ -1,7 +1,7 @@
-"""Loads the CPU decode-attention kernel (cpu_decode.c, built through foveal.native). Where no compiler
+"""Loads the CPU paged-attention kernel (cpu_attention.c, built through foveal.native). Where no compiler
 works, `kernel()` is None and the CPU backend falls back to the torch backend's path (logged once).
 
-    kernel().decode(q, k_pool, v_pool, tables, starts, lens, out, scale, softcap, sinks)
+    kernel().attend(q, k_pool, v_pool, tables, starts, lens, out, block_size, scale, softcap, sinks, row_seq)
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import torch
 
 from foveal import native
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("cpu_attention.c")
 _FUNCS = {
-    torch.float32: "foveal_decode_f32",
-    torch.bfloat16: "foveal_decode_bf16",
-    torch.float16: "foveal_decode_f16",
+    torch.float32: "foveal_attend_f32",
+    torch.bfloat16: "foveal_attend_bf16",
+    torch.float16: "foveal_attend_f16",
 }
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ARGTYPES = [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _F, _P, _I]
+_ARGTYPES = [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _F, _P, _I]
 
 
-class DecodeKernel:
+class AttentionKernel:
     def __init__(self, lib: ctypes.CDLL):
         self._fns = {}
         for dtype, name in _FUNCS.items():
@@ -56,20 +56,23 @@ class DecodeKernel:
         )  # fmt: skip
         return True
 
-    def decode(
+    def attend(
         self,
-        q: torch.Tensor,  # [nd, H, D]
+        q: torch.Tensor,  # [rows, H, D]: one query token a row
         k_pool: torch.Tensor,  # [slots, KVH, D]
         v_pool: torch.Tensor,
-        tables: torch.Tensor,  # [nd, max_blocks] int64
-        starts: torch.Tensor,  # [nd] int64: first visible position
-        lens: torch.Tensor,  # [nd] int64: keys per sequence
-        out: torch.Tensor,  # [nd, H, D], contiguous
+        tables: torch.Tensor,  # [sequences, max_blocks] int64 (a row's: tables[row_seq[row]])
+        starts: torch.Tensor,  # [rows] int64: first visible position
+        lens: torch.Tensor,  # [rows] int64: the row sees keys [start, len)
+        out: torch.Tensor,  # [rows, H, D], contiguous
         block_size: int,
         scale: float,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [H] float32 attention-sink logits, or None
+        row_seq: torch.Tensor | None = None,  # [rows] int64: each row's sequence; None: row i is sequence i
     ) -> torch.Tensor:
+        """Each row attends to keys [start, len) of its sequence; a row's result depends on nothing
+        else (not on the other rows, their number or their order)."""
         nd, heads, dim = q.shape
         if sinks is not None and not (sinks.dtype == torch.float32 and sinks.is_contiguous()):
             raise ValueError("sinks must be contiguous float32 [heads]")
@@ -81,11 +84,14 @@ class DecodeKernel:
                 raise ValueError("the KV pool must be [slots, kv_heads, head_dim] with rows in place")
         if not (out.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.long):
             raise ValueError("out and tables must be contiguous (tables int64)")
+        if row_seq is not None and not (row_seq.dtype == torch.long and row_seq.is_contiguous()):
+            raise ValueError("row_seq must be contiguous int64")
         if not (q.dtype == k_pool.dtype == v_pool.dtype == out.dtype) or q.dtype not in self._fns:
             raise ValueError(f"unsupported dtypes {q.dtype}/{k_pool.dtype}/{out.dtype}")
         self._fns[q.dtype](
             q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),
-            tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            tables.data_ptr(), tables.stride(0), None if row_seq is None else row_seq.data_ptr(),
+            starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
             nd, heads, kv_heads, dim, block_size, scale, softcap or 0.0,
             None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
@@ -93,7 +99,7 @@ class DecodeKernel:
 
 
 @functools.cache
-def kernel() -> DecodeKernel | None:
+def kernel() -> AttentionKernel | None:
     """The built kernel, or None (no compiler, a failed build: logged once)."""
-    lib = native.load(SOURCE, "CPU decode-attention kernel")
-    return None if lib is None else DecodeKernel(lib)
+    lib = native.load(SOURCE, "CPU paged-attention kernel")
+    return None if lib is None else AttentionKernel(lib)

@@ -203,10 +203,11 @@ class TorchAttentionBackend:
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
 
-    def _decode_in_place(self, q, kv_cache, meta, out, scale, window, softcap, sinks=None) -> bool:
-        """Hook for backends built on this one: attend the decode rows into `out` and return True, or
-        return False for the gather + SDPA path below (the oracle)."""
-        return False
+    def _rows_in_place(self, q, kv_cache, meta, out, scale, window, softcap, sinks=None) -> int:
+        """Hook for backends built on this one: attend the step's first n rows (its decode rows, or all
+        of them) into `out` and return n; the rows after them take the gather + SDPA path below (the
+        oracle)."""
+        return 0
 
     def forward(
         self,
@@ -243,9 +244,10 @@ class TorchAttentionBackend:
             def blocks_of(i: int, ids: torch.Tensor) -> torch.Tensor:
                 return (k_blocks, v_blocks)[i].index_select(0, ids)
 
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
-        if nd and not self._decode_in_place(q[:nd], kv_cache, meta, out[:nd], scale, window, softcap, sinks):
+        done = self._rows_in_place(q, kv_cache, meta, out, scale, window, softcap, sinks)
+        if nd > done:
             decode = _layout(meta, window)[0]
             if decode is None:  # graph metadata (cpu_backend) has no gather layout to fall back on
                 raise RuntimeError("decode rows planned for the native kernel, which cannot take them")
@@ -261,6 +263,8 @@ class TorchAttentionBackend:
             od = _attend(qd, kd, vd, decode.bias, False, scale, softcap, gqa=False, sinks=sd)
             out[:nd] = od.reshape(nd, num_heads, head_dim)
         for p in _layout(meta, window)[1]:
+            if p.start < done:
+                continue
             # 4-D inputs ([1, heads, len, dim]) take the CPU flash kernel; 3-D falls back to ~2x slower math
             s, e = p.start, p.start + p.q_len
             qp = q[s:e].transpose(0, 1)[None]
