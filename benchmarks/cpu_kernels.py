@@ -12,6 +12,9 @@ alternately in one process (this host drifts by +-15% between runs):
     python benchmarks/cpu_kernels.py --linears-against avx2   # the linears only: this CPU's build
         (AVX-512 and VNNI where it has them) against the AVX2-only build (-DFOVEAL_AVX2_ONLY) in the
         "torch" column
+    python benchmarks/cpu_kernels.py --attention [--attention-against OLD/cpu_attention.c]   # the
+        attention pairs only; with a path, against the kernel built from that source (an A/B of a
+        kernel change) in the "torch" column
 
 Prints a table, then one JSON object as the last line.
 """
@@ -91,21 +94,37 @@ def linears(rows: list[int], against: str = "torch") -> list[dict]:
     return out
 
 
-def attention(seqs: int = 16, ctx: int = 200) -> dict:
+def _baseline(against):
+    """The backend the native kernel is timed against: the torch backend, or (a path) the CPU backend
+    on the kernel built from another cpu_attention.c (an older version of it)."""
+    from foveal.attention import get_backend
+
+    if against is None:
+        return get_backend("torch", torch.device("cpu"))
+    from pathlib import Path
+
+    from foveal import native
+    from foveal.attention import cpu_native
+    from foveal.attention.cpu_backend import CpuAttentionBackend
+
+    return CpuAttentionBackend(cpu_native.AttentionKernel(native.load(Path(against), "the baseline kernel")))
+
+
+def attention(seqs: int = 16, ctx: int = 200, against=None) -> dict:
     from foveal.attention import get_backend
     from tests.attention_cases import Case
 
     cpu = torch.device("cpu")
     case = Case([(ctx, 1)] * seqs, num_kv=3, group=3, head_dim=64, bs=16, dtype=torch.bfloat16, device=cpu)
     runs = []
-    for backend in (get_backend("cpu", cpu), get_backend("torch", cpu)):
+    for backend in (get_backend("cpu", cpu), _baseline(against)):
         meta = backend.plan(case.batch, cpu)  # planned once per step in the engine, not per layer
         runs.append(lambda b=backend, m=meta: case.run(b, case.cache, m))
     tn, tt = ab(*runs, calls=50)
     return {"op": f"decode attention {seqs} seqs x {ctx} keys", "rows": seqs, "native_us": tn, "torch_us": tt}
 
 
-def prompt_attention(chunks=((0, 160), (0, 700), (0, 2000), (1500, 500))) -> list[dict]:
+def prompt_attention(chunks=((0, 160), (0, 700), (0, 2000), (1500, 500)), against=None) -> list[dict]:
     """One layer's attention over a prompt chunk, SmolLM2's shapes, bf16: (cached context, new tokens)."""
     from foveal.attention import get_backend
     from tests.attention_cases import Case
@@ -114,10 +133,10 @@ def prompt_attention(chunks=((0, 160), (0, 700), (0, 2000), (1500, 500))) -> lis
     for ctx, n in chunks:
         case = Case([(ctx, n)], num_kv=3, group=3, head_dim=64, bs=16, dtype=torch.bfloat16, device=cpu)
         runs = []
-        for backend in (get_backend("cpu", cpu), get_backend("torch", cpu)):
+        for backend in (get_backend("cpu", cpu), _baseline(against)):
             meta = backend.plan(case.batch, cpu)
             runs.append(lambda b=backend, m=meta, c=case: c.run(b, c.cache, m))
-        tn, tt = ab(*runs, calls=max(3, int(2e6 / ((ctx + n) * n))))
+        tn, tt = ab(*runs, calls=max(3, int(2e6 / ((ctx + n) * n))), reps=7)
         what = f"prompt attention {n} tokens" + (f" after {ctx}" if ctx else "")
         out.append({"op": what, "rows": n, "native_us": tn, "torch_us": tt})
     return out
@@ -165,9 +184,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
     ap.add_argument("--linears-against", choices=["torch", "avx2"], default="torch")
     ap.add_argument("--attention", action="store_true", help="the attention pairs only")
+    ap.add_argument("--attention-against", metavar="SRC", help="with --attention: against the kernel built "
+                    "from SRC (another cpu_attention.c) in the torch column")  # fmt: skip
     a = ap.parse_args()
     if a.attention:
-        results = [attention()] + prompt_attention()
+        results = [attention(against=a.attention_against)] + prompt_attention(against=a.attention_against)
     elif a.linears_against == "avx2":
         results = linears(a.rows, "avx2")
     else:

@@ -59,6 +59,45 @@ static inline v8f ld8(const float *p) {
 
 static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* max(m, x[0:n]), NaN entries passed over as `y > m ? y : m` does; eight lanes at a time (a maximum is
+ * exact in any order, so the result is the sequential loop's) */
+static inline float max_run(const float *restrict x, int n, float m) {
+    int j = 0;
+    if (n >= 8) {
+        v8f mv = {m, m, m, m, m, m, m, m};
+        for (; j + 8 <= n; j += 8) {
+            const v8f y = ld8(x + j);
+            const v8i gt = y > mv;
+            mv = (v8f)(((v8i)y & gt) | ((v8i)mv & ~gt));
+        }
+        for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+    }
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUF(x, y, a, b, c, d) __builtin_shufflevector(x, y, a, b, c, d)
+#else
+#define SHUF(x, y, a, b, c, d) __builtin_shuffle(x, y, (v4i){a, b, c, d})
+#endif
+
+static inline v4f lo4(v8f v) {
+    v4f r;
+    memcpy(&r, &v, sizeof(r));
+    return r;
+}
+
+static inline v4f hi4(v8f v) {
+    v4f r;
+    memcpy(&r, (const char *)&v + sizeof(r), sizeof(r));
+    return r;
+}
+
 /* out[i] = q . k[i * ks], i < 4; D % 8 == 0 */
 static inline void dot4(const float *restrict q, const float *restrict k, int64_t ks, int D,
                         float *restrict out) {
@@ -70,7 +109,12 @@ static inline void dot4(const float *restrict q, const float *restrict k, int64_
         a2 += qv * ld8(k + 2 * ks + d);
         a3 += qv * ld8(k + 3 * ks + d);
     }
-    out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
+    /* the four horizontal sums at once: halves, then pairs, then pairs of pairs */
+    const v4f f0 = lo4(a0) + hi4(a0), f1 = lo4(a1) + hi4(a1), f2 = lo4(a2) + hi4(a2), f3 = lo4(a3) + hi4(a3);
+    const v4f h01 = SHUF(f0, f1, 0, 2, 4, 6) + SHUF(f0, f1, 1, 3, 5, 7);
+    const v4f h23 = SHUF(f2, f3, 0, 2, 4, 6) + SHUF(f2, f3, 1, 3, 5, 7);
+    const v4f sums = SHUF(h01, h23, 0, 2, 4, 6) + SHUF(h01, h23, 1, 3, 5, 7);
+    memcpy(out, &sums, sizeof(sums));
 }
 
 /* acc[0:64] += sum_j p[j] v[j * vs : j * vs + 64] */
@@ -182,12 +226,9 @@ static inline int chunk_for(int D) {
                         if (D % 8 == 0)                                                               \
                             for (; j + 4 <= jb; j += 4) dot4(qf + x * D, kh + j * nh * D, nh * D, D, sr + j); \
                         for (; j < jb; j++) sr[j] = dot(qf + x * D, kh + j * nh * D, D);              \
-                        for (j = ja; j < jb; j++) {                                                   \
-                            float y = sr[j];                                                          \
-                            if (softcap > 0.0f) y = softcap * tanhf(y / softcap);                     \
-                            sr[j] = y;                                                                \
-                            mx = y > mx ? y : mx;                                                     \
-                        }                                                                             \
+                        if (softcap > 0.0f)                                                           \
+                            for (j = ja; j < jb; j++) sr[j] = softcap * tanhf(sr[j] / softcap);       \
+                        mx = max_run(sr + ja, jb - ja, mx);                                           \
                         const float corr = expf(m[x] - mx);                                           \
                         m[x] = mx;                                                                    \
                         l[x] *= corr;                                                                 \
