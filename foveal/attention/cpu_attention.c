@@ -47,8 +47,8 @@ static inline void scale_row(float *restrict y, float a, int D) {
 
 /* Register-blocked forms of the two products (GCC/Clang vector extensions; plain loops where D does
  * not fit them): four keys' dot products at once (four independent accumulator chains instead of one
- * long one per key), and P V with a 64-wide slice of the output accumulated in registers across keys
- * (axpy stores and reloads it for every key). */
+ * long one per key), and P V with 32-wide slices of up to four heads' outputs accumulated in registers
+ * across keys (axpy stores and reloads them for every key). */
 typedef float v8f __attribute__((vector_size(32)));
 
 static inline v8f ld8(const float *p) {
@@ -117,16 +117,34 @@ static inline void dot4(const float *restrict q, const float *restrict k, int64_
     memcpy(out, &sums, sizeof(sums));
 }
 
-/* acc[0:64] += sum_j p[j] v[j * vs : j * vs + 64] */
-static inline void pv64(float *restrict acc, const float *restrict p, const float *restrict v, int64_t vs,
-                        int n) {
-    v8f a[8];
-    for (int i = 0; i < 8; i++) a[i] = ld8(acc + 8 * i);
+/* P V of `heads` (<= 4) query heads over the same value rows, a 32-wide slice of each output
+ * (acc + h * D, p + h * CH for head h): each value row is loaded once for all of them, and every element
+ * sums its keys in order, as axpy does */
+static inline void pv32_heads(float *restrict acc, int D, const float *restrict p, int CH,
+                              const float *restrict v, int64_t vs, int n, const int heads) {
+    v8f a[4][4];
+    for (int h = 0; h < heads; h++)
+        for (int i = 0; i < 4; i++) a[h][i] = ld8(acc + h * D + 8 * i);
     for (int j = 0; j < n; j++) {
         const float *vr = v + j * vs;
-        for (int i = 0; i < 8; i++) a[i] += p[j] * ld8(vr + 8 * i);
+        const v8f x0 = ld8(vr), x1 = ld8(vr + 8), x2 = ld8(vr + 16), x3 = ld8(vr + 24);
+        for (int h = 0; h < heads; h++) {
+            const float ph = p[h * CH + j];
+            a[h][0] += ph * x0, a[h][1] += ph * x1, a[h][2] += ph * x2, a[h][3] += ph * x3;
+        }
     }
-    memcpy(acc, a, sizeof(a));
+    for (int h = 0; h < heads; h++) memcpy(acc + h * D, a[h], sizeof(a[h]));
+}
+
+/* pv32_heads with the head count a constant, so its loops unroll into registers */
+static inline void pv32_group(float *acc, int D, const float *p, int CH, const float *v, int64_t vs, int n,
+                              int heads) {
+    switch (heads) {
+    case 1: pv32_heads(acc, D, p, CH, v, vs, n, 1); break;
+    case 2: pv32_heads(acc, D, p, CH, v, vs, n, 2); break;
+    case 3: pv32_heads(acc, D, p, CH, v, vs, n, 3); break;
+    default: pv32_heads(acc, D, p, CH, v, vs, n, 4); break;
+    }
 }
 
 #define DEFINE_LOAD_ROW(NAME, T, LOAD)                                                                \
@@ -251,10 +269,12 @@ static inline int chunk_for(int D) {
                         const int x = i * NQ + g;                                                     \
                         const float *vh = rows + (g / G) * D + ja * nh * D;                           \
                         const float *p = s + x * CH + ja;                                             \
-                        if (D % 64 == 0)                                                              \
-                            for (int d0 = 0; d0 < D; d0 += 64)                                        \
-                                pv64(acc + x * D + d0, p, vh + d0, nh * D, jb - ja);                  \
-                        else                                                                          \
+                        if (D % 32 == 0) { /* up to 4 heads of this kv head at once */                \
+                            const int left = G - g % G, heads = left < 4 ? left : 4;                  \
+                            for (int d0 = 0; d0 < D; d0 += 32)                                        \
+                                pv32_group(acc + x * D + d0, D, p, CH, vh + d0, nh * D, jb - ja, heads); \
+                            g += heads - 1;                                                           \
+                        } else                                                                        \
                             for (int j = 0; j < jb - ja; j++) axpy(acc + x * D, p[j], vh + j * nh * D, D); \
                     }                                                                                 \
                 }                                                                                     \
