@@ -53,14 +53,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
         n = len(batch.query_lens) if not any(s.spans for s in meta.seqs[nd:]) else nd
         if not n:
             return meta
-        q_lens, ctxs, tables = batch.query_lens[:n], batch.context_lens[:n], batch.block_tables[:n]
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.long)
+        q_lens, ctxs = batch.query_lens[:n], batch.context_lens[:n]
+        # the decode rows' tables: the torch plan's padded gather ids, row-major; then the prompt chunks'
+        padded = meta.decode.blocks.view(nd, -1) if nd else torch.zeros(0, 0, dtype=torch.long)
+        if n > nd:
+            rest = batch.block_tables[nd:n]
+            width = max(padded.shape[1], *(len(t) for t in rest))
+            rest = torch.tensor([[*t, *[0] * (width - len(t))] for t in rest], dtype=torch.long)
+            padded = torch.cat([torch.nn.functional.pad(padded, (0, width - padded.shape[1])), rest])
         if n == nd:  # one row a sequence
             lens, row_seq = torch.tensor(ctxs, dtype=torch.long) + 1, None
-        else:
-            lens = torch.cat([torch.arange(c + 1, c + q + 1) for c, q in zip(ctxs, q_lens)])
-            row_seq = torch.repeat_interleave(torch.arange(n), torch.tensor(q_lens))
+        else:  # row r of sequence s (its i-th new token) sees keys up to ctx[s] + i + 1
+            q = torch.tensor(q_lens, dtype=torch.long)
+            row_seq = torch.repeat_interleave(torch.arange(n), q)
+            first = torch.repeat_interleave(torch.cumsum(q, 0) - q, q)  # each row's sequence's first row
+            lens = torch.tensor(ctxs, dtype=torch.long)[row_seq] + torch.arange(len(row_seq)) - first + 1
         meta.extra = _RowTables(padded, lens, {None: torch.zeros(len(lens), dtype=torch.long)}, row_seq)
         return meta
 
