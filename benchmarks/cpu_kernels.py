@@ -15,6 +15,9 @@ alternately in one process (this host drifts by +-15% between runs):
     python benchmarks/cpu_kernels.py --attention [--attention-against OLD/cpu_attention.c]   # the
         attention pairs only; with a path, against the kernel built from that source (an A/B of a
         kernel change) in the "torch" column
+    python benchmarks/cpu_kernels.py --plan   # the cpu backend's plan() of a 256-row decode step and of
+        one with a 512-token prompt chunk beside it (ms a call); for a before/after, copy this file into
+        another checkout's benchmarks/ and run it there, alternating
 
 Prints a table, then one JSON object as the last line.
 """
@@ -142,6 +145,33 @@ def prompt_attention(chunks=((0, 160), (0, 700), (0, 2000), (1500, 500)), agains
     return out
 
 
+def plans(reps: int = 50) -> list[dict]:
+    """The cpu backend's plan() of a step: 256 decode rows of 600 keys (40 blocks of 16 a table), alone and
+    with a 512-token prompt chunk after 100 cached tokens; the median of 5 rounds of `reps` calls."""
+    import random
+
+    from foveal.attention.base import AttentionBatch
+    from foveal.attention.cpu_backend import CpuAttentionBackend
+
+    rng, cpu, backend, out = random.Random(0), torch.device("cpu"), CpuAttentionBackend(), []
+    tables = [rng.sample(range(1, 20000), 40) for _ in range(257)]
+    for chunk in (0, 512):
+        q_lens, ctxs = [1] * 256 + [chunk] * bool(chunk), [600] * 256 + [100] * bool(chunk)
+        batch = AttentionBatch(
+            query_lens=q_lens, context_lens=ctxs, block_tables=tables[: len(q_lens)], num_decodes=256,
+            slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long), block_size=16,
+        )  # fmt: skip
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(reps):
+                backend.plan(batch, cpu)
+            times.append((time.perf_counter() - t) / reps * 1e3)
+        what = "plan: 256 decode rows" + (f" + a {chunk}-token chunk" if chunk else "")
+        out.append({"op": what, "ms": round(sorted(times)[2], 3)})
+    return out
+
+
 def glue(rows: int) -> list[dict]:
     dt = torch.bfloat16
     norm = RMSNorm(576, 1e-5).to(dt)
@@ -184,9 +214,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
     ap.add_argument("--linears-against", choices=["torch", "avx2"], default="torch")
     ap.add_argument("--attention", action="store_true", help="the attention pairs only")
+    ap.add_argument("--plan", action="store_true", help="the cpu backend's plan() of two steps only")
     ap.add_argument("--attention-against", metavar="SRC", help="with --attention: against the kernel built "
                     "from SRC (another cpu_attention.c) in the torch column")  # fmt: skip
     a = ap.parse_args()
+    if a.plan:
+        timed = plans()
+        for r in timed:
+            print(f"{r['op']:<48}{r['ms']:>8.3f} ms")
+        print(json.dumps({"benchmark": "cpu_kernels", "plans": timed}))
+        return
     if a.attention:
         results = [attention(against=a.attention_against)] + prompt_attention(against=a.attention_against)
     elif a.linears_against == "avx2":

@@ -57,8 +57,6 @@ static inline v8f ld8(const float *p) {
     return v;
 }
 
-static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 /* max(m, x[0:n]), NaN entries passed over as `y > m ? y : m` does; eight lanes at a time (a maximum is
