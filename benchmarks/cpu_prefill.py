@@ -6,6 +6,9 @@ the best of `--reps` turns. `--budget`: tokens per step (`foveal serve` on a CPU
 prompt then runs in chunks, each attending to the cached ones before it; offline, 2048).
 
     python benchmarks/cpu_prefill.py [--lengths 160 700 1300 2000] [--reps 3] [--budget 128]
+    python benchmarks/cpu_prefill.py --hit-miss   # not a timing: six chat turns sharing a system prompt,
+        greedy with logprobs, one at a time with the prefix cache on (later turns hit) and off, with each
+        backend: how many answers agree and the largest logprob difference before they part
 
 Prints a table, then one JSON object as the last line.
 """
@@ -27,12 +30,40 @@ from foveal.engine.llm import LLM  # noqa: E402
 TEXT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 300)
 
 
+def hit_miss() -> None:
+    system = {"role": "system", "content": "You are a terse assistant. " * 20}
+    questions = ("Name a color.", "Name a fruit.", "What is 2+2?", "Name a color.", "Name three colors.",
+                 "Tell a short joke.")  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
+    out = {}
+    for backend in ("cpu", "torch"):
+        runs = []
+        for caching in (True, False):
+            llm = LLM(attention_backend=backend, enable_prefix_caching=caching, kv_cache_memory=64 * 2**20)
+            turns = [[system, {"role": "user", "content": q}] for q in questions]
+            runs.append([llm.chat(t, params)[0].outputs[0] for t in turns])
+        same, diff = 0, 0.0
+        for hit, miss in zip(*runs):
+            same += hit.token_ids == miss.token_ids
+            for a, b in zip(hit.logprobs, miss.logprobs):
+                if a.token_id != b.token_id:
+                    break
+                diff = max(diff, abs(a.logprob - b.logprob))
+        out[backend] = {"same_answers": same, "answers": len(questions), "max_logprob_diff": diff}
+        print(f"{backend:>6}: {same} of {len(questions)} answers the same hit or miss; "
+              f"logprobs up to {diff:.3g} apart before they part")  # fmt: skip
+    print(json.dumps({"benchmark": "cpu_prefill", "hit_miss": out}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[160, 700, 1300, 2000])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--hit-miss", action="store_true", help="answers with the prefix cache on and off")
     a = ap.parse_args()
+    if a.hit_miss:
+        return hit_miss()
     engines = {
         b: LLM(attention_backend=b, enable_prefix_caching=False, max_num_batched_tokens=a.budget)
         for b in ("cpu", "torch")
