@@ -383,6 +383,27 @@ def test_logprobs_come_from_raw_logits():
             assert math.isclose(t.logprob, lp[i, t.token_id].item(), abs_tol=1e-5)
 
 
+def test_a_rows_logprobs_do_not_depend_on_the_batch():
+    """A row's logprobs are the same bits alone and in batches of any size: torch's CPU logsumexp splits
+    a lone row's sum between threads (a batch's rows are each summed whole), which moved logprobs by an
+    ulp between a request served alone and batched."""
+    vocab, n = 49152 + 7, 24
+    logits = rand_logits(n, vocab, seed=11, scale=4.0)
+    rows = [row(temperature=0.0, logprobs=2)] * n
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # the split needs two threads at least
+    try:
+        s = Sampler(vocab)
+        alone = [s(logits[i : i + 1], rows[:1]).logprobs[0] for i in range(n)]
+        for size in (2, 5, n):
+            assert s(logits[:size], rows[:size]).logprobs == alone[:size], size
+    finally:
+        torch.set_num_threads(threads)
+    lp = torch.log_softmax(logits.double(), -1)
+    for i, got in enumerate(alone):
+        assert math.isclose(got.logprob, lp[i, got.token_id].item(), abs_tol=2e-6)
+
+
 def test_padding_columns_are_never_chosen():
     torch.manual_seed(4)
     logits = torch.cat([rand_logits(5, seed=8), torch.full((5, 16), 1e4)], dim=1)

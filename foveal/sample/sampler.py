@@ -368,7 +368,7 @@ class Sampler:
             if both is not None:
                 lse, chosen = both[:, :1], both[:, 1:]
             else:
-                lse = torch.logsumexp(sub.float(), dim=-1, keepdim=True)
+                lse = row_logsumexp(sub.float())
                 chosen = sub.gather(1, picked.unsqueeze(1)).float() - lse
             empty = lse[:, :0]
             top_v, top_i = sub.topk(kmax, dim=-1) if kmax else (empty, empty.long())
@@ -420,6 +420,22 @@ def _triton(name: str, call):
     return out
 
 
+def row_logsumexp(x: torch.Tensor, width: int = 64) -> torch.Tensor:
+    """log(sum(exp(x))) of each row of x [n, V] (float) as [n, 1], the same bits whatever rows x holds
+    beside it: torch's logsumexp splits a lone row's sum between a CPU's threads (a batch's rows are each
+    summed whole), an ulp apart. Here each row's exps are summed in runs of `width` (a reduction of each
+    run's own, never split) and the runs' sums in order, in float64."""
+    n, V = x.shape
+    top = x.amax(-1, keepdim=True)
+    top = top.masked_fill(top.isinf(), 0)  # a row all -inf gives -inf (all +inf: inf), as torch's does
+    e = (x - top).exp_()
+    whole = V - V % width
+    sums = e.as_strided((n, whole // width, width), (V, width, 1)).sum(-1)
+    if whole < V:
+        sums = torch.cat([sums, e[:, whole:].sum(-1, keepdim=True)], 1)
+    return (sums.double().cumsum(-1)[:, -1:].log() + top).to(x.dtype)
+
+
 def _long(values: list[int], dev: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=torch.long), dev)
 
@@ -464,7 +480,7 @@ def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch
     V = x.shape[1]
     whole = (k == 0) & (top_p[:, 0] > 1)  # neither filter (the batch's other rows have one): x itself
     out = torch.where(whole[:, None], x, neg_inf)
-    lse = x.logsumexp(-1, keepdim=True)
+    lse = row_logsumexp(x)
     windows = [w for w in (TOP_P_WINDOW, 16 * TOP_P_WINDOW) if w < V]
     to_sort = []
     if windows:  # a row without top_k whose first window cannot hold half of top_p (its largest
