@@ -16,6 +16,7 @@ import torch
 from foveal.config import ENV_CACHE_DIR
 from foveal.loader import ModelLoadError, load_checkpoint, read_gguf_weights
 from foveal.loader.gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_dir
+from tests.gguf_blocks import WRITERS
 from tests.tiny import fp8_blocks
 
 CHAT = [
@@ -341,13 +342,14 @@ def write_gguf(
                 a = llamacpp_permute(a, c.num_attention_heads, c.num_key_value_heads)
             tensors[f"{names.get_name(base)}.{suffix}"] = a
         for name, a in tensors.items():
-            kind = next((k for part, k in (quantize or {}).items() if f".{part}." in name), None)
+            kind = next((k for part, k in (quantize or {}).items() if f".{part}." in f".{name}"), None)
             a = np.ascontiguousarray(a, dtype=np.float32)
             if kind is None:
                 w.add_tensor(name, a)
-            else:
-                q = gguf.quants.quantize(a, gguf.GGMLQuantizationType[kind])
-                w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+            else:  # K-quants: our writers (gguf-py reads them but writes none)
+                qtype = gguf.GGMLQuantizationType[kind]
+                q = WRITERS[kind](a) if kind in WRITERS else gguf.quants.quantize(a, qtype)
+                w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
     for name, a in (extra_tensors or {}).items():
         w.add_tensor(name, a)
     w.write_header_to_file()

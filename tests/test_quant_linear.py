@@ -11,6 +11,13 @@ from gguf.quants import dequantize, quantize
 
 from foveal.layers import linear as lin
 from foveal.layers import quant
+from tests.gguf_blocks import (
+    WRITERS,
+    check_against_dense,
+    random_blocks,
+    within_int8_step,
+    within_q4_k_rounding,
+)
 
 # alone: the kernels' OpenMP paths on torch's threads (`make test` runs the rest on one thread a worker)
 pytestmark = pytest.mark.alone
@@ -152,16 +159,56 @@ def test_assemble_fused_shards():
     qw = quant.assemble([(24, "Q4_0", rv), (0, "Q4_1", rq), (16, "Q4_1", rk)], 32, 64)
     torch.testing.assert_close(qw.dequantize(), torch.cat([wq, wk, wv]), rtol=0, atol=1e-6)
     assert qw.kind == "Q4_0+Q4_1"
-    r8, _ = gguf_weight("Q8_0", 8, 64)
-    assert quant.assemble([(0, "Q4_1", rq), (16, "Q8_0", r8)], 24, 64) is None  # cannot share one layout
+    r8, w8 = gguf_weight("Q8_0", 8, 64)
+    mixed = quant.assemble([(0, "Q4_1", rq), (16, "Q8_0", r8)], 24, 64)  # one int8 pack: Q4_1 requantized
+    assert mixed.int8 and mixed.kind == "Q4_1+Q8_0"
+    got = mixed.dequantize()
+    torch.testing.assert_close(got[16:], w8, rtol=0, atol=0)
+    assert within_int8_step(got[:16], wq)
     assert quant.assemble([(0, "Q4_1", rq), (24, "Q4_0", rv)], 32, 64) is None  # rows 16-23 missing
+
+
+def test_k_quant_writers_read_back_through_gguf():
+    """The tests' Q4_K / Q6_K writers (gguf-py writes neither) give blocks that gguf's own dequantize reads
+    back near the weights, as near as its Q4_1 and Q8_0 quantizers do theirs."""
+    a = (torch.randn(6, 512, generator=torch.Generator().manual_seed(0)) * 0.05).numpy()
+    for kind, near in (("Q4_K", "Q4_1"), ("Q6_K", "Q5_0")):
+        got = dequantize(WRITERS[kind](a), GGMLQuantizationType[kind]).reshape(a.shape)
+        ref = dequantize(quantize(a, GGMLQuantizationType[near]), GGMLQuantizationType[near])
+        assert abs(got - a).mean() < 1.2 * abs(ref.reshape(a.shape) - a).mean(), kind
+
+
+@pytest.mark.parametrize("kind", quant.REPACKED)
+def test_repacked_types_keep_their_values_within_bounds(kind):
+    """K-quants and the 5-bit types, from random blocks: the dequantized values are gguf's; the packs
+    hold them within their bounds: Q4_K 2^-11 of each of its terms (scale and min rounded to fp16), at
+    most 3 x 2^-11 of its block's largest weight; the rest half an int8 step."""
+    raw = torch.from_numpy(random_blocks(kind, 24, 512, seed=len(kind)))
+    want = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[kind]).reshape(24, 512))
+    assert torch.equal(quant.dequantize(raw, kind, 512), want)  # the values lookups read
+    qw = quant.QuantWeight.from_gguf(raw, kind, 24, 512)
+    got = qw.dequantize()
+    assert qw.int8 == (kind != "Q4_K")
+    assert within_q4_k_rounding(got, want) if kind == "Q4_K" else within_int8_step(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", quant.REPACKED)
+@pytest.mark.parametrize("m,n,k", [(1, 8, 256), (5, 13, 512), (33, 40, 768)])
+def test_kernel_runs_repacked_types(kind, m, n, k):
+    raw = torch.from_numpy(random_blocks(kind, n, k, seed=m, scale=1e-4))
+    qw = quant.QuantWeight.from_gguf(raw, kind, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    torch.testing.assert_close(qw.linear(x), q8_blocks(x) @ qw.dequantize().t(), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_shapes_are_named():
     raw, _ = gguf_weight("Q4_1", 8, 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         quant.QuantWeight.from_gguf(raw, "Q4_1", 8, 48)
-    with pytest.raises(ValueError, match="no quantized kernel for Q6_K"):
+    with pytest.raises(ValueError, match="no quantized kernel for Q2_K"):
+        quant.planes_from_gguf(raw, "Q2_K", 8, 64)
+    with pytest.raises(ValueError, match="Q6_K weight with 64 columns: not a multiple of 256"):
         quant.planes_from_gguf(raw, "Q6_K", 8, 64)
     if quant.kernel() is not None:
         qw = quant.QuantWeight.from_gguf(raw, "Q4_1", 8, 64)
@@ -178,6 +225,42 @@ def test_linear_dispatch_and_fallback(monkeypatch):
     torch.testing.assert_close(lin.linear(x, weight), weight._foveal_quant.linear(x), rtol=0, atol=0)
     monkeypatch.setattr(quant, "kernel", lambda: None)  # a machine without the kernel: dense weights
     torch.testing.assert_close(lin.linear(x, weight), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+# a Q4_K_M file's mix (llama.cpp's): Q4_K, with Q6_K for v, down and the output head
+Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+          "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q4_K", "output": "Q6_K"}  # fmt: skip
+
+
+@needs_kernel
+def test_a_q4_k_m_file_runs_packed(tmp_path):
+    """A tiny Llama written with Q4_K_M's types runs every linear packed: Q4_K as 4-bit, Q6_K and the
+    fused q/k/v (Q6_K v beside Q4_K q and k) as int8, near the values the dense engine dequantized;
+    next-token log-probabilities stay near the dense engine's; batched equals single."""
+    import transformers as tf
+
+    from foveal.engine.llm import LLM
+    from tests.test_loader import tiny_vocab, write_gguf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=len(tiny_vocab()), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_gguf(path, "llama", tf.LlamaForCausalLM(cfg).eval(), quantize=Q4_K_M)
+    kw = dict(dtype="float32", block_size=4, num_blocks=128, device="cpu")
+    q, d = LLM(str(path), quantization="gguf", **kw), LLM(str(path), quantization="none", **kw)
+    assert quant.describe(q.engine.model).startswith("9 quantized weights (4 Q4_K, 2 Q4_K+Q6_K, 3 Q6_K;")
+    dense = dict(d.engine.model.named_parameters())
+    for name, p in q.engine.model.named_parameters():
+        qw = getattr(p, "_foveal_quant", None)
+        if qw is not None:
+            want, got = dense[name].detach(), qw.dequantize()
+            assert qw.int8 == (qw.kind != "Q4_K"), name
+            assert within_int8_step(got, want) if qw.int8 else within_q4_k_rounding(got, want), name
+    check_against_dense(q, d)
 
 
 @pytest.fixture(scope="module")
@@ -215,9 +298,9 @@ def test_real_model_packs_equal_its_dense_weights(llm_q4, llm_fp32):
     torch.testing.assert_close(embed, dense[name], rtol=0, atol=0)
 
 
-def test_blocks_that_cannot_share_one_pack_are_dequantized():
-    """A fused weight whose shards came as raw blocks of types one pack cannot mix (Q8_0 beside Q4_1)
-    runs dense: its values are dequantized from the blocks (the loader sent no dense copy)."""
+def test_shards_of_4_bit_and_int8_blocks_share_an_int8_pack():
+    """A fused weight whose shards came as raw blocks of both formats (Q8_0 beside Q4_1; a Q4_K_M file's
+    Q6_K v beside Q4_K q and k) runs as one int8 pack, the 4-bit shards requantized."""
     from foveal.models.weights import ParamFiller
 
     module = torch.nn.Linear(64, 24, bias=False)
@@ -228,8 +311,10 @@ def test_blocks_that_cannot_share_one_pack_are_dequantized():
         t.gguf_blocks = (kind, raw)
         filler.put("weight", t, f"shard at {offset}", offset=offset, rows=raw.shape[0])
     filler.check_complete()
-    assert getattr(module.weight, "_foveal_quant", None) is None
-    torch.testing.assert_close(module.weight.detach(), torch.cat([wq, w8]), rtol=0, atol=1e-6)
+    qw = module.weight._foveal_quant
+    assert qw.int8 and qw.kind == "Q4_1+Q8_0"
+    torch.testing.assert_close(qw.dequantize()[16:], w8, rtol=0, atol=0)
+    assert within_int8_step(qw.dequantize()[:16], wq)
 
 
 def test_real_model_quantized_next_token_close_to_dense(llm_q4, llm_fp32):

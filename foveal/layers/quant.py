@@ -16,7 +16,10 @@ per zmm from 8 rows on; vpdpbusd for int8 weights): on a Zen 5 EPYC 1.13x a 16-r
 1.36x a 128-token prefill, bit-identical to the AVX2 build (session 21).
 
 Two packed formats, blocks of 32 along K: 4-bit with w = d q + m, q in 0..15 (Q4_1 as stored; Q4_0
-has m = -8 d), and int8 with w = d q (Q8_0: the tied LM head of most small GGUFs).
+has m = -8 d), and int8 with w = d q (Q8_0: the tied LM head of most small GGUFs). llama.cpp's K-quant
+files (Q4_K_M, Q5_K_M, Q6_K) and Q5_0 / Q5_1 are repacked into them at load (REPACKED below): Q4_K's
+superblocks into 4-bit blocks of 32 with their scales rounded to fp16, the 5- and 6-bit types
+requantized to int8 per block of 32 from the values the file stores.
 
     qw = QuantWeight.from_gguf(raw_rows, "Q4_1", rows=N, cols=K)
     y = qw.linear(x)        # x [M, K] f32/bf16 -> y [M, N] same dtype
@@ -40,9 +43,14 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 QK = 32
 PANEL = 8
-# GGUF block layouts: bytes per block of 32 weights
+# GGUF types whose blocks the kernel's two formats hold as stored: bytes per block of 32 weights
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-TYPES = tuple(BLOCK_BYTES)
+# GGUF types repacked at load: Q4_K into the 4-bit format (each 32-weight sub-block's scale d * sc and
+# min dmin * m rounded to float16: 2^-11 of each at most, where the 4 bits' step is 1/15 of the block's
+# range), the 5- and 6-bit types requantized to int8 per block of 32 (scale max|w| / 127 as float16: at
+# most half an int8 step off, an eighth of a 6-bit step). Q4_K_M, Q5_K_M and Q6_K files mix these.
+REPACKED = ("Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+TYPES = (*BLOCK_BYTES, *REPACKED)
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _INPUT = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's is_bf16 flag
 
@@ -121,12 +129,16 @@ def _scratch_for(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def _blocks(raw: torch.Tensor, rows: int, cols: int, kind: str) -> torch.Tensor:
-    if cols % QK:
-        raise ValueError(f"{kind} weight with {cols} columns: not a multiple of {QK}")
+    """[rows, blocks a row, bytes a block] of GGUF type `kind`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    if cols % size:
+        raise ValueError(f"{kind} weight with {cols} columns: not a multiple of {size}")
     raw = raw.reshape(rows, -1)
-    if raw.dtype != torch.uint8 or raw.shape[1] != cols // QK * BLOCK_BYTES[kind]:
+    if raw.dtype != torch.uint8 or raw.shape[1] != cols // size * nbytes:
         raise ValueError(f"{kind} weight [{rows}, {cols}]: {tuple(raw.shape)} {raw.dtype} raw bytes")
-    return raw.reshape(rows, cols // QK, BLOCK_BYTES[kind])
+    return raw.reshape(rows, cols // size, nbytes)
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:
@@ -141,9 +153,13 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def planes_from_gguf(raw: torch.Tensor, kind: str, rows: int, cols: int):
     """(q [N, K], d [N, K/32] float32, m [N, K/32] float32 or None): 4-bit q in 0..15 with w = d q + m,
-    or (Q8_0, m None) int8 q with w = d q."""
-    if kind not in BLOCK_BYTES:
+    or (Q8_0 and the requantized REPACKED types, m None) int8 q with w = d q."""
+    if kind not in TYPES:
         raise ValueError(f"no quantized kernel for {kind}; supported: {', '.join(TYPES)}")
+    if kind == "Q4_K":
+        return _q4_k_planes(_blocks(raw, rows, cols, kind), rows, cols)
+    if kind in REPACKED:
+        return int8_planes(dequantize(raw, kind, cols))
     b = _blocks(raw, rows, cols, kind)
     d = _half(b[..., 0:2])
     if kind == "Q4_1":
@@ -151,6 +167,32 @@ def planes_from_gguf(raw: torch.Tensor, kind: str, rows: int, cols: int):
     if kind == "Q4_0":
         return _nibbles(b[..., 2:]).reshape(rows, cols), d, -8 * d
     return b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols), d, None
+
+
+def _q4_k_planes(b: torch.Tensor, rows: int, cols: int):
+    """Q4_K superblocks [rows, K / 256, 144] (d, dmin as fp16, twelve bytes of 6-bit scales and mins for
+    the eight 32-weight sub-blocks, then 128 bytes of nibbles: 64 weights per 32 bytes, the first 32 in
+    the low nibbles) -> 4-bit planes, w = (d sc) q - (dmin m) with both products rounded to fp16."""
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+    sc = b[..., 4:16].long()
+    lo, hi = sc[..., 0:4], sc[..., 4:8]  # sub-blocks 0-3: 6 bits of bytes 0-3 (scale) and 4-7 (min)
+    scale = torch.cat([lo & 63, (sc[..., 8:12] & 15) | ((lo >> 6) << 4)], -1)
+    mins = torch.cat([hi & 63, (sc[..., 8:12] >> 4) | ((hi >> 6) << 4)], -1)
+    qs = b[..., 16:].reshape(rows, -1, 4, 32)
+    q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(rows, cols)  # chunk, nibble, byte
+    ds = (d[..., None] * scale).half().float().reshape(rows, -1)
+    ms = (-dmin[..., None] * mins).half().float().reshape(rows, -1)
+    return q, ds, ms
+
+
+def int8_planes(w: torch.Tensor):
+    """Float weights [N, K] -> int8 planes per block of 32 (what Q8_0 stores): d = max|w| / 127 rounded
+    to fp16, q = w / d rounded to nearest."""
+    n, k = w.shape
+    wb = w.float().reshape(n, k // QK, QK)
+    d = (wb.abs().amax(-1) / 127).half().float()
+    q = torch.where(d[..., None] > 0, torch.round(wb / d.clamp_min(1e-30)[..., None]), 0)
+    return q.clamp_(-127, 127).to(torch.int8).reshape(n, k), d, None
 
 
 def _panels(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
@@ -266,8 +308,9 @@ class QuantWeight:
 
 def assemble(pieces: list[tuple[int, str, torch.Tensor]], rows: int, cols: int) -> QuantWeight | None:
     """One QuantWeight [rows, cols] from raw GGUF row ranges (offset, type, uint8 [n, bytes]) that
-    together cover every row (the shards of a fused q/k/v or gate/up weight); None where they cannot
-    share one (a Q8_0 shard next to Q4 ones) or do not cover the rows."""
+    together cover every row (the shards of a fused q/k/v or gate/up weight); None where they do not
+    cover the rows. Where int8 shards sit beside 4-bit ones (a Q4_K_M file's Q6_K v beside Q4_K q and
+    k), the 4-bit shards are requantized to int8 too: one format a weight."""
     pieces = sorted(pieces, key=lambda p: p[0])
     parts, at = [], 0
     for offset, kind, raw in pieces:
@@ -275,16 +318,28 @@ def assemble(pieces: list[tuple[int, str, torch.Tensor]], rows: int, cols: int) 
             return None
         parts.append(planes_from_gguf(raw, kind, raw.shape[0], cols))
         at += raw.shape[0]
-    if at != rows or len({p[2] is None for p in parts}) != 1:
-        return None  # an int8 shard next to 4-bit ones
+    if at != rows:
+        return None
+    if len({p[2] is None for p in parts}) != 1:  # the 4-bit ones requantized from the file's values
+        parts = [
+            p if p[2] is None else int8_planes(dequantize(r, k, cols)) for p, (_, k, r) in zip(parts, pieces)
+        ]
     q, d = (torch.cat([p[i] for p in parts]) for i in range(2))
     m = None if parts[0][2] is None else torch.cat([p[2] for p in parts])
     return QuantWeight(q, d, m, "+".join(sorted({p[1] for p in pieces})))
 
 
 def dequantize(raw: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
-    """Raw GGUF rows (uint8 [n, bytes]) of a type this module packs -> float32 [n, cols]: w = d q (+ m)."""
+    """Raw GGUF rows (uint8 [n, bytes]) of a type this module packs -> float32 [n, cols], the values the
+    file stores: w = d q (+ m) for BLOCK_BYTES' types, gguf's own dequantize for the REPACKED ones."""
     n = raw.shape[0]
+    if kind in REPACKED:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        _blocks(raw, n, cols, kind)  # the shape checked
+        arr = gguf_dequantize(np.ascontiguousarray(raw.numpy()), GGMLQuantizationType[kind])
+        return torch.from_numpy(arr.reshape(n, cols))
     q, d, m = planes_from_gguf(raw, kind, n, cols)
     w = q.float().reshape(n, cols // QK, QK) * d[..., None]
     if m is not None:

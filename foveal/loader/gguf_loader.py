@@ -90,8 +90,8 @@ class GGUFFile:
         in `keep_blocks` (e.g. "Q4_1") comes as its raw blocks instead, rows in HF order, on a meta
         tensor of the dense shape: `tensor.gguf_blocks = (type name, uint8 [rows, bytes per row])`
         (models/weights.py packs them for layers/quant.py, and dequantizes them only where a weight
-        cannot run packed). The token embedding comes dequantized and, in such a type, with its blocks
-        too: lookups read its rows, a tied LM head runs packed."""
+        cannot run packed). The token embedding comes dequantized and, in such a type and tied to the LM
+        head, with its blocks too: lookups read its rows, the head runs packed."""
         from gguf.quants import dequantize
 
         from foveal.layers import quant
@@ -135,7 +135,7 @@ class GGUFFile:
                 if n_head is not None:
                     w = unpermute_qk(w, n_head)
             w = w.to(dtype).to(device)
-            if raw is not None:
+            if raw is not None and getattr(cfg, "tie_word_embeddings", False):  # the head runs packed
                 w.gguf_blocks = (t.tensor_type.name, raw)
             yield name, w
 
