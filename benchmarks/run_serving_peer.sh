@@ -3,7 +3,9 @@
 # 16 slots) and `foveal serve`, at concurrency 16 (32 requests) and 1 (4 requests), 128 prompt words /
 # 128 output tokens, streaming /v1/completions, ignore_eos. One server at a time.
 # Usage: LLAMA_SERVER=/path/to/llama-server [DTYPES="default bfloat16 float32"] [SKIP_LLAMA=1] \
-#          [FOVEAL_ARGS="--max-num-batched-tokens 512"] bash benchmarks/run_serving_peer.sh
+#          [FOVEAL_ARGS="--max-num-batched-tokens 512"] [GGUF=/path/to/other.gguf] bash benchmarks/run_serving_peer.sh
+# GGUF: another file for both servers (e.g. the embedded one requantized by llama.cpp's llama-quantize
+# --allow-requantize to Q4_K_M); by default the embedded model.
 # DTYPES: one Foveal run per entry; "default" (the default) passes no --dtype: `foveal serve` as a user
 # starts it (the embedded GGUF quantized on CPU). llama-server: built from the llama.cpp vendored in
 # llama-cpp-python's sdist (cmake -DGGML_NATIVE=ON), e.g. .../vendor/llama.cpp/build/bin/llama-server.
@@ -12,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-8766}
 LLAMA_SERVER=${LLAMA_SERVER:-/work/llama.cpp/build/bin/llama-server}
-GGUF=$($PY -c "from foveal.loader.default_model import default_model_path; print(default_model_path())")
+GGUF=${GGUF:-$($PY -c "from foveal.loader.default_model import default_model_path; print(default_model_path())")}
 
 wait_ready() {
   for _ in $(seq 180); do
@@ -56,7 +58,7 @@ fi
 for dtype in ${DTYPES:-default}; do
   dtype_flag=()
   [ "$dtype" != default ] && dtype_flag=(--dtype "$dtype")
-  $PY -m foveal.cli serve --port "$PORT" "${dtype_flag[@]}" --max-num-seqs 16 --log-level WARNING ${FOVEAL_ARGS:-} &
+  $PY -m foveal.cli serve --model "$GGUF" --port "$PORT" "${dtype_flag[@]}" --max-num-seqs 16 --log-level WARNING ${FOVEAL_ARGS:-} &
   SERVER=$!
   wait_ready
   run_load "foveal-$dtype${FOVEAL_ARGS:+ $FOVEAL_ARGS}"

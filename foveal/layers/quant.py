@@ -47,8 +47,10 @@ PANEL = 8
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 # GGUF types repacked at load: Q4_K into the 4-bit format (each 32-weight sub-block's scale d * sc and
 # min dmin * m rounded to float16: 2^-11 of each at most, where the 4 bits' step is 1/15 of the block's
-# range), the 5- and 6-bit types requantized to int8 per block of 32 (scale max|w| / 127 as float16: at
-# most half an int8 step off, an eighth of a 6-bit step). Q4_K_M, Q5_K_M and Q6_K files mix these.
+# range), Q5_0 into int8 exactly (q - 16, the same d), the other 5- and 6-bit types requantized to int8
+# per block of 32 (scale max|w| / 127 as float16: at most half an int8 step off, an eighth of a 6-bit
+# step). Q4_K_M, Q5_K_M and Q6_K files mix these (llama.cpp writes Q5_0 where a row is no whole number
+# of Q4_K's 256-weight superblocks).
 REPACKED = ("Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 TYPES = (*BLOCK_BYTES, *REPACKED)
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -158,6 +160,11 @@ def planes_from_gguf(raw: torch.Tensor, kind: str, rows: int, cols: int):
         raise ValueError(f"no quantized kernel for {kind}; supported: {', '.join(TYPES)}")
     if kind == "Q4_K":
         return _q4_k_planes(_blocks(raw, rows, cols, kind), rows, cols)
+    if kind == "Q5_0":  # w = d (q - 16), q in 0..31: int8 q - 16 with the same d, exactly
+        b = _blocks(raw, rows, cols, kind)
+        high = (b[..., 2:6].contiguous().view(torch.int32) >> torch.arange(32, dtype=torch.int32)) & 1
+        q = _nibbles(b[..., 6:]).to(torch.int32) | high << 4
+        return (q - 16).to(torch.int8).reshape(rows, cols), _half(b[..., 0:2]), None
     if kind in REPACKED:
         return int8_planes(dequantize(raw, kind, cols))
     b = _blocks(raw, rows, cols, kind)
