@@ -18,6 +18,11 @@ alternately in one process (this host drifts by +-15% between runs):
     python benchmarks/cpu_kernels.py --plan   # the cpu backend's plan() of a 256-row decode step and of
         one with a 512-token prompt chunk beside it (ms a call); for a before/after, copy this file into
         another checkout's benchmarks/ and run it there, alternating
+    python benchmarks/cpu_kernels.py --gemv [--rows 1 4]   # the quantized linear streaming weights from
+        DRAM: ~90 MB of random Q4_K weights of one shape, called in turn (GB/s of weights read), for
+        shapes with short and long panels; and a mixture's layer (Qwen3-30B-A3B's widths, 8 of 16
+        experts, Q4_K gate/up, Q6_K down, six layers in turn) as one quant.moe call against a
+        QuantWeight.linear call per expert; same before/after advice as --plan
 
 Prints a table, then one JSON object as the last line.
 """
@@ -36,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from foveal.layers import fused, linear  # noqa: E402
+from foveal.layers import fused, linear, quant  # noqa: E402
 from foveal.layers.norm import RMSNorm  # noqa: E402
 from foveal.layers.quant import QuantWeight  # noqa: E402
 from foveal.layers.rotary import apply_rotary_qk  # noqa: E402
@@ -209,6 +214,62 @@ def glue(rows: int) -> list[dict]:
     return out
 
 
+def gemv(rows: list[int]) -> list[dict]:
+    from tests.gguf_blocks import random_blocks
+
+    def packed(kind, n, k, seed):
+        raw = torch.from_numpy(random_blocks(kind, n, k, seed=seed, scale=1e-4))
+        return QuantWeight.from_gguf(raw, kind, n, k)
+
+    def best(f, reps=5):
+        f()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    out = []
+    for n, k in ((5632, 1024), (1536, 2048), (768, 2048)):
+        ws = [packed("Q4_K", n, k, i) for i in range(max(1, int(9e7 // (n * k * 0.625))))]
+        nbytes = sum(w.nbytes for w in ws)
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            s = best(lambda x=x, ws=ws: [w.linear(x) for w in ws])
+            out.append({"op": f"Q4_K {n} x {k}", "rows": m, "GBps": round(nbytes / s / 1e9, 1)})
+    if not hasattr(quant, "moe"):  # an older tree (a before/after of the linears)
+        return out
+    H, inter, E, k = 2048, 768, 16, 8
+    layers = []
+    for i in range(6):
+        gu, dn = packed("Q4_K", E * 2 * inter, H, i), packed("Q6_K", E * H, inter, 50 + i)
+        views = (
+            [gu.rows(e * 2 * inter, (e + 1) * 2 * inter) for e in range(E)],
+            [dn.rows(e * H, (e + 1) * H) for e in range(E)],
+        )
+        layers.append(quant.ExpertPacks(*views))
+    nbytes = sum(p.gate_up[e].nbytes + p.down[e].nbytes for p in layers for e in range(k))
+    for m in rows:
+        x, weights = torch.randn(m, H).bfloat16(), torch.full((m, k), 1 / k)
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(m)])
+
+        def each(x=x, ids=ids, m=m):
+            for p in layers:
+                for t in range(m):
+                    for j in range(k):
+                        e = int(ids[t, j])
+                        h = p.gate_up[e].linear(x[t : t + 1])
+                        p.down[e].linear(F.silu(h[:, :inter]) * h[:, inter:])
+
+        for what, f in (
+            ("quant.moe", lambda x=x, w=weights, ids=ids: [quant.moe(x, w, ids, p) for p in layers]),
+            ("a call per expert", each),
+        ):
+            out.append({"op": f"experts, {what}", "rows": m, "GBps": round(nbytes / best(f) / 1e9, 1)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
@@ -217,7 +278,14 @@ def main() -> None:
     ap.add_argument("--plan", action="store_true", help="the cpu backend's plan() of two steps only")
     ap.add_argument("--attention-against", metavar="SRC", help="with --attention: against the kernel built "
                     "from SRC (another cpu_attention.c) in the torch column")  # fmt: skip
+    ap.add_argument("--gemv", action="store_true", help="quantized linears streaming weights; experts")
     a = ap.parse_args()
+    if a.gemv:
+        timed = gemv(a.rows if a.rows != [1, 16, 128] else [1, 4])
+        for r in timed:
+            print(f"{r['op']:<36}{r['rows']:>6}{r['GBps']:>8.1f} GB/s")
+        print(json.dumps({"benchmark": "cpu_kernels", "gemv": timed}))
+        return
     if a.plan:
         timed = plans()
         for r in timed:

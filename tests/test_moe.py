@@ -510,7 +510,8 @@ def test_quantized_gguf_experts_run_packed(tmp_path, kinds):
     """Q4_0 gate/up and Q8_0 down experts (or Q4_K_M's Q4_K and Q6_K) with --quantization gguf: every
     expert runs on its rows of the packed stacks, which unpack to what the dense engine dequantized (Q4_K
     and Q6_K within their repacking's bounds); next-token log-probabilities stay near the dense engine's;
-    batched equals single."""
+    batched equals single; the experts run in one native call a layer, recorded steps equal to eager."""
+    from foveal import SamplingParams
     from foveal.engine.llm import LLM
     from foveal.layers import quant
     from tests.gguf_blocks import check_against_dense, within_int8_step, within_q4_k_rounding
@@ -524,6 +525,7 @@ def test_quantized_gguf_experts_run_packed(tmp_path, kinds):
     )
     kw = dict(dtype="float32", block_size=4, num_blocks=128, device="cpu")  # packed GGUF weights: CPU only
     q, d = LLM(path, quantization="gguf", **kw), LLM(path, quantization="none", **kw)
+    assert q.engine.model.layers[0].mlp.experts._native_packs() is not None  # one native call a layer
     dense = dict(d.engine.model.named_parameters())
     packed = {n: p._foveal_quant for n, p in q.engine.model.named_parameters() if hasattr(p, "_foveal_quant")}
     assert sorted(packed) == sorted(
@@ -536,6 +538,12 @@ def test_quantized_gguf_experts_run_packed(tmp_path, kinds):
         else:
             assert within_int8_step(got, want) if qw.int8 else within_q4_k_rounding(got, want), name
     check_against_dense(q, d)
+    # the decode steps recorded (worker/cpu_graphs.py: the experts' call has no host sync) == eager
+    eager = LLM(path, quantization="gguf", enforce_eager=True, **kw)
+    prompts = [[5, 9, 14, 3], [7, 7, 30, 2, 8, 1, 40]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    for a, b in zip(q.generate(prompts, greedy), eager.generate(prompts, greedy)):
+        assert [t.logprob for t in a.outputs[0].logprobs] == [t.logprob for t in b.outputs[0].logprobs]
 
 
 def test_moe_composes_with_prefix_caching_async_steps_and_kv_quantization(tmp_path):

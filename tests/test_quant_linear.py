@@ -207,6 +207,46 @@ def test_kernel_runs_repacked_types(kind, m, n, k):
     torch.testing.assert_close(qw.linear(x), q8_blocks(x) @ qw.dequantize().t(), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+def test_native_experts_match_the_formula_and_each_token_alone():
+    """quant.moe (one native call for a mixture's experts) against the formula on the dequantized packs
+    (activations rounded to int8 per block, as the kernel does: x for gate/up, silu(gate) * up for down),
+    and each token's output alone the same bits as in the batch: 20 tokens, 6 experts of mixed formats
+    (Q4_K and Q6_K gate/up, Q6_K and Q4_0 down), so some experts take 8 rows or more (the zmm tiles where
+    the CPU has them) and alone one."""
+    H, inter, E, k, T = 256, 256, 6, 2, 20
+    kinds13, kinds2 = ["Q4_K", "Q6_K"] * 3, ["Q6_K", "Q4_0", "Q6_K"] * 2
+
+    def pack(kind, n, cols, seed):
+        raw = torch.from_numpy(random_blocks(kind, n, cols, seed=seed, scale=1e-3))
+        return quant.QuantWeight.from_gguf(raw, kind, n, cols)
+
+    w13 = [pack(kinds13[e], 2 * inter, H, e) for e in range(E)]
+    w2 = [pack(kinds2[e], H, inter, 10 + e) for e in range(E)]
+    packs = quant.ExpertPacks(w13, w2)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[:10, 0] = 3  # expert 3 gets 10 rows or more
+    weights = torch.rand(T, k, generator=g)
+    got = quant.moe(x, weights, ids, packs)
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            h = q8_blocks(x[t : t + 1]) @ w13[e].dequantize().t()
+            act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+            want[t] += weights[t, j] * (q8_blocks(act) @ w2[e].dequantize().t())[0]
+    # an act rounding to the other int8 step (the kernel's SiLU is not torch's, to an ulp) moves a sum by
+    # one step times its weights: 1e-3 of the outputs' scale bounds it
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    for t in range(T):
+        assert torch.equal(quant.moe(x[t : t + 1], weights[t : t + 1], ids[t : t + 1], packs)[0], got[t]), t
+    bf = quant.moe(x.bfloat16(), weights, ids, packs)
+    assert bf.dtype == torch.bfloat16
+    assert (bf.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
 def test_bad_shapes_are_named():
     raw, _ = gguf_weight("Q4_1", 8, 64)
     with pytest.raises(ValueError, match="multiple of 32"):

@@ -391,7 +391,8 @@ static void bias_of(const float *bias, int64_t n0, int64_t nv, float *t) {
 
 /* Output columns [8 p, 8 p + 8) of y for all M rows; int8: Q8_BLOCK blocks, else Q4_BLOCK. */
 static void panel(int64_t p, const int8_t *a, const float *scale, const float *sum, int64_t M, int64_t K,
-                  const uint8_t *w, int int8, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16) {
+                  const uint8_t *w, int int8, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16,
+                  int ahead) {
     const int64_t nb = K / QK, panel_bytes = nb * (int8 ? Q8_BLOCK : Q4_BLOCK);
     const uint8_t *wp = w + p * panel_bytes;
     const int64_t n0 = p * PANEL, nv = N - n0 < PANEL ? N - n0 : PANEL;
@@ -399,9 +400,11 @@ static void panel(int64_t p, const int8_t *a, const float *scale, const float *s
     bias_of(bias, n0, nv, t);
     const __m256 bv = _mm256_loadu_ps(t);
     /* the next panel's weights (the model's weights stream from DRAM: 20% of a 16-row GEMM's time went
-     * to waiting for them with only the in-panel prefetch below) */
+     * to waiting for them with only the in-panel prefetch below). `ahead` 0: not (foveal_qmoe's experts
+     * below 8 rows: there the burst of prefetches slowed its long panels of K 2048, benchmarks/cpu_kernels.py
+     * --gemv) */
     const char *next = (const char *)(wp + panel_bytes);
-    if (p + 1 < (N + PANEL - 1) / PANEL)
+    if (ahead && p + 1 < (N + PANEL - 1) / PANEL)
         for (int64_t o = 0; o < panel_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
     float out[4 * PANEL];
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -481,11 +484,127 @@ void foveal_qlinear(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t 
                     continue;
                 }
 #endif
-                panel(2 * u, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16);
+                panel(2 * u, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16, 1);
             }
         } else {
 #pragma omp for schedule(dynamic, chunk)
-            for (int64_t p = 0; p < panels; p++) panel(p, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16);
+            for (int64_t p = 0; p < panels; p++) panel(p, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16, 1);
+        }
+    }
+}
+
+/* SiLU of one float (exp_nonpositive: native.h), as x / (1 + e^-x) */
+static inline float silu1(float g) {
+    const float e = exp_nonpositive(-fabsf(g));
+    return g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
+}
+
+/* The weight units (one panel, or two with the zmm tiles) of expert e's run of n rows: the same choice
+ * as foveal_qlinear's for an n-row call */
+static inline int64_t expert_units(int64_t n, int64_t panels) {
+    if (n == 0) return 0;
+    return HAVE_AVX512 && n >= 8 ? (panels + 1) / 2 : panels;
+}
+
+/* Units [ustart[e], ustart[e + 1]) of one weight over the experts' row runs: rows start[e] .. start[e+1]
+ * of a (int8 activations, K wide) times expert e's packed weight -> out rows (float, N wide). */
+static void expert_unit(int64_t u, const int64_t *ustart, const int64_t *start, int64_t E, const int8_t *a,
+                        const float *scale, const float *sum, int64_t K, const uint64_t *w, const int32_t *int8,
+                        int64_t N, float *out) {
+    int64_t lo = 0, hi = E; /* the expert whose units hold u: ustart[e] <= u < ustart[e + 1] */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (ustart[mid] <= u) lo = mid; else hi = mid;
+    }
+    const int64_t e = lo, n = start[e + 1] - start[e], panels = (N + PANEL - 1) / PANEL, nb = K / QK;
+    const int64_t v = u - ustart[e], r0 = start[e];
+    const uint8_t *we = (const uint8_t *)(uintptr_t)w[e];
+    const int8_t *ae = a + r0 * K;
+    const float *se = scale + r0 * nb, *ue = sum + r0 * nb;
+    float *oe = out + r0 * N;
+#if HAVE_AVX512
+    if (n >= 8) {
+        if (2 * v + 1 < panels) panel16(2 * v, ae, se, ue, n, K, we, int8[e], N, NULL, oe, N, 0);
+        else panel(2 * v, ae, se, ue, n, K, we, int8[e], N, NULL, oe, N, 0, 1);
+        return;
+    }
+#endif
+    panel(v, ae, se, ue, n, K, we, int8[e], N, NULL, oe, N, 0, n >= 8);
+}
+
+/* A mixture of experts' layer on packed weights (SiLU-gated experts, no biases): y[T, H] (x's type) =
+ * sum over token t's k pairs j, in their order, of wts[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e =
+ * ids[t, j]; w13[e] / w2[e]: expert e's packed gate/up [2I, H] (gate rows, then up rows) and down [H, I]
+ * (data pointers), int8_13 / int8_2 their formats. Every GEMM is foveal_qlinear's arithmetic on the
+ * expert's run of rows (each row's result does not depend on the others), so a token's output is the
+ * same bits alone and in any batch. One parallel region: the pairs' activations quantized, gate/up over
+ * every expert's panels, SiLU x up quantized, down, then each token's sum. Scratch: a [T k, max(H, I)]
+ * int8, scale and sum [T k, max(H, I) / 32], order and where [T k], start [E + 1], ustart [E + 1], h [T k,
+ * 2 I] and d [T k, H] floats. */
+void foveal_qmoe(const void *x, int is_bf16, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
+                 const float *wts, int64_t E, const uint64_t *w13, const int32_t *int8_13, const uint64_t *w2,
+                 const int32_t *int8_2, int8_t *a, float *scale, float *sum, int64_t *order, int64_t *where,
+                 int64_t *start, int64_t *ustart, float *h, float *d, void *y, int nthreads) {
+    const int64_t pairs = T * k;
+    const size_t esize = is_bf16 ? 2 : 4;
+    /* the pairs sorted by expert, in their order within each (a counting sort) */
+    for (int64_t e = 0; e <= E; e++) start[e] = 0;
+    for (int64_t p = 0; p < pairs; p++) start[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t at = start[ids[p]]++;
+        order[at] = p;
+        where[p] = at;
+    }
+    for (int64_t e = E; e > 0; e--) start[e] = start[e - 1];
+    start[0] = 0;
+    const int64_t p13 = (2 * I + PANEL - 1) / PANEL, p2 = (H + PANEL - 1) / PANEL;
+    ustart[0] = 0;
+    for (int64_t e = 0; e < E; e++) ustart[e + 1] = ustart[e] + expert_units(start[e + 1] - start[e], p13);
+    const int64_t units13 = ustart[E];
+    /* runs of units a thread takes at a time, as foveal_qlinear's: long enough that each thread streams
+     * its weights (chunks of 2 panels, the threads taking turns, read 13 GB/s where a call per expert read
+     * 17) */
+    const int64_t chunk13 = units13 / (8 * (int64_t)nthreads) > 2 ? units13 / (8 * (int64_t)nthreads) : 2;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < pairs; r++) /* each pair its token's row (rows H apart, as panel() reads) */
+            quantize_row((const char *)x + (order[r] / k) * H * esize, is_bf16, H, a + r * H, scale + r * (H / QK),
+                         sum + r * (H / QK));
+#pragma omp for schedule(dynamic, chunk13)
+        for (int64_t u = 0; u < units13; u++)
+            expert_unit(u, ustart, start, E, a, scale, sum, H, w13, int8_13, 2 * I, h);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < pairs; r++) { /* a's rows now I apart: gate/up no longer reads them */
+            float *g = h + r * 2 * I; /* silu(gate) * up in place of gate, then quantized */
+            for (int64_t i = 0; i < I; i++) g[i] = silu1(g[i]) * g[I + i];
+            quantize_row(g, 0, I, a + r * I, scale + r * (I / QK), sum + r * (I / QK));
+        }
+#pragma omp single
+        {
+            ustart[0] = 0;
+            for (int64_t e = 0; e < E; e++) ustart[e + 1] = ustart[e] + expert_units(start[e + 1] - start[e], p2);
+        }
+        const int64_t chunk2 = ustart[E] / (8 * (int64_t)nthreads) > 2 ? ustart[E] / (8 * (int64_t)nthreads) : 2;
+#pragma omp for schedule(dynamic, chunk2)
+        for (int64_t u = 0; u < ustart[E]; u++)
+            expert_unit(u, ustart, start, E, a, scale, sum, I, w2, int8_2, H, d);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float acc[16];
+            for (int64_t c0 = 0; c0 < H; c0 += 16) {
+                const int64_t n = H - c0 < 16 ? H - c0 : 16;
+                for (int64_t c = 0; c < n; c++) acc[c] = 0.f;
+                for (int64_t j = 0; j < k; j++) {
+                    const float w = wts[t * k + j], *dr = d + where[t * k + j] * H + c0;
+                    for (int64_t c = 0; c < n; c++) acc[c] += w * dr[c];
+                }
+                if (is_bf16)
+                    for (int64_t c = 0; c < n; c++) ((uint16_t *)y)[t * H + c0 + c] = f32_to_bf16(acc[c]);
+                else
+                    memcpy((float *)y + t * H + c0, acc, n * sizeof(float));
+            }
         }
     }
 }

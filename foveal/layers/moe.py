@@ -216,9 +216,32 @@ class FusedMoE(nn.Module):
         self._per_expert = per
         return per
 
+    def _native_packs(self):
+        """quant.ExpertPacks of the quantized stacks, where every expert runs packed and quant.moe can
+        take the layer (SiLU-gated, no biases, the kernel built); else None (the loop below)."""
+        cached = getattr(self, "_packs", False)
+        if cached is not False:
+            return cached
+        from foveal.layers import quant
+
+        per, packs = self._quantized(), None
+        plain = self.glu is silu_glu and self.gate_up_proj_bias is None and self.down_proj_bias is None
+        packed = all(hasattr(w, "packed") for pair in per for w in pair)
+        if plain and packed and quant.moe_kernel() is not None:
+            packs = quant.ExpertPacks([p[0] for p in per], [p[1] for p in per])
+        self._packs = packs
+        return packs
+
     def _experts_quantized(self, x, weights, ids) -> torch.Tensor:
-        """The loop over the experts some token chose, each on its quantized rows."""
+        """The experts on their quantized rows: in one native call (quant.moe) where it can take them, else
+        the loop over the experts some token chose."""
         from foveal.layers.linear import linear
+
+        packs = self._native_packs()
+        if packs is not None and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
+            from foveal.layers import quant
+
+            return quant.moe(x, weights, ids, packs)
 
         def run(w, h):
             return w.linear(h) if hasattr(w, "packed") else linear(h, w)

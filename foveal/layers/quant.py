@@ -313,6 +313,60 @@ class QuantWeight:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
+_MOE_ARGS = [_P, _I, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,
+             _P, _I]  # fmt: skip
+
+
+@functools.cache
+def moe_kernel():
+    """foveal_qmoe (a mixture's experts on their packs in one call), or None where the kernel is not."""
+    lib = _library(True)
+    return None if lib is None else native.Entry(lib.foveal_qmoe, _MOE_ARGS)
+
+
+class ExpertPacks:
+    """A mixture's experts as foveal_qmoe reads them: each expert's packed gate/up [2I, H] (gate rows, then
+    up rows) and down [H, I] (QuantWeight views of its stacks), their data pointers and formats."""
+
+    def __init__(self, gate_up: list[QuantWeight], down: list[QuantWeight]):
+        self.gate_up, self.down = gate_up, down  # the views the pointers point into, kept alive
+        self.hidden, self.inter = down[0].out_features, down[0].in_features
+
+        def table(ws, f, dtype):
+            return torch.tensor([f(w) for w in ws], dtype=dtype)
+
+        both = (gate_up, down)
+        self.ptr13, self.ptr2 = (table(ws, lambda w: w.packed.data_ptr(), torch.int64) for ws in both)
+        self.int8_13, self.int8_2 = (table(ws, lambda w: int(w.int8), torch.int32) for ws in both)
+
+
+def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, packs: ExpertPacks) -> torch.Tensor:
+    """x [T, H] (float32/bfloat16, CPU) -> [T, H]: each token's sum over its k (weight, expert) pairs of
+    weight * down(silu(gate(x)) * up(x)) on the experts' packs, in one native call (foveal_qmoe: each
+    expert's pairs in one run of rows, so a token's result is the same bits in any batch)."""
+    fn = moe_kernel()
+    T, H = x.shape
+    k, E, inter = ids.shape[1], len(packs.gate_up), packs.inter
+    if fn is None or x.dtype not in _INPUT or H != packs.hidden:
+        raise ValueError(f"no native experts for {x.dtype} input of {H} features")
+    x = x.contiguous()
+    ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
+    pairs, width = T * k, max(H, inter)
+    a = torch.empty(pairs * width, dtype=torch.int8)
+    scale, total = torch.empty(pairs * width // QK), torch.empty(pairs * width // QK)
+    index = torch.empty(2 * pairs + 2 * (E + 1), dtype=torch.int64)  # order, where, start, ustart
+    h, d = torch.empty(pairs, 2 * inter), torch.empty(pairs, H)
+    out = torch.empty(T, H, dtype=x.dtype)
+    i = index.data_ptr()
+    fn(
+        x.data_ptr(), _INPUT[x.dtype], T, H, inter, k, ids.data_ptr(), weights.data_ptr(), E,
+        packs.ptr13.data_ptr(), packs.int8_13.data_ptr(), packs.ptr2.data_ptr(), packs.int8_2.data_ptr(),
+        a.data_ptr(), scale.data_ptr(), total.data_ptr(), i, i + 8 * pairs, i + 16 * pairs,
+        i + 16 * pairs + 8 * (E + 1), h.data_ptr(), d.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def assemble(pieces: list[tuple[int, str, torch.Tensor]], rows: int, cols: int) -> QuantWeight | None:
     """One QuantWeight [rows, cols] from raw GGUF row ranges (offset, type, uint8 [n, bytes]) that
     together cover every row (the shards of a fused q/k/v or gate/up weight); None where they do not
