@@ -231,7 +231,7 @@ def gemv(rows: list[int]) -> list[dict]:
         return min(times)
 
     out = []
-    for n, k in ((5632, 1024), (1536, 2048), (768, 2048)):
+    for n, k in ((5632, 1024), (1536, 2048), (768, 2048), (4096, 4096)):
         ws = [packed("Q4_K", n, k, i) for i in range(max(1, int(9e7 // (n * k * 0.625))))]
         nbytes = sum(w.nbytes for w in ws)
         for m in rows:

@@ -402,9 +402,9 @@ static void panel(int64_t p, const int8_t *a, const float *scale, const float *s
     /* the next panel's weights (the model's weights stream from DRAM: 20% of a 16-row GEMM's time went
      * to waiting for them with only the in-panel prefetch below). `ahead` 0: not (foveal_qmoe's experts
      * below 8 rows: there the burst of prefetches slowed its long panels of K 2048, benchmarks/cpu_kernels.py
-     * --gemv) */
+     * --gemv); nor below 8 rows where a panel is over 6 KiB (K over ~1,200 at 4 bits), likewise */
     const char *next = (const char *)(wp + panel_bytes);
-    if (ahead && p + 1 < (N + PANEL - 1) / PANEL)
+    if (ahead && (M >= 8 || panel_bytes <= 6144) && p + 1 < (N + PANEL - 1) / PANEL)
         for (int64_t o = 0; o < panel_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
     float out[4 * PANEL];
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
