@@ -463,7 +463,9 @@ def _gguf_moe(tmp_path, quantize=None, arch: str = "qwen3moe", hidden: int = 64,
         tie_word_embeddings=False, rms_norm_eps=1e-6,
     )  # fmt: skip
     if arch == "llama":
-        cfg = tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, sliding_window=None)
+        cfg = tf.MixtralConfig(
+            **common, intermediate_size=expert_width, num_local_experts=4, sliding_window=None
+        )
         hf = moe_model(cfg, "MixtralForCausalLM")
     else:
         cfg = tf.Qwen3MoeConfig(
@@ -505,12 +507,17 @@ def test_a_moe_gguf_loads_as_transformers_has_it(tmp_path, arch):
         assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("kinds", [("Q4_0", "Q8_0"), ("Q4_K", "Q6_K")], ids=["q4_0-q8_0", "q4_k-q6_k"])
-def test_quantized_gguf_experts_run_packed(tmp_path, kinds):
-    """Q4_0 gate/up and Q8_0 down experts (or Q4_K_M's Q4_K and Q6_K) with --quantization gguf: every
-    expert runs on its rows of the packed stacks, which unpack to what the dense engine dequantized (Q4_K
-    and Q6_K within their repacking's bounds); next-token log-probabilities stay near the dense engine's;
-    batched equals single; the experts run in one native call a layer, recorded steps equal to eager."""
+@pytest.mark.parametrize(
+    "kinds,arch",
+    [(("Q4_0", "Q8_0"), "qwen3moe"), (("Q4_K", "Q6_K"), "qwen3moe"), (("Q4_K", "Q6_K"), "llama")],
+    ids=["q4_0-q8_0", "q4_k-q6_k", "mixtral-q4_k-q6_k"],
+)
+def test_quantized_gguf_experts_run_packed(tmp_path, kinds, arch):
+    """Q4_0 gate/up and Q8_0 down experts (or Q4_K_M's Q4_K and Q6_K; Qwen3-MoE, and Mixtral as `llama`)
+    with --quantization gguf: every expert runs on its rows of the packed stacks, which unpack to what the
+    dense engine dequantized (Q4_K and Q6_K within their repacking's bounds); next-token log-probabilities
+    stay near the dense engine's; batched equals single; the experts run in one native call a layer,
+    recorded steps equal to eager."""
     from foveal import SamplingParams
     from foveal.engine.llm import LLM
     from foveal.layers import quant
@@ -521,7 +528,7 @@ def test_quantized_gguf_experts_run_packed(tmp_path, kinds):
     four, eight = kinds
     widths = {} if four == "Q4_0" else dict(hidden=256, expert_width=256)  # K-quants: rows of 256
     _, path = _gguf_moe(
-        tmp_path, {"ffn_gate_exps": four, "ffn_up_exps": four, "ffn_down_exps": eight}, **widths
+        tmp_path, {"ffn_gate_exps": four, "ffn_up_exps": four, "ffn_down_exps": eight}, arch, **widths
     )
     kw = dict(dtype="float32", block_size=4, num_blocks=128, device="cpu")  # packed GGUF weights: CPU only
     q, d = LLM(path, quantization="gguf", **kw), LLM(path, quantization="none", **kw)
