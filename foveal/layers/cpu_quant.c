@@ -391,8 +391,7 @@ static void bias_of(const float *bias, int64_t n0, int64_t nv, float *t) {
 
 /* Output columns [8 p, 8 p + 8) of y for all M rows; int8: Q8_BLOCK blocks, else Q4_BLOCK. */
 static void panel(int64_t p, const int8_t *a, const float *scale, const float *sum, int64_t M, int64_t K,
-                  const uint8_t *w, int int8, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16,
-                  int ahead) {
+                  const uint8_t *w, int int8, int64_t N, const float *bias, void *y, int64_t ldy, int y_bf16) {
     const int64_t nb = K / QK, panel_bytes = nb * (int8 ? Q8_BLOCK : Q4_BLOCK);
     const uint8_t *wp = w + p * panel_bytes;
     const int64_t n0 = p * PANEL, nv = N - n0 < PANEL ? N - n0 : PANEL;
@@ -400,11 +399,11 @@ static void panel(int64_t p, const int8_t *a, const float *scale, const float *s
     bias_of(bias, n0, nv, t);
     const __m256 bv = _mm256_loadu_ps(t);
     /* the next panel's weights (the model's weights stream from DRAM: 20% of a 16-row GEMM's time went
-     * to waiting for them with only the in-panel prefetch below). `ahead` 0: not (foveal_qmoe's experts
-     * below 8 rows: there the burst of prefetches slowed its long panels of K 2048, benchmarks/cpu_kernels.py
-     * --gemv); nor below 8 rows where a panel is over 6 KiB (K over ~1,200 at 4 bits), likewise */
+     * to waiting for them with only the in-panel prefetch below). Not below 8 rows where a panel is over
+     * 6 KiB (K over ~1,200 at 4 bits): there the burst of prefetches slowed one row's streaming of the
+     * panels, 1.4-1.6x at K 2,048-4,096 (benchmarks/cpu_kernels.py --gemv, RESULTS.md session 47) */
     const char *next = (const char *)(wp + panel_bytes);
-    if (ahead && (M >= 8 || panel_bytes <= 6144) && p + 1 < (N + PANEL - 1) / PANEL)
+    if ((M >= 8 || panel_bytes <= 6144) && p + 1 < (N + PANEL - 1) / PANEL)
         for (int64_t o = 0; o < panel_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
     float out[4 * PANEL];
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -484,11 +483,11 @@ void foveal_qlinear(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t 
                     continue;
                 }
 #endif
-                panel(2 * u, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16, 1);
+                panel(2 * u, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16);
             }
         } else {
 #pragma omp for schedule(dynamic, chunk)
-            for (int64_t p = 0; p < panels; p++) panel(p, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16, 1);
+            for (int64_t p = 0; p < panels; p++) panel(p, a, scale, sum, M, K, w, int8, N, bias, y, ldy, is_bf16);
         }
     }
 }
@@ -525,11 +524,11 @@ static void expert_unit(int64_t u, const int64_t *ustart, const int64_t *start, 
 #if HAVE_AVX512
     if (n >= 8) {
         if (2 * v + 1 < panels) panel16(2 * v, ae, se, ue, n, K, we, int8[e], N, NULL, oe, N, 0);
-        else panel(2 * v, ae, se, ue, n, K, we, int8[e], N, NULL, oe, N, 0, 1);
+        else panel(2 * v, ae, se, ue, n, K, we, int8[e], N, NULL, oe, N, 0);
         return;
     }
 #endif
-    panel(v, ae, se, ue, n, K, we, int8[e], N, NULL, oe, N, 0, n >= 8);
+    panel(v, ae, se, ue, n, K, we, int8[e], N, NULL, oe, N, 0);
 }
 
 /* A mixture of experts' layer on packed weights (SiLU-gated experts, no biases): y[T, H] (x's type) =
